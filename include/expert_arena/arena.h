@@ -1,0 +1,154 @@
+// The engine-facing API: one call gives an arena of a model's expert tensors.
+//
+//   expert_arena::ArenaOptions options;
+//   options.shared_path = "/dev/shm/my-model.arena";   // empty: a private arena
+//   auto arena = expert_arena::Arena::Open({.files = {"model.gguf"}}, options);
+//   if (!arena.ok()) { print arena.status().ToString(); }
+//   auto view = arena->Find("blk.0.ffn_up_exps.weight");
+//
+// With a shared path, the first engine loads the selected tensors into a file on tmpfs or
+// hugetlbfs and every other engine (now, or after a restart) attaches to it without reading
+// the model; see DESIGN.md "The shared-arena protocol". Without one, the same tensors are
+// loaded into private memory with the same page rules and the same views.
+//
+// Thread-safety: an Arena is move-only; its views are read-only and may be used from any
+// thread while the Arena lives. Destroying the Arena unregisters it from the GPU, unmaps it
+// and drops this engine's USER lock; a shared file stays for the next engine.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "expert_arena/export.h"
+#include "expert_arena/status.h"
+
+namespace spdlog {
+class logger;
+}
+
+namespace expert_arena {
+
+// Whether the loader asks the kernel for 2 MiB pages on tmpfs or anonymous memory.
+// kAuto asks only when free 2 MiB blocks could back at least half of the arena.
+// hugetlbfs pages are reserved by the filesystem whatever this says.
+enum class HugePages { kAuto, kOn, kOff };
+
+// Which model and which of its tensors.
+struct ModelSpec {
+  // One file, several safetensors shards, a split GGUF, or a safetensors index .json.
+  std::vector<std::string> files;
+  // Tensors whose names match this ECMAScript regex (search). Empty: the routed experts.
+  std::string select;
+  bool select_all = false;
+  // Alignment of every tensor in the arena (a power of two, at most 2 MiB).
+  uint64_t alignment = 4096;
+};
+
+struct ArenaOptions {
+  // The shared arena file (on tmpfs or hugetlbfs). Empty: a private arena.
+  std::string shared_path;
+  HugePages huge = HugePages::kAuto;
+  // How long to wait for another engine that is loading the same file.
+  double wait_timeout_seconds = 600.0;
+  // Mode of a file this engine creates; 0600 unless the operator asks for group access.
+  mode_t file_mode = 0600;
+  // Attach to a file owned by another user (refused by default).
+  bool allow_foreign_owner = false;
+  // "none", "cuda", "cuda:N", "hip", "hip:N": register the arena with that device.
+  std::string gpu = "none";
+  // Fail when the GPU registration fails (by default it is reported and skipped).
+  bool gpu_required = false;
+  // Upper bound on bytes this process pins for the arena; 0 means no bound.
+  uint64_t pin_budget_bytes = 0;
+  // "auto", "io_uring" or "pread".
+  std::string reader = "auto";
+  // Print a progress line on a terminal during long loads.
+  bool progress = true;
+  // The logger for the start line and notes; null uses the "expert_arena" logger.
+  std::shared_ptr<spdlog::logger> logger;
+};
+
+enum class ArenaRole { kLoaded, kAttached, kPrivate };
+EXPERT_ARENA_EXPORT const char* ArenaRoleName(ArenaRole role);
+
+// One tensor in the arena. Views stay valid while the Arena lives.
+struct TensorView {
+  std::string_view name;
+  std::string_view dtype;
+  std::span<const uint64_t> shape;
+  std::span<const std::byte> bytes;
+  uint64_t file_offset = 0;  // absolute offset in the arena file (0 for a private arena)
+  uint64_t checksum = 0;     // xxh3-64 of the bytes
+};
+
+// What happened when the arena was opened: the facts of the start line.
+struct ArenaReport {
+  ArenaRole role = ArenaRole::kPrivate;
+  std::string path;          // the shared file, empty when private
+  std::string backing;       // "tmpfs", "hugetlbfs", "anonymous", "other"
+  std::string identity;      // identity text of the model
+  uint64_t identity_hash = 0;
+  uint64_t data_bytes = 0;   // bytes of the data region
+  uint64_t tensor_bytes = 0; // bytes of the selected tensors
+  uint64_t tensors = 0;
+  uint64_t model_tensors = 0;      // tensors in the model, selected or not
+  uint64_t model_tensor_bytes = 0;
+  uint64_t huge_bytes = 0;   // bytes of this mapping on 2 MiB pages, read from smaps
+  uint64_t bytes_read = 0;   // model bytes this process read (headers included)
+  double seconds = 0;        // from Open() to ready
+  double load_seconds = 0;   // reading tensors (loaders only)
+  double wait_seconds = 0;   // waiting for another engine's load
+  double collapse_seconds = 0;
+  std::string reader;        // "io_uring", "pread", or "" when nothing was read
+  std::string huge_note;     // why 2 MiB pages were or were not asked for
+  std::string gpu_note;      // the registration outcome
+  uint64_t gpu_registered_bytes = 0;
+  double gpu_seconds = 0;
+  uint64_t pinned_bytes = 0; // VmPin after registration
+  uint32_t waited_for_pid = 0;
+
+  // The one start line an operator reads.
+  EXPERT_ARENA_EXPORT std::string StartLine() const;
+};
+
+class EXPERT_ARENA_EXPORT Arena {
+ public:
+  // Loads the model's selected tensors, or attaches to a shared file another engine loaded.
+  // Fails with a message naming the file and the cause: a file of another model in use, a
+  // filesystem too small, a timeout waiting for another loader, a damaged model.
+  static Result<Arena> Open(const ModelSpec& model, const ArenaOptions& options);
+
+  // Attaches to a published shared file without knowing the model (tools, C and Python
+  // clients). Never loads; fails when the file is absent, not published, or damaged.
+  static Result<Arena> AttachExisting(const std::string& path, const ArenaOptions& options);
+
+  Arena(Arena&& other) noexcept;
+  Arena& operator=(Arena&& other) noexcept;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena();
+
+  ArenaRole role() const;
+  const ArenaReport& report() const;
+  size_t tensor_count() const;
+  TensorView tensor(size_t index) const;
+  std::optional<TensorView> Find(std::string_view name) const;
+  // The whole data region.
+  std::span<const std::byte> data() const;
+
+  struct Impl;
+
+ private:
+  explicit Arena(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace expert_arena

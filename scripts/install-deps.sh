@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs, from Debian's packages, whatever expert-arena needs to build and test.
+# Idempotent: packages already present are left alone; nothing is fetched otherwise.
+set -euo pipefail
+
+required=(
+  build-essential cmake ninja-build pkg-config python3
+  liburing-dev libspdlog-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev
+  nlohmann-json3-dev libxxhash-dev
+)
+# HIP host code compiles against Debian's ROCm packages; the CUDA toolkit lives at
+# /usr/local/cuda and is not a Debian package here.
+optional=(libamdhip64-dev hipcc)
+
+missing=()
+for pkg in "${required[@]}" "${optional[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
+    missing+=("$pkg")
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: everything is installed"
+  exit 0
+fi
+
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

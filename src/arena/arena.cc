@@ -1,0 +1,179 @@
+#include "expert_arena/arena.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "arena/arena_impl.h"
+#include "common/logging.h"
+#include "common/units.h"
+#include "platform/system_info.h"
+
+namespace expert_arena {
+
+const char* ArenaRoleName(ArenaRole role) {
+  switch (role) {
+    case ArenaRole::kLoaded: return "loaded";
+    case ArenaRole::kAttached: return "attached";
+    case ArenaRole::kPrivate: return "private";
+  }
+  return "unknown";
+}
+
+std::string ArenaReport::StartLine() const {
+  auto gib = [](uint64_t b) { return static_cast<double>(b) / static_cast<double>(kGiB); };
+  char buf[512];
+  std::string line = "expert-arena: ";
+  switch (role) {
+    case ArenaRole::kLoaded:
+    case ArenaRole::kPrivate: {
+      double rate = load_seconds > 0 ? gib(tensor_bytes) / load_seconds : 0;
+      std::snprintf(buf, sizeof buf,
+                    "%s %s (%s): %llu of %llu tensors, %.2f GiB in %.2f s (%.2f GiB/s, %s)",
+                    role == ArenaRole::kLoaded ? "loaded" : "private arena,",
+                    role == ArenaRole::kLoaded ? path.c_str() : "loaded",
+                    backing.c_str(), static_cast<unsigned long long>(tensors),
+                    static_cast<unsigned long long>(model_tensors), gib(tensor_bytes), seconds,
+                    rate, reader.c_str());
+      line += buf;
+      break;
+    }
+    case ArenaRole::kAttached:
+      std::snprintf(buf, sizeof buf,
+                    "attached %s (%s) loaded by another engine: %llu tensors, %.2f GiB in %.3f s"
+                    "%s, %llu model bytes read",
+                    path.c_str(), backing.c_str(), static_cast<unsigned long long>(tensors),
+                    gib(tensor_bytes), seconds,
+                    wait_seconds > 0 ? (" (waited " + std::to_string(wait_seconds).substr(0, 5) +
+                                        " s)").c_str()
+                                     : "",
+                    static_cast<unsigned long long>(bytes_read));
+      line += buf;
+      break;
+  }
+  std::snprintf(buf, sizeof buf, "; %.2f of %.2f GiB on 2 MiB pages", gib(huge_bytes),
+                gib(data_bytes));
+  line += buf;
+  if (!huge_note.empty()) line += " (" + huge_note + ")";
+  line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
+  return line;
+}
+
+void Arena::Impl::IndexNames() {
+  by_name.clear();
+  by_name.reserve(table.tensors.size());
+  for (size_t i = 0; i < table.tensors.size(); ++i) by_name.emplace(table.tensors[i].name, i);
+}
+
+namespace arena {
+
+void MeasureBacking(Arena::Impl& impl) {
+  auto huge = platform::HugeBytesInRange(impl.mapping.data(), impl.mapping.size());
+  if (huge.ok()) impl.report.huge_bytes = std::min(*huge, impl.mapping.size());
+  auto pinned = platform::PinnedBytes();
+  if (pinned.ok()) impl.report.pinned_bytes = *pinned;
+}
+
+Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::logger& log) {
+  gpu::RegisterOptions gpu_options;
+  gpu_options.device = options.gpu;
+  gpu_options.pin_budget_bytes = options.pin_budget_bytes;
+  auto registration = gpu::RegisterHostRange(impl.mapping.bytes(), gpu_options);
+  if (!registration.ok()) {
+    if (options.gpu_required) return registration.status();
+    impl.report.gpu_note = "not registered: " + registration.status().message();
+    log.warn("expert-arena: GPU registration skipped: {}", registration.status().message());
+    return Status::Ok();
+  }
+  impl.registration = std::move(*registration);
+  const gpu::RegistrationReport& r = impl.registration->report();
+  impl.report.gpu_note = r.backend == "none" ? "none" : r.backend + ": " + r.note;
+  impl.report.gpu_registered_bytes = r.registered_bytes;
+  impl.report.gpu_seconds = r.seconds;
+  if (options.gpu_required && options.gpu != "none" && r.registered_bytes == 0) {
+    return Unsupported("GPU registration required but not done: " + r.note);
+  }
+  return Status::Ok();
+}
+
+}  // namespace arena
+
+namespace {
+
+Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& options,
+                     spdlog::logger& log, std::chrono::steady_clock::time_point start) {
+  EA_RETURN_IF_ERROR(arena::RegisterWithGpu(*impl, options, log));
+  impl->IndexNames();
+  ArenaReport& r = impl->report;
+  r.path = options.shared_path;
+  r.identity = impl->table.identity_text;
+  r.identity_hash = impl->table.identity_hash;
+  r.data_bytes = impl->table.data_bytes;
+  r.tensors = impl->table.tensors.size();
+  r.tensor_bytes = 0;
+  for (const auto& t : impl->table.tensors) r.tensor_bytes += t.bytes;
+  r.model_tensors = std::max<uint64_t>(impl->table.model_tensors_total, r.tensors);
+  r.model_tensor_bytes = std::max(impl->table.model_bytes_total, r.tensor_bytes);
+  arena::MeasureBacking(*impl);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  log.info("{}", r.StartLine());
+  return Arena::Impl::Make(std::move(impl));
+}
+
+}  // namespace
+
+Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
+  auto start = std::chrono::steady_clock::now();
+  auto logger = ResolveLogger(options.logger);
+  EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
+  if (options.shared_path.empty()) {
+    EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
+    return Finish(std::move(impl), options, *logger, start);
+  }
+  EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&plan, options, *logger));
+  if (impl->report.role == ArenaRole::kAttached) impl->report.bytes_read = plan.metadata_bytes_read;
+  return Finish(std::move(impl), options, *logger, start);
+}
+
+Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions& options) {
+  auto start = std::chrono::steady_clock::now();
+  auto logger = ResolveLogger(options.logger);
+  ArenaOptions attach = options;
+  attach.shared_path = path;
+  EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(nullptr, attach, *logger));
+  return Finish(std::move(impl), attach, *logger, start);
+}
+
+Arena Arena::Impl::Make(std::unique_ptr<Impl> impl) { return Arena(std::move(impl)); }
+
+Arena::Arena(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Arena::Arena(Arena&& other) noexcept = default;
+Arena& Arena::operator=(Arena&& other) noexcept = default;
+Arena::~Arena() = default;
+
+ArenaRole Arena::role() const { return impl_->report.role; }
+const ArenaReport& Arena::report() const { return impl_->report; }
+size_t Arena::tensor_count() const { return impl_->table.tensors.size(); }
+
+TensorView Arena::tensor(size_t index) const {
+  const format::TensorRecord& t = impl_->table.tensors.at(index);
+  TensorView view;
+  view.name = t.name;
+  view.dtype = t.dtype;
+  view.shape = t.shape;
+  view.bytes = impl_->data().subspan(t.arena_offset, t.bytes);
+  view.file_offset = impl_->fd.valid() ? impl_->data_offset + t.arena_offset : 0;
+  view.checksum = t.checksum;
+  return view;
+}
+
+std::optional<TensorView> Arena::Find(std::string_view name) const {
+  auto it = impl_->by_name.find(name);
+  if (it == impl_->by_name.end()) return std::nullopt;
+  return tensor(it->second);
+}
+
+std::span<const std::byte> Arena::data() const { return impl_->data(); }
+
+}  // namespace expert_arena

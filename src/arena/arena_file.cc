@@ -1,0 +1,129 @@
+#include "arena/arena_file.h"
+
+#include <filesystem>
+#include <vector>
+
+#include "common/units.h"
+#include "load/loader.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "platform/ofd_lock.h"
+#include "platform/system_info.h"
+
+namespace expert_arena::arena {
+namespace {
+
+constexpr uint64_t kFillByte = 0;
+constexpr uint64_t kUserByte = 1;
+
+std::string DirOf(const std::string& path) {
+  auto parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? "." : parent.string();
+}
+
+Result<platform::UniqueFd> OpenExisting(const std::string& path, bool write) {
+  platform::OpenOptions options;
+  options.write = write;
+  return platform::OpenFile(path, options);
+}
+
+}  // namespace
+
+Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
+  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
+  EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
+  ArenaFileInfo info;
+  info.path = path;
+  info.file_bytes = st.size;
+  info.owner_uid = st.owner_uid;
+  info.mode = st.mode & 07777;
+  auto fs = platform::StatFilesystem(DirOf(path));
+  info.backing = fs.ok() ? platform::FsKindName(fs->kind) : "unknown";
+  EA_ASSIGN_OR_RETURN(info.in_use, platform::ByteIsLocked(fd, kUserByte,
+                                                          platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(info.loading_now, platform::ByteIsLocked(fd, kFillByte,
+                                                               platform::LockMode::kExclusive));
+  if (st.size == 0) {
+    info.state = "empty";
+    return info;
+  }
+  std::vector<std::byte> fixed(std::min<uint64_t>(st.size, sizeof(format::HeaderFixed)));
+  EA_RETURN_IF_ERROR(platform::ReadFull(fd, 0, fixed));
+  info.summary = format::SummarizeHeader(fixed);
+  if (!info.summary.our_magic) {
+    info.state = "not an arena";
+    return info;
+  }
+  if (info.summary.state != format::FileState::kPublished) {
+    info.state = info.loading_now ? "loading" : "loading (loader gone)";
+    return info;
+  }
+  uint64_t header_bytes = info.summary.layout.header_bytes;
+  if (header_bytes == 0 || header_bytes > st.size || header_bytes > 1024 * kMiB) {
+    info.state = "damaged";
+    info.problem = "header size " + std::to_string(header_bytes) + " does not fit the " +
+                   std::to_string(st.size) + "-byte file";
+    return info;
+  }
+  std::vector<std::byte> region(header_bytes);
+  EA_RETURN_IF_ERROR(platform::ReadFull(fd, 0, region));
+  Status decoded = format::DecodeHeader(region, st.size, path, &info.table, &info.summary);
+  if (!decoded.ok()) {
+    info.state = "damaged";
+    info.problem = decoded.message();
+    return info;
+  }
+  info.state = "published";
+  // Page backing: map read-only, fault in (no copy: the pages exist), read smaps.
+  uint64_t alignment = fs.ok() && fs->kind == platform::FsKind::kHugetlbfs
+                           ? std::max(fs->block_bytes, kHugePageBytes)
+                           : kHugePageBytes;
+  auto mapping = platform::Mapping::MapFile(fd, st.size, false, alignment);
+  if (mapping.ok() && platform::AdviseRange(mapping->data(), mapping->size(),
+                                            platform::Advice::kPopulateRead, path)
+                          .ok()) {
+    auto huge = platform::HugeBytesInRange(mapping->data(), mapping->size());
+    if (huge.ok()) info.huge_bytes = *huge;
+    info.mapped_bytes = mapping->size();
+  }
+  return info;
+}
+
+Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* table) {
+  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, false));
+  EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared));
+  if (!user) return Busy(path + ": an engine is loading or replacing it; try again later");
+  EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
+  auto fs = platform::StatFilesystem(DirOf(path));
+  uint64_t alignment = fs.ok() && fs->kind == platform::FsKind::kHugetlbfs
+                           ? std::max(fs->block_bytes, kHugePageBytes)
+                           : kHugePageBytes;
+  if (st.size == 0) return Corrupt(path + ": empty file");
+  EA_ASSIGN_OR_RETURN(platform::Mapping mapping,
+                      platform::Mapping::MapFile(fd, st.size, false, alignment));
+  auto summary = format::SummarizeHeader(
+      mapping.bytes().first(std::min<uint64_t>(st.size, sizeof(format::HeaderFixed))));
+  if (summary.our_magic && summary.state != format::FileState::kPublished) {
+    return Corrupt(path + ": not published (a load did not finish)");
+  }
+  uint64_t header_bytes = summary.layout.header_bytes;
+  if (header_bytes == 0 || header_bytes > st.size) {
+    header_bytes = std::min<uint64_t>(st.size, format::kHeaderPageBytes);
+  }
+  EA_RETURN_IF_ERROR(format::DecodeHeader(mapping.bytes().first(header_bytes), st.size, path,
+                                          table, nullptr));
+  return load::FirstBadChecksum(mapping.bytes().subspan(header_bytes, table->data_bytes), *table);
+}
+
+Status RemoveArenaFile(const std::string& path) {
+  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
+  EA_ASSIGN_OR_RETURN(bool fill, platform::TryLockByte(fd, kFillByte,
+                                                       platform::LockMode::kExclusive));
+  if (!fill) return Busy(path + ": an engine is loading it; not removed");
+  EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte,
+                                                       platform::LockMode::kExclusive));
+  if (!user) return Busy(path + ": in use by at least one engine; not removed");
+  return platform::UnlinkPath(path);
+}
+
+}  // namespace expert_arena::arena

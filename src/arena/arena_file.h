@@ -1,0 +1,39 @@
+// Operations on an arena file by path, for tools: inspect, verify, remove. They take the same
+// locks as engines, so `rm` never unlinks a file an engine maps or loads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "expert_arena/status.h"
+#include "format/arena_format.h"
+#include "format/arena_table.h"
+
+namespace expert_arena::arena {
+
+struct ArenaFileInfo {
+  std::string path;
+  uint64_t file_bytes = 0;
+  uint32_t owner_uid = 0;
+  uint32_t mode = 0;
+  std::string state;            // "published", "loading", "empty", "not an arena", "damaged"
+  std::string problem;          // why it is damaged, when it is
+  bool in_use = false;          // an engine holds USER
+  bool loading_now = false;     // an engine holds FILL
+  std::string backing;          // tmpfs, hugetlbfs, other
+  uint64_t huge_bytes = 0;      // of a read-only mapping of the file, from smaps
+  uint64_t mapped_bytes = 0;
+  format::HeaderSummary summary;
+  format::ArenaTable table;     // when published and valid
+};
+
+Result<ArenaFileInfo> InspectArenaFile(const std::string& path);
+
+// Recomputes every tensor's checksum. Returns the index of the first bad tensor, or -1.
+// Holds USER shared while it reads, like an engine.
+Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* table);
+
+// Unlinks the file when no engine maps or loads it; kBusy with a message otherwise.
+Status RemoveArenaFile(const std::string& path);
+
+}  // namespace expert_arena::arena

@@ -1,0 +1,58 @@
+// Arena::Impl: what an open arena owns, in the order it must be torn down (members are
+// destroyed bottom-up: GPU registration first, then the mapping, then the fd whose open file
+// description holds this engine's USER lock).
+#pragma once
+
+#include <memory>
+#include <string_view>
+#include <unordered_map>
+
+#include "expert_arena/arena.h"
+#include "format/arena_table.h"
+#include "gpu/gpu.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "source/model_source.h"
+
+namespace spdlog {
+class logger;
+}
+
+namespace expert_arena {
+
+struct Arena::Impl {
+  platform::UniqueFd fd;          // holds USER (shared) for a shared arena
+  platform::Mapping mapping;      // the whole file, or anonymous memory
+  uint64_t data_offset = 0;       // header bytes for a shared arena, 0 when private
+  format::ArenaTable table;
+  std::unordered_map<std::string_view, size_t> by_name;
+  std::unique_ptr<gpu::Registration> registration;
+  ArenaReport report;
+
+  std::span<const std::byte> data() const {
+    return {mapping.data() + data_offset, table.data_bytes};
+  }
+  void IndexNames();
+  static Arena Make(std::unique_ptr<Impl> impl);
+};
+
+namespace arena {
+
+// The shared-file protocol (shared_arena.cc). `plan` is null for AttachExisting.
+Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
+                                                const ArenaOptions& options,
+                                                spdlog::logger& log);
+
+// A private arena in anonymous memory (private_arena.cc).
+Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
+                                                 const ArenaOptions& options,
+                                                 spdlog::logger& log);
+
+// Registers the mapping with the GPU named in options and records the outcome in the report.
+Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::logger& log);
+
+// Fills report.huge_bytes (and the pinned bytes) from /proc/self.
+void MeasureBacking(Arena::Impl& impl);
+
+}  // namespace arena
+}  // namespace expert_arena

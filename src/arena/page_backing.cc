@@ -1,0 +1,115 @@
+#include "arena/page_backing.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/units.h"
+#include "platform/mapping.h"
+#include "platform/system_info.h"
+
+namespace expert_arena::arena {
+
+HugeDecision DecideHugePages(HugePages mode, bool hugetlbfs, uint64_t bytes, uint64_t free_blocks) {
+  HugeDecision d;
+  if (hugetlbfs) {
+    d.note = "hugetlbfs: 2 MiB pages reserved by the filesystem";
+    return d;
+  }
+  uint64_t free_bytes = free_blocks * kHugePageBytes;
+  std::string free_text = FormatBytes(free_bytes) + " free in 2 MiB blocks for " +
+                          FormatBytes(bytes);
+  switch (mode) {
+    case HugePages::kOff:
+      d.note = "2 MiB pages not asked for (--huge off)";
+      return d;
+    case HugePages::kOn:
+      d.ask = true;
+      d.note = "2 MiB pages asked for (--huge on; " + free_text + ")";
+      return d;
+    case HugePages::kAuto:
+      d.ask = free_bytes >= bytes / 2;
+      d.note = d.ask ? "2 MiB pages asked for (" + free_text + ")"
+                     : "2 MiB pages not asked for: only " + free_text +
+                           ", less than half; --huge on forces it";
+      return d;
+  }
+  return d;
+}
+
+Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what) {
+  auto start = std::chrono::steady_clock::now();
+  constexpr uint64_t kPiece = 64 * kMiB;
+  size_t pieces = (bytes + kPiece - 1) / kPiece;
+  unsigned workers = std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8);
+  workers = std::min<size_t>(workers, std::max<size_t>(pieces, 1));
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  Status first_error;
+  std::vector<std::thread> threads;
+  for (unsigned w = 0; w < workers; ++w) {
+    threads.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < pieces;) {
+        uint64_t offset = i * kPiece;
+        uint64_t length = std::min(kPiece, bytes - offset);
+        Status s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+        if (!s.ok() && s.code() == StatusCode::kBusy) {
+          // EAGAIN: the kernel could not take a lock or a page right now; one retry.
+          s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+        }
+        if (!s.ok()) {
+          std::lock_guard lock(mu);
+          if (first_error.ok()) {
+            first_error = s.WithContext("bytes " + std::to_string(offset) + "+" +
+                                        std::to_string(length));
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (!first_error.ok()) return first_error;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+HugeDecision ApplyHugePages(HugePages mode, bool hugetlbfs, std::byte* data, uint64_t bytes,
+                            bool populate_first, const std::string& what,
+                            double* collapse_seconds) {
+  uint64_t free_blocks = 0;
+  auto blocks = platform::FreeHugeBlocks();
+  if (blocks.ok()) free_blocks = *blocks;
+  HugeDecision d = DecideHugePages(mode, hugetlbfs, bytes, free_blocks);
+  if (!d.ask) return d;
+  Status advise = platform::AdviseRange(data, bytes, platform::Advice::kHugePage, what);
+  if (!advise.ok()) d.note += "; " + advise.message();
+  if (populate_first) {
+    Status s = platform::AdviseRange(data, bytes, platform::Advice::kPopulateWrite, what);
+    if (!s.ok()) {
+      d.note += "; " + s.message();
+      return d;
+    }
+  }
+  auto collapsed = CollapseParallel(data, bytes, what);
+  if (!collapsed.ok() && !populate_first &&
+      collapsed.status().code() == StatusCode::kInvalidArgument) {
+    // MADV_COLLAPSE refuses (EINVAL) a file range whose pages are not allocated yet; fault
+    // them in and collapse again (this copies, which is why it is the second choice).
+    Status s = platform::AdviseRange(data, bytes, platform::Advice::kPopulateWrite, what);
+    if (s.ok()) collapsed = CollapseParallel(data, bytes, what);
+  }
+  if (collapsed.ok()) {
+    *collapse_seconds = *collapsed;
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE %.2f s", *collapsed);
+    d.note += buf;
+  } else {
+    d.note += "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " +
+              collapsed.status().message();
+  }
+  return d;
+}
+
+}  // namespace expert_arena::arena

@@ -1,0 +1,36 @@
+// 2 MiB pages for an arena: whether to ask for them, asking (MADV_HUGEPAGE, MADV_COLLAPSE in
+// parallel), and reading back from smaps how much of the mapping really is on them.
+//
+// The rule (from the field: per-fault compaction on a fragmented box stalled engines for
+// minutes): on tmpfs and anonymous memory ask only when free 2 MiB blocks could back at least
+// half of the arena, say so either way, and let the operator force it. hugetlbfs pages are
+// reserved by the filesystem at fallocate time, so nothing is asked there.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "expert_arena/arena.h"
+#include "expert_arena/status.h"
+
+namespace expert_arena::arena {
+
+struct HugeDecision {
+  bool ask = false;
+  std::string note;  // for the start line
+};
+
+// `free_blocks`: free 2 MiB blocks now (from /proc/buddyinfo).
+HugeDecision DecideHugePages(HugePages mode, bool hugetlbfs, uint64_t bytes, uint64_t free_blocks);
+
+// MADV_COLLAPSE of [data, data+bytes) (2 MiB-aligned) split across worker threads. Returns the
+// seconds it took; a failure names the first range that could not be collapsed.
+Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what);
+
+// Reads the decision's inputs, asks for 2 MiB pages when the decision says so, and returns the
+// decision with collapse timing added to its note. Never fatal: a collapse that fails is
+// reported in the note (the arena works on 4 KiB pages too).
+HugeDecision ApplyHugePages(HugePages mode, bool hugetlbfs, std::byte* data, uint64_t bytes,
+                            bool populate_first, const std::string& what, double* collapse_seconds);
+
+}  // namespace expert_arena::arena

@@ -1,0 +1,314 @@
+// The shared-arena protocol: load once, attach everywhere.
+//
+// Two one-byte OFD locks on the arena file (platform/ofd_lock.h):
+//   FILL (byte 0) exclusive while an engine decides what to do with the file and, when it
+//        loads, until the load passed its checks and is published;
+//   USER (byte 1) shared by every engine that maps the published file; exclusive by the
+//        loader until it publishes (then converted to shared without a gap), and by an
+//        engine that replaces a stale file (then the file is unlinked, never truncated).
+// Every decision is taken while holding FILL, after checking that the path still names the
+// file we locked (another engine may have replaced it while we waited). A process that dies
+// loses its locks with its descriptors, so a half-loaded file is found unpublished with FILL
+// and USER free, and is replaced by the next engine.
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include "arena/arena_impl.h"
+#include "arena/page_backing.h"
+#include "common/units.h"
+#include "format/arena_format.h"
+#include "load/loader.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "platform/ofd_lock.h"
+#include "platform/system_info.h"
+
+namespace expert_arena::arena {
+namespace {
+
+constexpr uint64_t kFillByte = 0;
+constexpr uint64_t kUserByte = 1;
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+uint64_t UnixNanos() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// The first bytes of the file, for a summary that trusts nothing.
+format::HeaderSummary PeekHeader(const platform::UniqueFd& fd) {
+  std::vector<std::byte> buf(sizeof(format::HeaderFixed));
+  auto got = platform::ReadSome(fd, 0, buf);
+  if (!got.ok()) return {};
+  buf.resize(*got);
+  return format::SummarizeHeader(buf);
+}
+
+bool PathNamesFile(const std::string& path, const platform::FileStat& st) {
+  auto now = platform::StatPath(path);
+  return now.ok() && now->device == st.device && now->inode == st.inode;
+}
+
+std::string ParentDirectory(const std::string& path) {
+  std::filesystem::path p(path);
+  auto parent = p.parent_path();
+  return parent.empty() ? "." : parent.string();
+}
+
+// Why a present file cannot be used as it is, or "" when it can.
+std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& decoded,
+                           const source::ModelPlan* plan, uint64_t file_size) {
+  if (file_size == 0) return "";
+  if (!summary.our_magic) return "a file that is not an expert-arena file";
+  if (summary.version != format::kFormatVersion) {
+    return "an arena of format version " + std::to_string(summary.version);
+  }
+  if (summary.state != format::FileState::kPublished) return "an unfinished load";
+  if (!decoded.ok()) return "a damaged arena (" + decoded.message() + ")";
+  if (plan != nullptr) {
+    if (summary.identity_hash != plan->table.identity_hash) {
+      return "another model (" + summary.identity_text + ")";
+    }
+    if (summary.layout.data_bytes != plan->table.data_bytes) {
+      return "an arena of another size (" + FormatBytes(summary.layout.data_bytes) + ")";
+    }
+  }
+  return "";
+}
+
+Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint64_t file_bytes,
+                      const std::string& path) {
+  if (s.code() != StatusCode::kNoSpace || fs.kind != platform::FsKind::kHugetlbfs) return s;
+  auto pool = platform::ReadHugetlbPool();
+  uint64_t pages = (file_bytes + fs.block_bytes - 1) / fs.block_bytes;
+  std::string have = pool.ok() ? std::to_string(pool->free - std::min(pool->free, pool->reserved))
+                               : std::string("unknown");
+  return NoSpace("allocate " + path + ": hugetlbfs needs " + std::to_string(pages) + " huge pages of " +
+                 FormatBytes(fs.block_bytes) + " (" + FormatBytes(file_bytes) + ") but has " + have +
+                 " free; set vm.nr_hugepages (e.g. echo " +
+                 std::to_string(pages + (pool.ok() ? pool->total : 0)) +
+                 " > /proc/sys/vm/nr_hugepages) or mount with a larger size=");
+}
+
+// Maps a published file, populates it, and decodes its table. We hold FILL or USER.
+Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
+                                                  const platform::FileStat& st,
+                                                  const platform::FilesystemInfo& fs,
+                                                  const std::string& path) {
+  auto impl = std::make_unique<Arena::Impl>();
+  uint64_t alignment = std::max<uint64_t>(kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs
+                                                              ? fs.block_bytes
+                                                              : kHugePageBytes);
+  EA_ASSIGN_OR_RETURN(impl->mapping, platform::Mapping::MapFile(fd, st.size, false, alignment));
+  // The header region comes first; DecodeHeader checks every offset against the real size.
+  auto summary = format::SummarizeHeader(impl->mapping.bytes().first(
+      std::min<uint64_t>(st.size, sizeof(format::HeaderFixed))));
+  uint64_t header_bytes = summary.layout.header_bytes;
+  if (header_bytes == 0 || header_bytes > st.size) header_bytes = std::min<uint64_t>(st.size, format::kHeaderPageBytes);
+  EA_RETURN_IF_ERROR(format::DecodeHeader(impl->mapping.bytes().first(header_bytes), st.size,
+                                          path, &impl->table, nullptr));
+  impl->data_offset = header_bytes;
+  EA_RETURN_IF_ERROR(platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
+                                           platform::Advice::kPopulateRead, path));
+  impl->fd = std::move(fd);
+  return impl;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
+                                                const ArenaOptions& options,
+                                                spdlog::logger& log) {
+#if !defined(__linux__)
+  return Unsupported(options.shared_path + ": shared arena files are implemented on Linux only");
+#else
+  const std::string& path = options.shared_path;
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::milliseconds(static_cast<int64_t>(options.wait_timeout_seconds * 1000));
+  EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, platform::StatFilesystem(ParentDirectory(path)));
+  const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
+  bool said_waiting = false;
+  uint32_t waited_for = 0;
+  Clock::time_point wait_start{};
+
+  for (;;) {
+    platform::OpenOptions open_options;
+    open_options.write = true;
+    open_options.create = plan != nullptr;
+    open_options.mode = options.file_mode;
+    EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, platform::OpenFile(path, open_options));
+    EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
+    if (!st.regular) return InvalidArgument(path + ": not a regular file");
+    if (st.owner_uid != platform::EffectiveUid() && !options.allow_foreign_owner) {
+      return PermissionDenied(path + " is owned by uid " + std::to_string(st.owner_uid) +
+                              ", not by this user (uid " +
+                              std::to_string(platform::EffectiveUid()) +
+                              "); refusing to share it (allow_foreign_owner opts in)");
+    }
+
+    // Wait for FILL, noticing when the path is given to a new file meanwhile.
+    bool reopen = false;
+    for (;;) {
+      EA_ASSIGN_OR_RETURN(bool got_fill, platform::TryLockByte(fd, kFillByte,
+                                                               platform::LockMode::kExclusive));
+      if (got_fill) break;
+      if (!said_waiting) {
+        wait_start = Clock::now();
+        format::HeaderSummary loading = PeekHeader(fd);
+        for (int i = 0; i < 25 && loading.loader_pid == 0; ++i) {
+          std::this_thread::sleep_for(kPollInterval);
+          loading = PeekHeader(fd);
+        }
+        waited_for = loading.loader_pid;
+        log.info("expert-arena: another engine (pid {}) is loading {}, waiting",
+                 waited_for == 0 ? std::string("unknown") : std::to_string(waited_for), path);
+        said_waiting = true;
+      }
+      if (Clock::now() > deadline) {
+        return TimedOut("waited " + std::to_string(static_cast<int>(SecondsSince(start))) +
+                        " s for another engine (pid " + std::to_string(waited_for) +
+                        ") loading " + path +
+                        "; raise the wait timeout or check that process");
+      }
+      std::this_thread::sleep_for(kPollInterval);
+      if (!PathNamesFile(path, st)) {
+        reopen = true;
+        break;
+      }
+    }
+    if (reopen) continue;
+    if (!PathNamesFile(path, st)) continue;  // replaced between open and lock
+    EA_ASSIGN_OR_RETURN(st, platform::StatFd(fd));
+
+    // We hold FILL: nobody else decides now. What is in the file?
+    format::HeaderSummary summary = PeekHeader(fd);
+    Status decoded = Status::Ok();
+    if (st.size > 0 && summary.our_magic && summary.version == format::kFormatVersion &&
+        summary.state == format::FileState::kPublished) {
+      uint64_t header_bytes = summary.layout.header_bytes;
+      if (header_bytes == 0 || header_bytes > st.size || header_bytes > 1024 * kMiB) {
+        decoded = format::DecodeHeader({}, st.size, path, nullptr, nullptr);
+      } else {
+        std::vector<std::byte> region(header_bytes);
+        decoded = platform::ReadFull(fd, 0, region);
+        if (decoded.ok()) decoded = format::DecodeHeader(region, st.size, path, nullptr, nullptr);
+      }
+    }
+    std::string why_not = WhyNotReusable(summary, decoded, plan, st.size);
+
+    if (st.size > 0 && why_not.empty()) {
+      // A published arena of our model: attach.
+      EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte,
+                                                           platform::LockMode::kShared));
+      if (!user) return Internal(path + ": USER held exclusively while FILL was free");
+      EA_ASSIGN_OR_RETURN(auto impl, MapPublished(std::move(fd), st, fs, path));
+      EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
+      impl->report.role = ArenaRole::kAttached;
+      impl->report.wait_seconds =
+          said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
+      impl->report.waited_for_pid = waited_for;
+      impl->report.backing = platform::FsKindName(fs.kind);
+      impl->report.huge_note = hugetlbfs ? "hugetlbfs" : "";
+      return impl;
+    }
+    if (plan == nullptr) {
+      return st.size == 0 ? NotFound(path + ": empty file, no arena was loaded into it")
+                          : Corrupt(path + ": cannot attach: it holds " + why_not);
+    }
+
+    // Replace or load: both need every other engine gone from the file.
+    EA_ASSIGN_OR_RETURN(bool user_excl, platform::TryLockByte(fd, kUserByte,
+                                                              platform::LockMode::kExclusive));
+    if (!user_excl) {
+      return Busy(path + " holds " + why_not + " and is in use by another engine; this engine " +
+                  "wants " + plan->table.identity_text +
+                  ". Stop the engines that use it, or give this one another arena path");
+    }
+    if (st.size > 0) {
+      log.info("expert-arena: replacing {}: it held {} and no engine maps it", path, why_not);
+      EA_RETURN_IF_ERROR(platform::UnlinkPath(path));
+      continue;  // closing fd drops our locks; the next round creates the file anew
+    }
+
+    // A fresh, empty file: we load it, holding FILL and USER exclusively.
+    auto impl = std::make_unique<Arena::Impl>();
+    impl->table = plan->table;
+    auto fail = [&](const Status& s) {
+      // Nobody maps an unpublished file (we hold USER exclusively): remove it, leak nothing.
+      (void)platform::UnlinkPath(path);
+      return s;
+    };
+    auto layout = format::ComputeLayout(impl->table, hugetlbfs ? fs.block_bytes : kHugePageBytes);
+    if (!layout.ok()) return fail(layout.status());
+    Status allocated = platform::AllocateFile(fd, layout->file_bytes);
+    if (!allocated.ok()) return fail(NoSpaceMessage(allocated, fs, layout->file_bytes, path));
+    uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
+    auto mapping = platform::Mapping::MapFile(fd, layout->file_bytes, true, alignment);
+    if (!mapping.ok()) return fail(mapping.status());
+    impl->mapping = std::move(*mapping);
+    impl->data_offset = layout->header_bytes;
+
+    const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
+    const uint64_t ticks = platform::ProcessStartTime(platform::CurrentPid()).ok()
+                               ? *platform::ProcessStartTime(platform::CurrentPid())
+                               : 0;
+    const uint64_t created = UnixNanos();
+    std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
+    Status s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
+                                    created, 0, header);
+    if (!s.ok()) return fail(s);
+
+    std::byte* data = impl->mapping.data() + impl->data_offset;
+    double collapse_seconds = 0;
+    HugeDecision huge = ApplyHugePages(options.huge, hugetlbfs, impl->mapping.data(),
+                                       impl->mapping.size(), false, path, &collapse_seconds);
+    s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
+                              platform::Advice::kPopulateWrite, path);
+    if (!s.ok()) return fail(s);
+
+    load::LoadRequest request;
+    request.data = {data, impl->table.data_bytes};
+    request.reader = options.reader;
+    request.progress = options.progress;
+    request.logger = &log;
+    auto loaded = load::LoadTensors(request, impl->table);
+    if (!loaded.ok()) return fail(loaded.status().WithContext("loading " + path));
+
+    s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
+                             created, UnixNanos(), header);
+    if (!s.ok()) return fail(s);
+    // Publish: USER exclusive -> shared in one call, then let the waiters in.
+    auto user_shared = platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared);
+    if (!user_shared.ok()) return fail(user_shared.status());
+    EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
+    // Nobody writes a published arena: the loader's mapping becomes read-only like the others.
+    EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+    impl->fd = std::move(fd);
+    impl->report.role = ArenaRole::kLoaded;
+    impl->report.backing = platform::FsKindName(fs.kind);
+    impl->report.huge_note = huge.note;
+    impl->report.collapse_seconds = collapse_seconds;
+    impl->report.load_seconds = loaded->seconds;
+    impl->report.reader = loaded->reader;
+    impl->report.bytes_read = loaded->bytes_read + plan->metadata_bytes_read;
+    impl->report.wait_seconds =
+        said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
+    impl->report.waited_for_pid = waited_for;
+    return impl;
+  }
+#endif
+}
+
+}  // namespace expert_arena::arena

@@ -1,0 +1,278 @@
+#include "format/arena_format.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/units.h"
+
+namespace expert_arena::format {
+namespace {
+
+// Bytes of the table that follows HeaderFixed, or nullopt on overflow.
+std::optional<uint64_t> TableBytes(const ArenaTable& table, uint64_t* strings_bytes) {
+  uint64_t strings = 0;
+  for (const SourceRecord& s : table.sources) strings += s.path.size();
+  for (const TensorRecord& t : table.tensors) strings += t.name.size() + t.dtype.size();
+  *strings_bytes = strings;
+  uint64_t entries = table.sources.size() * sizeof(SourceEntry) +
+                     table.tensors.size() * sizeof(TensorEntry);
+  return sizeof(HeaderFixed) + entries + strings;
+}
+
+bool RangeInside(uint64_t offset, uint64_t length, uint64_t limit) {
+  return offset <= limit && length <= limit - offset;
+}
+
+// count * size <= limit without overflow.
+bool ArrayFits(uint64_t offset, uint64_t count, uint64_t size, uint64_t limit) {
+  if (count != 0 && size > UINT64_MAX / count) return false;
+  return RangeInside(offset, count * size, limit);
+}
+
+}  // namespace
+
+uint64_t Checksum(std::span<const std::byte> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+Result<ArenaLayout> ComputeLayout(const ArenaTable& table, uint64_t page_bytes) {
+  if (!IsPowerOfTwo(page_bytes) || page_bytes < kHeaderPageBytes) page_bytes = kHeaderPageBytes;
+  uint64_t strings = 0;
+  auto table_bytes = TableBytes(table, &strings);
+  if (!table_bytes) return InvalidArgument("tensor table too large");
+  ArenaLayout layout;
+  auto header = AlignUp(*table_bytes, kHeaderPageBytes);
+  if (!header) return InvalidArgument("tensor table too large");
+  layout.header_bytes = *header;
+  layout.data_bytes = table.data_bytes;
+  if (layout.data_bytes % kHeaderPageBytes != 0) {
+    return Internal("data region is not a multiple of 2 MiB (offsets not assigned?)");
+  }
+  if (layout.data_bytes > UINT64_MAX - layout.header_bytes) {
+    return InvalidArgument("arena size overflows");
+  }
+  auto file = AlignUp(layout.header_bytes + layout.data_bytes, page_bytes);
+  if (!file) return InvalidArgument("arena size overflows");
+  layout.file_bytes = *file;
+  return layout;
+}
+
+Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileState state,
+                    uint32_t loader_pid, uint64_t loader_start_ticks, uint64_t created_unix_ns,
+                    uint64_t published_unix_ns, std::span<std::byte> header) {
+  uint64_t strings_bytes = 0;
+  auto table_bytes = TableBytes(table, &strings_bytes);
+  if (!table_bytes || *table_bytes > header.size() || header.size() != layout.header_bytes) {
+    return Internal("header region too small for the tensor table");
+  }
+  std::memset(header.data(), 0, header.size());
+  HeaderFixed fixed{};
+  std::memcpy(fixed.magic, kMagic, sizeof kMagic);
+  fixed.version = kFormatVersion;
+  fixed.fixed_bytes = sizeof(HeaderFixed);
+  fixed.header_bytes = layout.header_bytes;
+  fixed.data_bytes = layout.data_bytes;
+  fixed.file_bytes = layout.file_bytes;
+  fixed.state = static_cast<uint32_t>(state);
+  fixed.loader_pid = loader_pid;
+  fixed.loader_start_ticks = loader_start_ticks;
+  fixed.identity_hash = table.identity_hash;
+  std::strncpy(fixed.identity_text, table.identity_text.c_str(), kIdentityTextBytes - 1);
+  fixed.alignment = table.alignment;
+  fixed.source_count = table.sources.size();
+  fixed.tensor_count = table.tensors.size();
+  fixed.sources_offset = sizeof(HeaderFixed);
+  fixed.tensors_offset = fixed.sources_offset + table.sources.size() * sizeof(SourceEntry);
+  fixed.strings_offset = fixed.tensors_offset + table.tensors.size() * sizeof(TensorEntry);
+  fixed.strings_bytes = strings_bytes;
+  fixed.model_bytes_total = table.model_bytes_total;
+  fixed.model_tensors_total = table.model_tensors_total;
+  fixed.created_unix_ns = created_unix_ns;
+  fixed.published_unix_ns = published_unix_ns;
+  fixed.source_entry_bytes = sizeof(SourceEntry);
+  fixed.tensor_entry_bytes = sizeof(TensorEntry);
+
+  std::byte* base = header.data();
+  uint64_t string_cursor = 0;
+  auto put_string = [&](const std::string& s) {
+    std::memcpy(base + fixed.strings_offset + string_cursor, s.data(), s.size());
+    uint64_t at = string_cursor;
+    string_cursor += s.size();
+    return at;
+  };
+  for (size_t i = 0; i < table.sources.size(); ++i) {
+    const SourceRecord& source = table.sources[i];
+    SourceEntry entry{};
+    entry.path_offset = put_string(source.path);
+    entry.path_bytes = static_cast<uint32_t>(source.path.size());
+    entry.size = source.size;
+    entry.mtime_ns = source.mtime_ns;
+    std::memcpy(base + fixed.sources_offset + i * sizeof(SourceEntry), &entry, sizeof entry);
+  }
+  for (size_t i = 0; i < table.tensors.size(); ++i) {
+    const TensorRecord& tensor = table.tensors[i];
+    if (tensor.shape.size() > kMaxDims) {
+      return InvalidArgument("tensor " + tensor.name + " has more than 8 dimensions");
+    }
+    TensorEntry entry{};
+    entry.name_offset = put_string(tensor.name);
+    entry.name_bytes = static_cast<uint32_t>(tensor.name.size());
+    entry.dtype_offset = put_string(tensor.dtype);
+    entry.dtype_bytes = static_cast<uint32_t>(tensor.dtype.size());
+    entry.n_dims = static_cast<uint32_t>(tensor.shape.size());
+    std::copy(tensor.shape.begin(), tensor.shape.end(), entry.shape);
+    entry.source_index = tensor.source_index;
+    entry.source_offset = tensor.source_offset;
+    entry.arena_offset = tensor.arena_offset;
+    entry.bytes = tensor.bytes;
+    entry.checksum = tensor.checksum;
+    std::memcpy(base + fixed.tensors_offset + i * sizeof(TensorEntry), &entry, sizeof entry);
+  }
+  fixed.table_checksum =
+      Checksum({base + fixed.sources_offset, fixed.strings_offset + strings_bytes -
+                                                 fixed.sources_offset});
+  fixed.header_checksum = 0;
+  fixed.header_checksum = XXH3_64bits(&fixed, sizeof fixed);
+  std::memcpy(base, &fixed, sizeof fixed);
+  return Status::Ok();
+}
+
+HeaderSummary SummarizeHeader(std::span<const std::byte> bytes) {
+  HeaderSummary summary;
+  if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
+    return summary;
+  }
+  summary.our_magic = true;
+  HeaderFixed fixed{};
+  std::memcpy(&fixed, bytes.data(), std::min(bytes.size(), sizeof fixed));
+  summary.version = fixed.version;
+  summary.state = static_cast<FileState>(fixed.state);
+  summary.loader_pid = fixed.loader_pid;
+  summary.loader_start_ticks = fixed.loader_start_ticks;
+  summary.identity_hash = fixed.identity_hash;
+  fixed.identity_text[kIdentityTextBytes - 1] = '\0';
+  summary.identity_text = fixed.identity_text;
+  summary.layout = {fixed.header_bytes, fixed.data_bytes, fixed.file_bytes};
+  return summary;
+}
+
+Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const std::string& path,
+                    ArenaTable* table, HeaderSummary* summary) {
+  if (region.size() < sizeof(HeaderFixed)) {
+    return Corrupt(path + ": " + std::to_string(file_size) +
+                   " bytes is too short for an arena header");
+  }
+  HeaderFixed fixed{};
+  std::memcpy(&fixed, region.data(), sizeof fixed);
+  if (std::memcmp(fixed.magic, kMagic, sizeof kMagic) != 0) {
+    return Corrupt(path + ": not an expert-arena file (bad magic)");
+  }
+  if (fixed.version != kFormatVersion) {
+    return Corrupt(path + ": arena format version " + std::to_string(fixed.version) +
+                   ", this build reads version " + std::to_string(kFormatVersion));
+  }
+  uint64_t stored_checksum = fixed.header_checksum;
+  fixed.header_checksum = 0;
+  if (XXH3_64bits(&fixed, sizeof fixed) != stored_checksum) {
+    return Corrupt(path + ": header checksum mismatch (corrupted header)");
+  }
+  fixed.identity_text[kIdentityTextBytes - 1] = '\0';
+  if (fixed.fixed_bytes != sizeof(HeaderFixed) || fixed.source_entry_bytes != sizeof(SourceEntry) ||
+      fixed.tensor_entry_bytes != sizeof(TensorEntry)) {
+    return Corrupt(path + ": header record sizes do not match this build");
+  }
+  if (fixed.header_bytes == 0 || fixed.header_bytes % kHeaderPageBytes != 0) {
+    return Corrupt(path + ": header size " + std::to_string(fixed.header_bytes) +
+                   " is not a multiple of 2 MiB");
+  }
+  if (fixed.data_bytes % kHeaderPageBytes != 0) {
+    return Corrupt(path + ": data size " + std::to_string(fixed.data_bytes) +
+                   " is not a multiple of 2 MiB");
+  }
+  if (!RangeInside(fixed.header_bytes, fixed.data_bytes, fixed.file_bytes) ||
+      fixed.file_bytes != file_size) {
+    return Corrupt(path + ": header says " + std::to_string(fixed.header_bytes) + " + " +
+                   std::to_string(fixed.data_bytes) + " bytes in a " +
+                   std::to_string(fixed.file_bytes) + "-byte file, but the file has " +
+                   std::to_string(file_size) + " bytes");
+  }
+  if (region.size() < fixed.header_bytes) {
+    return Corrupt(path + ": header region incomplete");
+  }
+  const uint64_t limit = fixed.header_bytes;
+  if (fixed.sources_offset < sizeof(HeaderFixed) ||
+      !ArrayFits(fixed.sources_offset, fixed.source_count, sizeof(SourceEntry), limit) ||
+      !ArrayFits(fixed.tensors_offset, fixed.tensor_count, sizeof(TensorEntry), limit) ||
+      !RangeInside(fixed.strings_offset, fixed.strings_bytes, limit) ||
+      fixed.strings_offset < fixed.sources_offset) {
+    return Corrupt(path + ": tensor table (" + std::to_string(fixed.tensor_count) +
+                   " tensors) points outside the " + std::to_string(limit) +
+                   "-byte header region");
+  }
+  const std::byte* base = region.data();
+  uint64_t table_span = fixed.strings_offset + fixed.strings_bytes - fixed.sources_offset;
+  if (Checksum({base + fixed.sources_offset, table_span}) != fixed.table_checksum) {
+    return Corrupt(path + ": tensor table checksum mismatch (corrupted table)");
+  }
+  auto get_string = [&](uint64_t offset, uint64_t bytes, std::string* out) {
+    if (!RangeInside(offset, bytes, fixed.strings_bytes)) return false;
+    out->assign(reinterpret_cast<const char*>(base + fixed.strings_offset + offset), bytes);
+    return true;
+  };
+  ArenaTable decoded;
+  decoded.alignment = fixed.alignment;
+  decoded.data_bytes = fixed.data_bytes;
+  decoded.identity_hash = fixed.identity_hash;
+  decoded.identity_text = fixed.identity_text;
+  decoded.model_bytes_total = fixed.model_bytes_total;
+  decoded.model_tensors_total = fixed.model_tensors_total;
+  decoded.sources.resize(fixed.source_count);
+  for (uint64_t i = 0; i < fixed.source_count; ++i) {
+    SourceEntry entry{};
+    std::memcpy(&entry, base + fixed.sources_offset + i * sizeof entry, sizeof entry);
+    SourceRecord& source = decoded.sources[i];
+    if (!get_string(entry.path_offset, entry.path_bytes, &source.path)) {
+      return Corrupt(path + ": source " + std::to_string(i) + " name points past the strings");
+    }
+    source.size = entry.size;
+    source.mtime_ns = entry.mtime_ns;
+  }
+  decoded.tensors.resize(fixed.tensor_count);
+  for (uint64_t i = 0; i < fixed.tensor_count; ++i) {
+    TensorEntry entry{};
+    std::memcpy(&entry, base + fixed.tensors_offset + i * sizeof entry, sizeof entry);
+    TensorRecord& tensor = decoded.tensors[i];
+    if (!get_string(entry.name_offset, entry.name_bytes, &tensor.name) ||
+        !get_string(entry.dtype_offset, entry.dtype_bytes, &tensor.dtype)) {
+      return Corrupt(path + ": tensor " + std::to_string(i) + " name points past the strings");
+    }
+    if (entry.n_dims > kMaxDims) {
+      return Corrupt(path + ": tensor " + tensor.name + " has " + std::to_string(entry.n_dims) +
+                     " dimensions");
+    }
+    if (!RangeInside(entry.arena_offset, entry.bytes, fixed.data_bytes)) {
+      return Corrupt(path + ": tensor " + tensor.name + " (offset " +
+                     std::to_string(entry.arena_offset) + ", " + std::to_string(entry.bytes) +
+                     " bytes) lies past the end of the " + std::to_string(fixed.data_bytes) +
+                     "-byte data region");
+    }
+    if (entry.source_index >= std::max<uint64_t>(fixed.source_count, 1)) {
+      return Corrupt(path + ": tensor " + tensor.name + " names source " +
+                     std::to_string(entry.source_index) + " of " +
+                     std::to_string(fixed.source_count));
+    }
+    tensor.shape.assign(entry.shape, entry.shape + entry.n_dims);
+    tensor.source_index = entry.source_index;
+    tensor.source_offset = entry.source_offset;
+    tensor.arena_offset = entry.arena_offset;
+    tensor.bytes = entry.bytes;
+    tensor.checksum = entry.checksum;
+  }
+  if (summary != nullptr) *summary = SummarizeHeader(region);
+  if (table != nullptr) *table = std::move(decoded);
+  return Status::Ok();
+}
+
+}  // namespace expert_arena::format

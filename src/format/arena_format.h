@@ -1,0 +1,138 @@
+// The V2 arena file: its on-disk layout, encoding and validation.
+//
+//   [0, header_bytes)            header region, whole 2 MiB pages:
+//       HeaderFixed              magic, version, sizes, state, loader, identity, checksums
+//       SourceEntry[]            the model's source files
+//       TensorEntry[]            the tensor table
+//       strings                  names, dtypes, paths (not NUL-terminated)
+//   [header_bytes, file_bytes)   data region, 2 MiB-aligned in the file and in memory
+//
+// All integers are little-endian (the library is built for little-endian hosts only). The
+// header region takes as many 2 MiB pages as the table needs: a 94-layer, 128-expert model
+// stored per expert has ~36,000 tensors, about 6 MiB of table.
+//
+// The `state` word is written last by the loader (kPublished), after the data, the table and
+// the header checksum. Readers trust nothing in a header until ValidateHeader accepted it
+// against the real file size: every count, offset and length is checked for overflow and
+// bounds, so no header can make a process touch bytes outside its mapping.
+//
+// See doc/arena_format.md for the field-by-field description.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "expert_arena/status.h"
+#include "format/arena_table.h"
+
+namespace expert_arena::format {
+
+inline constexpr char kMagic[8] = {'E', 'X', 'P', 'A', 'R', 'E', 'N', 'A'};
+inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint64_t kHeaderPageBytes = 2ull * 1024 * 1024;
+inline constexpr size_t kIdentityTextBytes = 512;
+
+enum class FileState : uint32_t { kEmpty = 0, kLoading = 1, kPublished = 2 };
+
+struct HeaderFixed {
+  char magic[8];
+  uint32_t version;
+  uint32_t fixed_bytes;          // sizeof(HeaderFixed) as written
+  uint64_t header_bytes;         // the header region: a multiple of 2 MiB
+  uint64_t data_bytes;           // the data region
+  uint64_t file_bytes;           // the whole file (>= header_bytes + data_bytes)
+  uint32_t state;                // FileState
+  uint32_t loader_pid;
+  uint64_t loader_start_ticks;   // /proc/<pid>/stat starttime of the loader
+  uint64_t identity_hash;
+  char identity_text[kIdentityTextBytes];  // NUL-padded
+  uint64_t alignment;
+  uint64_t source_count;
+  uint64_t tensor_count;
+  uint64_t sources_offset;       // from the file start, inside the header region
+  uint64_t tensors_offset;
+  uint64_t strings_offset;
+  uint64_t strings_bytes;
+  uint64_t model_bytes_total;
+  uint64_t model_tensors_total;
+  uint64_t created_unix_ns;
+  uint64_t published_unix_ns;
+  uint32_t source_entry_bytes;
+  uint32_t tensor_entry_bytes;
+  uint64_t table_checksum;       // xxh3-64 of [sources_offset, strings_offset + strings_bytes)
+  uint64_t header_checksum;      // xxh3-64 of this struct with header_checksum = 0
+  uint8_t reserved[336];
+};
+
+struct SourceEntry {
+  uint64_t path_offset;  // into the strings
+  uint32_t path_bytes;
+  uint32_t reserved;
+  uint64_t size;
+  int64_t mtime_ns;
+};
+
+struct TensorEntry {
+  uint64_t name_offset;  // into the strings
+  uint32_t name_bytes;
+  uint32_t dtype_bytes;
+  uint64_t dtype_offset;
+  uint32_t n_dims;
+  uint32_t source_index;
+  uint64_t shape[kMaxDims];
+  uint64_t source_offset;
+  uint64_t arena_offset;  // from the start of the data region
+  uint64_t bytes;
+  uint64_t checksum;
+};
+
+static_assert(sizeof(HeaderFixed) == 1024);
+static_assert(sizeof(SourceEntry) == 32);
+static_assert(sizeof(TensorEntry) == 128);
+static_assert(std::is_trivially_copyable_v<HeaderFixed>);
+static_assert(std::is_trivially_copyable_v<TensorEntry>);
+static_assert(offsetof(HeaderFixed, state) == 40, "state is read alone by waiting engines");
+
+struct ArenaLayout {
+  uint64_t header_bytes = 0;
+  uint64_t data_bytes = 0;
+  uint64_t file_bytes = 0;
+};
+
+// The header region and file size for `table` (data_bytes already assigned). `page_bytes`
+// is the backing's page size (2 MiB, or 1 GiB on such a hugetlbfs); the file is rounded to it.
+Result<ArenaLayout> ComputeLayout(const ArenaTable& table, uint64_t page_bytes);
+
+// Writes the header region for `table` into `header` (header.size() == layout.header_bytes)
+// with the given state. The header checksum covers the state, so a header is re-encoded
+// when it is published.
+Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileState state,
+                    uint32_t loader_pid, uint64_t loader_start_ticks, uint64_t created_unix_ns,
+                    uint64_t published_unix_ns, std::span<std::byte> header);
+
+// What a header says about the file, read without trusting it.
+struct HeaderSummary {
+  bool our_magic = false;
+  uint32_t version = 0;
+  FileState state = FileState::kEmpty;
+  uint32_t loader_pid = 0;
+  uint64_t loader_start_ticks = 0;
+  uint64_t identity_hash = 0;
+  std::string identity_text;
+  ArenaLayout layout;
+};
+// Reads the fixed part only (bytes may be shorter than the struct: a torn or tiny file).
+HeaderSummary SummarizeHeader(std::span<const std::byte> bytes);
+
+// Checks the fixed header against the real file size and decodes it fully: magic, version,
+// sizes, checksums, and every table entry's strings and data range. `path` names the file
+// in messages. On success `table` holds the decoded table.
+Status DecodeHeader(std::span<const std::byte> header_region, uint64_t file_size,
+                    const std::string& path, ArenaTable* table, HeaderSummary* summary);
+
+uint64_t Checksum(std::span<const std::byte> bytes);
+
+}  // namespace expert_arena::format

@@ -1,0 +1,152 @@
+#include "platform/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+
+#include "common/units.h"
+
+namespace expert_arena::platform {
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    fd_ = other.fd_;
+    path_ = std::move(other.path_);
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+void UniqueFd::Reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options) {
+  int flags = O_CLOEXEC | (options.write ? O_RDWR : O_RDONLY);
+  if (options.create) flags |= O_CREAT;
+  if (options.create && options.exclusive) flags |= O_EXCL;
+  if (options.no_follow) flags |= O_NOFOLLOW;
+  if (options.direct) flags |= O_DIRECT;
+  int fd = ::open(path.c_str(), flags, options.mode);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ELOOP && options.no_follow) {
+      return PermissionDenied("open " + path +
+                              ": is a symbolic link; refusing to follow it (O_NOFOLLOW)");
+    }
+    return ErrnoStatus(err, "open", path);
+  }
+  return UniqueFd(fd, path);
+}
+
+static FileStat FromStat(const struct stat& st) {
+  FileStat out;
+  out.size = static_cast<uint64_t>(st.st_size);
+  out.device = static_cast<uint64_t>(st.st_dev);
+  out.inode = static_cast<uint64_t>(st.st_ino);
+  out.owner_uid = st.st_uid;
+  out.mode = st.st_mode;
+  out.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  out.regular = S_ISREG(st.st_mode);
+  return out;
+}
+
+Result<FileStat> StatFd(const UniqueFd& fd) {
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", fd.path());
+  return FromStat(st);
+}
+
+Result<FileStat> StatPath(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return ErrnoStatus(errno, "stat", path);
+  return FromStat(st);
+}
+
+Result<size_t> ReadSome(const UniqueFd& fd, uint64_t offset, std::span<std::byte> buffer) {
+  size_t done = 0;
+  while (done < buffer.size()) {
+    ssize_t n = ::pread(fd.get(), buffer.data() + done, buffer.size() - done,
+                        static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "read", fd.path());
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
+Status ReadFull(const UniqueFd& fd, uint64_t offset, std::span<std::byte> buffer) {
+  EA_ASSIGN_OR_RETURN(size_t got, ReadSome(fd, offset, buffer));
+  if (got != buffer.size()) {
+    return Corrupt(fd.path() + ": file too short: wanted " + std::to_string(buffer.size()) +
+                   " bytes at offset " + std::to_string(offset) + ", got " +
+                   std::to_string(got));
+  }
+  return Status::Ok();
+}
+
+Status WriteFull(const UniqueFd& fd, uint64_t offset, std::span<const std::byte> buffer) {
+  size_t done = 0;
+  while (done < buffer.size()) {
+    ssize_t n = ::pwrite(fd.get(), buffer.data() + done, buffer.size() - done,
+                         static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "write", fd.path());
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status AllocateFile(const UniqueFd& fd, uint64_t bytes) {
+  int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
+  if (err == 0) return Status::Ok();
+  if (err == ENOSPC || err == EFBIG) {
+    struct statvfs vfs {};
+    std::string available = "unknown";
+    if (::fstatvfs(fd.get(), &vfs) == 0) {
+      available = FormatBytes(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize);
+    }
+    return NoSpace("allocate " + fd.path() + ": needs " + FormatBytes(bytes) + " (" +
+                   std::to_string(bytes) + " bytes) but its filesystem has " + available +
+                   " available");
+  }
+  return ErrnoStatus(err, "posix_fallocate", fd.path());
+}
+
+Status UnlinkPath(const std::string& path) {
+  if (::unlink(path.c_str()) != 0) return ErrnoStatus(errno, "unlink", path);
+  return Status::Ok();
+}
+
+Status FsyncFd(const UniqueFd& fd) {
+  if (::fsync(fd.get()) != 0) return ErrnoStatus(errno, "fsync", fd.path());
+  return Status::Ok();
+}
+
+Status RenamePath(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) return ErrnoStatus(errno, "rename", from);
+  return Status::Ok();
+}
+
+Status MakeDirectories(const std::string& path, mode_t mode) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec) return ErrnoStatus(ec.value(), "mkdir", path);
+  ::chmod(path.c_str(), mode);
+  return Status::Ok();
+}
+
+uint32_t EffectiveUid() { return ::geteuid(); }
+
+}  // namespace expert_arena::platform

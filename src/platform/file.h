@@ -1,0 +1,87 @@
+// File descriptors and file operations: every open/read/write/fallocate/unlink of the
+// library goes through here, with errors that name the operation, the path and errno.
+//
+// Thread-safety: UniqueFd is a move-only owner; distinct objects may be used from
+// distinct threads. Linux only (compiled under __linux__).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "expert_arena/status.h"
+
+namespace expert_arena::platform {
+
+// Owns one file descriptor and the open file description behind it, so the OFD locks
+// taken through it live exactly as long as this object.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  UniqueFd(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~UniqueFd() { Reset(); }
+  UniqueFd(UniqueFd&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) {
+    other.fd_ = -1;
+  }
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // The path it was opened with, for messages.
+  const std::string& path() const { return path_; }
+  void Reset();
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+struct OpenOptions {
+  bool write = false;
+  bool create = false;     // O_CREAT (never O_TRUNC: a file may be mapped by others)
+  bool exclusive = false;  // O_EXCL with create
+  bool no_follow = true;   // O_NOFOLLOW: a symlink at the last component is refused
+  bool direct = false;     // O_DIRECT
+  mode_t mode = 0600;
+};
+
+// open(2) with O_CLOEXEC. A symlink refused by O_NOFOLLOW gets a message that says so.
+Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options);
+
+struct FileStat {
+  uint64_t size = 0;
+  uint64_t device = 0;
+  uint64_t inode = 0;
+  uint32_t owner_uid = 0;
+  uint32_t mode = 0;
+  int64_t mtime_ns = 0;
+  bool regular = false;
+};
+
+Result<FileStat> StatFd(const UniqueFd& fd);
+// lstat(2): a symlink is reported as not regular.
+Result<FileStat> StatPath(const std::string& path);
+
+// Reads exactly buffer.size() bytes at offset; a short file is kCorrupt naming the sizes.
+Status ReadFull(const UniqueFd& fd, uint64_t offset, std::span<std::byte> buffer);
+// Reads up to buffer.size() bytes; returns the count (short only at end of file).
+Result<size_t> ReadSome(const UniqueFd& fd, uint64_t offset, std::span<std::byte> buffer);
+Status WriteFull(const UniqueFd& fd, uint64_t offset, std::span<const std::byte> buffer);
+
+// posix_fallocate(3) of [0, bytes). ENOSPC becomes kNoSpace naming the bytes needed and
+// what the filesystem has available.
+Status AllocateFile(const UniqueFd& fd, uint64_t bytes);
+
+Status UnlinkPath(const std::string& path);
+Status FsyncFd(const UniqueFd& fd);
+Status RenamePath(const std::string& from, const std::string& to);
+Status MakeDirectories(const std::string& path, mode_t mode);
+// euid of this process.
+uint32_t EffectiveUid();
+
+}  // namespace expert_arena::platform

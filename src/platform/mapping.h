@@ -1,0 +1,71 @@
+// Memory mappings placed at 2 MiB-aligned addresses, and the madvise calls made on them.
+//
+// A tmpfs or hugetlbfs file can only be backed by 2 MiB pages where the file offset and
+// the virtual address agree modulo 2 MiB, so every mapping here is placed at an address
+// aligned to `alignment` (reserve a larger PROT_NONE range, then MAP_FIXED inside it).
+//
+// Thread-safety: a Mapping is a move-only owner; the bytes it maps may be used from any
+// thread. The destructor unmaps; callers unregister from the GPU before that.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "expert_arena/status.h"
+#include "platform/file.h"
+
+namespace expert_arena::platform {
+
+class Mapping {
+ public:
+  Mapping() = default;
+  ~Mapping() { Reset(); }
+  Mapping(Mapping&& other) noexcept;
+  Mapping& operator=(Mapping&& other) noexcept;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+  std::byte* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  bool writable() const { return writable_; }
+  std::span<std::byte> bytes() const { return {data_, size_}; }
+  void Reset();
+
+  // Maps [0, length) of fd MAP_SHARED at an address aligned to `alignment` (a power of
+  // two, at least the page size). length must not exceed the file's size.
+  static Result<Mapping> MapFile(const UniqueFd& fd, uint64_t length, bool writable,
+                                 uint64_t alignment);
+  // Private anonymous memory at an aligned address.
+  static Result<Mapping> MapAnonymous(uint64_t length, uint64_t alignment);
+
+  // mprotect the whole mapping read-only (after a load is published).
+  Status MakeReadOnly();
+
+ private:
+  Mapping(std::byte* data, uint64_t size, bool writable)
+      : data_(data), size_(size), writable_(writable) {}
+  std::byte* data_ = nullptr;
+  uint64_t size_ = 0;
+  bool writable_ = false;
+};
+
+enum class Advice {
+  kPopulateRead,   // MADV_POPULATE_READ (5.14): fault the range in, read-only
+  kPopulateWrite,  // MADV_POPULATE_WRITE (5.14): fault it in writable, allocating
+  kHugePage,       // MADV_HUGEPAGE
+  kNoHugePage,     // MADV_NOHUGEPAGE
+  kCollapse,       // MADV_COLLAPSE (6.1): make the range whole 2 MiB pages now
+  kDontNeed,       // MADV_DONTNEED
+};
+
+const char* AdviceName(Advice advice);
+
+// madvise(2) on [data, data+length). `what` names the mapping for the message.
+Status AdviseRange(void* data, uint64_t length, Advice advice, const std::string& what);
+
+// The system's base page size.
+uint64_t BasePageSize();
+
+}  // namespace expert_arena::platform

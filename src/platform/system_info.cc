@@ -1,0 +1,216 @@
+#include "platform/system_info.h"
+
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "common/units.h"
+
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+#ifndef HUGETLBFS_MAGIC
+#define HUGETLBFS_MAGIC 0x958458f6
+#endif
+
+namespace expert_arena::platform {
+
+const char* FsKindName(FsKind kind) {
+  switch (kind) {
+    case FsKind::kTmpfs: return "tmpfs";
+    case FsKind::kHugetlbfs: return "hugetlbfs";
+    case FsKind::kOther: return "other";
+  }
+  return "other";
+}
+
+Result<FilesystemInfo> StatFilesystem(const std::string& path) {
+  struct statfs fs {};
+  if (::statfs(path.c_str(), &fs) != 0) return ErrnoStatus(errno, "statfs", path);
+  struct statvfs vfs {};
+  if (::statvfs(path.c_str(), &vfs) != 0) return ErrnoStatus(errno, "statvfs", path);
+  FilesystemInfo info;
+  if (static_cast<uint64_t>(fs.f_type) == TMPFS_MAGIC) info.kind = FsKind::kTmpfs;
+  if (static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC) info.kind = FsKind::kHugetlbfs;
+  info.block_bytes = static_cast<uint64_t>(fs.f_bsize);
+  info.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
+  info.available_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  return info;
+}
+
+Result<uint64_t> FreeHugeBlocks() {
+  std::ifstream in("/proc/buddyinfo");
+  if (!in) return ErrnoStatus(errno, "open", "/proc/buddyinfo");
+  // "Node 0, zone   Normal   1  2  3 ... (11 orders)"
+  uint64_t blocks = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string word;
+    int field = 0;
+    int order = 0;
+    while (words >> word) {
+      ++field;
+      if (field <= 4) continue;  // "Node", "0,", "zone", "<name>"
+      uint64_t count = std::strtoull(word.c_str(), nullptr, 10);
+      if (order >= 9) blocks += count << (order - 9);
+      ++order;
+    }
+  }
+  return blocks;
+}
+
+namespace {
+
+struct SmapsTotals {
+  uint64_t rss = 0;
+  uint64_t huge = 0;
+  uint64_t shared = 0;
+};
+
+// Parses "Key:   123 kB" and returns bytes, or -1 for other lines.
+bool ParseKb(const std::string& line, const char* key, uint64_t* bytes) {
+  size_t key_len = std::strlen(key);
+  if (line.compare(0, key_len, key) != 0 || line.size() <= key_len || line[key_len] != ':') {
+    return false;
+  }
+  *bytes = std::strtoull(line.c_str() + key_len + 1, nullptr, 10) * 1024;
+  return true;
+}
+
+Result<SmapsTotals> ReadSmapsRange(const void* start, uint64_t length) {
+  std::ifstream in("/proc/self/smaps");
+  if (!in) return ErrnoStatus(errno, "open", "/proc/self/smaps");
+  auto lo = reinterpret_cast<uintptr_t>(start);
+  uintptr_t hi = lo + length;
+  SmapsTotals totals;
+  bool in_range = false;
+  bool seen = false;
+  std::string line;
+  while (std::getline(in, line)) {
+    uintptr_t vma_start = 0, vma_end = 0;
+    // VMA header lines look like "7f1200000000-7f1240000000 rw-s 00000000 00:1a 123 /dev/shm/x".
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &vma_start, &vma_end) == 2 &&
+        line.find(':') != std::string::npos && line.find('-') < line.find(' ')) {
+      in_range = vma_start >= lo && vma_end <= hi;
+      seen = seen || in_range;
+      continue;
+    }
+    if (!in_range) continue;
+    uint64_t bytes = 0;
+    if (ParseKb(line, "Rss", &bytes)) totals.rss += bytes;
+    if (ParseKb(line, "ShmemPmdMapped", &bytes) || ParseKb(line, "FilePmdMapped", &bytes) ||
+        ParseKb(line, "AnonHugePages", &bytes)) {
+      totals.huge += bytes;
+    }
+    if (ParseKb(line, "Shared_Hugetlb", &bytes) || ParseKb(line, "Private_Hugetlb", &bytes)) {
+      totals.huge += bytes;
+      totals.rss += bytes;  // hugetlb pages are not in Rss; count them as resident
+      if (line[0] == 'S') totals.shared += bytes;
+    }
+    if (ParseKb(line, "Shared_Clean", &bytes) || ParseKb(line, "Shared_Dirty", &bytes)) {
+      totals.shared += bytes;
+    }
+  }
+  if (!seen) return NotFound("no mapping at the given address in /proc/self/smaps");
+  return totals;
+}
+
+Result<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return ErrnoStatus(errno, "open", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+Result<uint64_t> StatusField(const char* key) {
+  std::ifstream in("/proc/self/status");
+  if (!in) return ErrnoStatus(errno, "open", "/proc/self/status");
+  std::string line;
+  uint64_t bytes = 0;
+  while (std::getline(in, line)) {
+    if (ParseKb(line, key, &bytes)) return bytes;
+  }
+  return NotFound(std::string("no ") + key + " in /proc/self/status");
+}
+
+Result<uint64_t> ReadNumber(const std::string& path) {
+  EA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path));
+  return std::strtoull(text.c_str(), nullptr, 10);
+}
+
+}  // namespace
+
+Result<uint64_t> HugeBytesInRange(const void* start, uint64_t length) {
+  EA_ASSIGN_OR_RETURN(SmapsTotals totals, ReadSmapsRange(start, length));
+  return totals.huge;
+}
+
+Result<RangeMemory> MemoryInRange(const void* start, uint64_t length) {
+  EA_ASSIGN_OR_RETURN(SmapsTotals totals, ReadSmapsRange(start, length));
+  return RangeMemory{totals.rss, totals.huge, totals.shared};
+}
+
+Result<ProcessIo> ReadProcessIo() {
+  std::ifstream in("/proc/self/io");
+  if (!in) return ErrnoStatus(errno, "open", "/proc/self/io");
+  ProcessIo io;
+  std::string key;
+  uint64_t value = 0;
+  while (in >> key >> value) {
+    if (key == "rchar:") io.rchar = value;
+    if (key == "wchar:") io.wchar = value;
+    if (key == "read_bytes:") io.read_bytes = value;
+  }
+  return io;
+}
+
+Result<uint64_t> ResidentBytes() { return StatusField("VmRSS"); }
+Result<uint64_t> PinnedBytes() { return StatusField("VmPin"); }
+
+Result<uint64_t> ProcessStartTime(pid_t pid) {
+  std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  std::ifstream in(path);
+  if (!in) return NotFound("no process " + std::to_string(pid));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // The command name (field 2) is in parentheses and may hold spaces: start after the last ')'.
+  size_t close = text.rfind(')');
+  if (close == std::string::npos) return Corrupt(path + ": unexpected format");
+  std::istringstream rest(text.substr(close + 1));
+  std::string field;
+  // Fields after ')' start at 3 (state); starttime is field 22.
+  for (int i = 3; i <= 22; ++i) {
+    if (!(rest >> field)) return Corrupt(path + ": too few fields");
+  }
+  return std::strtoull(field.c_str(), nullptr, 10);
+}
+
+pid_t CurrentPid() { return ::getpid(); }
+
+Result<HugetlbPool> ReadHugetlbPool() {
+  const std::string dir = "/sys/kernel/mm/hugepages/hugepages-2048kB/";
+  HugetlbPool pool;
+  EA_ASSIGN_OR_RETURN(pool.total, ReadNumber(dir + "nr_hugepages"));
+  EA_ASSIGN_OR_RETURN(pool.free, ReadNumber(dir + "free_hugepages"));
+  EA_ASSIGN_OR_RETURN(pool.reserved, ReadNumber(dir + "resv_hugepages"));
+  EA_ASSIGN_OR_RETURN(pool.overcommit, ReadNumber(dir + "nr_overcommit_hugepages"));
+  return pool;
+}
+
+std::string ShmemHugeSetting() {
+  auto text = ReadSmallFile("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  if (!text.ok()) return "unknown";
+  size_t open = text->find('['), close = text->find(']');
+  if (open == std::string::npos || close == std::string::npos || close < open) return "unknown";
+  return text->substr(open + 1, close - open - 1);
+}
+
+}  // namespace expert_arena::platform

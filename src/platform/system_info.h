@@ -1,0 +1,78 @@
+// Readers of what the kernel says about filesystems, memory and processes: statfs,
+// /proc/buddyinfo, /proc/self/smaps, /proc/self/io, /proc/<pid>/stat and the hugetlb pool.
+// Each returns a Status naming the file it could not read or parse.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+#include "expert_arena/status.h"
+
+namespace expert_arena::platform {
+
+enum class FsKind { kTmpfs, kHugetlbfs, kOther };
+const char* FsKindName(FsKind kind);
+
+struct FilesystemInfo {
+  FsKind kind = FsKind::kOther;
+  uint64_t block_bytes = 0;      // f_bsize: the huge page size on hugetlbfs
+  uint64_t total_bytes = 0;
+  uint64_t available_bytes = 0;  // f_bavail * f_frsize
+};
+
+// statfs(2) of the filesystem holding `path` (a file or a directory).
+Result<FilesystemInfo> StatFilesystem(const std::string& path);
+
+// The number of free 2 MiB blocks the buddy allocator has across all zones
+// (/proc/buddyinfo, orders >= 9 counted as 2^(order-9) blocks each).
+Result<uint64_t> FreeHugeBlocks();
+
+// Bytes of the mapping that starts at `start` (and of the VMAs that follow it up to
+// start+length, since mprotect may split a mapping) that are mapped with 2 MiB pages, from
+// /proc/self/smaps: ShmemPmdMapped + FilePmdMapped + AnonHugePages for tmpfs and anonymous
+// memory, plus Shared_Hugetlb + Private_Hugetlb for hugetlbfs (hugetlb pages are not in Rss;
+// a hugetlbfs mapping held by one process is counted as Private_Hugetlb).
+Result<uint64_t> HugeBytesInRange(const void* start, uint64_t length);
+
+// Rss of the same range (for reports that show shared vs private memory).
+struct RangeMemory {
+  uint64_t rss = 0;
+  uint64_t huge = 0;
+  uint64_t shared = 0;  // Shared_Clean + Shared_Dirty + Shared_Hugetlb
+};
+Result<RangeMemory> MemoryInRange(const void* start, uint64_t length);
+
+// /proc/self/io: rchar (bytes passed to read-like calls) and read_bytes (from storage).
+struct ProcessIo {
+  uint64_t rchar = 0;
+  uint64_t wchar = 0;
+  uint64_t read_bytes = 0;
+};
+Result<ProcessIo> ReadProcessIo();
+
+// Resident set of this process (VmRSS from /proc/self/status), bytes.
+Result<uint64_t> ResidentBytes();
+// Locked/pinned pages of this process (VmPin), bytes.
+Result<uint64_t> PinnedBytes();
+
+// The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or
+// kNotFound when no such process exists. With the pid it identifies a process robustly
+// against pid reuse.
+Result<uint64_t> ProcessStartTime(pid_t pid);
+pid_t CurrentPid();
+
+// The hugetlb pool for 2 MiB pages (/sys/kernel/mm/hugepages/hugepages-2048kB).
+struct HugetlbPool {
+  uint64_t total = 0;
+  uint64_t free = 0;
+  uint64_t reserved = 0;
+  uint64_t overcommit = 0;
+};
+Result<HugetlbPool> ReadHugetlbPool();
+
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled, the bracketed word ("never", ...).
+std::string ShmemHugeSetting();
+
+}  // namespace expert_arena::platform

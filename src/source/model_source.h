@@ -1,0 +1,31 @@
+// Model sources: turn the files a user names into an ArenaTable (which tensors, from which
+// file and offset, how many bytes), reading only headers and file metadata.
+//
+// Formats are detected from the file contents: GGUF by its magic, safetensors by its
+// header or a model.safetensors.index.json; anything else is loaded as one raw tensor per
+// file (dtype "u8"), which is how `expert-arena load` fills an arena from an arbitrary file.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "expert_arena/arena.h"
+#include "expert_arena/status.h"
+#include "format/arena_table.h"
+
+namespace expert_arena::source {
+
+struct ModelPlan {
+  format::ArenaTable table;      // arena offsets assigned, identity computed
+  std::string format;            // "gguf", "safetensors", "raw"
+  uint64_t metadata_bytes_read = 0;  // header bytes read to build the plan
+};
+
+// Reads the headers of spec.files, selects tensors, assigns arena offsets, computes the
+// identity. Errors name the file (and the tensor) that is wrong.
+Result<ModelPlan> PlanModel(const ModelSpec& spec);
+
+// The raw reader: every file is one tensor of dtype "u8" named after the file.
+Result<ModelPlan> PlanRawFiles(const ModelSpec& spec);
+
+}  // namespace expert_arena::source

@@ -1,0 +1,153 @@
+// expert-arena info | verify | rm: operations on an arena file by path.
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "arena/arena_file.h"
+#include "commands.h"
+#include "common/units.h"
+
+namespace expert_arena::cli {
+namespace {
+
+std::string Hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+int RunInfo(const std::string& path, bool json) {
+  auto info = arena::InspectArenaFile(path);
+  if (!info.ok()) {
+    std::fprintf(stderr, "expert-arena info: %s\n", info.status().message().c_str());
+    return 1;
+  }
+  const auto& i = *info;
+  uint64_t data_offset = i.summary.layout.header_bytes;
+  if (json) {
+    nlohmann::json j;
+    j["path"] = i.path;
+    j["state"] = i.state;
+    if (!i.problem.empty()) j["problem"] = i.problem;
+    j["file_bytes"] = i.file_bytes;
+    j["owner_uid"] = i.owner_uid;
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", i.mode);
+    j["mode"] = mode;
+    j["in_use"] = i.in_use;
+    j["loading_now"] = i.loading_now;
+    j["backing"] = i.backing;
+    j["huge_bytes"] = i.huge_bytes;
+    j["format_version"] = i.summary.version;
+    j["header_bytes"] = i.summary.layout.header_bytes;
+    j["data_bytes"] = i.summary.layout.data_bytes;
+    j["loader_pid"] = i.summary.loader_pid;
+    j["identity"] = i.summary.identity_text;
+    j["identity_hash"] = Hex(i.summary.identity_hash);
+    j["alignment"] = i.table.alignment;
+    j["sources"] = nlohmann::json::array();
+    for (const auto& s : i.table.sources) {
+      j["sources"].push_back({{"path", s.path}, {"bytes", s.size}, {"mtime_ns", s.mtime_ns}});
+    }
+    j["tensors"] = nlohmann::json::array();
+    for (const auto& t : i.table.tensors) {
+      j["tensors"].push_back({{"name", t.name},
+                              {"dtype", t.dtype},
+                              {"shape", t.shape},
+                              {"file_offset", data_offset + t.arena_offset},
+                              {"bytes", t.bytes},
+                              {"source", t.source_index},
+                              {"source_offset", t.source_offset},
+                              {"checksum", Hex(t.checksum)}});
+    }
+    std::cout << j.dump(1) << std::endl;
+    return 0;
+  }
+  std::printf("path:      %s\n", i.path.c_str());
+  std::printf("state:     %s%s%s\n", i.state.c_str(), i.problem.empty() ? "" : ": ",
+              i.problem.c_str());
+  std::printf("size:      %s (%llu bytes), owner uid %u, mode %04o, on %s\n",
+              FormatBytes(i.file_bytes).c_str(), static_cast<unsigned long long>(i.file_bytes),
+              i.owner_uid, i.mode, i.backing.c_str());
+  std::printf("in use:    %s%s\n", i.in_use ? "yes (an engine maps it)" : "no",
+              i.loading_now ? "; an engine is loading it now" : "");
+  if (i.summary.our_magic) {
+    std::printf("format:    version %u, header %s, data %s\n", i.summary.version,
+                FormatBytes(i.summary.layout.header_bytes).c_str(),
+                FormatBytes(i.summary.layout.data_bytes).c_str());
+    std::printf("identity:  %s (%s)\n", i.summary.identity_text.c_str(),
+                Hex(i.summary.identity_hash).c_str());
+    std::printf("loader:    pid %u\n", i.summary.loader_pid);
+  }
+  if (i.state == "published") {
+    std::printf("pages:     %.2f of %.2f GiB on 2 MiB pages\n",
+                static_cast<double>(i.huge_bytes) / kGiB,
+                static_cast<double>(i.mapped_bytes) / kGiB);
+    std::printf("tensors:   %zu\n", i.table.tensors.size());
+    size_t shown = 0;
+    for (const auto& t : i.table.tensors) {
+      if (++shown > 20) {
+        std::printf("  ... %zu more (--json lists all)\n", i.table.tensors.size() - 20);
+        break;
+      }
+      std::string shape;
+      for (size_t d = 0; d < t.shape.size(); ++d) {
+        shape += (d ? "x" : "") + std::to_string(t.shape[d]);
+      }
+      std::printf("  %-48s %-6s %-16s %12llu bytes at %llu\n", t.name.c_str(), t.dtype.c_str(),
+                  shape.c_str(), static_cast<unsigned long long>(t.bytes),
+                  static_cast<unsigned long long>(data_offset + t.arena_offset));
+    }
+  }
+  return 0;
+}
+
+int RunVerify(const std::string& path) {
+  format::ArenaTable table;
+  auto bad = arena::VerifyArenaFile(path, &table);
+  if (!bad.ok()) {
+    std::fprintf(stderr, "expert-arena verify: %s\n", bad.status().message().c_str());
+    return 1;
+  }
+  if (*bad >= 0) {
+    const auto& t = table.tensors[static_cast<size_t>(*bad)];
+    std::fprintf(stderr, "expert-arena verify: %s: tensor %s: checksum mismatch (expected %s)\n",
+                 path.c_str(), t.name.c_str(), Hex(t.checksum).c_str());
+    return 1;
+  }
+  std::printf("%s: %zu tensors, every checksum matches\n", path.c_str(), table.tensors.size());
+  return 0;
+}
+
+int RunRemove(const std::string& path) {
+  Status s = arena::RemoveArenaFile(path);
+  if (!s.ok()) {
+    std::fprintf(stderr, "expert-arena rm: %s\n", s.message().c_str());
+    return 1;
+  }
+  std::printf("removed %s\n", path.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void RegisterFileCommands(CLI::App& app, int& exit_code) {
+  auto path = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
+  CLI::App* info = app.add_subcommand("info", "Header, state, identity, use, pages, tensors");
+  info->add_option("path", *path, "Arena file")->required();
+  info->add_flag("--json", *json, "Print one JSON object with the tensor table");
+  info->callback([path, json, &exit_code] { exit_code = RunInfo(*path, *json); });
+
+  auto verify_path = std::make_shared<std::string>();
+  CLI::App* verify = app.add_subcommand("verify", "Recompute every tensor checksum");
+  verify->add_option("path", *verify_path, "Arena file")->required();
+  verify->callback([verify_path, &exit_code] { exit_code = RunVerify(*verify_path); });
+
+  auto rm_path = std::make_shared<std::string>();
+  CLI::App* rm = app.add_subcommand("rm", "Unlink the arena file when no engine uses it");
+  rm->add_option("path", *rm_path, "Arena file")->required();
+  rm->callback([rm_path, &exit_code] { exit_code = RunRemove(*rm_path); });
+}
+
+}  // namespace expert_arena::cli

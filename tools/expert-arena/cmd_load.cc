@@ -1,0 +1,129 @@
+// expert-arena load: load the arena, or attach when another engine loaded it.
+#include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <poll.h>
+
+#include "commands.h"
+#include "expert_arena/arena.h"
+
+namespace expert_arena::cli {
+namespace {
+
+struct LoadArgs {
+  std::vector<std::string> models;
+  std::string arena;
+  std::string select;
+  bool all = false;
+  std::string gpu = "none";
+  std::string huge = "auto";
+  double wait_timeout = 600;
+  bool hold = false;
+  bool json = false;
+  std::string reader = "auto";
+  uint64_t alignment = 4096;
+};
+
+// Blocks until SIGINT/SIGTERM arrives or stdin closes.
+void HoldUntilReleased() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_BLOCK, &set, nullptr);
+  int sfd = -1;
+  struct pollfd fds[1] = {{STDIN_FILENO, POLLIN, 0}};
+  (void)sfd;
+  for (;;) {
+    struct timespec tick = {0, 100 * 1000 * 1000};
+    siginfo_t info;
+    if (sigtimedwait(&set, &info, &tick) > 0) return;
+    if (poll(fds, 1, 0) > 0) {
+      char buf[256];
+      ssize_t n = read(STDIN_FILENO, buf, sizeof buf);
+      if (n <= 0) return;  // stdin closed
+    }
+  }
+}
+
+int RunLoad(const LoadArgs& args) {
+  ModelSpec model;
+  model.files = args.models;
+  model.select = args.select;
+  model.select_all = args.all;
+  model.alignment = args.alignment;
+  ArenaOptions options;
+  options.shared_path = args.arena;
+  options.huge = args.huge == "on" ? HugePages::kOn
+                 : args.huge == "off" ? HugePages::kOff
+                                      : HugePages::kAuto;
+  options.wait_timeout_seconds = args.wait_timeout;
+  options.gpu = args.gpu;
+  options.reader = args.reader;
+  options.progress = !args.json && isatty(STDERR_FILENO);
+  auto result = Arena::Open(model, options);
+  if (!result.ok()) {
+    std::fprintf(stderr, "expert-arena load: %s\n", result.status().message().c_str());
+    return 1;
+  }
+  const ArenaReport& r = result->report();
+  if (args.json) {
+    nlohmann::json j;
+    j["role"] = ArenaRoleName(r.role);
+    j["arena"] = r.path;
+    j["backing"] = r.backing;
+    j["data_bytes"] = r.data_bytes;
+    j["tensor_bytes"] = r.tensor_bytes;
+    j["tensors"] = r.tensors;
+    j["model_tensors"] = r.model_tensors;
+    j["huge_bytes"] = r.huge_bytes;
+    j["seconds"] = r.seconds;
+    j["load_seconds"] = r.load_seconds;
+    j["wait_seconds"] = r.wait_seconds;
+    j["collapse_seconds"] = r.collapse_seconds;
+    j["bytes_read"] = r.bytes_read;
+    j["reader"] = r.reader;
+    j["identity"] = r.identity;
+    char hash[32];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(r.identity_hash));
+    j["identity_hash"] = hash;
+    j["huge_note"] = r.huge_note;
+    j["gpu"] = r.gpu_note;
+    j["gpu_registered_bytes"] = r.gpu_registered_bytes;
+    j["pid"] = getpid();
+    std::cout << j.dump() << std::endl;
+  }
+  if (args.hold) HoldUntilReleased();
+  return 0;
+}
+
+}  // namespace
+
+void RegisterLoad(CLI::App& app, int& exit_code) {
+  auto args = std::make_shared<LoadArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "load", "Load the arena, or attach when another engine loaded it");
+  cmd->add_option("--model", args->models, "Model file (repeat for shards)")->required();
+  cmd->add_option("--arena", args->arena, "Shared arena file (tmpfs or hugetlbfs)")->required();
+  cmd->add_option("--select", args->select, "Tensors whose names match this regex");
+  cmd->add_flag("--all", args->all, "Every tensor of the model");
+  cmd->add_option("--gpu", args->gpu, "none|cuda[:N]|hip[:N]");
+  cmd->add_option("--huge", args->huge, "2 MiB pages: auto|on|off")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
+  cmd->add_option("--wait-timeout", args->wait_timeout,
+                  "Seconds to wait for another engine's load");
+  cmd->add_option("--reader", args->reader, "auto|io_uring|pread")
+      ->check(CLI::IsMember({"auto", "io_uring", "pread"}));
+  cmd->add_option("--alignment", args->alignment, "Tensor alignment in the arena (bytes)");
+  cmd->add_flag("--hold", args->hold, "Keep it mapped until SIGINT/SIGTERM or stdin closes");
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  cmd->callback([args, &exit_code] { exit_code = RunLoad(*args); });
+}
+
+}  // namespace expert_arena::cli

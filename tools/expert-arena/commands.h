@@ -1,0 +1,12 @@
+// The `expert-arena` subcommands. Each Register* adds one CLI11 subcommand whose callback
+// stores its exit code (0 success, 1 a refusal or failed check, 2 bad usage) in `exit_code`.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace expert_arena::cli {
+
+void RegisterLoad(CLI::App& app, int& exit_code);
+void RegisterFileCommands(CLI::App& app, int& exit_code);  // info, verify, rm
+
+}  // namespace expert_arena::cli
