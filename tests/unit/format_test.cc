@@ -1,0 +1,171 @@
+// The V2 arena format: round trips, multi-page tables, and every way a header can lie.
+#include <cstring>
+#include <vector>
+
+#include "common/units.h"
+#include "format/arena_format.h"
+#include "test_util.h"
+
+namespace expert_arena::format {
+namespace {
+
+ArenaTable MakeTable(size_t tensors, uint64_t bytes_each) {
+  ArenaTable table;
+  table.sources.push_back({"/models/m.gguf", 123456789, 42});
+  for (size_t i = 0; i < tensors; ++i) {
+    TensorRecord t;
+    t.name = "blk." + std::to_string(i / 128) + ".ffn_up_exps." + std::to_string(i % 128) +
+             ".weight";
+    t.dtype = "q8_0";
+    t.shape = {4096, 1536};
+    t.bytes = bytes_each;
+    t.source_offset = 1000 + i * bytes_each;
+    t.checksum = 0x1234 + i;
+    table.tensors.push_back(t);
+  }
+  EXPECT_OK(AssignArenaOffsets(table));
+  ComputeIdentity(table);
+  return table;
+}
+
+std::vector<std::byte> Encode(const ArenaTable& table, ArenaLayout* layout_out) {
+  auto layout = ComputeLayout(table, kHugePageBytes);
+  EXPECT_TRUE(layout.ok());
+  std::vector<std::byte> header(layout->header_bytes);
+  EXPECT_OK(EncodeHeader(table, *layout, FileState::kPublished, 77, 88, 1, 2, header));
+  *layout_out = *layout;
+  return header;
+}
+
+TEST(FormatTest, RoundTrip) {
+  ArenaTable table = MakeTable(10, 5000);
+  ArenaLayout layout;
+  auto header = Encode(table, &layout);
+  EXPECT_EQ(layout.header_bytes, kHugePageBytes);
+  EXPECT_EQ(layout.data_bytes % kHugePageBytes, 0u);
+  ArenaTable decoded;
+  HeaderSummary summary;
+  ASSERT_OK(DecodeHeader(header, layout.file_bytes, "x", &decoded, &summary));
+  EXPECT_EQ(summary.loader_pid, 77u);
+  EXPECT_EQ(summary.state, FileState::kPublished);
+  ASSERT_EQ(decoded.tensors.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(decoded.tensors[i].name, table.tensors[i].name);
+    EXPECT_EQ(decoded.tensors[i].dtype, "q8_0");
+    EXPECT_EQ(decoded.tensors[i].shape, table.tensors[i].shape);
+    EXPECT_EQ(decoded.tensors[i].arena_offset, table.tensors[i].arena_offset);
+    EXPECT_EQ(decoded.tensors[i].arena_offset % 4096, 0u);
+    EXPECT_EQ(decoded.tensors[i].checksum, table.tensors[i].checksum);
+  }
+  EXPECT_EQ(decoded.identity_hash, table.identity_hash);
+  EXPECT_EQ(decoded.sources[0].path, "/models/m.gguf");
+}
+
+TEST(FormatTest, TableOfThirtySixThousandTensorsTakesSeveralPages) {
+  // A 94-layer, 128-expert model stored per expert, three matrices each.
+  ArenaTable table = MakeTable(94 * 128 * 3, 64);
+  ArenaLayout layout;
+  auto header = Encode(table, &layout);
+  EXPECT_GT(layout.header_bytes, kHugePageBytes);
+  EXPECT_EQ(layout.header_bytes % kHugePageBytes, 0u);
+  ArenaTable decoded;
+  ASSERT_OK(DecodeHeader(header, layout.file_bytes, "x", &decoded, nullptr));
+  EXPECT_EQ(decoded.tensors.size(), table.tensors.size());
+  EXPECT_EQ(decoded.tensors.back().name, table.tensors.back().name);
+}
+
+TEST(FormatTest, IdentityChangesWithTheSourceFile) {
+  ArenaTable a = MakeTable(3, 100);
+  ArenaTable b = a;
+  b.sources[0].mtime_ns += 1;
+  b.identity_text.clear();
+  ComputeIdentity(b);
+  EXPECT_NE(a.identity_hash, b.identity_hash);
+}
+
+class CorruptHeaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    table_ = MakeTable(4, 5000);
+    header_ = Encode(table_, &layout_);
+  }
+  HeaderFixed Fixed() {
+    HeaderFixed f;
+    std::memcpy(&f, header_.data(), sizeof f);
+    return f;
+  }
+  // Rewrites the fixed header and its checksum, as a hostile writer would.
+  void Store(HeaderFixed f) {
+    f.header_checksum = 0;
+    std::vector<std::byte> tmp(sizeof f);
+    std::memcpy(tmp.data(), &f, sizeof f);
+    f.header_checksum = Checksum(tmp);
+    std::memcpy(header_.data(), &f, sizeof f);
+  }
+  std::string DecodeError(uint64_t file_size) {
+    ArenaTable out;
+    Status s = DecodeHeader(header_, file_size, "/dev/shm/bad.arena", &out, nullptr);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("/dev/shm/bad.arena"), std::string::npos) << s.message();
+    return s.message();
+  }
+  ArenaTable table_;
+  ArenaLayout layout_;
+  std::vector<std::byte> header_;
+};
+
+TEST_F(CorruptHeaderTest, WrongMagic) {
+  header_[0] = std::byte{'X'};
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("bad magic"), std::string::npos);
+}
+
+TEST_F(CorruptHeaderTest, FlippedByteFailsTheChecksum) {
+  header_[100] ^= std::byte{1};
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("checksum"), std::string::npos);
+}
+
+TEST_F(CorruptHeaderTest, FlippedTableByteFailsTheTableChecksum) {
+  header_[sizeof(HeaderFixed) + 40] ^= std::byte{1};
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("table checksum"), std::string::npos);
+}
+
+TEST_F(CorruptHeaderTest, TruncatedFile) {
+  EXPECT_NE(DecodeError(layout_.file_bytes - kHugePageBytes).find("file has"),
+            std::string::npos);
+}
+
+TEST_F(CorruptHeaderTest, DataRegionPastTheEnd) {
+  HeaderFixed f = Fixed();
+  f.data_bytes = UINT64_MAX - kHugePageBytes + 1;  // overflows header + data
+  Store(f);
+  DecodeError(layout_.file_bytes);
+}
+
+TEST_F(CorruptHeaderTest, HugeTensorCount) {
+  HeaderFixed f = Fixed();
+  f.tensor_count = UINT64_MAX / 64;
+  Store(f);
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("outside"), std::string::npos);
+}
+
+TEST_F(CorruptHeaderTest, TensorPointsPastTheData) {
+  HeaderFixed f = Fixed();
+  TensorEntry e;
+  std::memcpy(&e, header_.data() + f.tensors_offset, sizeof e);
+  e.arena_offset = f.data_bytes - 10;
+  e.bytes = 100;
+  std::memcpy(header_.data() + f.tensors_offset, &e, sizeof e);
+  f.table_checksum = Checksum({header_.data() + f.sources_offset,
+                               f.strings_offset + f.strings_bytes - f.sources_offset});
+  Store(f);
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("past the end"), std::string::npos);
+}
+
+TEST_F(CorruptHeaderTest, ShortHeader) {
+  ArenaTable out;
+  Status s = DecodeHeader(std::span<const std::byte>(header_).first(100), 100, "f", &out, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt);
+}
+
+}  // namespace
+}  // namespace expert_arena::format

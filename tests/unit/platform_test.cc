@@ -1,0 +1,121 @@
+// The platform layer: OFD lock semantics, aligned mappings, the proc readers.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "common/units.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "platform/ofd_lock.h"
+#include "platform/system_info.h"
+#include "test_util.h"
+
+namespace expert_arena::platform {
+namespace {
+
+OpenOptions RW() {
+  OpenOptions o;
+  o.write = true;
+  o.create = true;
+  return o;
+}
+
+TEST(OfdLockTest, TwoDescriptorsInOneProcessConflict) {
+  testing::ScopedPath path("lock");
+  ASSERT_OK_AND_ASSIGN(UniqueFd a, OpenFile(path.path(), RW()));
+  ASSERT_OK_AND_ASSIGN(UniqueFd b, OpenFile(path.path(), RW()));
+  ASSERT_OK_AND_ASSIGN(bool got, TryLockByte(a, 0, LockMode::kExclusive));
+  EXPECT_TRUE(got);
+  ASSERT_OK_AND_ASSIGN(bool got_b, TryLockByte(b, 0, LockMode::kShared));
+  EXPECT_FALSE(got_b);
+  // Another byte is independent.
+  ASSERT_OK_AND_ASSIGN(bool other, TryLockByte(b, 1, LockMode::kShared));
+  EXPECT_TRUE(other);
+  a.Reset();  // closing drops the lock
+  ASSERT_OK_AND_ASSIGN(bool after, TryLockByte(b, 0, LockMode::kExclusive));
+  EXPECT_TRUE(after);
+}
+
+TEST(OfdLockTest, ExclusiveConvertsToSharedWithoutAGap) {
+  testing::ScopedPath path("convert");
+  ASSERT_OK_AND_ASSIGN(UniqueFd a, OpenFile(path.path(), RW()));
+  ASSERT_OK_AND_ASSIGN(UniqueFd b, OpenFile(path.path(), RW()));
+  ASSERT_OK_AND_ASSIGN(bool got, TryLockByte(a, 1, LockMode::kExclusive));
+  ASSERT_TRUE(got);
+  ASSERT_OK_AND_ASSIGN(bool converted, TryLockByte(a, 1, LockMode::kShared));
+  EXPECT_TRUE(converted);
+  ASSERT_OK_AND_ASSIGN(bool shared_b, TryLockByte(b, 1, LockMode::kShared));
+  EXPECT_TRUE(shared_b);
+  ASSERT_OK_AND_ASSIGN(bool excl_b, ByteIsLocked(b, 1, LockMode::kExclusive));
+  EXPECT_TRUE(excl_b);
+}
+
+TEST(FileTest, SymlinkIsRefused) {
+  testing::ScopedPath target("target");
+  testing::ScopedPath link("link");
+  { ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(target.path(), RW())); }
+  ASSERT_EQ(symlink(target.path().c_str(), link.path().c_str()), 0);
+  auto fd = OpenFile(link.path(), RW());
+  ASSERT_FALSE(fd.ok());
+  EXPECT_NE(fd.status().message().find("symbolic link"), std::string::npos);
+}
+
+TEST(FileTest, CreatedFileIsPrivate) {
+  testing::ScopedPath path("mode");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  ASSERT_OK_AND_ASSIGN(FileStat st, StatFd(fd));
+  EXPECT_EQ(st.mode & 0777, 0600u);
+}
+
+TEST(MappingTest, FileMappingIsTwoMiBAligned) {
+  testing::ScopedPath path("map");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  ASSERT_OK(AllocateFile(fd, 4 * kHugePageBytes));
+  ASSERT_OK_AND_ASSIGN(Mapping m, Mapping::MapFile(fd, 4 * kHugePageBytes, true, kHugePageBytes));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(m.data()) % kHugePageBytes, 0u);
+  m.data()[0] = std::byte{7};
+  ASSERT_OK(AdviseRange(m.data(), m.size(), Advice::kPopulateRead, path.path()));
+}
+
+TEST(SystemInfoTest, DevShmIsTmpfs) {
+  auto fs = StatFilesystem("/dev/shm");
+  ASSERT_OK(fs);
+  EXPECT_EQ(fs->kind, FsKind::kTmpfs);
+}
+
+TEST(SystemInfoTest, ReadersParse) {
+  ASSERT_OK(FreeHugeBlocks());
+  ASSERT_OK_AND_ASSIGN(ProcessIo io, ReadProcessIo());
+  EXPECT_GT(io.rchar, 0u);
+  ASSERT_OK_AND_ASSIGN(uint64_t self_start, ProcessStartTime(getpid()));
+  EXPECT_GT(self_start, 0u);
+  EXPECT_FALSE(ProcessStartTime(999999999).ok());
+  EXPECT_NE(ShmemHugeSetting(), "unknown");
+}
+
+TEST(SystemInfoTest, SmapsCountsCollapsedTmpfsPages) {
+  testing::ScopedPath path("smaps");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  const uint64_t bytes = 8 * kHugePageBytes;
+  ASSERT_OK(AllocateFile(fd, bytes));
+  ASSERT_OK_AND_ASSIGN(Mapping m, Mapping::MapFile(fd, bytes, true, kHugePageBytes));
+  Status collapsed = AdviseRange(m.data(), bytes, Advice::kCollapse, path.path());
+  if (!collapsed.ok()) GTEST_SKIP() << "MADV_COLLAPSE unavailable: " << collapsed.message();
+  ASSERT_OK(AdviseRange(m.data(), bytes, Advice::kPopulateWrite, path.path()));
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, HugeBytesInRange(m.data(), bytes));
+  EXPECT_EQ(huge, bytes);
+}
+
+TEST(FileTest, AllocateBeyondTheFilesystemNamesTheSizes) {
+  testing::ScopedMount mount(testing::ScopedMount::Kind::kTmpfsHuge, 8 * kMiB);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  testing::ScopedPath path("big", mount.dir());
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  Status s = AllocateFile(fd, 64 * kMiB);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace);
+  EXPECT_NE(s.message().find("64.0 MiB"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("available"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace expert_arena::platform
