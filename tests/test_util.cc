@@ -147,15 +147,35 @@ int Child::Wait(double timeout_seconds) {
       exit_code_ = -1;
       return -1;
     }
-    // Drain stdout so a chatty child never blocks on a full pipe.
-    if (out_fd_ >= 0) {
-      int flags = fcntl(out_fd_, F_GETFL);
-      fcntl(out_fd_, F_SETFL, flags | O_NONBLOCK);
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(out_fd_, buf, sizeof buf)) > 0) output_.append(buf, static_cast<size_t>(n));
-      fcntl(out_fd_, F_SETFL, flags);
+    Drain();  // so a chatty child never blocks on a full pipe
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void Child::Drain() {
+  if (out_fd_ < 0) return;
+  int flags = fcntl(out_fd_, F_GETFL);
+  fcntl(out_fd_, F_SETFL, flags | O_NONBLOCK);
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(out_fd_, buf, sizeof buf)) > 0) output_.append(buf, static_cast<size_t>(n));
+  fcntl(out_fd_, F_SETFL, flags);
+}
+
+bool Child::WaitForOutput(const std::string& needle, double timeout_seconds) {
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  for (;;) {
+    Drain();
+    if (output_.find(needle) != std::string::npos) return true;
+    if (pid_ <= 0 || exit_code_ != -2) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      Output();
+      return output_.find(needle) != std::string::npos;
     }
+    if (std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }

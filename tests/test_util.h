@@ -89,6 +89,8 @@ class Child {
   int Wait(double timeout_seconds = 60);
   // Everything the child wrote to stdout so far (reads until EOF after Wait()).
   const std::string& Output();
+  // Reads stdout until it contains `needle` (true), or the child exits or time runs out.
+  bool WaitForOutput(const std::string& needle, double timeout_seconds = 60);
   void Kill(int sig);
 
  private:
@@ -98,6 +100,7 @@ class Child {
   int out_fd_ = -1;
   std::string output_;
   int exit_code_ = -2;
+  void Drain();
 };
 
 Child SpawnRole(const std::string& role, const std::vector<std::string>& args);

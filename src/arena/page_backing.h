@@ -20,8 +20,20 @@ struct HugeDecision {
   std::string note;  // for the start line
 };
 
+// Where the arena's pages come from.
+enum class PageSource {
+  kAnonymous,      // private arena
+  kTmpfs,          // tmpfs without huge= (or huge=advise): 4 KiB pages unless collapsed
+  kTmpfsHuge,      // tmpfs huge=always/within_size (or shmem_enabled=force): 2 MiB at fallocate
+  kHugetlbfs,      // reserved 2 MiB (or larger) pages
+};
+
+// The page source of a shared file on a filesystem of `kind` mounted with `tmpfs_huge`.
+PageSource PageSourceFor(bool hugetlbfs, const std::string& tmpfs_huge);
+
 // `free_blocks`: free 2 MiB blocks now (from /proc/buddyinfo).
-HugeDecision DecideHugePages(HugePages mode, bool hugetlbfs, uint64_t bytes, uint64_t free_blocks);
+HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
+                             uint64_t free_blocks);
 
 // MADV_COLLAPSE of [data, data+bytes) (2 MiB-aligned) split across worker threads. Returns the
 // seconds it took; a failure names the first range that could not be collapsed.
@@ -30,7 +42,7 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
 // Reads the decision's inputs, asks for 2 MiB pages when the decision says so, and returns the
 // decision with collapse timing added to its note. Never fatal: a collapse that fails is
 // reported in the note (the arena works on 4 KiB pages too).
-HugeDecision ApplyHugePages(HugePages mode, bool hugetlbfs, std::byte* data, uint64_t bytes,
+HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
                             bool populate_first, const std::string& what, double* collapse_seconds);
 
 }  // namespace expert_arena::arena

@@ -13,12 +13,14 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 #include <vector>
 
 #include "arena/arena_impl.h"
 #include "arena/page_backing.h"
+#include "arena/test_hooks.h"
 #include "common/units.h"
 #include "format/arena_format.h"
 #include "load/loader.h"
@@ -123,6 +125,29 @@ Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
                                            platform::Advice::kPopulateRead, path));
   impl->fd = std::move(fd);
   return impl;
+}
+
+// Reads sampled pages of the data region back through the file descriptor and compares them
+// with the mapping the loader wrote. A kernel that lost writes to a shared mapping (seen on
+// 6.18 after MADV_COLLAPSE of huge folios) is caught here, before anything is published.
+Status CheckWritesReachedTheFile(const platform::UniqueFd& fd, const platform::Mapping& mapping,
+                                 uint64_t data_offset, uint64_t data_bytes) {
+  constexpr uint64_t kSample = 4096;
+  constexpr uint64_t kSamples = 64;
+  std::vector<std::byte> buf(kSample);
+  uint64_t pages = data_bytes / kSample;
+  for (uint64_t i = 0; i < kSamples && pages > 0; ++i) {
+    uint64_t page = i == kSamples - 1 ? pages - 1 : (i * pages) / kSamples;
+    uint64_t offset = data_offset + page * kSample;
+    EA_RETURN_IF_ERROR(platform::ReadFull(fd, offset, buf));
+    if (std::memcmp(buf.data(), mapping.data() + offset, kSample) != 0) {
+      return Internal(fd.path() + ": bytes written through the mapping at offset " +
+                      std::to_string(offset) +
+                      " did not reach the file (kernel page-cache inconsistency); not "
+                      "published. Retry with --huge off and report the kernel version");
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -272,7 +297,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
 
     std::byte* data = impl->mapping.data() + impl->data_offset;
     double collapse_seconds = 0;
-    HugeDecision huge = ApplyHugePages(options.huge, hugetlbfs, impl->mapping.data(),
+    HugeDecision huge = ApplyHugePages(options.huge, PageSourceFor(hugetlbfs, fs.tmpfs_huge),
+                                       impl->mapping.data(),
                                        impl->mapping.size(), false, path, &collapse_seconds);
     s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
                               platform::Advice::kPopulateWrite, path);
@@ -286,6 +312,9 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     auto loaded = load::LoadTensors(request, impl->table);
     if (!loaded.ok()) return fail(loaded.status().WithContext("loading " + path));
 
+    s = CheckWritesReachedTheFile(fd, impl->mapping, impl->data_offset, impl->table.data_bytes);
+    if (!s.ok()) return fail(s);
+    test_hooks::RunBeforePublish();
     s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
                              created, UnixNanos(), header);
     if (!s.ok()) return fail(s);

@@ -2,6 +2,8 @@
 
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -31,6 +33,30 @@ const char* FsKindName(FsKind kind) {
   return "other";
 }
 
+namespace {
+
+// The huge= option of the tmpfs mount whose device is `device`, from /proc/self/mountinfo:
+// "36 25 0:32 / /mnt/x rw,relatime - tmpfs tmpfs rw,size=65536k,huge=always".
+std::string TmpfsHugeOption(dev_t device) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  const std::string wanted =
+      std::to_string(major(device)) + ":" + std::to_string(minor(device));
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string id, parent, dev;
+    words >> id >> parent >> dev;
+    if (dev != wanted) continue;
+    size_t at = line.find("huge=");
+    if (at == std::string::npos) return "never";
+    size_t end = line.find_first_of(", \n", at);
+    return line.substr(at + 5, end == std::string::npos ? std::string::npos : end - at - 5);
+  }
+  return "never";
+}
+
+}  // namespace
+
 Result<FilesystemInfo> StatFilesystem(const std::string& path) {
   struct statfs fs {};
   if (::statfs(path.c_str(), &fs) != 0) return ErrnoStatus(errno, "statfs", path);
@@ -42,6 +68,10 @@ Result<FilesystemInfo> StatFilesystem(const std::string& path) {
   info.block_bytes = static_cast<uint64_t>(fs.f_bsize);
   info.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   info.available_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  struct stat st {};
+  if (info.kind == FsKind::kTmpfs && ::stat(path.c_str(), &st) == 0) {
+    info.tmpfs_huge = TmpfsHugeOption(st.st_dev);
+  }
   return info;
 }
 

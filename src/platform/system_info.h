@@ -20,6 +20,9 @@ struct FilesystemInfo {
   uint64_t block_bytes = 0;      // f_bsize: the huge page size on hugetlbfs
   uint64_t total_bytes = 0;
   uint64_t available_bytes = 0;  // f_bavail * f_frsize
+  // tmpfs only: the mount's huge= option ("never" when absent, "always", "within_size",
+  // "advise"), from /proc/self/mountinfo.
+  std::string tmpfs_huge = "never";
 };
 
 // statfs(2) of the filesystem holding `path` (a file or a directory).

@@ -1,0 +1,16 @@
+#include "arena/test_hooks.h"
+
+namespace expert_arena::arena::test_hooks {
+namespace {
+std::function<void()>& BeforePublish() {
+  static std::function<void()> hook;
+  return hook;
+}
+}  // namespace
+
+void SetBeforePublish(std::function<void()> hook) { BeforePublish() = std::move(hook); }
+void RunBeforePublish() {
+  if (BeforePublish()) BeforePublish()();
+}
+
+}  // namespace expert_arena::arena::test_hooks

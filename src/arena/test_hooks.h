@@ -1,0 +1,15 @@
+// Fault-injection points for the multi-process tests (never set in production). A hook runs
+// in the loading process at a named point of the protocol; a test's child role sets it to
+// announce itself and sleep, so the parent can start a rival engine or SIGKILL the loader at
+// exactly that point.
+#pragma once
+
+#include <functional>
+
+namespace expert_arena::arena::test_hooks {
+
+// Runs after the data is loaded and checked, just before the header is published.
+void SetBeforePublish(std::function<void()> hook);
+void RunBeforePublish();
+
+}  // namespace expert_arena::arena::test_hooks

@@ -1,0 +1,300 @@
+// The shared-arena protocol with real engine processes: load once, wait, attach, restart,
+// replace, refuse, survive a killed loader, and eight engines racing on a fresh file.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <set>
+
+#include "arena/arena_file.h"
+#include "common/units.h"
+#include "engine_role.h"
+#include "format/arena_format.h"
+
+namespace expert_arena::testing {
+namespace {
+
+EA_CHILD_ROLE(engine) { return EngineRole(args); }
+
+constexpr uint64_t kModelBytes = 24 * kMiB;
+
+class ArenaProtocolTest : public ::testing::Test {
+ protected:
+  ArenaProtocolTest() : model_(kModelBytes, 1), arena_("arena"), release_("release") {}
+
+  Child StartEngine(const std::string& hook = "none", bool hold = false,
+                    const std::string& model = "") {
+    return SpawnRole("engine", {arena_.path(), model.empty() ? model_.path() : model, hook,
+                                hold ? release_.path() : "-"});
+  }
+  nlohmann::json Finish(Child& child, int expected_exit = 0) {
+    int code = child.Wait(120);
+    EXPECT_EQ(code, expected_exit) << child.Output();
+    return ParseEngineOutput(child.Output());
+  }
+  void Release() { std::ofstream(release_.path()) << "go"; }
+
+  ScopedDataFile model_;
+  ScopedPath arena_;
+  ScopedPath release_;
+};
+
+TEST_F(ArenaProtocolTest, LoadThenAttachInTheSameProcess) {
+  ArenaOptions options;
+  options.shared_path = arena_.path();
+  ModelSpec spec;
+  spec.files = {model_.path()};
+  ASSERT_OK_AND_ASSIGN(Arena first, Arena::Open(spec, options));
+  EXPECT_EQ(first.role(), ArenaRole::kLoaded);
+  EXPECT_EQ(first.report().bytes_read, kModelBytes);
+  ASSERT_OK_AND_ASSIGN(Arena second, Arena::Open(spec, options));
+  EXPECT_EQ(second.role(), ArenaRole::kAttached);
+  EXPECT_EQ(second.report().bytes_read, 0u);
+  EXPECT_EQ(HexSum(first.tensor(0).bytes), FileSum(model_.path()));
+  EXPECT_EQ(HexSum(second.tensor(0).bytes), FileSum(model_.path()));
+  // Views of a shared arena know where they live in the file.
+  EXPECT_EQ(second.tensor(0).file_offset, format::kHeaderPageBytes);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(second.data().data()) % kHugePageBytes, 0u);
+}
+
+TEST_F(ArenaProtocolTest, SecondEngineWaitsWhileTheFirstLoadsThenAttaches) {
+  Child loader = StartEngine("slow");
+  ASSERT_TRUE(loader.WaitForOutput("LOADING", 60)) << loader.Output();
+  Child waiter = StartEngine();
+  nlohmann::json l = Finish(loader);
+  nlohmann::json w = Finish(waiter);
+  EXPECT_EQ(l["role"], "loaded");
+  EXPECT_EQ(w["role"], "attached");
+  EXPECT_EQ(w["waited_for"], l["pid"]) << "the waiter names the loading engine";
+  EXPECT_GT(w["wait"].get<double>(), 0.0);
+  EXPECT_EQ(w["bytes_read"], 0);
+  EXPECT_EQ(l["sum"], FileSum(model_.path()));
+  EXPECT_EQ(w["sum"], l["sum"]);
+}
+
+TEST_F(ArenaProtocolTest, RestartAttachesWithoutReadingTheModel) {
+  Child first = StartEngine();
+  nlohmann::json a = Finish(first);
+  ASSERT_EQ(a["role"], "loaded");
+  Child second = StartEngine();
+  nlohmann::json b = Finish(second);
+  EXPECT_EQ(b["role"], "attached");
+  EXPECT_EQ(b["bytes_read"], 0);
+  // /proc/self/io: the attach read() almost nothing (smaps and proc files only), far less than
+  // the model.
+  EXPECT_LT(b["rchar"].get<uint64_t>(), kModelBytes / 8) << b.dump();
+  EXPECT_EQ(b["sum"], a["sum"]);
+}
+
+TEST_F(ArenaProtocolTest, AnotherModelIsRefusedWhileMappedAndReplacedOnceUnused) {
+  Child holder = StartEngine("none", /*hold=*/true);
+  ASSERT_TRUE(holder.WaitForOutput("HOLDING", 60)) << holder.Output();
+  ScopedDataFile other(kModelBytes, 2);        // same size, another model
+  ScopedDataFile bigger(kModelBytes * 2, 3);   // another size
+  for (const std::string& path : {other.path(), bigger.path()}) {
+    Child rival = StartEngine("none", false, path);
+    nlohmann::json r = Finish(rival, 1);
+    std::string error = r["error"];
+    EXPECT_EQ(r["code"], "busy");
+    EXPECT_NE(error.find(arena_.path()), std::string::npos) << error;
+    EXPECT_NE(error.find(model_.path()), std::string::npos) << "names the model in the file: " << error;
+    EXPECT_NE(error.find(path), std::string::npos) << "names the wanted model: " << error;
+  }
+  Release();
+  Finish(holder);
+  Child replacer = StartEngine("none", false, bigger.path());
+  nlohmann::json r = Finish(replacer);
+  EXPECT_EQ(r["role"], "loaded");
+  EXPECT_EQ(r["sum"], FileSum(bigger.path()));
+}
+
+TEST_F(ArenaProtocolTest, LoaderKilledBeforePublishingLeavesTheFileToTheNextEngine) {
+  Child loader = StartEngine("hang");
+  ASSERT_TRUE(loader.WaitForOutput("LOADING", 60)) << loader.Output();
+  // Two engines arrive while it loads; both wait on its FILL lock.
+  Child b = StartEngine();
+  Child c = StartEngine();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  loader.Kill(SIGKILL);
+  EXPECT_EQ(loader.Wait(30), 128 + SIGKILL);
+  nlohmann::json rb = Finish(b);
+  nlohmann::json rc = Finish(c);
+  std::multiset<std::string> roles = {rb["role"], rc["role"]};
+  EXPECT_EQ(roles, (std::multiset<std::string>{"attached", "loaded"}))
+      << rb.dump() << "\n" << rc.dump();
+  EXPECT_EQ(rb["sum"], FileSum(model_.path()));
+  EXPECT_EQ(rc["sum"], rb["sum"]);
+  ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(arena_.path()));
+  EXPECT_EQ(info.state, "published");
+}
+
+TEST_F(ArenaProtocolTest, EightEnginesAtOnceOnAFreshFileLoadOnce) {
+  std::vector<Child> engines;
+  for (int i = 0; i < 8; ++i) engines.push_back(StartEngine());
+  int loaded = 0;
+  std::set<std::string> sums;
+  for (Child& e : engines) {
+    nlohmann::json r = Finish(e);
+    loaded += r["role"] == "loaded";
+    sums.insert(r["sum"].get<std::string>());
+    if (r["role"] == "attached") {
+      EXPECT_EQ(r["bytes_read"], 0);
+    }
+  }
+  EXPECT_EQ(loaded, 1);
+  EXPECT_EQ(sums, std::set<std::string>{FileSum(model_.path())});
+}
+
+TEST_F(ArenaProtocolTest, WaitTimesOutWithAClearMessage) {
+  Child loader = StartEngine("hang");
+  ASSERT_TRUE(loader.WaitForOutput("LOADING", 60)) << loader.Output();
+  Child waiter = SpawnRole("engine", {arena_.path(), model_.path(), "none", "-", "auto", "0.5"});
+  nlohmann::json r = Finish(waiter, 1);
+  EXPECT_EQ(r["code"], "timed out");
+  std::string error = r["error"];
+  EXPECT_NE(error.find("pid " + std::to_string(loader.pid())), std::string::npos) << error;
+  loader.Kill(SIGKILL);
+  loader.Wait(30);
+}
+
+TEST_F(ArenaProtocolTest, RmRefusesWhileInUseAndRemovesOnceUnused) {
+  Child holder = StartEngine("none", true);
+  ASSERT_TRUE(holder.WaitForOutput("HOLDING", 60)) << holder.Output();
+  Status s = arena::RemoveArenaFile(arena_.path());
+  EXPECT_EQ(s.code(), StatusCode::kBusy) << s.ToString();
+  ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(arena_.path()));
+  EXPECT_TRUE(info.in_use);
+  Release();
+  Finish(holder);
+  ASSERT_OK(arena::RemoveArenaFile(arena_.path()));
+  struct stat st;
+  EXPECT_NE(stat(arena_.path().c_str(), &st), 0);
+}
+
+TEST_F(ArenaProtocolTest, PrivateArenaHasTheSameViews) {
+  ModelSpec spec;
+  spec.files = {model_.path()};
+  ArenaOptions options;
+  ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open(spec, options));
+  EXPECT_EQ(arena.role(), ArenaRole::kPrivate);
+  EXPECT_EQ(HexSum(arena.tensor(0).bytes), FileSum(model_.path()));
+  EXPECT_EQ(arena.tensor(0).checksum,
+            XXH3_64bits(arena.tensor(0).bytes.data(), arena.tensor(0).bytes.size()));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(arena.data().data()) % kHugePageBytes, 0u);
+  ASSERT_TRUE(arena.Find(arena.tensor(0).name).has_value());
+  EXPECT_FALSE(arena.Find("no such tensor").has_value());
+}
+
+TEST_F(ArenaProtocolTest, SymlinkAndForeignOwnerAreRefused) {
+  ScopedPath link("link");
+  ASSERT_EQ(symlink("/dev/shm/ea-nonexistent-target", link.path().c_str()), 0);
+  ModelSpec spec;
+  spec.files = {model_.path()};
+  ArenaOptions options;
+  options.shared_path = link.path();
+  auto refused = Arena::Open(spec, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("symbolic link"), std::string::npos);
+  struct stat st;
+  EXPECT_NE(stat("/dev/shm/ea-nonexistent-target", &st), 0) << "nothing created through the link";
+
+  if (geteuid() != 0) GTEST_SKIP() << "foreign owner check needs root to chown";
+  options.shared_path = arena_.path();
+  { ASSERT_OK(Arena::Open(spec, options)); }
+  ASSERT_EQ(chown(arena_.path().c_str(), 65534, 65534), 0);
+  auto foreign = Arena::Open(spec, options);
+  ASSERT_FALSE(foreign.ok());
+  EXPECT_NE(foreign.status().message().find("owned by uid 65534"), std::string::npos)
+      << foreign.status().message();
+  options.allow_foreign_owner = true;
+  ASSERT_OK_AND_ASSIGN(Arena opted, Arena::Open(spec, options));
+  EXPECT_EQ(opted.role(), ArenaRole::kAttached);
+}
+
+// ---- damaged files ----------------------------------------------------------------------
+
+class DamagedArenaTest : public ArenaProtocolTest {
+ protected:
+  // A published arena, then `damage` applied to the file with pwrite/ftruncate.
+  void PublishThenDamage(const std::function<void(int fd, uint64_t size)>& damage) {
+    ModelSpec spec;
+    spec.files = {model_.path()};
+    ArenaOptions options;
+    options.shared_path = arena_.path();
+    { ASSERT_OK(Arena::Open(spec, options)); }
+    int fd = open(arena_.path().c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    struct stat st;
+    fstat(fd, &st);
+    damage(fd, static_cast<uint64_t>(st.st_size));
+    close(fd);
+  }
+  // Attaching without a model refuses with a message naming the file; loading with the
+  // model replaces the damaged file (nobody maps it) and gives the right bytes.
+  void ExpectRefusedThenReplaced(const std::string& expected_words) {
+    ArenaOptions options;
+    options.progress = false;
+    auto attach = Arena::AttachExisting(arena_.path(), options);
+    ASSERT_FALSE(attach.ok());
+    EXPECT_NE(attach.status().message().find(arena_.path()), std::string::npos)
+        << attach.status().message();
+    EXPECT_NE(attach.status().message().find(expected_words), std::string::npos)
+        << attach.status().message();
+    ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(arena_.path()));
+    EXPECT_NE(info.state, "published");
+    Child engine = StartEngine();
+    nlohmann::json r = Finish(engine);
+    EXPECT_EQ(r["role"], "loaded");
+    EXPECT_EQ(r["sum"], FileSum(model_.path()));
+  }
+};
+
+TEST_F(DamagedArenaTest, Truncated) {
+  PublishThenDamage([](int fd, uint64_t size) { ASSERT_EQ(ftruncate(fd, size / 2), 0); });
+  ExpectRefusedThenReplaced("bytes");
+}
+
+TEST_F(DamagedArenaTest, TruncatedInsideTheHeader) {
+  PublishThenDamage([](int fd, uint64_t) { ASSERT_EQ(ftruncate(fd, 100), 0); });
+  ExpectRefusedThenReplaced("");
+}
+
+TEST_F(DamagedArenaTest, CorruptedHeader) {
+  PublishThenDamage([](int fd, uint64_t) {
+    char junk[16] = "garbage";
+    ASSERT_EQ(pwrite(fd, junk, sizeof junk, 600), static_cast<ssize_t>(sizeof junk));
+  });
+  ExpectRefusedThenReplaced("checksum");
+}
+
+TEST_F(DamagedArenaTest, WrongMagic) {
+  PublishThenDamage([](int fd, uint64_t) { ASSERT_EQ(pwrite(fd, "NOTARENA", 8, 0), 8); });
+  ExpectRefusedThenReplaced("not an expert-arena file");
+}
+
+TEST_F(DamagedArenaTest, OffsetsPastTheEnd) {
+  PublishThenDamage([](int fd, uint64_t) {
+    format::HeaderFixed fixed;
+    ASSERT_EQ(pread(fd, &fixed, sizeof fixed, 0), static_cast<ssize_t>(sizeof fixed));
+    fixed.tensors_offset = UINT64_MAX - 64;  // a hostile header with a valid checksum
+    fixed.header_checksum = 0;
+    fixed.header_checksum = XXH3_64bits(&fixed, sizeof fixed);
+    ASSERT_EQ(pwrite(fd, &fixed, sizeof fixed, 0), static_cast<ssize_t>(sizeof fixed));
+  });
+  ExpectRefusedThenReplaced("outside");
+}
+
+TEST_F(DamagedArenaTest, CorruptedDataFailsVerifyNamingTheTensor) {
+  PublishThenDamage([](int fd, uint64_t) {
+    ASSERT_EQ(pwrite(fd, "x", 1, format::kHeaderPageBytes + 12345), 1);
+  });
+  format::ArenaTable table;
+  ASSERT_OK_AND_ASSIGN(int64_t bad, arena::VerifyArenaFile(arena_.path(), &table));
+  ASSERT_EQ(bad, 0);
+  EXPECT_EQ(table.tensors[0].name, std::filesystem::path(model_.path()).filename().string());
+}
+
+}  // namespace
+}  // namespace expert_arena::testing
