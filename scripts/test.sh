@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds expert-arena and runs its tests, from a fresh machine: installs what is missing
+# (Debian packages), configures with both GPU backends (compiled and linked even without a
+# GPU), builds, and runs the unit and multi-process tests, then the sanitizer build's tests
+# and a bounded soak. Exit status 0 only when everything passed.
+#
+#   scripts/test.sh            everything (what CI runs)
+#   scripts/test.sh --quick    the default build's tests only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0
+[[ "${1:-}" == "--quick" ]] && quick=1
+
+bash scripts/install-deps.sh
+
+# Both GPU backends must compile and link on every CI run (no GPU needed): in CI a missing
+# toolkit fails the configure instead of silently dropping a backend.
+gpu_flags=()
+if [[ "${CI:-}" == "true" || -d /usr/local/cuda/include ]]; then
+  gpu_flags+=(-DEXPERT_ARENA_CUDA=ON)
+fi
+if [[ "${CI:-}" == "true" || -d /usr/lib/x86_64-linux-gnu/cmake/hip ]]; then
+  gpu_flags+=(-DEXPERT_ARENA_HIP=ON)
+fi
+
+jobs=${EXPERT_ARENA_JOBS:-2}
+
+echo "== default build (${gpu_flags[*]:-no GPU backends})"
+cmake --preset default "${gpu_flags[@]}" >/dev/null
+cmake --build --preset default -j"$jobs"
+echo "== tests"
+ctest --preset default
+
+if ((quick)); then exit 0; fi
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+cmake --preset asan >/dev/null
+cmake --build --preset asan -j"$jobs"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  ctest --preset asan
+
+echo "== bounded soak"
+EXPERT_ARENA_SOAK_SECONDS=${EXPERT_ARENA_SOAK_SECONDS:-60} ctest --preset soak --no-tests=ignore
