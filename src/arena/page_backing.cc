@@ -57,22 +57,30 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
   return d;
 }
 
-Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what) {
+Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,
+                                bool populate_first, unsigned threads) {
   auto start = std::chrono::steady_clock::now();
   constexpr uint64_t kPiece = 64 * kMiB;
   size_t pieces = (bytes + kPiece - 1) / kPiece;
-  unsigned workers = std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8);
+  unsigned workers =
+      threads != 0 ? threads : std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8);
   workers = std::min<size_t>(workers, std::max<size_t>(pieces, 1));
   std::atomic<size_t> next{0};
   std::mutex mu;
   Status first_error;
-  std::vector<std::thread> threads;
+  std::vector<std::thread> pool;
   for (unsigned w = 0; w < workers; ++w) {
-    threads.emplace_back([&] {
+    pool.emplace_back([&] {
       for (size_t i; (i = next.fetch_add(1)) < pieces;) {
         uint64_t offset = i * kPiece;
         uint64_t length = std::min(kPiece, bytes - offset);
-        Status s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+        Status s = Status::Ok();
+        if (populate_first) {
+          s = platform::AdviseRange(data + offset, length, platform::Advice::kPopulateWrite, what);
+        }
+        if (s.ok()) {
+          s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+        }
         if (!s.ok() && s.code() == StatusCode::kBusy) {
           // EAGAIN: the kernel could not take a lock or a page right now; one retry.
           s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
@@ -87,14 +95,13 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
       }
     });
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : pool) t.join();
   if (!first_error.ok()) return first_error;
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
-                            bool populate_first, const std::string& what,
-                            double* collapse_seconds) {
+                            const std::string& what, double* collapse_seconds) {
   uint64_t free_blocks = 0;
   auto blocks = platform::FreeHugeBlocks();
   if (blocks.ok()) free_blocks = *blocks;
@@ -102,20 +109,14 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   if (!d.ask) return d;
   Status advise = platform::AdviseRange(data, bytes, platform::Advice::kHugePage, what);
   if (!advise.ok()) d.note += "; " + advise.message();
-  if (populate_first) {
-    Status s = platform::AdviseRange(data, bytes, platform::Advice::kPopulateWrite, what);
-    if (!s.ok()) {
-      d.note += "; " + s.message();
-      return d;
-    }
-  }
-  auto collapsed = CollapseParallel(data, bytes, what);
-  if (!collapsed.ok() && !populate_first &&
-      collapsed.status().code() == StatusCode::kInvalidArgument) {
-    // MADV_COLLAPSE refuses (EINVAL) a file range whose pages are not allocated yet; fault
-    // them in and collapse again (this copies, which is why it is the second choice).
-    Status s = platform::AdviseRange(data, bytes, platform::Advice::kPopulateWrite, what);
-    if (s.ok()) collapsed = CollapseParallel(data, bytes, what);
+  // Collapse while the pages are still empty, piece by piece on every core. Anonymous memory
+  // has no pages until it is faulted in, so it is faulted in first (piece by piece, in the
+  // same workers). MADV_COLLAPSE refuses (EINVAL) a file range not allocated yet; then fault
+  // in and collapse again (that copies, so it is the second choice).
+  const bool anonymous = source == PageSource::kAnonymous;
+  auto collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/anonymous);
+  if (!collapsed.ok() && !anonymous && collapsed.status().code() == StatusCode::kInvalidArgument) {
+    collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/true);
   }
   if (collapsed.ok()) {
     *collapse_seconds = *collapsed;

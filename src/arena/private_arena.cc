@@ -21,7 +21,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
   // Anonymous memory: MADV_HUGEPAGE then fault in; MADV_COLLAPSE mends what faulting left on
   // 4 KiB pages (the fault path does not compact when THP defrag is off).
   HugeDecision huge = ApplyHugePages(options.huge, PageSource::kAnonymous, impl->mapping.data(),
-                                     impl->mapping.size(), true, "private arena", &collapse_seconds);
+                                     impl->mapping.size(), "private arena", &collapse_seconds);
   EA_RETURN_IF_ERROR(platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
                                            platform::Advice::kPopulateWrite, "private arena"));
   load::LoadRequest request;

@@ -299,7 +299,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     double collapse_seconds = 0;
     HugeDecision huge = ApplyHugePages(options.huge, PageSourceFor(hugetlbfs, fs.tmpfs_huge),
                                        impl->mapping.data(),
-                                       impl->mapping.size(), false, path, &collapse_seconds);
+                                       impl->mapping.size(), path, &collapse_seconds);
     s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
                               platform::Advice::kPopulateWrite, path);
     if (!s.ok()) return fail(s);
