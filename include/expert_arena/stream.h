@@ -1,0 +1,297 @@
+// Tensor streaming between engines over shared segments (DESIGN.md "Tensor streaming").
+//
+//   // Producer side (one per engine process):
+//   auto producer = expert_arena::StreamProducer::Create({.logical_name = "prefill"});
+//   auto descriptor = producer->Put("req-17", bytes, {.dtype = "bf16", .shape = {4, 4096}});
+//   send(*descriptor);                      // over the engine's own channel
+//   ...
+//   producer->Abort("req-17");              // the request was cancelled
+//
+//   // Consumer side (any process on the host):
+//   auto consumer = expert_arena::StreamConsumer::Create({});
+//   auto tensor = consumer->Open(received);  // zero-copy view of the producer's segment
+//   copy_to_device(tensor->bytes());
+//   tensor->ReleaseWhen([event] { return event.Ready(); });  // or Release()
+//
+// Segments are files in a shared directory (default /dev/shm) named
+// "ea-stream-<logical>-<pid>-<starttime>-<random>-<seq>", so two servers with the same logical
+// name never touch each other's files. The release state of every block lives in its
+// segment, so the space comes back when every reader has released it, without the engine
+// relaying acknowledgements; the producer reclaims it on its own thread when it reserves.
+// A producer's segments carry an OFD lock held by the producer: `Sweep` (run at producer
+// start and by `expert-arena sweep`) removes the segments whose owner is gone. At the cap a
+// tensor spills to a plain file in the spill directory (the consumer reads it through the
+// same Open call) unless strict mode asks for a bounded wait and a clear error instead.
+//
+// Thread-safety: StreamProducer and StreamConsumer are move-only handles whose methods may
+// be called from any thread concurrently. Reservations and StreamTensors are move-only and
+// used by one thread at a time; they keep their producer's or consumer's state alive.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "expert_arena/arena.h"
+#include "expert_arena/export.h"
+#include "expert_arena/status.h"
+
+namespace spdlog {
+class logger;
+}
+
+namespace expert_arena {
+
+// Where a tensor is: the small byte string a producer hands to consumers. Encode() gives the
+// wire form (magic "EATD", a version, then the fields, then an xxh3 checksum); Decode()
+// validates everything a peer could get wrong or forge before anything is mapped.
+struct EXPERT_ARENA_EXPORT TensorDescriptor {
+  std::string segment;   // a file name (never a path) in the stream or spill directory
+  bool spilled = false;  // in the spill directory rather than the stream directory
+  uint32_t slot = 0;     // the block's entry in the segment's block table
+  uint64_t generation = 0;  // of that entry when the block was reserved
+  uint64_t offset = 0;   // of the bytes in the segment file
+  uint64_t length = 0;   // bytes
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  std::string key;       // the request key that owns the block
+
+  std::string Encode() const;
+  static Result<TensorDescriptor> Decode(std::string_view bytes);
+};
+
+// The shape and type that travel with a tensor; the library does not interpret them.
+struct TensorInfo {
+  std::string dtype = "u8";
+  std::vector<uint64_t> shape;
+};
+
+struct StreamOptions {
+  // The shared directory segments live in (tmpfs for speed; hugetlbfs works too).
+  std::string directory = "/dev/shm";
+  // Part of every segment name, for operators ([A-Za-z0-9_.]{1,48}).
+  std::string logical_name = "stream";
+  // Data bytes of one segment (a multiple of 2 MiB). The file adds a 2 MiB header region.
+  uint64_t segment_bytes = 256ull << 20;
+  // At most this many segments' worth of files: max_segments x segment file bytes, dedicated
+  // segments for oversized tensors included.
+  uint32_t max_segments = 32;
+  // Alignment of every tensor in a segment (a power of two, 64 B .. 2 MiB).
+  uint64_t block_alignment = 4096;
+  // Where tensors go when the cap is reached (created 0700 when missing).
+  std::string spill_directory = "/var/tmp";
+  // Strict mode: at the cap wait up to strict_wait_seconds for readers to release, then fail
+  // with kNoSpace instead of spilling.
+  bool strict = false;
+  double strict_wait_seconds = 1.0;
+  // 2 MiB pages for segments (collapsed while empty, like the arena): see HugePages.
+  HugePages huge = HugePages::kAuto;
+  // "none", "cuda[:N]", "hip[:N]": register each regular segment in this process, within
+  // pin_budget_bytes (0: no bound). Dedicated one-shot segments are never pinned.
+  std::string gpu = "none";
+  uint64_t pin_budget_bytes = 4ull << 30;
+  // Remove segments of dead owners in directory and spill_directory at creation.
+  bool sweep_at_start = true;
+  // Logger for the start line, growth, fragmentation and spill notes; null: "expert_arena".
+  std::shared_ptr<spdlog::logger> logger;
+};
+
+struct ConsumerOptions {
+  // Must name the same directories as the producers' (descriptors carry names only).
+  std::string directory = "/dev/shm";
+  std::string spill_directory = "/var/tmp";
+  std::string gpu = "none";
+  uint64_t pin_budget_bytes = 4ull << 30;
+  // Map segments owned by another user (refused by default).
+  bool allow_foreign_owner = false;
+  std::shared_ptr<spdlog::logger> logger;
+};
+
+struct StreamStats {
+  uint64_t total_bytes = 0;          // data bytes of all segments
+  uint64_t free_bytes = 0;
+  uint64_t largest_free_block = 0;
+  uint64_t segments = 0;             // regular + dedicated
+  uint64_t dedicated_segments = 0;
+  uint64_t live_blocks = 0;          // reserved, published or aborted-but-held blocks
+  uint64_t pinned_bytes = 0;         // registered with the GPU by this process
+  uint64_t spills = 0;               // tensors spilled so far
+  uint64_t spill_files = 0;          // spill files still present
+  uint64_t fragmentation_failures = 0;  // reserves that failed while free bytes covered them
+  uint64_t reclaimed_blocks = 0;
+  uint64_t dead_readers_cleared = 0;
+};
+
+class StreamProducer;
+class StreamConsumer;
+
+// Space reserved for one tensor. Write into bytes(), then Publish(). Dropping it unpublished
+// gives the space back.
+class EXPERT_ARENA_EXPORT Reservation {
+ public:
+  Reservation(Reservation&& other) noexcept;
+  Reservation& operator=(Reservation&& other) noexcept;
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+  ~Reservation();
+
+  std::span<std::byte> bytes() const;
+  bool spilled() const;
+  // Makes the block readable by `readers` releases (each consumer that will Open it releases
+  // once) and returns the encoded descriptor. Fails with kBusy naming the key when the key
+  // was aborted while the bytes were written (the space is then given back).
+  Result<std::string> Publish(const TensorInfo& info, uint32_t readers = 1);
+
+  struct State;
+
+ private:
+  friend class StreamProducer;
+  explicit Reservation(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+class EXPERT_ARENA_EXPORT StreamProducer {
+ public:
+  // Checks the directory's filesystem against max_segments x segment size (fails fast when it
+  // can never fit, warns when it does not fit in what is free now), sweeps dead owners'
+  // segments, and creates the first segment.
+  static Result<StreamProducer> Create(const StreamOptions& options);
+
+  StreamProducer(StreamProducer&& other) noexcept;
+  StreamProducer& operator=(StreamProducer&& other) noexcept;
+  StreamProducer(const StreamProducer&) = delete;
+  StreamProducer& operator=(const StreamProducer&) = delete;
+  // Unlinks this producer's segments and spill files; consumers that mapped them keep their
+  // views until they release them.
+  ~StreamProducer();
+
+  // Space for `bytes` owned by `key`: in a segment, a new segment (up to the cap), a dedicated
+  // segment for a tensor larger than a segment, or a spill file at the cap (strict mode: a
+  // bounded wait, then kNoSpace).
+  Result<Reservation> Reserve(std::string_view key, uint64_t bytes);
+  // Reserve + copy + Publish.
+  Result<std::string> Put(std::string_view key, std::span<const std::byte> bytes,
+                          const TensorInfo& info, uint32_t readers = 1);
+  // Frees exactly the blocks `key` owns (exact match), each once the readers holding it now
+  // have released it; blocks still being written are refused at Publish. Returns how many
+  // blocks were marked. Safe while other keys are written.
+  Result<uint64_t> Abort(std::string_view key);
+  // Reclaims every block whose readers have all released, and clears holds of dead readers.
+  // Reserve does this on its own when it needs space; tools and tests call it to settle.
+  Status Reclaim();
+  StreamStats Stats();
+  // The names of this producer's segment files (for tools and tests).
+  std::vector<std::string> SegmentPaths();
+  const std::string& instance_name() const;
+
+  struct Impl;
+
+ private:
+  explicit StreamProducer(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+// A consumer's zero-copy view of one tensor. Release() (or the destructor) returns this
+// reader's share; ReleaseWhen() defers it until `ready` returns true (a device copy from
+// these bytes finished), checked by the consumer's calls and PollReleases().
+class EXPERT_ARENA_EXPORT StreamTensor {
+ public:
+  StreamTensor(StreamTensor&& other) noexcept;
+  StreamTensor& operator=(StreamTensor&& other) noexcept;
+  StreamTensor(const StreamTensor&) = delete;
+  StreamTensor& operator=(const StreamTensor&) = delete;
+  ~StreamTensor();
+
+  std::span<const std::byte> bytes() const;
+  const TensorDescriptor& descriptor() const;
+  void Release();
+  void ReleaseWhen(std::function<bool()> ready);
+
+  struct State;
+
+ private:
+  friend class StreamConsumer;
+  explicit StreamTensor(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+struct ConsumerStats {
+  uint64_t mapped_segments = 0;
+  uint64_t mapped_bytes = 0;
+  uint64_t pinned_bytes = 0;
+  uint64_t open_views = 0;
+  uint64_t deferred_releases = 0;   // waiting on their ready predicate
+  uint64_t dropped_segments = 0;    // unmapped after their file was unlinked
+};
+
+class EXPERT_ARENA_EXPORT StreamConsumer {
+ public:
+  static Result<StreamConsumer> Create(const ConsumerOptions& options);
+
+  StreamConsumer(StreamConsumer&& other) noexcept;
+  StreamConsumer& operator=(StreamConsumer&& other) noexcept;
+  StreamConsumer(const StreamConsumer&) = delete;
+  StreamConsumer& operator=(const StreamConsumer&) = delete;
+  // Waits for deferred releases (their predicates) and releases what is still held.
+  ~StreamConsumer();
+
+  // Validates the descriptor (name inside the directory, offset and length inside the
+  // segment, the block's entry and generation), maps the segment once (cached) and takes a
+  // hold on the block. Refuses an aborted or fully released block with a clear message.
+  Result<StreamTensor> Open(std::string_view descriptor);
+  // Retires deferred releases whose predicate is ready; drops mappings of segments that were
+  // unlinked and have no views left. Returns how many deferred releases are still waiting.
+  uint64_t PollReleases();
+  ConsumerStats Stats();
+
+  struct Impl;
+
+ private:
+  explicit StreamConsumer(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+// One stream segment or spill file found by a sweep or inspected by a tool.
+struct SegmentInfo {
+  std::string path;
+  bool ours = false;         // has the stream segment magic and a version we read
+  std::string problem;       // why it is not readable as a segment, when it is not
+  uint32_t owner_pid = 0;
+  uint64_t owner_start_time = 0;
+  uint32_t owner_uid = 0;
+  bool owner_alive = false;  // the owner's lock is held
+  bool dedicated = false;
+  bool spill = false;
+  std::string logical_name;
+  uint64_t file_bytes = 0;
+  uint64_t data_bytes = 0;
+  uint32_t slots = 0;
+  uint64_t live_blocks = 0;
+  uint64_t live_bytes = 0;
+  uint64_t published_blocks = 0;
+  uint64_t aborted_blocks = 0;
+  uint32_t readers = 0;      // reader entries in use
+};
+
+// Reads a segment's header and block table without taking anything.
+EXPERT_ARENA_EXPORT Result<SegmentInfo> InspectSegment(const std::string& path);
+// True when the file at `path` starts with the stream segment magic.
+EXPERT_ARENA_EXPORT bool IsStreamSegment(const std::string& path);
+
+struct SweepReport {
+  std::vector<std::string> removed;   // paths of dead owners' segments, unlinked
+  std::vector<std::string> live;      // paths whose owner is alive, left alone
+  std::vector<std::string> notes;     // files left alone and why (another user's, unreadable)
+};
+
+// Removes the stream segments in `directory` whose owner process is gone: the owner holds an
+// OFD lock on each of its files, so a lock we can take means a dead owner, whatever pid was
+// reused. Never touches another user's files, nor files that are not stream segments.
+EXPERT_ARENA_EXPORT Result<SweepReport> SweepStreamDirectory(const std::string& directory);
+
+}  // namespace expert_arena

@@ -1,0 +1,391 @@
+// StreamConsumer: maps peers' segments once, hands out zero-copy views, releases them.
+//
+// Design note. Each mapped segment gets one reader entry (segment_format.h) claimed under an
+// OFD lock on byte 1+i of the segment file, so the owner can tell our holds from a dead
+// reader's. A view sets our holder bit on its block, then checks the block's control word
+// (the owner does the reverse before it frees), so a block is never reused under a view.
+// Several views of one block in this process share the bit (counted locally). Releasing
+// decrements the block's pending count, clears the bit when our last view goes, and bumps
+// the segment's epoch so the owner rescans on its next reserve. A deferred release
+// (ReleaseWhen) waits in a list until its predicate says the device copy finished; the
+// consumer's own calls poll that list. A segment whose file was unlinked (its owner exited
+// or was swept) is unmapped once its views are released; one-shot segments (dedicated,
+// spill) are unmapped as soon as their only block is released.
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/logging.h"
+#include "expert_arena/stream.h"
+#include "platform/mapping.h"
+#include "platform/ofd_lock.h"
+#include "platform/system_info.h"
+#include "stream/segment_file.h"
+
+namespace expert_arena {
+
+using stream::BlockSlot;
+using stream::BlockState;
+using stream::ControlWord;
+using stream::SegmentKind;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct PeerSegment {
+  stream::SegmentFile file;
+  bool spill = false;
+  uint32_t reader_index = 0;
+  uint64_t views = 0;
+  std::unordered_map<uint32_t, uint32_t> held;  // slot -> views of it in this process
+
+  uint64_t bit() const { return uint64_t{1} << reader_index; }
+  bool one_shot() const { return file.kind != SegmentKind::kRegular; }
+};
+
+std::atomic_ref<uint64_t> Control(BlockSlot& s) { return stream::AtomicWord(s.control); }
+std::atomic_ref<uint64_t> Holders(BlockSlot& s) { return stream::AtomicWord(s.holders); }
+uint64_t Relaxed(uint64_t& w) { return stream::AtomicWord(w).load(std::memory_order_relaxed); }
+
+}  // namespace
+
+struct StreamTensor::State {
+  std::shared_ptr<StreamConsumer::Impl> consumer;  // null while in the deferred list
+  PeerSegment* segment = nullptr;
+  TensorDescriptor descriptor;
+  std::span<const std::byte> bytes;
+  std::function<bool()> ready;
+};
+
+struct StreamConsumer::Impl {
+  ConsumerOptions options;
+  std::shared_ptr<spdlog::logger> log;
+  pid_t pid = 0;
+  uint64_t start_time = 0;
+
+  std::mutex mu;  // segments, views, holds
+  std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>> segments;
+  uint64_t pinned_bytes = 0;
+  uint64_t dropped = 0;
+  Clock::time_point last_unlink_check{};
+
+  std::mutex deferred_mu;
+  std::vector<std::unique_ptr<StreamTensor::State>> deferred;
+
+  ~Impl();
+  Result<PeerSegment*> MapLocked(bool spill, const std::string& name);
+  void DropLocked(std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
+  void DropUnlinkedLocked(bool now);
+  void Release(StreamTensor::State& state);
+  uint64_t Poll();
+};
+
+StreamConsumer::Impl::~Impl() {
+  // Deferred releases left by views that outlived the StreamConsumer handle (the handle's
+  // destructor waited for the ones it knew of).
+  std::vector<std::unique_ptr<StreamTensor::State>> left;
+  {
+    std::lock_guard lock(deferred_mu);
+    left.swap(deferred);
+  }
+  for (auto& state : left) Release(*state);
+  std::lock_guard lock(mu);
+  while (!segments.empty()) DropLocked(segments.begin());
+}
+
+Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::string& name) {
+  auto key = std::make_pair(spill, name);
+  auto it = segments.find(key);
+  if (it != segments.end()) return it->second.get();
+  const std::string& dir = spill ? options.spill_directory : options.directory;
+  EA_ASSIGN_OR_RETURN(stream::SegmentFile file,
+                      stream::OpenSegment(dir, name, options.allow_foreign_owner));
+  auto seg = std::make_unique<PeerSegment>();
+  seg->file = std::move(file);
+  seg->spill = spill;
+  auto& view = seg->file.view;
+  bool claimed = false;
+  for (uint32_t i = 0; i < stream::kMaxReaders && !claimed; ++i) {
+    EA_ASSIGN_OR_RETURN(bool taken, platform::TryLockByte(seg->file.fd, stream::kReaderLockBase + i,
+                                                          platform::LockMode::kExclusive));
+    if (!taken) continue;
+    auto owner = stream::AtomicWord(view.readers[i].owner);
+    if (owner.load(std::memory_order_acquire) != 0) {
+      // A reader that died left this entry: with its byte locked by us nobody else can use
+      // the entry, so clear its holds before taking it over.
+      uint64_t bit = uint64_t{1} << i;
+      for (uint32_t s = 0; s < view.slot_count; ++s) {
+        Holders(view.slots[s]).fetch_and(~bit, std::memory_order_seq_cst);
+      }
+      view.epoch().fetch_add(1, std::memory_order_release);
+    }
+    stream::AtomicWord(view.readers[i].start_time).store(start_time, std::memory_order_relaxed);
+    owner.store(static_cast<uint64_t>(pid), std::memory_order_release);
+    seg->reader_index = i;
+    claimed = true;
+  }
+  if (!claimed) {
+    return Busy(seg->file.path + ": all " + std::to_string(stream::kMaxReaders) +
+                " reader entries are in use by live processes");
+  }
+  if (!seg->one_shot()) {
+    Status s = platform::AdviseRange(seg->file.mapping.data(), seg->file.file_bytes(),
+                                     platform::Advice::kPopulateRead, seg->file.path);
+    if (!s.ok()) log->debug("{}", s.message());
+    uint64_t bytes = seg->file.file_bytes();
+    if (!options.gpu.empty() && options.gpu != "none" &&
+        (options.pin_budget_bytes == 0 || pinned_bytes + bytes <= options.pin_budget_bytes)) {
+      auto reg = gpu::RegisterHostRange(seg->file.mapping.bytes(), {.device = options.gpu});
+      if (reg.ok()) {
+        seg->file.pinned_bytes = (*reg)->report().registered_bytes;
+        pinned_bytes += seg->file.pinned_bytes;
+        seg->file.registration = std::move(reg).value();
+      } else {
+        log->warn("stream consumer: GPU registration of {} failed: {}", seg->file.path,
+                  reg.status().message());
+      }
+    }
+  }
+  PeerSegment* raw = seg.get();
+  segments.emplace(key, std::move(seg));
+  return raw;
+}
+
+void StreamConsumer::Impl::DropLocked(
+    std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it) {
+  PeerSegment& seg = *it->second;
+  // Holds never released (a view leaked) must not outlive our entry: nobody could clear them.
+  for (auto& [slot, count] : seg.held) {
+    Holders(seg.file.view.slots[slot]).fetch_and(~seg.bit(), std::memory_order_seq_cst);
+  }
+  if (!seg.held.empty()) seg.file.view.epoch().fetch_add(1, std::memory_order_release);
+  // Give our entry back before the fd (and our lock byte) goes.
+  stream::AtomicWord(seg.file.view.readers[seg.reader_index].owner)
+      .store(0, std::memory_order_release);
+  pinned_bytes -= seg.file.pinned_bytes;
+  segments.erase(it);
+}
+
+void StreamConsumer::Impl::DropUnlinkedLocked(bool now) {
+  auto t = Clock::now();
+  if (!now && t - last_unlink_check < std::chrono::milliseconds(200)) return;
+  last_unlink_check = t;
+  for (auto it = segments.begin(); it != segments.end();) {
+    auto next = std::next(it);
+    if (it->second->views == 0 && !stream::PathStillNames(it->second->file)) {
+      log->debug("stream consumer: {} was unlinked; unmapped", it->second->file.path);
+      DropLocked(it);
+      ++dropped;
+    }
+    it = next;
+  }
+}
+
+void StreamConsumer::Impl::Release(StreamTensor::State& state) {
+  std::lock_guard lock(mu);
+  PeerSegment& seg = *state.segment;
+  BlockSlot& s = seg.file.view.slots[state.descriptor.slot];
+  uint64_t c = Control(s).load(std::memory_order_seq_cst);
+  while (ControlWord::State(c) == BlockState::kPublished &&
+         ControlWord::Generation(c) == static_cast<uint32_t>(state.descriptor.generation) &&
+         ControlWord::Pending(c) > 0) {
+    uint64_t less = ControlWord::Make(BlockState::kPublished, ControlWord::Pending(c) - 1,
+                                      ControlWord::Generation(c));
+    if (Control(s).compare_exchange_weak(c, less, std::memory_order_seq_cst)) break;
+  }
+  auto held = seg.held.find(state.descriptor.slot);
+  if (held != seg.held.end() && --held->second == 0) {
+    seg.held.erase(held);
+    Holders(s).fetch_and(~seg.bit(), std::memory_order_seq_cst);
+  }
+  seg.file.view.epoch().fetch_add(1, std::memory_order_release);
+  state.segment = nullptr;
+  if (--seg.views == 0 && seg.one_shot()) {
+    DropLocked(segments.find({seg.spill, seg.file.name}));
+  }
+}
+
+uint64_t StreamConsumer::Impl::Poll() {
+  std::vector<std::unique_ptr<StreamTensor::State>> waiting;
+  {
+    std::lock_guard lock(deferred_mu);
+    waiting.swap(deferred);
+  }
+  std::vector<std::unique_ptr<StreamTensor::State>> still;
+  for (auto& state : waiting) {
+    if (state->ready && !state->ready()) {
+      still.push_back(std::move(state));
+    } else {
+      Release(*state);
+    }
+  }
+  std::lock_guard lock(deferred_mu);
+  for (auto& state : still) deferred.push_back(std::move(state));
+  return deferred.size();
+}
+
+// ---- StreamConsumer ------------------------------------------------------------------------
+
+Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
+  auto impl = std::make_shared<Impl>();
+  impl->options = options;
+  impl->log = ResolveLogger(options.logger);
+  impl->pid = platform::CurrentPid();
+  auto start = platform::ProcessStartTime(impl->pid);
+  impl->start_time = start.ok() ? *start : 0;
+  auto dir = platform::StatPath(options.directory);
+  if (!dir.ok()) return dir.status().WithContext("stream consumer directory");
+  return StreamConsumer(std::move(impl));
+}
+
+StreamConsumer::StreamConsumer(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StreamConsumer::StreamConsumer(StreamConsumer&&) noexcept = default;
+StreamConsumer& StreamConsumer::operator=(StreamConsumer&& other) noexcept {
+  if (this != &other) {
+    this->~StreamConsumer();
+    new (this) StreamConsumer(std::move(other));
+  }
+  return *this;
+}
+
+StreamConsumer::~StreamConsumer() {
+  if (!impl_) return;
+  // Deferred releases wait for their device copies; a copy that never finishes must not keep
+  // the process from exiting forever, so after a bound the holds are given back regardless.
+  auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (impl_->Poll() > 0) {
+    if (Clock::now() > deadline) {
+      impl_->log->warn("stream consumer: deferred releases still not ready after 30 s; "
+                       "releasing them");
+      std::lock_guard lock(impl_->deferred_mu);
+      for (auto& state : impl_->deferred) state->ready = nullptr;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
+  EA_ASSIGN_OR_RETURN(TensorDescriptor d, TensorDescriptor::Decode(encoded));
+  impl_->Poll();
+  std::lock_guard lock(impl_->mu);
+  impl_->DropUnlinkedLocked(false);
+  EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
+  const auto& h = seg->file.header();
+  const std::string where = seg->file.path + " block " + std::to_string(d.slot);
+  if (d.slot >= seg->file.view.slot_count) {
+    return InvalidArgument("tensor descriptor refused: block " + std::to_string(d.slot) +
+                           " past the " + std::to_string(seg->file.view.slot_count) +
+                           " blocks of " + seg->file.path);
+  }
+  if (d.offset < h.data_offset || d.offset > seg->file.file_bytes() ||
+      d.length > seg->file.file_bytes() - d.offset) {
+    return InvalidArgument("tensor descriptor refused: bytes [" + std::to_string(d.offset) +
+                           ", +" + std::to_string(d.length) + ") outside the data region [" +
+                           std::to_string(h.data_offset) + ", " +
+                           std::to_string(seg->file.file_bytes()) + ") of " + seg->file.path);
+  }
+  BlockSlot& s = seg->file.view.slots[d.slot];
+  uint32_t& local = seg->held[d.slot];
+  if (local == 0) Holders(s).fetch_or(seg->bit(), std::memory_order_seq_cst);
+  uint64_t c = Control(s).load(std::memory_order_seq_cst);
+  std::string refusal;
+  BlockState st = ControlWord::State(c);
+  if (st == BlockState::kAborted) {
+    refusal = "its key " + d.key + " was aborted";
+  } else if (st != BlockState::kPublished) {
+    refusal = std::string("the block is ") + stream::BlockStateName(st) +
+              " (released by every reader, or never published)";
+  } else if (ControlWord::Generation(c) != static_cast<uint32_t>(d.generation) ||
+             Relaxed(s.generation) != d.generation) {
+    refusal = "the block was reused (a stale descriptor)";
+  } else if (ControlWord::Pending(c) == 0) {
+    refusal = "every reader already released it";
+  } else if (Relaxed(s.offset) != d.offset || Relaxed(s.length) != d.length) {
+    refusal = "offset or length differ from the block's";
+  }
+  if (!refusal.empty()) {
+    if (local == 0) {
+      Holders(s).fetch_and(~seg->bit(), std::memory_order_seq_cst);
+      seg->held.erase(d.slot);
+      seg->file.view.epoch().fetch_add(1, std::memory_order_release);
+    }
+    bool unused = seg->views == 0 && seg->one_shot();
+    if (unused) impl_->DropLocked(impl_->segments.find({seg->spill, seg->file.name}));
+    return Busy("stream open " + where + " for key " + d.key + ": " + refusal);
+  }
+  ++local;
+  ++seg->views;
+  auto state = std::make_unique<StreamTensor::State>();
+  state->consumer = impl_;
+  state->segment = seg;
+  state->bytes = {seg->file.mapping.data() + d.offset, d.length};
+  state->descriptor = std::move(d);
+  return StreamTensor(std::move(state));
+}
+
+uint64_t StreamConsumer::PollReleases() {
+  uint64_t left = impl_->Poll();
+  std::lock_guard lock(impl_->mu);
+  impl_->DropUnlinkedLocked(true);
+  return left;
+}
+
+ConsumerStats StreamConsumer::Stats() {
+  ConsumerStats s;
+  {
+    std::lock_guard lock(impl_->deferred_mu);
+    s.deferred_releases = impl_->deferred.size();
+  }
+  std::lock_guard lock(impl_->mu);
+  for (auto& [key, seg] : impl_->segments) {
+    ++s.mapped_segments;
+    s.mapped_bytes += seg->file.file_bytes();
+    s.open_views += seg->views;
+  }
+  s.pinned_bytes = impl_->pinned_bytes;
+  s.dropped_segments = impl_->dropped;
+  return s;
+}
+
+// ---- StreamTensor --------------------------------------------------------------------------
+
+StreamTensor::StreamTensor(std::unique_ptr<State> state) : state_(std::move(state)) {}
+StreamTensor::StreamTensor(StreamTensor&&) noexcept = default;
+StreamTensor& StreamTensor::operator=(StreamTensor&& other) noexcept {
+  if (this != &other) {
+    Release();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+StreamTensor::~StreamTensor() { Release(); }
+
+std::span<const std::byte> StreamTensor::bytes() const { return state_->bytes; }
+const TensorDescriptor& StreamTensor::descriptor() const { return state_->descriptor; }
+
+void StreamTensor::Release() {
+  if (!state_) return;
+  auto consumer = std::move(state_->consumer);
+  consumer->Release(*state_);
+  state_.reset();
+}
+
+void StreamTensor::ReleaseWhen(std::function<bool()> ready) {
+  if (!state_) return;
+  if (!ready || ready()) {
+    Release();
+    return;
+  }
+  auto consumer = std::move(state_->consumer);  // the list lives in the consumer: no cycle
+  state_->ready = std::move(ready);
+  std::lock_guard lock(consumer->deferred_mu);
+  consumer->deferred.push_back(std::move(state_));
+}
+
+}  // namespace expert_arena

@@ -1,0 +1,138 @@
+// The wire form of a TensorDescriptor. Little-endian:
+//   "EATD" u16 version u16 flags u32 total_bytes
+//   u32 slot u64 generation u64 offset u64 length
+//   u16 len + segment name, u16 len + dtype, u16 len + key, u16 ndim + u64 dims[ndim]
+//   u64 xxh3 of everything before it
+// Decode checks every length against the bytes it got and the name against what a segment
+// name may be (one path component, no ".."), so a peer cannot make a consumer open a file
+// outside its directory; offsets are checked against the segment when it is opened.
+#include <xxhash.h>
+
+#include <cstring>
+
+#include "expert_arena/stream.h"
+#include "stream/segment_format.h"
+
+namespace expert_arena {
+namespace {
+
+constexpr char kMagic[4] = {'E', 'A', 'T', 'D'};
+constexpr uint16_t kVersion = 1;
+constexpr uint16_t kFlagSpilled = 1;
+constexpr size_t kMaxDescriptorBytes = 4096;
+constexpr size_t kMaxDims = 16;
+constexpr size_t kMaxText = 1024;
+
+template <typename T>
+void Put(std::string& out, T v) {
+  char buf[sizeof(T)];
+  std::memcpy(buf, &v, sizeof(T));
+  out.append(buf, sizeof(T));
+}
+
+void PutText(std::string& out, const std::string& s) {
+  Put<uint16_t>(out, static_cast<uint16_t>(s.size()));
+  out += s;
+}
+
+class Reader {
+ public:
+  explicit Reader(std::string_view bytes) : bytes_(bytes) {}
+  template <typename T>
+  bool Get(T* v) {
+    if (bytes_.size() - pos_ < sizeof(T)) return false;
+    std::memcpy(v, bytes_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool GetText(std::string* s) {
+    uint16_t n = 0;
+    if (!Get(&n) || n > kMaxText || bytes_.size() - pos_ < n) return false;
+    s->assign(bytes_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  size_t pos() const { return pos_; }
+
+ private:
+  std::string_view bytes_;
+  size_t pos_ = 0;
+};
+
+Status Refuse(const std::string& why) {
+  return InvalidArgument("tensor descriptor refused: " + why);
+}
+
+}  // namespace
+
+std::string TensorDescriptor::Encode() const {
+  std::string out;
+  out.append(kMagic, 4);
+  Put<uint16_t>(out, kVersion);
+  Put<uint16_t>(out, spilled ? kFlagSpilled : 0);
+  Put<uint32_t>(out, 0);  // total bytes, patched below
+  Put<uint32_t>(out, slot);
+  Put<uint64_t>(out, generation);
+  Put<uint64_t>(out, offset);
+  Put<uint64_t>(out, length);
+  PutText(out, segment);
+  PutText(out, dtype);
+  PutText(out, key);
+  Put<uint16_t>(out, static_cast<uint16_t>(shape.size()));
+  for (uint64_t d : shape) Put<uint64_t>(out, d);
+  uint32_t total = static_cast<uint32_t>(out.size() + sizeof(uint64_t));
+  std::memcpy(out.data() + 8, &total, sizeof total);
+  Put<uint64_t>(out, XXH3_64bits(out.data(), out.size()));
+  return out;
+}
+
+Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
+  if (bytes.size() < 16 || bytes.size() > kMaxDescriptorBytes) {
+    return Refuse("size " + std::to_string(bytes.size()) + " bytes outside 16.." +
+                  std::to_string(kMaxDescriptorBytes));
+  }
+  if (std::memcmp(bytes.data(), kMagic, 4) != 0) return Refuse("bad magic (not \"EATD\")");
+  Reader r(bytes.substr(4));
+  uint16_t version = 0, flags = 0;
+  uint32_t total = 0;
+  r.Get(&version);
+  r.Get(&flags);
+  r.Get(&total);
+  if (version != kVersion) {
+    return Refuse("version " + std::to_string(version) + ", this build reads " +
+                  std::to_string(kVersion));
+  }
+  if (total != bytes.size()) {
+    return Refuse("it says " + std::to_string(total) + " bytes but " +
+                  std::to_string(bytes.size()) + " arrived");
+  }
+  uint64_t stored_hash = 0;
+  std::memcpy(&stored_hash, bytes.data() + bytes.size() - 8, 8);
+  if (XXH3_64bits(bytes.data(), bytes.size() - 8) != stored_hash) {
+    return Refuse("checksum mismatch (damaged in transit)");
+  }
+  if ((flags & ~kFlagSpilled) != 0) return Refuse("unknown flags " + std::to_string(flags));
+  TensorDescriptor d;
+  d.spilled = (flags & kFlagSpilled) != 0;
+  uint16_t ndim = 0;
+  Reader body(bytes.substr(4 + 8, bytes.size() - 4 - 8 - 8));
+  if (!body.Get(&d.slot) || !body.Get(&d.generation) || !body.Get(&d.offset) ||
+      !body.Get(&d.length) || !body.GetText(&d.segment) || !body.GetText(&d.dtype) ||
+      !body.GetText(&d.key) || !body.Get(&ndim) || ndim > kMaxDims) {
+    return Refuse("truncated or oversized field");
+  }
+  d.shape.resize(ndim);
+  for (auto& dim : d.shape) {
+    if (!body.Get(&dim)) return Refuse("truncated shape");
+  }
+  if (body.pos() != bytes.size() - 20) return Refuse("trailing bytes after the fields");
+  if (!stream::IsValidSegmentName(d.segment)) {
+    return Refuse("segment name \"" + d.segment +
+                  "\" is not a stream segment name in the directory (one component, "
+                  "\"ea-stream-\" prefix, no \"/\" or \"..\")");
+  }
+  if (d.offset > UINT64_MAX - d.length) return Refuse("offset + length overflows");
+  return d;
+}
+
+}  // namespace expert_arena

@@ -1,0 +1,676 @@
+// StreamProducer: segments, block allocation, publication, reclaim, abort, spill.
+//
+// Design note. Everything a producer decides is under one mutex (mu): the allocator, the
+// block records, the key index and the segment list. Bytes are written outside it. The
+// release state of each block lives in its segment (segment_format.h), so consumers release
+// without talking to us; we notice on our own thread: every release bumps its segment's
+// epoch, and Reserve rescans the published blocks of segments whose epoch moved (cheap), and
+// under pressure everything, including reader entries whose process died (their holds are
+// cleared). A reserve therefore never waits for an acknowledgement only this thread could
+// process. Growth is one segment at a time up to the cap; a mapping never moves. A tensor
+// larger than a segment gets a dedicated one-shot segment (never pinned); at the cap a tensor
+// spills to a one-shot segment in the spill directory (same format, so consumers read it with
+// the same Open), or, in strict mode, waits a bounded time and fails.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/logging.h"
+#include "expert_arena/stream.h"
+#include "platform/file.h"
+#include "platform/ofd_lock.h"
+#include "platform/system_info.h"
+#include "stream/block_allocator.h"
+#include "stream/segment_file.h"
+
+namespace expert_arena {
+
+using stream::BlockSlot;
+using stream::BlockState;
+using stream::ControlWord;
+using stream::SegmentKind;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BlockRecord {
+  bool live = false;
+  bool published = false;
+  bool aborted = false;  // Abort() while it was being written
+  uint64_t offset = 0;  // our own copy: the shared slot is writable by every reader
+  uint64_t block_bytes = 0;
+  uint64_t generation = 0;
+  std::string key;
+  size_t published_index = 0;  // position in ProducerSegment::published
+};
+
+struct ProducerSegment {
+  uint32_t id = 0;
+  stream::SegmentFile file;
+  std::vector<BlockRecord> blocks;        // one per slot
+  std::vector<uint32_t> free_slots;
+  std::vector<uint32_t> published;        // slots to look at when the epoch moves
+  uint64_t seen_epoch = 0;
+  uint32_t live = 0;
+};
+
+struct BlockRef {
+  uint32_t segment = 0;
+  uint32_t slot = 0;
+};
+
+std::atomic_ref<uint64_t> Control(BlockSlot& s) { return stream::AtomicWord(s.control); }
+std::atomic_ref<uint64_t> Holders(BlockSlot& s) { return stream::AtomicWord(s.holders); }
+
+std::string RandomHex() {
+  std::random_device rd;
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", rd());
+  return buf;
+}
+
+}  // namespace
+
+struct StreamProducer::Impl {
+  StreamOptions options;
+  std::shared_ptr<spdlog::logger> log;
+  std::string instance;  // "ea-stream-<logical>-<pid>-<starttime>-<random>"
+  uint64_t regular_file_bytes = 0;
+  uint64_t cap_bytes = 0;
+  uint32_t regular_slots = 0;
+
+  std::mutex mu;
+  stream::BlockAllocator allocator;
+  std::map<uint32_t, std::unique_ptr<ProducerSegment>> segments;
+  std::unordered_map<std::string, std::vector<BlockRef>> keys;
+  uint32_t next_id = 0;
+  uint64_t next_seq = 0;
+  uint64_t file_bytes_used = 0;  // regular + dedicated segment files (spills are outside)
+  uint64_t pinned_bytes = 0;
+  uint64_t live_blocks = 0;
+  uint64_t dedicated_segments = 0;
+  uint64_t spill_files = 0;
+  uint64_t spills = 0;
+  uint64_t fragmentation_failures = 0;
+  uint64_t reclaimed = 0;
+  uint64_t dead_readers = 0;
+
+  ~Impl();
+  Result<ProducerSegment*> AddSegment(SegmentKind kind, uint64_t data_bytes);
+  void RemoveSegment(uint32_t id);
+  Result<Reservation> ReserveLocked(std::unique_lock<std::mutex>& lock, std::string_view key,
+                                    uint64_t bytes);
+  Reservation MakeReservation(ProducerSegment& seg, uint32_t slot, uint64_t offset,
+                              uint64_t block_bytes, uint64_t length, std::string_view key);
+  void FreeBlock(ProducerSegment& seg, uint32_t slot);
+  bool TryReclaim(ProducerSegment& seg, uint32_t slot);
+  void ReclaimMoved();
+  void ReclaimAll();
+  void ClearDeadReaders(ProducerSegment& seg);
+  void Unpublish(ProducerSegment& seg, uint32_t slot);
+  StreamStats StatsLocked() const;
+  std::shared_ptr<Impl> self() { return self_weak.lock(); }
+  std::weak_ptr<Impl> self_weak;
+};
+
+struct Reservation::State {
+  std::shared_ptr<StreamProducer::Impl> producer;
+  uint32_t segment = 0;
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  std::span<std::byte> bytes;
+  std::string key;
+  std::string segment_name;
+  bool spilled = false;
+  bool done = false;
+};
+
+// ---- segments ------------------------------------------------------------------------------
+
+Result<ProducerSegment*> StreamProducer::Impl::AddSegment(SegmentKind kind, uint64_t data_bytes) {
+  bool spill = kind == SegmentKind::kSpill;
+  stream::CreateSegmentParams p;
+  p.directory = spill ? options.spill_directory : options.directory;
+  p.kind = kind;
+  p.data_bytes = data_bytes;
+  p.slot_count = kind == SegmentKind::kRegular ? regular_slots : 1;
+  p.logical_name = options.logical_name;
+  // One-shot segments are not worth a collapse; spill files live on a plain filesystem.
+  p.huge = kind == SegmentKind::kRegular ? options.huge : HugePages::kOff;
+  p.populate = !spill;
+  std::string huge_note;
+  Result<stream::SegmentFile> file = Busy("not tried");
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    p.name = instance + "-" + std::to_string(next_seq++);
+    file = stream::CreateSegment(p, *log, &huge_note);
+    if (file.ok() || file.status().code() != StatusCode::kBusy) break;
+  }
+  if (!file.ok()) return file.status();
+  auto seg = std::make_unique<ProducerSegment>();
+  seg->id = next_id++;
+  seg->file = std::move(file).value();
+  uint32_t slots = seg->file.view.slot_count;
+  seg->blocks.resize(slots);
+  seg->free_slots.reserve(slots);
+  for (uint32_t s = slots; s-- > 0;) seg->free_slots.push_back(s);
+  if (kind == SegmentKind::kRegular) {
+    uint64_t file_bytes = seg->file.file_bytes();
+    if (options.gpu != "none" && !options.gpu.empty() &&
+        (options.pin_budget_bytes == 0 || pinned_bytes + file_bytes <= options.pin_budget_bytes)) {
+      auto reg = gpu::RegisterHostRange(seg->file.mapping.bytes(), {.device = options.gpu});
+      if (reg.ok()) {
+        seg->file.pinned_bytes = (*reg)->report().registered_bytes;
+        pinned_bytes += seg->file.pinned_bytes;
+        seg->file.registration = std::move(reg).value();
+      } else {
+        log->warn("stream {}: GPU registration of {} failed: {}", instance, seg->file.name,
+                  reg.status().message());
+      }
+    }
+    allocator.AddSegment(seg->id, seg->file.header().data_offset, data_bytes);
+    log->info("stream {}: segment {} ({}){}; {} segments, {} free, largest free block {}",
+              instance, seg->file.name, FormatBytes(data_bytes),
+              huge_note.empty() ? "" : "; " + huge_note, segments.size() + 1,
+              FormatBytes(allocator.free_bytes()), FormatBytes(allocator.largest_free_block()));
+  }
+  if (kind != SegmentKind::kSpill) file_bytes_used += seg->file.file_bytes();
+  if (kind == SegmentKind::kDedicated) ++dedicated_segments;
+  if (kind == SegmentKind::kSpill) ++spill_files;
+  ProducerSegment* raw = seg.get();
+  segments.emplace(raw->id, std::move(seg));
+  return raw;
+}
+
+void StreamProducer::Impl::RemoveSegment(uint32_t id) {
+  auto it = segments.find(id);
+  if (it == segments.end()) return;
+  ProducerSegment& seg = *it->second;
+  if (seg.file.kind != SegmentKind::kSpill) file_bytes_used -= seg.file.file_bytes();
+  if (seg.file.kind == SegmentKind::kDedicated) --dedicated_segments;
+  if (seg.file.kind == SegmentKind::kSpill) --spill_files;
+  pinned_bytes -= seg.file.pinned_bytes;
+  Status s = platform::UnlinkPath(seg.file.path);
+  if (!s.ok()) log->warn("stream {}: {}", instance, s.message());
+  segments.erase(it);
+}
+
+StreamProducer::Impl::~Impl() {
+  std::lock_guard lock(mu);
+  while (!segments.empty()) RemoveSegment(segments.begin()->first);
+}
+
+// ---- blocks --------------------------------------------------------------------------------
+
+Reservation StreamProducer::Impl::MakeReservation(ProducerSegment& seg, uint32_t slot,
+                                                  uint64_t offset, uint64_t block_bytes,
+                                                  uint64_t length, std::string_view key) {
+  BlockSlot& s = seg.file.view.slots[slot];
+  BlockRecord& rec = seg.blocks[slot];
+  uint64_t generation = stream::AtomicWord(s.generation).load(std::memory_order_relaxed) + 1;
+  // Relaxed stores: readers look at these only after they saw the control word below.
+  stream::AtomicWord(s.generation).store(generation, std::memory_order_relaxed);
+  stream::AtomicWord(s.offset).store(offset, std::memory_order_relaxed);
+  stream::AtomicWord(s.length).store(length, std::memory_order_relaxed);
+  Holders(s).store(0, std::memory_order_relaxed);
+  Control(s).store(ControlWord::Make(BlockState::kWriting, 0, generation),
+                   std::memory_order_release);
+  rec = BlockRecord{.live = true, .offset = offset, .block_bytes = block_bytes, .generation = generation,
+                    .key = std::string(key)};
+  ++seg.live;
+  ++live_blocks;
+  keys[rec.key].push_back({seg.id, slot});
+  auto state = std::make_unique<Reservation::State>();
+  state->producer = self();
+  state->segment = seg.id;
+  state->slot = slot;
+  state->generation = generation;
+  state->offset = offset;
+  state->length = length;
+  state->bytes = {seg.file.mapping.data() + offset, length};
+  state->key = rec.key;
+  state->segment_name = seg.file.name;
+  state->spilled = seg.file.kind == SegmentKind::kSpill;
+  return Reservation(std::move(state));
+}
+
+void StreamProducer::Impl::Unpublish(ProducerSegment& seg, uint32_t slot) {
+  BlockRecord& rec = seg.blocks[slot];
+  if (!rec.published) return;
+  size_t i = rec.published_index;
+  uint32_t last = seg.published.back();
+  seg.published[i] = last;
+  seg.blocks[last].published_index = i;
+  seg.published.pop_back();
+  rec.published = false;
+}
+
+void StreamProducer::Impl::FreeBlock(ProducerSegment& seg, uint32_t slot) {
+  BlockRecord& rec = seg.blocks[slot];
+  BlockSlot& s = seg.file.view.slots[slot];
+  Unpublish(seg, slot);
+  auto kit = keys.find(rec.key);
+  if (kit != keys.end()) {
+    auto& refs = kit->second;
+    for (size_t i = 0; i < refs.size(); ++i) {
+      if (refs[i].segment == seg.id && refs[i].slot == slot) {
+        refs[i] = refs.back();
+        refs.pop_back();
+        break;
+      }
+    }
+    if (refs.empty()) keys.erase(kit);
+  }
+  Control(s).store(ControlWord::Make(BlockState::kFree, 0, rec.generation),
+                   std::memory_order_release);
+  --seg.live;
+  --live_blocks;
+  ++reclaimed;
+  if (seg.file.kind == SegmentKind::kRegular) {
+    allocator.Free({seg.id, rec.offset, rec.block_bytes});
+    seg.free_slots.push_back(slot);
+    rec = BlockRecord{.generation = rec.generation};
+  } else {
+    RemoveSegment(seg.id);  // one-shot: the file goes with its block
+  }
+}
+
+// Frees the block when every reader released it (or its key was aborted) and no reader
+// holds it now. Returns true when freed; `seg` may be gone then (one-shot segments).
+bool StreamProducer::Impl::TryReclaim(ProducerSegment& seg, uint32_t slot) {
+  BlockSlot& s = seg.file.view.slots[slot];
+  uint64_t c = Control(s).load(std::memory_order_seq_cst);
+  BlockState st = ControlWord::State(c);
+  bool done = (st == BlockState::kPublished && ControlWord::Pending(c) == 0) ||
+              st == BlockState::kAborted;
+  if (!done) return false;
+  uint64_t reclaiming = ControlWord::Make(BlockState::kReclaiming, 0, ControlWord::Generation(c));
+  if (!Control(s).compare_exchange_strong(c, reclaiming, std::memory_order_seq_cst)) return false;
+  if (Holders(s).load(std::memory_order_seq_cst) != 0) {
+    // A reader holds it (or is checking it right now): put the state back, try later.
+    Control(s).store(c, std::memory_order_seq_cst);
+    return false;
+  }
+  FreeBlock(seg, slot);
+  return true;
+}
+
+void StreamProducer::Impl::ReclaimMoved() {
+  std::vector<uint32_t> ids;
+  for (auto& [id, seg] : segments) {
+    uint64_t epoch = seg->file.view.epoch().load(std::memory_order_acquire);
+    if (epoch != seg->seen_epoch && !seg->published.empty()) ids.push_back(id);
+  }
+  for (uint32_t id : ids) {
+    auto it = segments.find(id);
+    if (it == segments.end()) continue;
+    ProducerSegment* seg = it->second.get();
+    seg->seen_epoch = seg->file.view.epoch().load(std::memory_order_acquire);
+    bool one_shot = seg->file.kind != SegmentKind::kRegular;
+    // Walk a copy: reclaiming edits the list (and may remove a one-shot segment).
+    std::vector<uint32_t> slots = seg->published;
+    for (uint32_t slot : slots) {
+      if (TryReclaim(*seg, slot) && one_shot) break;
+    }
+  }
+}
+
+void StreamProducer::Impl::ClearDeadReaders(ProducerSegment& seg) {
+  for (uint32_t i = 0; i < stream::kMaxReaders; ++i) {
+    auto owner = stream::AtomicWord(seg.file.view.readers[i].owner);
+    if (owner.load(std::memory_order_acquire) == 0) continue;
+    auto taken = platform::TryLockByte(seg.file.fd, stream::kReaderLockBase + i,
+                                       platform::LockMode::kExclusive);
+    if (!taken.ok() || !*taken) continue;  // the reader is alive (it holds its byte)
+    // The reader died: its process lost its lock. While we hold the byte nobody can take the
+    // entry, so clearing its bit everywhere and freeing the entry cannot race a new reader.
+    uint64_t bit = uint64_t{1} << i;
+    for (uint32_t s = 0; s < seg.file.view.slot_count; ++s) {
+      Holders(seg.file.view.slots[s]).fetch_and(~bit, std::memory_order_seq_cst);
+    }
+    log->info("stream {}: reader pid {} of {} is gone; its holds were cleared", instance,
+              owner.load(), seg.file.name);
+    owner.store(0, std::memory_order_release);
+    (void)platform::UnlockByte(seg.file.fd, stream::kReaderLockBase + i);
+    ++dead_readers;
+  }
+}
+
+void StreamProducer::Impl::ReclaimAll() {
+  std::vector<uint32_t> ids;
+  for (auto& [id, seg] : segments) ids.push_back(id);
+  for (uint32_t id : ids) {
+    auto it = segments.find(id);
+    if (it == segments.end()) continue;
+    ProducerSegment* seg = it->second.get();
+    ClearDeadReaders(*seg);
+    seg->seen_epoch = seg->file.view.epoch().load(std::memory_order_acquire);
+    bool one_shot = seg->file.kind != SegmentKind::kRegular;
+    std::vector<uint32_t> slots = seg->published;
+    for (uint32_t slot : slots) {
+      if (TryReclaim(*seg, slot) && one_shot) break;
+    }
+  }
+}
+
+Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mutex>& lock,
+                                                        std::string_view key, uint64_t bytes) {
+  const uint64_t align = options.block_alignment;
+  auto rounded = AlignUp(std::max<uint64_t>(bytes, 1), align);
+  if (!rounded) return InvalidArgument("stream reserve: " + std::to_string(bytes) + " bytes");
+  const uint64_t need = *rounded;
+  ReclaimMoved();
+  const bool oversized = need > options.segment_bytes;
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(
+                         std::max(0.0, options.strict_wait_seconds) * 1000));
+  bool reclaimed_all = false;
+  for (;;) {
+    if (!oversized) {
+      if (auto block = allocator.Reserve(need)) {
+        ProducerSegment& seg = *segments.at(block->segment);
+        if (!seg.free_slots.empty()) {
+          uint32_t slot = seg.free_slots.back();
+          seg.free_slots.pop_back();
+          return MakeReservation(seg, slot, block->offset, need, bytes, key);
+        }
+        allocator.Free(*block);  // the block table is full: treat the segment as full
+      }
+    }
+    if (!reclaimed_all) {
+      ReclaimAll();
+      reclaimed_all = true;
+      continue;
+    }
+    if (!oversized && allocator.free_bytes() >= need) {
+      ++fragmentation_failures;
+      log->warn("stream {}: reserve of {} for key {} failed while {} is free (largest free "
+                "block {}, {} free blocks): fragmentation",
+                instance, FormatBytes(need), key, FormatBytes(allocator.free_bytes()),
+                FormatBytes(allocator.largest_free_block()), allocator.free_block_count());
+    }
+    uint64_t data_bytes = oversized ? *AlignUp(need, kHugePageBytes) : options.segment_bytes;
+    uint64_t file_bytes = stream::SegmentFileBytes(data_bytes);
+    if (file_bytes_used + file_bytes <= cap_bytes) {
+      auto seg = AddSegment(oversized ? SegmentKind::kDedicated : SegmentKind::kRegular,
+                            data_bytes);
+      if (seg.ok()) {
+        if (oversized) {
+          (*seg)->free_slots.pop_back();
+          return MakeReservation(**seg, 0, (*seg)->file.header().data_offset, need, bytes, key);
+        }
+        continue;  // the allocator has the new segment now
+      }
+      if (seg.status().code() != StatusCode::kNoSpace) return seg.status();
+      log->warn("stream {}: cannot grow: {}", instance, seg.status().message());
+    }
+    // At the cap.
+    if (options.strict) {
+      if (Clock::now() >= deadline) {
+        return NoSpace("stream " + instance + ": cannot reserve " + FormatBytes(need) +
+                       " for key " + std::string(key) + ": " + std::to_string(segments.size()) +
+                       " segments at the cap of " + FormatBytes(cap_bytes) + " are full (" +
+                       FormatBytes(allocator.free_bytes()) + " free, largest block " +
+                       FormatBytes(allocator.largest_free_block()) + ") after waiting " +
+                       std::to_string(options.strict_wait_seconds) +
+                       " s for readers (strict mode)");
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      lock.lock();
+      reclaimed_all = false;
+      continue;
+    }
+    EA_ASSIGN_OR_RETURN(ProducerSegment * spill,
+                        AddSegment(SegmentKind::kSpill, *AlignUp(need, kHugePageBytes)));
+    ++spills;
+    if (spills == 1 || spills % 100 == 0) {
+      log->warn("stream {}: at the cap of {}: spilled {} for key {} to {} ({} spills so far)",
+                instance, FormatBytes(cap_bytes), FormatBytes(need), key, spill->file.path,
+                spills);
+    }
+    spill->free_slots.pop_back();
+    return MakeReservation(*spill, 0, spill->file.header().data_offset, need, bytes, key);
+  }
+}
+
+StreamStats StreamProducer::Impl::StatsLocked() const {
+  StreamStats s;
+  s.total_bytes = allocator.total_bytes();
+  s.free_bytes = allocator.free_bytes();
+  s.largest_free_block = allocator.largest_free_block();
+  for (auto& [id, seg] : segments) {
+    if (seg->file.kind == SegmentKind::kDedicated) s.total_bytes += seg->file.header().data_bytes;
+    if (seg->file.kind != SegmentKind::kSpill) ++s.segments;
+  }
+  s.dedicated_segments = dedicated_segments;
+  s.live_blocks = live_blocks;
+  s.pinned_bytes = pinned_bytes;
+  s.spills = spills;
+  s.spill_files = spill_files;
+  s.fragmentation_failures = fragmentation_failures;
+  s.reclaimed_blocks = reclaimed;
+  s.dead_readers_cleared = dead_readers;
+  return s;
+}
+
+// ---- StreamProducer ------------------------------------------------------------------------
+
+Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
+  auto impl = std::make_shared<Impl>();
+  impl->self_weak = impl;
+  impl->options = options;
+  impl->log = ResolveLogger(options.logger);
+  const auto& o = impl->options;
+  if (!stream::IsValidLogicalName(o.logical_name)) {
+    return InvalidArgument("stream logical name \"" + o.logical_name +
+                           "\": use 1-48 characters of [A-Za-z0-9_.]");
+  }
+  if (o.segment_bytes == 0 || o.segment_bytes % kHugePageBytes != 0) {
+    return InvalidArgument("stream segment size " + std::to_string(o.segment_bytes) +
+                           " bytes: must be a positive multiple of 2 MiB");
+  }
+  if (!IsPowerOfTwo(o.block_alignment) || o.block_alignment < 64 ||
+      o.block_alignment > kHugePageBytes) {
+    return InvalidArgument("stream block alignment " + std::to_string(o.block_alignment) +
+                           ": must be a power of two from 64 B to 2 MiB");
+  }
+  if (o.max_segments == 0) return InvalidArgument("stream max_segments must be at least 1");
+  impl->regular_file_bytes = stream::SegmentFileBytes(o.segment_bytes);
+  impl->cap_bytes = impl->regular_file_bytes * o.max_segments;
+  impl->regular_slots = static_cast<uint32_t>(
+      std::min<uint64_t>(o.segment_bytes / o.block_alignment, stream::kMaxSlots));
+
+  auto dir = platform::StatPath(o.directory);
+  if (!dir.ok()) return dir.status().WithContext("stream directory");
+  EA_ASSIGN_OR_RETURN(auto fs, platform::StatFilesystem(o.directory));
+  if (impl->cap_bytes > fs.total_bytes) {
+    return NoSpace("stream directory " + o.directory + " (" + platform::FsKindName(fs.kind) +
+                   ") holds " + FormatBytes(fs.total_bytes) + " but the stream may use " +
+                   std::to_string(o.max_segments) + " segments x " +
+                   FormatBytes(impl->regular_file_bytes) + " = " + FormatBytes(impl->cap_bytes) +
+                   "; lower max_segments or segment size, or enlarge the filesystem");
+  }
+  if (impl->cap_bytes > fs.available_bytes) {
+    impl->log->warn("stream directory {}: {} free now, less than the cap of {} ({} x {}); "
+                    "past what is free the stream spills",
+                    o.directory, FormatBytes(fs.available_bytes), FormatBytes(impl->cap_bytes),
+                    o.max_segments, FormatBytes(impl->regular_file_bytes));
+  }
+  EA_RETURN_IF_ERROR(platform::MakeDirectories(o.spill_directory, 0700));
+
+  uint64_t swept = 0;
+  if (o.sweep_at_start) {
+    for (const std::string& d : {o.directory, o.spill_directory}) {
+      auto report = SweepStreamDirectory(d);
+      if (!report.ok()) {
+        impl->log->warn("stream sweep of {}: {}", d, report.status().message());
+        continue;
+      }
+      swept += report->removed.size();
+      for (const auto& p : report->removed) impl->log->info("stream sweep: removed {}", p);
+      for (const auto& n : report->notes) impl->log->debug("stream sweep: {}", n);
+    }
+  }
+
+  pid_t pid = platform::CurrentPid();
+  auto start = platform::ProcessStartTime(pid);
+  impl->instance = std::string(stream::kSegmentPrefix) + o.logical_name + "-" +
+                   std::to_string(pid) + "-" + std::to_string(start.ok() ? *start : 0) + "-" +
+                   RandomHex();
+  {
+    std::lock_guard lock(impl->mu);
+    EA_RETURN_IF_ERROR(impl->AddSegment(SegmentKind::kRegular, o.segment_bytes).status());
+  }
+  impl->log->info("stream {}: {} on {} ({} free), segments of {} up to {} ({}), spill to {}{}{}",
+                  impl->instance, o.directory, platform::FsKindName(fs.kind),
+                  FormatBytes(fs.available_bytes), FormatBytes(o.segment_bytes), o.max_segments,
+                  FormatBytes(impl->cap_bytes), o.spill_directory,
+                  o.strict ? " (strict: no spill)" : "",
+                  swept ? "; swept " + std::to_string(swept) + " dead segments" : "");
+  return StreamProducer(std::move(impl));
+}
+
+StreamProducer::StreamProducer(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StreamProducer::StreamProducer(StreamProducer&&) noexcept = default;
+StreamProducer& StreamProducer::operator=(StreamProducer&&) noexcept = default;
+StreamProducer::~StreamProducer() = default;
+
+Result<Reservation> StreamProducer::Reserve(std::string_view key, uint64_t bytes) {
+  std::unique_lock lock(impl_->mu);
+  return impl_->ReserveLocked(lock, key, bytes);
+}
+
+Result<std::string> StreamProducer::Put(std::string_view key, std::span<const std::byte> bytes,
+                                        const TensorInfo& info, uint32_t readers) {
+  EA_ASSIGN_OR_RETURN(Reservation r, Reserve(key, bytes.size()));
+  if (!bytes.empty()) std::memcpy(r.bytes().data(), bytes.data(), bytes.size());
+  return r.Publish(info, readers);
+}
+
+Result<uint64_t> StreamProducer::Abort(std::string_view key) {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->keys.find(std::string(key));  // exact ownership: never a prefix
+  if (it == impl_->keys.end()) return uint64_t{0};
+  std::vector<BlockRef> refs = it->second;
+  uint64_t marked = 0;
+  for (const BlockRef& ref : refs) {
+    auto sit = impl_->segments.find(ref.segment);
+    if (sit == impl_->segments.end()) continue;
+    ProducerSegment& seg = *sit->second;
+    BlockRecord& rec = seg.blocks[ref.slot];
+    if (!rec.live) continue;
+    ++marked;
+    if (!rec.published) {
+      rec.aborted = true;  // Publish refuses it and gives the space back
+      continue;
+    }
+    BlockSlot& s = seg.file.view.slots[ref.slot];
+    uint64_t c = Control(s).load(std::memory_order_seq_cst);
+    while (ControlWord::State(c) == BlockState::kPublished) {
+      uint64_t aborted =
+          ControlWord::Make(BlockState::kAborted, 0, ControlWord::Generation(c));
+      if (Control(s).compare_exchange_weak(c, aborted, std::memory_order_seq_cst)) break;
+    }
+    impl_->TryReclaim(seg, ref.slot);  // now, when nobody holds it
+  }
+  return marked;
+}
+
+Status StreamProducer::Reclaim() {
+  std::lock_guard lock(impl_->mu);
+  impl_->ReclaimAll();
+  return Status::Ok();
+}
+
+StreamStats StreamProducer::Stats() {
+  std::lock_guard lock(impl_->mu);
+  impl_->ReclaimMoved();
+  return impl_->StatsLocked();
+}
+
+std::vector<std::string> StreamProducer::SegmentPaths() {
+  std::lock_guard lock(impl_->mu);
+  std::vector<std::string> out;
+  for (auto& [id, seg] : impl_->segments) out.push_back(seg->file.path);
+  return out;
+}
+
+const std::string& StreamProducer::instance_name() const { return impl_->instance; }
+
+// ---- Reservation ---------------------------------------------------------------------------
+
+Reservation::Reservation(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Reservation::Reservation(Reservation&&) noexcept = default;
+Reservation& Reservation::operator=(Reservation&& other) noexcept {
+  if (this != &other) {
+    this->~Reservation();
+    new (this) Reservation(std::move(other));
+  }
+  return *this;
+}
+
+Reservation::~Reservation() {
+  if (!state_ || state_->done) return;
+  auto& p = *state_->producer;
+  std::lock_guard lock(p.mu);
+  auto it = p.segments.find(state_->segment);
+  if (it == p.segments.end()) return;
+  BlockRecord& rec = it->second->blocks[state_->slot];
+  if (rec.live && rec.generation == state_->generation) p.FreeBlock(*it->second, state_->slot);
+}
+
+std::span<std::byte> Reservation::bytes() const { return state_->bytes; }
+bool Reservation::spilled() const { return state_->spilled; }
+
+Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t readers) {
+  if (!state_ || state_->done) return InvalidArgument("stream publish: reservation already used");
+  if (readers == 0 || readers > stream::kMaxPending) {
+    return InvalidArgument("stream publish: readers " + std::to_string(readers) +
+                           " outside 1.." + std::to_string(stream::kMaxPending));
+  }
+  auto& p = *state_->producer;
+  TensorDescriptor d;
+  {
+    std::lock_guard lock(p.mu);
+    auto it = p.segments.find(state_->segment);
+    if (it == p.segments.end()) return Internal("stream publish: segment gone");
+    ProducerSegment& seg = *it->second;
+    BlockRecord& rec = seg.blocks[state_->slot];
+    if (rec.aborted) {
+      state_->done = true;
+      p.FreeBlock(seg, state_->slot);
+      return Busy("stream publish: key " + state_->key +
+                  " was aborted while its tensor was written; the space was given back");
+    }
+    rec.published = true;
+    rec.published_index = seg.published.size();
+    seg.published.push_back(state_->slot);
+    BlockSlot& s = seg.file.view.slots[state_->slot];
+    // Release: the bytes written before this store are visible to a reader that sees it.
+    Control(s).store(ControlWord::Make(BlockState::kPublished, readers, state_->generation),
+                     std::memory_order_seq_cst);
+    state_->done = true;
+  }
+  d.segment = state_->segment_name;
+  d.spilled = state_->spilled;
+  d.slot = state_->slot;
+  d.generation = state_->generation;
+  d.offset = state_->offset;
+  d.length = state_->length;
+  d.dtype = info.dtype;
+  d.shape = info.shape;
+  d.key = state_->key;
+  return d.Encode();
+}
+
+}  // namespace expert_arena

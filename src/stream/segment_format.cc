@@ -1,0 +1,62 @@
+#include "stream/segment_format.h"
+
+namespace expert_arena::stream {
+
+std::string ValidateHeader(const SegmentHeader& h, uint64_t file_bytes) {
+  if (std::memcmp(h.magic, kSegmentMagic, sizeof kSegmentMagic) != 0) {
+    return "not a stream segment (bad magic)";
+  }
+  if (h.version != kSegmentVersion) {
+    return "stream segment format version " + std::to_string(h.version) + ", this build reads " +
+           std::to_string(kSegmentVersion);
+  }
+  if (h.header_struct_bytes != sizeof(SegmentHeader) || h.slot_bytes != sizeof(BlockSlot) ||
+      h.reader_entry_bytes != sizeof(ReaderEntry)) {
+    return "stream segment with unexpected structure sizes";
+  }
+  if (h.file_bytes != file_bytes) {
+    return "header says " + std::to_string(h.file_bytes) + " bytes but the file has " +
+           std::to_string(file_bytes);
+  }
+  if (h.readers_offset != kReadersOffset || h.slots_offset != kSlotsOffset ||
+      h.reader_entries != kMaxReaders) {
+    return "stream segment with an unexpected table layout";
+  }
+  if (h.slot_count == 0 || h.slot_count > kMaxSlots) {
+    return "block table of " + std::to_string(h.slot_count) + " entries (1.." +
+           std::to_string(kMaxSlots) + " expected)";
+  }
+  if (h.data_offset % kHugePageBytes != 0 ||
+      h.data_offset < kSlotsOffset + uint64_t{h.slot_count} * sizeof(BlockSlot) ||
+      h.data_offset > file_bytes || h.data_bytes > file_bytes - h.data_offset) {
+    return "data region [" + std::to_string(h.data_offset) + ", +" + std::to_string(h.data_bytes) +
+           ") outside the file of " + std::to_string(file_bytes) + " bytes";
+  }
+  if (h.kind > static_cast<uint32_t>(SegmentKind::kSpill)) return "unknown segment kind";
+  return "";
+}
+
+static bool IsNameChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == '-';
+}
+
+bool IsValidSegmentName(std::string_view name) {
+  if (name.size() <= kSegmentPrefix.size() || name.size() > 200) return false;
+  if (name.substr(0, kSegmentPrefix.size()) != kSegmentPrefix) return false;
+  if (name.find("..") != std::string_view::npos) return false;
+  for (char c : name) {
+    if (!IsNameChar(c)) return false;
+  }
+  return true;
+}
+
+bool IsValidLogicalName(std::string_view name) {
+  if (name.empty() || name.size() > 48) return false;
+  for (char c : name) {
+    if (!IsNameChar(c) || c == '-') return false;
+  }
+  return true;
+}
+
+}  // namespace expert_arena::stream

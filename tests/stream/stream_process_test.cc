@@ -1,0 +1,421 @@
+// Cross-process behaviour of tensor streaming, with real child processes (SpawnRole):
+// round trips, many-to-many, two instances of one logical name, sweeping a killed producer
+// (never a live one), exact-key abort, spill at the cap and back, strict mode, release gated
+// on a completion, dead readers, and a consumer dropping an unlinked segment.
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "expert_arena/stream.h"
+#include "stream_test_util.h"
+#include "test_util.h"
+
+namespace expert_arena {
+namespace {
+
+using testing::CheckPattern;
+using testing::Child;
+using testing::FillPattern;
+using testing::ReadMessages;
+using testing::SpawnRole;
+using testing::StreamDirs;
+using testing::TouchFile;
+using testing::WaitForFile;
+using testing::WriteMessages;
+
+ConsumerOptions ConsumerFor(const std::string& shm, const std::string& spill) {
+  ConsumerOptions o;
+  o.directory = shm;
+  o.spill_directory = spill;
+  return o;
+}
+
+// args: shm spill descriptors-file [hold-marker gate-file]
+// Opens every descriptor, checks the bytes against the key's pattern, prints one line per
+// tensor ("ok KEY" / "bad KEY" / "refused KEY: why") and releases. With a marker and a gate,
+// it holds the views, creates the marker, and releases gated on the gate file appearing.
+EA_CHILD_ROLE(stream_consume) {
+  auto consumer = StreamConsumer::Create(ConsumerFor(args[0], args[1]));
+  if (!consumer.ok()) return 3;
+  std::vector<StreamTensor> held;
+  for (const auto& m : ReadMessages(args[2])) {
+    auto t = consumer->Open(m);
+    if (!t.ok()) {
+      std::printf("refused %s\n", t.status().message().c_str());
+      continue;
+    }
+    const std::string& key = t->descriptor().key;
+    std::printf("%s %s\n", CheckPattern(t->bytes(), key) ? "ok" : "bad", key.c_str());
+    held.push_back(std::move(t).value());
+  }
+  std::fflush(stdout);
+  if (args.size() >= 4) {
+    std::string gate = args[4];
+    for (auto& t : held) {
+      t.ReleaseWhen([gate] { return std::filesystem::exists(gate); });
+    }
+    TouchFile(args[3]);
+    while (consumer->PollReleases() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return 0;
+}
+
+// args: shm spill logical out-file count ready-file stop-file
+// Puts `count` tensors (readers=2), writes their descriptors, creates the ready file, waits
+// for the stop file, then checks that every block came back and exits 0.
+EA_CHILD_ROLE(stream_produce) {
+  StreamOptions o;
+  o.directory = args[0];
+  o.spill_directory = args[1];
+  o.logical_name = args[2];
+  o.segment_bytes = 8ull << 20;
+  o.max_segments = 4;
+  o.huge = HugePages::kOff;
+  auto producer = StreamProducer::Create(o);
+  if (!producer.ok()) {
+    std::fprintf(stderr, "%s\n", producer.status().ToString().c_str());
+    return 3;
+  }
+  int count = std::stoi(args[4]);
+  std::vector<std::string> out;
+  for (int i = 0; i < count; ++i) {
+    std::string key = args[2] + "-" + std::to_string(i);
+    std::vector<std::byte> data(1000 + i * 7919);
+    FillPattern(data, key);
+    auto d = producer->Put(key, data, {"u8", {data.size()}}, 2);
+    if (!d.ok()) return 4;
+    out.push_back(*d);
+  }
+  WriteMessages(args[3], out);
+  TouchFile(args[5]);
+  if (!WaitForFile(args[6], 60)) return 5;
+  if (!producer->Reclaim().ok()) return 6;
+  auto stats = producer->Stats();
+  std::printf("live %llu free %llu total %llu\n",
+              static_cast<unsigned long long>(stats.live_blocks),
+              static_cast<unsigned long long>(stats.free_bytes),
+              static_cast<unsigned long long>(stats.total_bytes));
+  return stats.live_blocks == 0 && stats.free_bytes == stats.total_bytes ? 0 : 7;
+}
+
+// args: shm spill logical ready-file — creates a producer, puts one tensor, then sleeps until
+// killed (SIGKILL in the test).
+EA_CHILD_ROLE(stream_produce_and_hang) {
+  StreamOptions o;
+  o.directory = args[0];
+  o.spill_directory = args[1];
+  o.logical_name = args[2];
+  o.segment_bytes = 4ull << 20;
+  o.huge = HugePages::kOff;
+  auto producer = StreamProducer::Create(o);
+  if (!producer.ok()) return 3;
+  std::vector<std::byte> data(5000);
+  auto d = producer->Put("x", data, {});
+  if (!d.ok()) return 4;
+  WriteMessages(args[3] + ".desc", {*d});
+  TouchFile(args[3]);
+  std::this_thread::sleep_for(std::chrono::seconds(120));
+  return 0;
+}
+
+int CountLines(const std::string& text, const std::string& prefix) {
+  int n = 0;
+  size_t pos = 0;
+  while ((pos = text.find(prefix, pos)) != std::string::npos) {
+    if (pos == 0 || text[pos - 1] == '\n') ++n;
+    pos += prefix.size();
+  }
+  return n;
+}
+
+TEST(StreamProcess, RoundTripThroughAnotherProcess) {
+  StreamDirs dirs;
+  std::string desc = dirs.spill() + "/descriptors";
+  {
+    ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+    std::vector<std::string> out;
+    // Sizes: empty, odd, a block, and larger than a segment (a dedicated segment).
+    std::vector<uint64_t> sizes = {0, 1, 4095, 4096, 1 << 20, 3 << 20, 12 << 20};
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      std::string key = "req-" + std::to_string(i);
+      std::vector<std::byte> data(sizes[i]);
+      FillPattern(data, key);
+      ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {"f32", {sizes[i] / 4}}));
+      out.push_back(d);
+    }
+    EXPECT_EQ(producer.Stats().dedicated_segments, 1u);
+    WriteMessages(desc, out);
+    Child c = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), desc});
+    ASSERT_EQ(c.Wait(60), 0);
+    EXPECT_EQ(CountLines(c.Output(), "ok "), static_cast<int>(sizes.size())) << c.Output();
+    ASSERT_OK(producer.Reclaim());
+    StreamStats s = producer.Stats();
+    EXPECT_EQ(s.live_blocks, 0u);
+    EXPECT_EQ(s.free_bytes, s.total_bytes);
+    EXPECT_EQ(s.dedicated_segments, 0u);  // the one-shot segment went with its block
+    EXPECT_EQ(s.spills, 0u);
+  }
+  std::filesystem::remove(desc);
+  EXPECT_TRUE(dirs.remaining().empty());
+}
+
+// Two producer processes with the SAME logical name, each read by two consumer processes.
+TEST(StreamProcess, ManyToManyWithOneLogicalName) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  std::vector<Child> producers;
+  for (int p = 0; p < 2; ++p) {
+    std::string n = std::to_string(p);
+    producers.push_back(SpawnRole("stream_produce", {dirs.shm(), dirs.spill(), "same",
+                                                     base + "desc" + n, "40", base + "ready" + n,
+                                                     base + "stop"}));
+  }
+  for (int p = 0; p < 2; ++p) {
+    ASSERT_TRUE(WaitForFile(base + "ready" + std::to_string(p), 60));
+  }
+  // Both live and distinct: the second producer's start-up sweep left the first alone.
+  std::vector<std::string> all = ReadMessages(base + "desc0");
+  auto more = ReadMessages(base + "desc1");
+  all.insert(all.end(), more.begin(), more.end());
+  ASSERT_EQ(all.size(), 80u);
+  ASSERT_OK_AND_ASSIGN(auto d0, TensorDescriptor::Decode(all.front()));
+  ASSERT_OK_AND_ASSIGN(auto d1, TensorDescriptor::Decode(all.back()));
+  EXPECT_NE(d0.segment, d1.segment);
+  WriteMessages(base + "all", all);
+  std::vector<Child> consumers;
+  for (int c = 0; c < 2; ++c) {
+    consumers.push_back(SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "all"}));
+  }
+  for (auto& c : consumers) {
+    ASSERT_EQ(c.Wait(60), 0);
+    EXPECT_EQ(CountLines(c.Output(), "ok "), 80) << c.Output();
+  }
+  TouchFile(base + "stop");
+  for (auto& p : producers) {
+    EXPECT_EQ(p.Wait(60), 0) << p.Output();
+  }
+  std::filesystem::remove_all(dirs.spill());
+  std::filesystem::create_directory(dirs.spill());
+  EXPECT_TRUE(dirs.remaining().empty());
+}
+
+TEST(StreamProcess, SweepRemovesAKilledProducersSegmentsNeverALiveOnes) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  Child doomed = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "doomed",
+                                                       base + "doomed"});
+  Child alive = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "alive",
+                                                      base + "alive"});
+  ASSERT_TRUE(WaitForFile(base + "doomed", 60));
+  ASSERT_TRUE(WaitForFile(base + "alive", 60));
+  ASSERT_OK_AND_ASSIGN(auto doomed_d,
+                       TensorDescriptor::Decode(ReadMessages(base + "doomed.desc").at(0)));
+  ASSERT_OK_AND_ASSIGN(auto alive_d,
+                       TensorDescriptor::Decode(ReadMessages(base + "alive.desc").at(0)));
+  doomed.Kill(SIGKILL);
+  EXPECT_EQ(doomed.Wait(10), 128 + SIGKILL);
+  EXPECT_TRUE(std::filesystem::exists(dirs.shm() + "/" + doomed_d.segment));
+  {
+    // The next start sweeps.
+    ASSERT_OK_AND_ASSIGN(auto next, StreamProducer::Create(dirs.Producer("next")));
+    EXPECT_FALSE(std::filesystem::exists(dirs.shm() + "/" + doomed_d.segment));
+    EXPECT_TRUE(std::filesystem::exists(dirs.shm() + "/" + alive_d.segment));
+    // An explicit sweep (what `expert-arena sweep` runs) keeps both live producers' files.
+    ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
+    EXPECT_TRUE(report.removed.empty());
+    EXPECT_EQ(report.live.size(), 2u);
+    // The live producer's tensor is intact and readable.
+    ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(ReadMessages(base + "alive.desc").at(0)));
+    EXPECT_EQ(t.bytes().size(), 5000u);
+  }
+  alive.Kill(SIGKILL);
+  alive.Wait(10);
+  ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
+  EXPECT_EQ(report.removed.size(), 1u);
+  std::filesystem::remove_all(dirs.spill());
+  std::filesystem::create_directory(dirs.spill());
+  EXPECT_TRUE(dirs.remaining().empty());
+}
+
+// abort("abc") frees abc's blocks only: never abc_1_2's or abc_1_2_0_0's (the seeds' bug),
+// and a block a reader holds now is freed only after that reader releases it.
+TEST(StreamProcess, AbortIsExactAndWaitsForHolders) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::string> keys = {"abc", "abc_1_2", "abc_1_2_0_0", "0", "abc_def"};
+  std::vector<std::string> descs;
+  for (const auto& key : keys) {
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      std::vector<std::byte> data(30000 + chunk);
+      FillPattern(data, key);
+      ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));
+      descs.push_back(d);
+    }
+  }
+  // A consumer process holds abc's first chunk, gated on a file.
+  WriteMessages(base + "held", {descs[0]});
+  Child holder = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "held",
+                                              base + "holding", base + "gate"});
+  ASSERT_TRUE(WaitForFile(base + "holding", 60));
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("abc"));
+  EXPECT_EQ(marked, 2u);
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 9u);  // abc's unheld chunk freed, the held one not
+  // Every other key's tensors are intact and readable by another process.
+  std::vector<std::string> others(descs.begin() + 2, descs.end());
+  WriteMessages(base + "others", others);
+  Child reader = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "others"});
+  ASSERT_EQ(reader.Wait(60), 0);
+  EXPECT_EQ(CountLines(reader.Output(), "ok "), 8) << reader.Output();
+  // abc's chunks are refused to new readers.
+  WriteMessages(base + "aborted", {descs[1]});
+  Child late = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "aborted"});
+  ASSERT_EQ(late.Wait(60), 0);
+  EXPECT_EQ(CountLines(late.Output(), "refused "), 1) << late.Output();
+  // The holder releases: now the aborted block goes.
+  TouchFile(base + "gate");
+  ASSERT_EQ(holder.Wait(60), 0);
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
+// The release waits for the (simulated) device copy: the block stays while the predicate is
+// false, and comes back once it is true.
+TEST(StreamProcess, ReleaseGatedOnCompletion) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(1 << 20);
+  FillPattern(data, "gated");
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("gated", data, {}));
+  WriteMessages(base + "d", {d});
+  Child c = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d", base + "opened",
+                                         base + "copy-done"});
+  ASSERT_TRUE(WaitForFile(base + "opened", 60));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+  TouchFile(base + "copy-done");
+  ASSERT_EQ(c.Wait(60), 0);
+  EXPECT_EQ(CountLines(c.Output(), "ok "), 1);
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
+// A consumer killed while it holds a view: an abort of that key frees the block once the
+// producer sees the reader is gone (its lock byte is free).
+TEST(StreamProcess, DeadReaderHoldsAreCleared) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(100000);
+  FillPattern(data, "k");
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("k", data, {}));
+  WriteMessages(base + "d", {d});
+  Child c = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d", base + "opened",
+                                         base + "never"});
+  ASSERT_TRUE(WaitForFile(base + "opened", 60));
+  c.Kill(SIGKILL);
+  c.Wait(10);
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("k"));
+  EXPECT_EQ(marked, 1u);
+  ASSERT_OK(producer.Reclaim());
+  StreamStats s = producer.Stats();
+  EXPECT_EQ(s.live_blocks, 0u);
+  EXPECT_EQ(s.dead_readers_cleared, 1u);
+}
+
+// At the cap the producer spills (never hangs, never fails); the consumer reads the spilled
+// tensor through the same Open; once space is back, tensors go to the segment again.
+TEST(StreamProcess, SpillAtTheCapAndBack) {
+  StreamDirs dirs;
+  const std::string base = dirs.shm() + "/../";
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 4 << 20;
+  o.max_segments = 1;
+  std::string desc_file = dirs.spill() + "-descs";
+  {
+    ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+    std::vector<std::string> descs;
+    for (int i = 0; i < 6; ++i) {  // 6 x 1 MiB into a 4 MiB segment
+      std::string key = "t" + std::to_string(i);
+      std::vector<std::byte> data(1 << 20);
+      FillPattern(data, key);
+      ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));
+      descs.push_back(d);
+    }
+    StreamStats s = producer.Stats();
+    EXPECT_EQ(s.spills, 2u);
+    EXPECT_EQ(s.spill_files, 2u);
+    ASSERT_OK_AND_ASSIGN(auto last, TensorDescriptor::Decode(descs.back()));
+    EXPECT_TRUE(last.spilled);
+    EXPECT_TRUE(std::filesystem::exists(dirs.spill() + "/" + last.segment));
+    WriteMessages(desc_file, descs);
+    Child c = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), desc_file});
+    ASSERT_EQ(c.Wait(60), 0);
+    EXPECT_EQ(CountLines(c.Output(), "ok "), 6) << c.Output();
+    std::vector<std::byte> data(1 << 20);
+    FillPattern(data, "after");
+    ASSERT_OK_AND_ASSIGN(auto again, producer.Put("after", data, {}));
+    ASSERT_OK_AND_ASSIGN(auto again_d, TensorDescriptor::Decode(again));
+    EXPECT_FALSE(again_d.spilled);
+    s = producer.Stats();
+    EXPECT_EQ(s.spill_files, 0u);  // consumed spill files are gone
+    EXPECT_EQ(s.live_blocks, 1u);
+  }
+  std::filesystem::remove(desc_file);
+  EXPECT_TRUE(dirs.remaining().empty());
+}
+
+TEST(StreamProcess, StrictModeFailsWithinItsBound) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 1;
+  o.strict = true;
+  o.strict_wait_seconds = 0.2;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<std::byte> data(2 << 20);
+  ASSERT_OK(producer.Put("fill", data, {}));
+  auto start = std::chrono::steady_clock::now();
+  auto r = producer.Reserve("more", 1 << 20);
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(r.status().message().find("strict mode"), std::string::npos) << r.status().message();
+  EXPECT_GE(seconds, 0.2);
+  EXPECT_LT(seconds, 20.0);  // bounded: never a hang (loose: the machine is shared)
+  EXPECT_EQ(producer.Stats().spills, 0u);
+}
+
+// A consumer keeps a peer's segment mapped while it holds a view, and drops the mapping once
+// the file was unlinked (the producer exited) and the view is released.
+TEST(StreamProcess, ConsumerDropsAnUnlinkedSegmentAfterItsViews) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  Child owner = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "gone",
+                                                      base + "ready"});
+  ASSERT_TRUE(WaitForFile(base + "ready", 60));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(ReadMessages(base + "ready.desc").at(0)));
+  owner.Kill(SIGKILL);
+  owner.Wait(10);
+  ASSERT_OK(SweepStreamDirectory(dirs.shm()));
+  EXPECT_TRUE(std::filesystem::is_empty(dirs.shm()));
+  consumer.PollReleases();
+  EXPECT_EQ(consumer.Stats().mapped_segments, 1u);  // still viewed
+  EXPECT_EQ(t.bytes().size(), 5000u);
+  t.Release();
+  consumer.PollReleases();
+  ConsumerStats s = consumer.Stats();
+  EXPECT_EQ(s.mapped_segments, 0u);
+  EXPECT_EQ(s.dropped_segments, 1u);
+}
+
+}  // namespace
+}  // namespace expert_arena

@@ -1,0 +1,239 @@
+// In-process tests of the stream pieces: allocator, descriptor wire form, validation of
+// hostile descriptors, sizing, fragmentation warning. Cross-process behaviour is in
+// stream_process_test.cc.
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
+#include <random>
+#include <sstream>
+
+#include "expert_arena/stream.h"
+#include "stream/block_allocator.h"
+#include "stream_test_util.h"
+#include "test_util.h"
+
+namespace expert_arena {
+namespace {
+
+using stream::Block;
+using stream::BlockAllocator;
+using testing::StreamDirs;
+
+TEST(BlockAllocator, CoalescesNeighboursBackToOneBlock) {
+  BlockAllocator a;
+  a.AddSegment(0, 0, 1 << 20);
+  std::vector<Block> blocks;
+  for (int i = 0; i < 16; ++i) blocks.push_back(*a.Reserve(64 << 10));
+  EXPECT_EQ(a.free_bytes(), 0u);
+  EXPECT_FALSE(a.Reserve(1).has_value());
+  // Free every other block: 8 holes of 64 KiB, no 128 KiB block.
+  for (int i = 0; i < 16; i += 2) a.Free(blocks[i]);
+  EXPECT_EQ(a.free_bytes(), 8u * (64 << 10));
+  EXPECT_EQ(a.largest_free_block(), 64u << 10);
+  EXPECT_FALSE(a.Reserve(128 << 10).has_value());
+  for (int i = 1; i < 16; i += 2) a.Free(blocks[i]);
+  EXPECT_EQ(a.free_block_count(), 1u);
+  EXPECT_EQ(a.largest_free_block(), 1u << 20);
+}
+
+TEST(BlockAllocator, BestFitKeepsLargeBlocksWhole) {
+  BlockAllocator a;
+  a.AddSegment(0, 0, 1 << 20);
+  a.AddSegment(1, 0, 64 << 10);
+  auto small = a.Reserve(4096);
+  ASSERT_TRUE(small.has_value());
+  EXPECT_EQ(small->segment, 1u);  // the smaller free block that fits
+  EXPECT_EQ(a.largest_free_block(), 1u << 20);
+}
+
+TEST(BlockAllocator, RandomReserveFreeKeepsAccounts) {
+  BlockAllocator a;
+  a.AddSegment(0, 0, 64 << 20);
+  a.AddSegment(1, 0, 64 << 20);
+  std::mt19937_64 rng(7);
+  std::vector<Block> live;
+  for (int i = 0; i < 20000; ++i) {
+    if (live.empty() || rng() % 3 != 0) {
+      auto b = a.Reserve(4096 * (1 + rng() % 64));
+      if (b) live.push_back(*b);
+    } else {
+      size_t k = rng() % live.size();
+      a.Free(live[k]);
+      live[k] = live.back();
+      live.pop_back();
+    }
+  }
+  for (const auto& b : live) a.Free(b);
+  EXPECT_EQ(a.free_bytes(), a.total_bytes());
+  EXPECT_EQ(a.free_block_count(), 2u);
+}
+
+TensorDescriptor SampleDescriptor() {
+  TensorDescriptor d;
+  d.segment = "ea-stream-x-1-2-abcd-0";
+  d.slot = 3;
+  d.generation = 9;
+  d.offset = 2 << 20;
+  d.length = 4096;
+  d.dtype = "bf16";
+  d.shape = {2, 1024};
+  d.key = "abc_1_2";
+  return d;
+}
+
+TEST(TensorDescriptor, RoundTrips) {
+  TensorDescriptor d = SampleDescriptor();
+  d.spilled = true;
+  ASSERT_OK_AND_ASSIGN(auto back, TensorDescriptor::Decode(d.Encode()));
+  EXPECT_EQ(back.segment, d.segment);
+  EXPECT_TRUE(back.spilled);
+  EXPECT_EQ(back.slot, 3u);
+  EXPECT_EQ(back.generation, 9u);
+  EXPECT_EQ(back.offset, d.offset);
+  EXPECT_EQ(back.length, d.length);
+  EXPECT_EQ(back.dtype, "bf16");
+  EXPECT_EQ(back.shape, d.shape);
+  EXPECT_EQ(back.key, "abc_1_2");
+}
+
+TEST(TensorDescriptor, RefusesDamagedBytes) {
+  std::string good = SampleDescriptor().Encode();
+  auto refused = [](std::string bytes, const std::string& words) {
+    auto r = TensorDescriptor::Decode(bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().message();
+  };
+  std::string bad_magic = good;
+  bad_magic[0] = 'X';
+  refused(bad_magic, "bad magic");
+  std::string bad_version = good;
+  bad_version[4] = 7;
+  refused(bad_version, "version 7");
+  refused(good.substr(0, good.size() - 1), "bytes but");
+  std::string flipped = good;
+  flipped[30] ^= 1;
+  refused(flipped, "checksum");
+  refused("", "size 0");
+}
+
+TEST(TensorDescriptor, RefusesNamesOutsideTheDirectory) {
+  for (std::string name : {"../ea-stream-x", "ea-stream-a/../../etc/passwd", "/etc/passwd",
+                           "ea-stream-..", "other-file", "ea-stream-"}) {
+    TensorDescriptor d = SampleDescriptor();
+    d.segment = name;
+    auto r = TensorDescriptor::Decode(d.Encode());
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_NE(r.status().message().find("segment name"), std::string::npos);
+  }
+}
+
+TEST(StreamProducer, SizingFailsFastWhenTheCapCanNeverFit) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 1ull << 30;
+  o.max_segments = 100000;
+  auto p = StreamProducer::Create(o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(p.status().message().find("100000 segments"), std::string::npos)
+      << p.status().message();
+  EXPECT_TRUE(dirs.remaining().empty());
+}
+
+TEST(StreamProducer, RefusesBadOptions) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer("bad/name");
+  EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
+  o = dirs.Producer();
+  o.segment_bytes = 3 << 20;
+  EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Descriptors that decode but do not match the segment: refused by Open with the reason.
+TEST(StreamConsumer, RefusesHostileDescriptors) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(10000);
+  testing::FillPattern(data, "k");
+  ASSERT_OK_AND_ASSIGN(auto encoded, producer.Put("k", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto good, TensorDescriptor::Decode(encoded));
+  auto expect_refused = [&](TensorDescriptor d, const std::string& words) {
+    auto r = consumer.Open(d.Encode());
+    ASSERT_FALSE(r.ok()) << words;
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().message();
+  };
+  TensorDescriptor d = good;
+  d.offset = 1ull << 40;
+  expect_refused(d, "outside the data region");
+  d = good;
+  d.length = 1ull << 40;
+  expect_refused(d, "outside the data region");
+  d = good;
+  d.offset = 0;  // the header region
+  expect_refused(d, "outside the data region");
+  d = good;
+  d.slot = 1 << 30;
+  expect_refused(d, "past the");
+  d = good;
+  d.generation += 1;
+  expect_refused(d, "stale descriptor");
+  d = good;
+  d.offset += 4096;
+  expect_refused(d, "differ");
+  d = good;
+  d.segment = "ea-stream-not-there-1-2-3-4";
+  expect_refused(d, "No such file");
+  // The good one still works, and its bytes are the producer's.
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(encoded));
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "k"));
+}
+
+TEST(StreamProducer, WarnsWhenFragmentationFailsAReserve) {
+  StreamDirs dirs;
+  std::ostringstream logged;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(logged);
+  auto logger = std::make_shared<spdlog::logger>("stream-frag-test", sink);
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 1;
+  o.logger = logger;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<Reservation> held;
+  for (int i = 0; i < 32; ++i) {
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k" + std::to_string(i), 64 << 10));
+    held.push_back(std::move(r));
+  }
+  std::vector<Reservation> kept;
+  for (int i = 0; i < 32; ++i) {
+    if (i % 2 == 1) kept.push_back(std::move(held[i]));
+  }
+  held.clear();  // frees every other block: 1 MiB free in 64 KiB pieces
+  StreamStats before = producer.Stats();
+  EXPECT_EQ(before.free_bytes, 1u << 20);
+  EXPECT_EQ(before.largest_free_block, 64u << 10);
+  ASSERT_OK_AND_ASSIGN(auto big, producer.Reserve("big", 256 << 10));
+  EXPECT_TRUE(big.spilled());
+  logger->flush();
+  EXPECT_NE(logged.str().find("fragmentation"), std::string::npos) << logged.str();
+  StreamStats after = producer.Stats();
+  EXPECT_EQ(after.fragmentation_failures, 1u);
+  EXPECT_EQ(after.spills, 1u);
+}
+
+TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto writing, producer.Reserve("abc", 4096));
+  ASSERT_OK_AND_ASSIGN(auto other, producer.Reserve("abc_1_2", 4096));
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("abc"));
+  EXPECT_EQ(marked, 1u);
+  auto published = writing.Publish({});
+  ASSERT_FALSE(published.ok());
+  EXPECT_EQ(published.status().code(), StatusCode::kBusy);
+  ASSERT_OK(other.Publish({}));
+  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+}
+
+}  // namespace
+}  // namespace expert_arena
