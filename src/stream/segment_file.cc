@@ -50,8 +50,11 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
   if (p.huge != HugePages::kOff) {
     double seconds = 0;
     // Like the arena: MADV_HUGEPAGE, then MADV_COLLAPSE while every page is still empty.
-    auto d = arena::ApplyHugePages(p.huge, false, seg.mapping.data(), file_bytes, false,
-                                   seg.path, &seconds);
+    auto fs = platform::StatFilesystem(p.directory);
+    auto source = arena::PageSourceFor(fs.ok() && fs->kind == platform::FsKind::kHugetlbfs,
+                                       fs.ok() ? fs->tmpfs_huge : "never");
+    auto d = arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path,
+                                   &seconds);
     if (huge_note != nullptr) *huge_note = d.note;
   }
   if (p.populate) {
