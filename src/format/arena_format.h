@@ -16,7 +16,7 @@
 // against the real file size: every count, offset and length is checked for overflow and
 // bounds, so no header can make a process touch bytes outside its mapping.
 //
-// See doc/arena_format.md for the field-by-field description.
+// See docs/arena_format.md for the field-by-field description.
 #pragma once
 
 #include <cstddef>

@@ -37,9 +37,7 @@ void HoldUntilReleased() {
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   sigprocmask(SIG_BLOCK, &set, nullptr);
-  int sfd = -1;
   struct pollfd fds[1] = {{STDIN_FILENO, POLLIN, 0}};
-  (void)sfd;
   for (;;) {
     struct timespec tick = {0, 100 * 1000 * 1000};
     siginfo_t info;
@@ -111,8 +109,9 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
       "load", "Load the arena, or attach when another engine loaded it");
   cmd->add_option("--model", args->models, "Model file (repeat for shards)")->required();
   cmd->add_option("--arena", args->arena, "Shared arena file (tmpfs or hugetlbfs)")->required();
-  cmd->add_option("--select", args->select, "Tensors whose names match this regex");
-  cmd->add_flag("--all", args->all, "Every tensor of the model");
+  CLI::Option* select =
+      cmd->add_option("--select", args->select, "Tensors whose names match this regex");
+  cmd->add_flag("--all", args->all, "Every tensor of the model")->excludes(select);
   cmd->add_option("--gpu", args->gpu, "none|cuda[:N]|hip[:N]");
   cmd->add_option("--huge", args->huge, "2 MiB pages: auto|on|off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
