@@ -53,7 +53,7 @@ std::string ArenaReport::StartLine() const {
       break;
   }
   std::snprintf(buf, sizeof buf, "; %.2f of %.2f GiB on 2 MiB pages", gib(huge_bytes),
-                gib(data_bytes));
+                gib(mapped_bytes));
   line += buf;
   if (!huge_note.empty()) line += " (" + huge_note + ")";
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
@@ -70,6 +70,7 @@ namespace arena {
 
 void MeasureBacking(Arena::Impl& impl) {
   auto huge = platform::HugeBytesInRange(impl.mapping.data(), impl.mapping.size());
+  impl.report.mapped_bytes = impl.mapping.size();
   if (huge.ok()) impl.report.huge_bytes = std::min(*huge, impl.mapping.size());
   auto pinned = platform::PinnedBytes();
   if (pinned.ok()) impl.report.pinned_bytes = *pinned;
