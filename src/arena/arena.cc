@@ -8,6 +8,7 @@
 #include "arena/arena_impl.h"
 #include "common/logging.h"
 #include "common/units.h"
+#include "expert_arena/gpu.h"
 #include "platform/system_info.h"
 
 namespace expert_arena {
@@ -76,10 +77,17 @@ void MeasureBacking(Arena::Impl& impl) {
   if (pinned.ok()) impl.report.pinned_bytes = *pinned;
 }
 
+bool MapWritableForGpu(const ArenaOptions& options) {
+  auto device = ParseGpuDevice(options.gpu);
+  return device.ok() && device->backend != GpuBackend::kNone;
+}
+
 Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::logger& log) {
   gpu::RegisterOptions gpu_options;
   gpu_options.device = options.gpu;
   gpu_options.pin_budget_bytes = options.pin_budget_bytes;
+  gpu_options.read_only = !impl.mapping.writable();
+  gpu_options.logger = options.logger;
   auto registration = gpu::RegisterHostRange(impl.mapping.bytes(), gpu_options);
   if (!registration.ok()) {
     if (options.gpu_required) return registration.status();
@@ -89,10 +97,12 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
   }
   impl.registration = std::move(*registration);
   const gpu::RegistrationReport& r = impl.registration->report();
-  impl.report.gpu_note = r.backend == "none" ? "none" : r.backend + ": " + r.note;
+  impl.report.gpu_note = r.backend == "none" ? "none" : r.note;
   impl.report.gpu_registered_bytes = r.registered_bytes;
   impl.report.gpu_seconds = r.seconds;
-  if (options.gpu_required && options.gpu != "none" && r.registered_bytes == 0) {
+  // No device, no driver, a read-only mapping the device cannot register, or the pin budget
+  // used up: skipped and reported, unless the engine said it cannot work without it.
+  if (options.gpu_required && r.backend != "none" && r.registered_bytes == 0) {
     return Unsupported("GPU registration required but not done: " + r.note);
   }
   return Status::Ok();

@@ -48,7 +48,14 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
                                                  const ArenaOptions& options,
                                                  spdlog::logger& log);
 
-// Registers the mapping with the GPU named in options and records the outcome in the report.
+// Whether the arena is mapped (and stays) writable: when a GPU registration is asked for.
+// cudaHostRegister of a PROT_READ range needs cudaHostRegisterReadOnly, which some GPUs do
+// not support; every other arena is read-only once published.
+bool MapWritableForGpu(const ArenaOptions& options);
+
+// Registers the mapping with the GPU named in options (read-only registration when the
+// mapping is read-only) and records the outcome in the report. Skips are reported; an error
+// only when options.gpu_required.
 Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::logger& log);
 
 // Fills report.huge_bytes (and the pinned bytes) from /proc/self.

@@ -30,7 +30,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
   request.progress = options.progress;
   request.logger = &log;
   EA_ASSIGN_OR_RETURN(load::LoadResult loaded, load::LoadTensors(request, impl->table));
-  EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+  if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
   impl->report.role = ArenaRole::kPrivate;
   impl->report.backing = "anonymous";
   impl->report.huge_note = huge.note;

@@ -107,12 +107,13 @@ Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint6
 Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
                                                   const platform::FileStat& st,
                                                   const platform::FilesystemInfo& fs,
-                                                  const std::string& path) {
+                                                  const std::string& path,
+                                                  bool writable) {
   auto impl = std::make_unique<Arena::Impl>();
   uint64_t alignment = std::max<uint64_t>(kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs
                                                               ? fs.block_bytes
                                                               : kHugePageBytes);
-  EA_ASSIGN_OR_RETURN(impl->mapping, platform::Mapping::MapFile(fd, st.size, false, alignment));
+  EA_ASSIGN_OR_RETURN(impl->mapping, platform::Mapping::MapFile(fd, st.size, writable, alignment));
   // The header region comes first; DecodeHeader checks every offset against the real size.
   auto summary = format::SummarizeHeader(impl->mapping.bytes().first(
       std::min<uint64_t>(st.size, sizeof(format::HeaderFixed))));
@@ -121,8 +122,11 @@ Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
   EA_RETURN_IF_ERROR(format::DecodeHeader(impl->mapping.bytes().first(header_bytes), st.size,
                                           path, &impl->table, nullptr));
   impl->data_offset = header_bytes;
-  EA_RETURN_IF_ERROR(platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
-                                           platform::Advice::kPopulateRead, path));
+  // A writable mapping (for GPU registration) is populated writable too, so the driver's
+  // page walk does not take a write fault per page.
+  EA_RETURN_IF_ERROR(platform::AdviseRange(
+      impl->mapping.data(), impl->mapping.size(),
+      writable ? platform::Advice::kPopulateWrite : platform::Advice::kPopulateRead, path));
   impl->fd = std::move(fd);
   return impl;
 }
@@ -238,7 +242,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
       EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte,
                                                            platform::LockMode::kShared));
       if (!user) return Internal(path + ": USER held exclusively while FILL was free");
-      EA_ASSIGN_OR_RETURN(auto impl, MapPublished(std::move(fd), st, fs, path));
+      EA_ASSIGN_OR_RETURN(auto impl, MapPublished(std::move(fd), st, fs, path,
+                                                     MapWritableForGpu(options)));
       EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
       impl->report.role = ArenaRole::kAttached;
       impl->report.wait_seconds =
@@ -322,8 +327,9 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     auto user_shared = platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared);
     if (!user_shared.ok()) return fail(user_shared.status());
     EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
-    // Nobody writes a published arena: the loader's mapping becomes read-only like the others.
-    EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+    // Nobody writes a published arena: the loader's mapping becomes read-only like the others
+    // (unless it is to be registered with a GPU: see MapWritableForGpu).
+    if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
     impl->fd = std::move(fd);
     impl->report.role = ArenaRole::kLoaded;
     impl->report.backing = platform::FsKindName(fs.kind);
