@@ -6,6 +6,7 @@
 // them into one "no usable device" line.
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <string>
 
 #include "gpu/runtime.h"
@@ -91,6 +92,19 @@ class CudaRuntimeImpl final : public Runtime {
     EA_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "");
     if (count <= 0) return CudaError(cudaErrorNoDevice, "");
     return count;
+  }
+
+  Result<std::string> Describe(int device) const override {
+    cudaDeviceProp prop{};
+    EA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    int driver = 0;
+    (void)cudaDriverGetVersion(&driver);
+    (void)cudaGetLastError();
+    char memory[32];
+    std::snprintf(memory, sizeof memory, "%.1f GiB",
+                  static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024 * 1024));
+    return std::string(prop.name) + ", " + memory + ", driver " + std::to_string(driver / 1000) +
+           "." + std::to_string((driver % 1000) / 10);
   }
 
   bool CanRegisterReadOnly(int device) const override {

@@ -10,6 +10,7 @@
 // arena's 2 MiB pages are what keeps compaction away.
 #include <hip/hip_runtime_api.h>
 
+#include <cstdio>
 #include <string>
 
 #include "gpu/runtime.h"
@@ -92,6 +93,19 @@ class HipRuntimeImpl final : public Runtime {
     EA_HIP_RETURN_IF_ERROR(hipGetDeviceCount(&count), "");
     if (count <= 0) return HipError(hipErrorNoDevice, "");
     return count;
+  }
+
+  Result<std::string> Describe(int device) const override {
+    hipDeviceProp_t prop{};
+    EA_HIP_RETURN_IF_ERROR(hipGetDeviceProperties(&prop, device), "hipGetDeviceProperties");
+    int driver = 0;
+    (void)hipDriverGetVersion(&driver);
+    (void)hipGetLastError();
+    char memory[32];
+    std::snprintf(memory, sizeof memory, "%.1f GiB",
+                  static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024 * 1024));
+    return std::string(prop.name) + " (" + prop.gcnArchName + "), " + memory + ", HIP driver " +
+           std::to_string(driver);
   }
 
   bool CanRegisterReadOnly(int /*device*/) const override {

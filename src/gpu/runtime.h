@@ -28,6 +28,8 @@ class Runtime {
 
   // Devices visible; an error (the runtime's) when there is no usable driver or device.
   virtual Result<int> DeviceCount() const = 0;
+  // "NVIDIA H200, 139.8 GiB, driver 13.0" (for reports); the error when the device is absent.
+  virtual Result<std::string> Describe(int device) const = 0;
   // Whether `device` can register memory mapped PROT_READ (cudaHostRegisterReadOnly).
   virtual bool CanRegisterReadOnly(int device) const = 0;
 
