@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "common/units.h"
 #include "expert_arena/gpu.h"
+#include "gpu/runtime.h"
 #include "platform/system_info.h"
 
 namespace expert_arena {
@@ -112,6 +113,17 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
 
 namespace {
 
+// Before any load: a GPU name that cannot be parsed is a usage error, and a GPU the engine
+// requires but this build or machine cannot give fails now rather than after a long load.
+Status CheckGpuOptions(const ArenaOptions& options) {
+  EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.gpu));
+  if (options.gpu_required && device.backend != GpuBackend::kNone) {
+    std::string why = gpu::WhyDeviceUnusable(device);
+    if (!why.empty()) return Unsupported("GPU registration required but not done: " + why);
+  }
+  return Status::Ok();
+}
+
 Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& options,
                      spdlog::logger& log, std::chrono::steady_clock::time_point start) {
   EA_RETURN_IF_ERROR(arena::RegisterWithGpu(*impl, options, log));
@@ -137,6 +149,7 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
 Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
   auto start = std::chrono::steady_clock::now();
   auto logger = ResolveLogger(options.logger);
+  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
   EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
   if (options.shared_path.empty()) {
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
@@ -150,6 +163,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
 Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions& options) {
   auto start = std::chrono::steady_clock::now();
   auto logger = ResolveLogger(options.logger);
+  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
   ArenaOptions attach = options;
   attach.shared_path = path;
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(nullptr, attach, *logger));

@@ -176,6 +176,36 @@ TEST(GpuNoDeviceTest, ArenaReportsSkipAndRequiredFails) {
       << required.status().ToString();
 }
 
+// A typo in the GPU name, or a GPU that is required but cannot be had, fails before the
+// model is read or the shared file is created.
+TEST(GpuNoDeviceTest, BadNameOrMissingRequiredGpuFailsBeforeLoading) {
+  testing::ScopedDataFile model(kMiB, 10);
+  testing::ScopedPath path("gpu-early");
+  ArenaOptions options;
+  options.shared_path = path.path();
+  options.progress = false;
+  options.gpu = "cuda:first";
+  auto bad = Arena::Open({.files = {model.path()}}, options);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(platform::StatPath(path.path()).ok()) << "the arena file was created";
+  EXPECT_FALSE(Arena::AttachExisting(path.path(), options).ok());
+
+  GpuBackend missing = GpuBackend::kNone;
+  for (GpuBackend b : kBackends) {
+    if (!gpu::WhyDeviceUnusable(GpuDevice{b, 0}).empty()) missing = b;
+  }
+  if (missing == GpuBackend::kNone) GTEST_SKIP() << "every backend is built and has a device";
+  options.gpu = GpuBackendName(missing);
+  options.gpu_required = true;
+  auto required = Arena::Open({.files = {model.path()}}, options);
+  ASSERT_FALSE(required.ok());
+  EXPECT_EQ(required.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(required.status().message().find("GPU registration required but not done"),
+            std::string::npos);
+  EXPECT_FALSE(platform::StatPath(path.path()).ok()) << "the arena file was created";
+}
+
 TEST(GpuNoDeviceTest, BackendNotBuiltIsAnErrorOnlyWhenRequired) {
   GpuBackend missing = GpuBackend::kNone;
   for (GpuBackend b : kBackends) {
