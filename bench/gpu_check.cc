@@ -3,8 +3,9 @@
 //
 // On a 4 KiB-page backing (a file in --dir-4k, /dev/shm by default, MADV_NOHUGEPAGE) and a
 // 2 MiB-page backing (a file in --dir-2m: a tmpfs huge=always or hugetlbfs mount; by default
-// /dev/shm with MADV_HUGEPAGE + MADV_COLLAPSE) of the same size, through the library's own
-// RegisterHostRange:
+// /dev/shm with MADV_HUGEPAGE + MADV_COLLAPSE) of the same size ("anonymous" for either
+// directory: private anonymous memory, when no tmpfs is large enough), through the library's
+// own RegisterHostRange:
 //   - registration seconds per GiB, serial (1 thread) and parallel (--threads), in chunks of
 //     --chunk-mib; each twice, alternating, best kept; unregistration seconds per GiB;
 //   - VmPin growth (whether the driver accounts its pins);
@@ -96,8 +97,36 @@ struct Backing {
   std::string note;
 };
 
+constexpr const char* kAnonymous = "anonymous";
+
+// Private anonymous memory, for a machine whose tmpfs is too small (a container's 64 MiB
+// /dev/shm) and where the script cannot mount one.
+Result<Backing> MakeAnonymousBacking(uint64_t bytes, bool huge) {
+  Backing b;
+  EA_ASSIGN_OR_RETURN(b.mapping, platform::Mapping::MapAnonymous(bytes, kHugePageBytes));
+  if (huge) {
+    double collapse_seconds = 0;
+    arena::HugeDecision d =
+        arena::ApplyHugePages(HugePages::kOn, arena::PageSource::kAnonymous, b.mapping.data(),
+                              bytes, "anonymous backing", &collapse_seconds);
+    b.note = "anonymous memory" + (d.note.empty() ? "" : ", " + d.note);
+  } else {
+    EA_RETURN_IF_ERROR(platform::AdviseRange(b.mapping.data(), bytes,
+                                             platform::Advice::kNoHugePage, "anonymous"));
+    b.note = "anonymous memory, MADV_NOHUGEPAGE";
+  }
+  EA_RETURN_IF_ERROR(platform::AdviseRange(b.mapping.data(), bytes,
+                                           platform::Advice::kPopulateWrite, "anonymous"));
+  for (uint64_t off = 0; off < bytes; off += 4096) b.mapping.data()[off] = std::byte{0x5a};
+  auto huge_bytes = platform::HugeBytesInRange(b.mapping.data(), bytes);
+  b.huge_bytes = huge_bytes.ok() ? *huge_bytes : 0;
+  b.label = std::string(huge ? "2 MiB" : "4 KiB") + " pages (anonymous)";
+  return b;
+}
+
 Result<Backing> MakeBacking(const std::string& dir, uint64_t bytes, bool huge,
                             const std::string& tag) {
+  if (dir == kAnonymous) return MakeAnonymousBacking(bytes, huge);
   Backing b;
   b.path = dir + "/ea-gpu-check-" + std::to_string(getpid()) + "-" + tag;
   EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, platform::StatFilesystem(dir));
@@ -132,7 +161,9 @@ Result<Backing> MakeBacking(const std::string& dir, uint64_t bytes, bool huge,
   for (uint64_t off = 0; off < bytes; off += 4096) b.mapping.data()[off] = std::byte{0x5a};
   auto huge_bytes = platform::HugeBytesInRange(b.mapping.data(), bytes);
   b.huge_bytes = huge_bytes.ok() ? *huge_bytes : 0;
-  b.label = std::string(huge ? "2 MiB" : "4 KiB") + " pages (" + dir + ")";
+  b.label = std::string(huge ? "2 MiB" : "4 KiB") + " pages (" +
+            (dir == "/dev/shm" ? dir : fs_name) + ")";
+  b.note = dir + ": " + b.note;
   return b;
 }
 
@@ -214,7 +245,10 @@ Result<RegistrationFigures> MeasureBacking(Backing& b, const Config& c, const gp
 // A shared arena of a random model file, registered with the device (required), one tensor
 // copied with the public helper and read back.
 Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* line) {
-  const std::string base = c.dir_4k + "/ea-gpu-check-" + std::to_string(getpid());
+  // A shared arena on the 4 KiB directory; a private arena when that is anonymous memory.
+  const bool shared = c.dir_4k != kAnonymous;
+  const std::string base =
+      (shared ? c.dir_4k : std::string("/tmp")) + "/ea-gpu-check-" + std::to_string(getpid());
   const std::string model_path = base + "-model.bin";
   const std::string arena_path = base + ".arena";
   const uint64_t model_bytes = 64 * kMiB + 12345;  // not a multiple of any page size
@@ -236,7 +270,7 @@ Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* l
     (void)platform::UnlinkPath(arena_path);
   };
   ArenaOptions options;
-  options.shared_path = arena_path;
+  if (shared) options.shared_path = arena_path;
   options.gpu = device.ToString();
   options.gpu_required = true;
   options.progress = false;
@@ -259,7 +293,7 @@ Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* l
                      "bytes at offset " + std::to_string(i));
     }
     *line = "correctness: a " + FormatBytes(view.bytes.size()) +
-            " tensor of a registered shared arena (" + FormatBytes(arena.report().gpu_registered_bytes) +
+            " tensor of a registered " + (shared ? "shared" : "private") + " arena (" + FormatBytes(arena.report().gpu_registered_bytes) +
             " registered), copied to " + device.ToString() +
             " with CopyToDeviceAsync and read back, equals the host bytes: ok";
     return Status::Ok();
@@ -275,6 +309,7 @@ Result<uint64_t> PlanSize(const Config& c) {
   EA_ASSIGN_OR_RETURN(uint64_t available, platform::AvailableMemoryBytes());
   uint64_t fit = available / 10 * 4;
   for (const std::string& dir : {c.dir_4k, c.dir_2m.empty() ? c.dir_4k : c.dir_2m}) {
+    if (dir == kAnonymous) continue;
     EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, platform::StatFilesystem(dir));
     fit = std::min(fit, fs.available_bytes / 10 * 9);
   }
@@ -300,10 +335,12 @@ int main(int argc, char** argv) {
   CLI::App app{"Measures GPU registration of arena backings and host-to-device copies"};
   app.add_option("--device", c.device, "cuda[:N] or hip[:N]")->capture_default_str();
   app.add_option("--size-gib", c.size_gib, "bytes per backing (default: 8 GiB or what fits)");
-  app.add_option("--dir-4k", c.dir_4k, "directory for the 4 KiB-page file")->capture_default_str();
+  app.add_option("--dir-4k", c.dir_4k,
+                 "directory for the 4 KiB-page file, or \"anonymous\" for private memory")
+      ->capture_default_str();
   app.add_option("--dir-2m", c.dir_2m,
                  "directory for the 2 MiB-page file: tmpfs huge=always or hugetlbfs "
-                 "(default: --dir-4k with MADV_COLLAPSE)");
+                 "(default: --dir-4k with MADV_COLLAPSE), or \"anonymous\"");
   app.add_option("--chunk-mib", c.chunk_mib, "registration chunk")->capture_default_str()
       ->check(CLI::Range(2, 1 << 20));
   app.add_option("--threads", c.threads, "threads of the parallel registration")
@@ -364,10 +401,10 @@ int main(int argc, char** argv) {
     stream = *s;
   }
 
-  std::printf("| source                         | on 2 MiB pages | register s/GiB 1 thread | "
+  std::printf("| source                             | on 2 MiB pages | register s/GiB 1 thread | "
               "register s/GiB %d threads | unregister s/GiB | VmPin growth | H2D GB/s | vs %s |\n",
               c.threads, pinned_name.c_str());
-  std::printf("|--------------------------------|----------------|-------------------------|"
+  std::printf("|------------------------------------|----------------|-------------------------|"
               "--------------------------|------------------|--------------|----------|-----%s|\n",
               std::string(pinned_name.size(), '-').c_str());
   struct Row {
@@ -439,7 +476,7 @@ int main(int argc, char** argv) {
   }
   for (const Row& r : rows) {
     std::string ratio = measure && pinned_rate > 0 ? fmt("%.2f", r.rate / pinned_rate) : "-";
-    std::printf("| %-30s | %14s | %23s | %24s | %16s | %12s | %8s | %*s |\n", r.label.c_str(),
+    std::printf("| %-34s | %14s | %23s | %24s | %16s | %12s | %8s | %*s |\n", r.label.c_str(),
                 r.huge.c_str(), r.serial.c_str(), r.parallel.c_str(), r.unreg.c_str(),
                 r.vmpin.c_str(), r.gbps.c_str(), static_cast<int>(pinned_name.size() + 3),
                 ratio.c_str());

@@ -7,13 +7,14 @@
 # and a correctness check (a tensor copied to the device equals the host bytes).
 #
 #   bench/gpu_check.sh                   build, test, measure cuda:0 (under 5 minutes on 1 GPU)
-#   bench/gpu_check.sh --device cuda:1 --size-gib 4 --dir-2m /mnt/huge
+#   bench/gpu_check.sh --device cuda:1 --size-gib 4 --dir-2m /mnt/huge [--dir-4k DIR|anonymous]
 #   bench/gpu_check.sh --no-build --build-dir build --dry-run     (what ctest runs, no GPU)
 #
 # Needs Debian/Ubuntu with the CUDA toolkit at /usr/local/cuda (or CUDAToolkit_ROOT); missing
 # -dev packages are installed with scripts/install-deps.sh when apt works. Run as root, it
-# mounts a tmpfs huge=always for the 2 MiB-page backing (and unmounts it) unless --dir-2m is
-# given; otherwise the 2 MiB backing is /dev/shm made of 2 MiB pages with MADV_COLLAPSE.
+# mounts a tmpfs huge=always for the 2 MiB-page backing (and one huge=never for the 4 KiB
+# backing when /dev/shm is too small), and unmounts them; otherwise the 2 MiB backing is
+# /dev/shm made of 2 MiB pages with MADV_COLLAPSE, or anonymous memory when /dev/shm is small.
 # Without a usable device it says "no CUDA device: <reason>; nothing measured" and exits 0.
 # Exit status: 0 passed (or nothing to measure), 1 a check failed, 2 could not build or run.
 set -euo pipefail
@@ -25,13 +26,15 @@ build=1
 dry_run=0
 run_tests=1
 size_gib=""
+dir_4k=""
 dir_2m=""
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 while (($#)); do
   case "$1" in
     --build-dir) build_dir=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
     --size-gib) size_gib=$2; shift 2 ;;
+    --dir-4k) dir_4k=$2; shift 2 ;;
     --dir-2m) dir_2m=$2; shift 2 ;;
     --no-build) build=0; shift ;;
     --no-tests) run_tests=0; shift ;;
@@ -47,7 +50,8 @@ esac
 log=$(mktemp /tmp/ea-gpu-check-XXXXXX.log)
 mnt=""
 cleanup() {
-  if [[ -n "$mnt" ]]; then umount "$mnt" 2>/dev/null || true; rmdir "$mnt" 2>/dev/null || true; fi
+  local m
+  for m in $mnt; do umount "$m" 2>/dev/null || true; rmdir "$m" 2>/dev/null || true; done
   rm -f "$log"
 }
 trap cleanup EXIT
@@ -103,15 +107,40 @@ if ((run_tests)); then
   grep -E "tests passed|Skipped" "$log" | sed 's/^/  /'
 fi
 
-if [[ -z "$dir_2m" && $(id -u) -eq 0 ]]; then
-  size=${size_gib:-8}
-  mnt=$(mktemp -d /tmp/ea-gpu-check-huge-XXXXXX)
-  if mount -t tmpfs -o "size=$((size + 1))G,huge=always,mode=0700" tmpfs "$mnt" 2>>"$log"; then
-    dir_2m=$mnt
+# Where the backings live. As root: tmpfs mounts made here (huge=always for the 2 MiB
+# backing; huge=never for the 4 KiB one when /dev/shm is too small, as in a container).
+# Otherwise /dev/shm, or private anonymous memory when /dev/shm cannot hold a backing.
+need_kib=$(( (${size_gib:-8} + 1) * 1024 * 1024 ))
+shm_kib=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ' || echo 0)
+mount_tmpfs() {  # mount_tmpfs HUGE -> prints the mount point, or nothing
+  local dir
+  dir=$(mktemp -d /tmp/ea-gpu-check-mnt-XXXXXX)
+  if mount -t tmpfs -o "size=${need_kib}k,huge=$1,mode=0700" tmpfs "$dir" 2>>"$log"; then
+    echo "$dir"
   else
-    rmdir "$mnt"; mnt=""
-    echo "gpu_check.sh: could not mount a tmpfs huge=always; the 2 MiB backing is /dev/shm collapsed"
+    rmdir "$dir"
+  fi
+}
+if [[ -z "$dir_4k" ]]; then
+  if ((shm_kib >= need_kib)); then
+    dir_4k=/dev/shm
+  elif [[ $(id -u) -eq 0 ]] && dir_4k=$(mount_tmpfs never) && [[ -n "$dir_4k" ]]; then
+    mnt+=" $dir_4k"
+  else
+    echo "gpu_check.sh: /dev/shm has $((shm_kib / 1024)) MiB free: the 4 KiB backing is anonymous memory"
+    dir_4k=anonymous
   fi
 fi
-[[ -n "$dir_2m" ]] && args+=(--dir-2m "$dir_2m")
+if [[ -z "$dir_2m" ]]; then
+  if [[ $(id -u) -eq 0 ]] && dir_2m=$(mount_tmpfs always) && [[ -n "$dir_2m" ]]; then
+    mnt+=" $dir_2m"
+  elif [[ "$dir_4k" == anonymous || "$dir_4k" != /dev/shm ]]; then
+    dir_2m=anonymous
+    echo "gpu_check.sh: no tmpfs huge=always mount: the 2 MiB backing is anonymous memory"
+  else
+    dir_2m=/dev/shm
+    echo "gpu_check.sh: not root: the 2 MiB backing is /dev/shm made of 2 MiB pages by MADV_COLLAPSE"
+  fi
+fi
+args+=(--dir-4k "$dir_4k" --dir-2m "$dir_2m")
 "$bin" "${args[@]}"
