@@ -192,14 +192,31 @@ uint64_t ProcessRegisteredBytes() { return g_registered_bytes.load(); }
 Result<std::unique_ptr<Registration>> RegisterHostRange(std::span<std::byte> range,
                                                         const RegisterOptions& options) {
   EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.device));
-  RegistrationReport report;
-  report.requested_bytes = range.size();
-  if (device.backend == GpuBackend::kNone) return Skip(report, "no GPU asked for");
-  report.backend = GpuBackendName(device.backend);
-  report.device = device.ToString();
-
+  if (device.backend == GpuBackend::kNone) {
+    RegistrationReport report;
+    report.requested_bytes = range.size();
+    return Skip(report, "no GPU asked for");
+  }
   const Runtime* runtime = RuntimeFor(device.backend);
   if (runtime == nullptr) return Unsupported(WhyDeviceUnusable(device));
+  if (std::string why = WhyDeviceUnusable(device); !why.empty()) {
+    RegistrationReport report;
+    report.requested_bytes = range.size();
+    report.backend = GpuBackendName(device.backend);
+    report.device = device.ToString();
+    return Skip(report, why);
+  }
+  return RegisterHostRangeOn(*runtime, device, range, options);
+}
+
+Result<std::unique_ptr<Registration>> RegisterHostRangeOn(const Runtime& runtime,
+                                                          const GpuDevice& device,
+                                                          std::span<std::byte> range,
+                                                          const RegisterOptions& options) {
+  RegistrationReport report;
+  report.requested_bytes = range.size();
+  report.backend = GpuBackendName(device.backend);
+  report.device = device.ToString();
   const uint64_t page = platform::BasePageSize();
   if (reinterpret_cast<uintptr_t>(range.data()) % page != 0 || range.size() % page != 0) {
     return InvalidArgument(report.device + ": the range to register is not page-aligned");
@@ -209,10 +226,7 @@ Result<std::unique_ptr<Registration>> RegisterHostRange(std::span<std::byte> ran
                            ": expected 1 to 64");
   }
   if (range.empty()) return Skip(report, report.device + ": nothing to register");
-  if (std::string why = WhyDeviceUnusable(device); !why.empty()) {
-    return Skip(report, why);
-  }
-  if (options.read_only && !runtime->CanRegisterReadOnly(device.index)) {
+  if (options.read_only && !runtime.CanRegisterReadOnly(device.index)) {
     return Skip(report, report.device +
                             ": not registered: the range is mapped read-only and this device "
                             "cannot register read-only memory; map it writable");
@@ -243,7 +257,7 @@ Result<std::unique_ptr<Registration>> RegisterHostRange(std::span<std::byte> ran
   report.vmpin_before = platform::PinnedBytes().ok() ? *platform::PinnedBytes() : 0;
   auto start = std::chrono::steady_clock::now();
   auto registration = std::make_unique<RuntimeRegistration>(
-      *runtime, device.index, std::move(chunks), report.threads, options.read_only, reserved,
+      runtime, device.index, std::move(chunks), report.threads, options.read_only, reserved,
       logger);
   registration->mutable_report() = report;
   EA_RETURN_IF_ERROR(registration->Register());

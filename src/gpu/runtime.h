@@ -15,8 +15,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <memory>
+#include <span>
+#include <string>
+
 #include "expert_arena/gpu.h"
 #include "expert_arena/status.h"
+#include "gpu/gpu.h"
 
 namespace expert_arena::gpu {
 
@@ -67,6 +72,14 @@ const Runtime& CudaRuntime();  // cuda_runtime.cc
 #if defined(EXPERT_ARENA_WITH_HIP)
 const Runtime& HipRuntime();  // hip_runtime.cc
 #endif
+
+// RegisterHostRange once the device is known to be usable: checks the range and options,
+// the read-only case, the pin budget, then registers in chunks on `runtime`. Exposed so that
+// tests can pass a runtime that injects faults (a chunk that fails, an unregister that fails).
+Result<std::unique_ptr<Registration>> RegisterHostRangeOn(const Runtime& runtime,
+                                                          const GpuDevice& device,
+                                                          std::span<std::byte> range,
+                                                          const RegisterOptions& options);
 
 // The one-line reason a device cannot be used ("cuda: no usable device: ..."), or "" when
 // `device` is usable. Used for the skip line of a registration and by the check program.

@@ -323,7 +323,7 @@ TEST(GpuDeviceRegistrationTest, ChunksRegisterAndUnregister) {
     ASSERT_OK(platform::AdviseRange(m.data(), m.size(), platform::Advice::kPopulateWrite, "test"));
     gpu::RegisterOptions options;
     options.device = device.ToString();
-    options.chunk_bytes = 6 * kMiB;  // rounded up to 8 MiB: 8 chunks
+    options.chunk_bytes = 7 * kMiB;  // rounded up to 8 MiB: 8 chunks
     options.threads = 2;
     {
       ASSERT_OK_AND_ASSIGN(auto reg, gpu::RegisterHostRange(m.bytes(), options));
