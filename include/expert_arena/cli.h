@@ -1,0 +1,131 @@
+// --shared-expert-arena for any engine that parses its command line with CLI11: one call
+// adds the flag and its companions as an option group, one call turns them into
+// ArenaOptions.
+//
+//   expert_arena::cli::SharedArenaFlags arena_flags;
+//   expert_arena::cli::AddSharedArenaOptions(app, arena_flags);
+//   CLI11_PARSE(app, argc, argv);
+//   expert_arena::ArenaOptions options;
+//   arena_flags.ApplyTo(options);      // no --shared-expert-arena: a private arena
+//   auto arena = expert_arena::Arena::Open({.files = model_files}, options);
+//
+// Options added (group "Shared expert arena"):
+//   --shared-expert-arena PATH   the arena file on tmpfs or hugetlbfs (absent: private)
+//   --arena-wait-timeout SEC     how long to wait for another engine that is loading it
+//   --arena-huge auto|on|off     2 MiB pages on tmpfs / anonymous memory
+//   --arena-mode MODE            octal mode of a file this engine creates (default 0600)
+//   --arena-allow-foreign-owner  attach to a file another user created
+//   --gpu none|cuda[:N]|hip[:N]  register the arena with that device
+//   --gpu-required               fail when the registration does not happen
+//
+// Header-only on purpose: CLI11 is a header-only library whose types change between
+// releases, so compiling this in the engine (against the engine's own CLI11) keeps
+// libexpert_arena.so free of any CLI11 dependency or ABI. Engines that do not use CLI11
+// never include this file. Requires CLI11 2.x.
+//
+// Thread-safety: a SharedArenaFlags is plain data; it must outlive the parse.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "expert_arena/arena.h"
+
+namespace expert_arena::cli {
+
+struct SharedArenaFlags {
+  std::string path;
+  double wait_timeout_seconds = 600.0;
+  std::string huge = "auto";
+  std::string mode = "0600";
+  bool allow_foreign_owner = false;
+  std::string gpu = "none";
+  bool gpu_required = false;
+
+  bool shared() const { return !path.empty(); }
+
+  // Copies the parsed values into `options` (shared_path empty without the flag). The
+  // values were validated by the parser, so this cannot fail.
+  void ApplyTo(ArenaOptions& options) const {
+    options.shared_path = path;
+    options.wait_timeout_seconds = wait_timeout_seconds;
+    options.huge = huge == "on" ? HugePages::kOn : huge == "off" ? HugePages::kOff
+                                                                 : HugePages::kAuto;
+    options.file_mode = static_cast<mode_t>(std::stoul(mode, nullptr, 8));
+    options.allow_foreign_owner = allow_foreign_owner;
+    options.gpu = gpu;
+    options.gpu_required = gpu_required;
+  }
+};
+
+// A CLI11 validator for --gpu: "none", "cuda", "cuda:N", "hip", "hip:N".
+inline CLI::Validator GpuDeviceValidator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        auto numeric = [](const std::string& s) {
+          return !s.empty() && s.size() <= 4 &&
+                 s.find_first_not_of("0123456789") == std::string::npos;
+        };
+        if (value == "none" || value == "cuda" || value == "hip") return {};
+        for (const char* backend : {"cuda:", "hip:"}) {
+          std::string prefix = backend;
+          if (value.rfind(prefix, 0) == 0 && numeric(value.substr(prefix.size()))) return {};
+        }
+        return "expected none, cuda, cuda:N, hip or hip:N, got '" + value + "'";
+      },
+      "none|cuda[:N]|hip[:N]", "GpuDevice");
+}
+
+// An octal file mode between 0400 and 0777 that the owner can read and write.
+inline CLI::Validator FileModeValidator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        if (value.empty() || value.size() > 4 ||
+            value.find_first_not_of("01234567") != std::string::npos) {
+          return "expected an octal mode such as 0600 or 0660, got '" + value + "'";
+        }
+        unsigned long mode = std::stoul(value, nullptr, 8);
+        if ((mode & 0600) != 0600 || mode > 0777) {
+          return "mode " + value + " must give the owner read and write, and no special bits";
+        }
+        return {};
+      },
+      "MODE", "FileMode");
+}
+
+// Adds the options above to `app` as one option group and returns it (engines may hide it
+// or add more). `flags` receives the values during app.parse().
+inline CLI::Option_group* AddSharedArenaOptions(CLI::App& app, SharedArenaFlags& flags,
+                                                const std::string& group_name =
+                                                    "Shared expert arena") {
+  CLI::Option_group* group = app.add_option_group(
+      group_name, "One RAM copy of the expert weights shared by every engine on this host");
+  CLI::Option* path =
+      group->add_option("--shared-expert-arena", flags.path,
+                        "Arena file on tmpfs or hugetlbfs (e.g. /dev/shm/model.arena): load "
+                        "the experts into it once, or attach when another engine did; "
+                        "without it the engine loads a private copy")
+          ->type_name("PATH");
+  group->add_option("--arena-wait-timeout", flags.wait_timeout_seconds,
+                    "Seconds to wait for another engine that is loading the same arena")
+      ->type_name("SECONDS")
+      ->check(CLI::NonNegativeNumber)
+      ->needs(path);
+  group->add_option("--arena-huge", flags.huge,
+                    "2 MiB pages on tmpfs: auto (when free blocks allow), on, off")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
+  group->add_option("--arena-mode", flags.mode,
+                    "Octal mode of an arena file this engine creates (0660: group access)")
+      ->check(FileModeValidator())
+      ->needs(path);
+  group->add_flag("--arena-allow-foreign-owner", flags.allow_foreign_owner,
+                  "Attach to an arena file owned by another user")
+      ->needs(path);
+  group->add_option("--gpu", flags.gpu, "Register the arena with this device")
+      ->check(GpuDeviceValidator());
+  group->add_flag("--gpu-required", flags.gpu_required,
+                  "Fail instead of continuing on the CPU when GPU registration fails");
+  return group;
+}
+
+}  // namespace expert_arena::cli
