@@ -1,0 +1,137 @@
+/* expert_arena.h: the C interface of expert-arena, for C engines and for Python (ctypes)
+ * or any language with a C FFI. It wraps the engine-facing C++ API (expert_arena/arena.h):
+ * open an arena (private, shared, or attach to an existing shared file), look up tensor
+ * views, close.
+ *
+ *   ea_open_params p;
+ *   ea_open_params_init(&p);
+ *   const char* files[] = {"model.gguf"};
+ *   p.model_files = files;
+ *   p.model_file_count = 1;
+ *   p.shared_path = "/dev/shm/model.arena";      // NULL: a private arena
+ *   ea_arena* arena = NULL;
+ *   int rc = ea_arena_open(&p, &arena);
+ *   if (rc != 0) fprintf(stderr, "%s\n", ea_last_error());
+ *   ea_tensor_view v;
+ *   v.size = sizeof v;
+ *   rc = ea_arena_find(arena, "blk.0.ffn_up_exps.weight", &v);
+ *   ... v.data, v.bytes ...
+ *   ea_arena_close(arena);
+ *
+ * Conventions:
+ * - Every call that can fail returns 0 or a negative errno value (-EINVAL bad argument,
+ *   -ENOENT no such file or tensor, -EBUSY in use by another engine, -ETIMEDOUT waiting for
+ *   another loader, -ENOSPC filesystem too small, -EBADMSG damaged file, -EACCES, -ENOTSUP,
+ *   -EIO, -ENOMEM). ea_last_error() then gives the message, which names the file and cause.
+ * - Structs passed in or out start with a `size` member that the caller sets to
+ *   sizeof(struct) as it was compiled; the library reads and writes only that many bytes,
+ *   so fields can be added at the end without breaking older callers.
+ * - Opaque handle; views and strings stay valid until ea_arena_close. Tensor data is
+ *   read-only. All calls are thread-safe on distinct handles; lookups on one handle may run
+ *   concurrently; ea_arena_close must not race with other calls on the same handle.
+ * - No C++ exception crosses this interface.
+ */
+#ifndef EXPERT_ARENA_EXPERT_ARENA_H_
+#define EXPERT_ARENA_EXPERT_ARENA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "expert_arena/export.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ea_arena ea_arena;
+
+/* How this process got its arena. */
+enum ea_role { EA_ROLE_LOADED = 0, EA_ROLE_ATTACHED = 1, EA_ROLE_PRIVATE = 2 };
+
+/* 2 MiB pages on tmpfs or anonymous memory (hugetlbfs always has them). */
+enum ea_huge_pages { EA_HUGE_AUTO = 0, EA_HUGE_ON = 1, EA_HUGE_OFF = 2 };
+
+typedef struct ea_open_params {
+  size_t size;                     /* sizeof(ea_open_params), set by ea_open_params_init */
+  const char* const* model_files;  /* the model's files (shards); unused with attach_only */
+  size_t model_file_count;
+  const char* select;              /* regex of tensor names; NULL or "": the routed experts */
+  int select_all;                  /* nonzero: every tensor of the model */
+  const char* shared_path;         /* arena file on tmpfs/hugetlbfs; NULL or "": private */
+  int attach_only;                 /* nonzero: attach to a published shared_path, no model */
+  double wait_timeout_seconds;     /* wait for another engine's load; default 600 */
+  int huge_pages;                  /* enum ea_huge_pages; default EA_HUGE_AUTO */
+  const char* gpu;                 /* "none", "cuda[:N]", "hip[:N]"; NULL: "none" */
+  int gpu_required;                /* nonzero: fail when the registration does not happen */
+  uint32_t file_mode;              /* mode of a created file; default 0600 */
+  int allow_foreign_owner;         /* nonzero: attach to a file owned by another user */
+  int quiet;                       /* nonzero: no start line or notes on stderr */
+} ea_open_params;
+
+typedef struct ea_tensor_view {
+  size_t size;              /* set by the caller: sizeof(ea_tensor_view) */
+  const char* name;         /* NUL-terminated */
+  const char* dtype;        /* "f16", "q8_0" (GGUF), "BF16" (safetensors), "u8" (raw) ... */
+  const uint64_t* shape;    /* ndim values, in the source format's order (ggml: ne0 first) */
+  uint32_t ndim;
+  const void* data;         /* bytes of the tensor in the arena (read-only) */
+  uint64_t bytes;
+  uint64_t file_offset;     /* absolute offset in the arena file; 0 for a private arena */
+  uint64_t checksum;        /* xxh3-64 of the bytes, as `expert-arena info` shows it */
+} ea_tensor_view;
+
+typedef struct ea_arena_info {
+  size_t size;              /* set by the caller: sizeof(ea_arena_info) */
+  int role;                 /* enum ea_role */
+  const char* path;         /* the shared file, "" when private */
+  const char* backing;      /* "tmpfs", "hugetlbfs", "anonymous", "other" */
+  const char* start_line;   /* the one line an operator reads */
+  const void* data;         /* the whole data region */
+  uint64_t data_bytes;
+  uint64_t tensor_count;
+  uint64_t tensor_bytes;
+  uint64_t huge_bytes;      /* bytes of this mapping on 2 MiB pages */
+  uint64_t bytes_read;      /* model bytes this process read */
+  double seconds;           /* open to ready */
+  uint64_t identity_hash;
+  uint64_t gpu_registered_bytes;
+} ea_arena_info;
+
+/* Fills `params` with the defaults and sets params->size. */
+EXPERT_ARENA_EXPORT void ea_open_params_init(ea_open_params* params);
+
+/* Loads the model into an arena, attaches to a shared one another engine loaded, or (with
+ * attach_only) attaches to a published shared_path. On success *out is a handle for
+ * ea_arena_close; on failure *out is NULL and the return value a negative errno. */
+EXPERT_ARENA_EXPORT int ea_arena_open(const ea_open_params* params, ea_arena** out);
+
+/* Unmaps the arena and drops this process's use of a shared file (which stays for the next
+ * engine). NULL is ignored. */
+EXPERT_ARENA_EXPORT void ea_arena_close(ea_arena* arena);
+
+/* Facts of the open arena; strings live as long as the handle. */
+EXPERT_ARENA_EXPORT int ea_arena_get_info(const ea_arena* arena, ea_arena_info* out);
+
+/* Number of tensors in the arena (0 for NULL). */
+EXPERT_ARENA_EXPORT size_t ea_arena_tensor_count(const ea_arena* arena);
+
+/* The view of tensor `index` (0 <= index < count); -ERANGE past the end. */
+EXPERT_ARENA_EXPORT int ea_arena_tensor(const ea_arena* arena, size_t index,
+                                        ea_tensor_view* out);
+
+/* The view of the tensor named `name`; -ENOENT when there is none. */
+EXPERT_ARENA_EXPORT int ea_arena_find(const ea_arena* arena, const char* name,
+                                      ea_tensor_view* out);
+
+/* The message of the last failed call on this thread ("" when none failed). Valid until
+ * the next call on this thread. */
+EXPERT_ARENA_EXPORT const char* ea_last_error(void);
+
+/* The library's version, "MAJOR.MINOR.PATCH". */
+EXPERT_ARENA_EXPORT const char* ea_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EXPERT_ARENA_EXPERT_ARENA_H_ */

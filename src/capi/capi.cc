@@ -1,0 +1,266 @@
+// The C interface (include/expert_arena/expert_arena.h) over the C++ Arena API.
+//
+// Every entry point catches everything: a C caller (or a Python interpreter) has no way to
+// handle a C++ exception, so an allocation failure becomes -ENOMEM and anything else -EIO,
+// with the message in ea_last_error().
+#include "expert_arena/expert_arena.h"
+
+#include <spdlog/sinks/null_sink.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "expert_arena/arena.h"
+
+#ifndef EXPERT_ARENA_VERSION_STRING
+#define EXPERT_ARENA_VERSION_STRING "unknown"
+#endif
+
+struct ea_arena {
+  expert_arena::Arena arena;
+  std::string start_line;
+};
+
+namespace expert_arena {
+namespace {
+
+thread_local std::string last_error;
+
+int ErrnoFor(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return 0;
+    case StatusCode::kInvalidArgument: return -EINVAL;
+    case StatusCode::kNotFound: return -ENOENT;
+    case StatusCode::kCorrupt: return -EBADMSG;
+    case StatusCode::kBusy: return -EBUSY;
+    case StatusCode::kTimedOut: return -ETIMEDOUT;
+    case StatusCode::kNoSpace: return -ENOSPC;
+    case StatusCode::kUnsupported: return -ENOTSUP;
+    case StatusCode::kPermission: return -EACCES;
+    case StatusCode::kIoError: return -EIO;
+    case StatusCode::kInternal: return -EIO;
+  }
+  return -EIO;
+}
+
+int Fail(int rc, std::string message) {
+  last_error = std::move(message);
+  return rc;
+}
+
+int Fail(const Status& status) { return Fail(ErrnoFor(status.code()), status.message()); }
+
+// Runs `body`, turning any exception into an error code.
+template <typename F>
+int Guarded(const char* what, F&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Fail(-ENOMEM, std::string(what) + ": out of memory");
+  } catch (const std::exception& e) {
+    return Fail(-EIO, std::string(what) + ": " + e.what());
+  } catch (...) {
+    return Fail(-EIO, std::string(what) + ": unexpected error");
+  }
+}
+
+// Copies the first `caller_size` bytes of `ours` out to the caller, whose struct may be an
+// older (shorter) version; the caller's `size` field is kept.
+template <typename T>
+void CopyOut(const T& ours, T* out) {
+  size_t caller_size = out->size;
+  std::memcpy(static_cast<void*>(out), &ours, std::min(caller_size, sizeof(T)));
+  out->size = caller_size;
+}
+
+int FillView(const TensorView& v, ea_tensor_view* out) {
+  ea_tensor_view view{};
+  view.size = sizeof view;
+  // The names and dtypes are std::strings of the arena's tensor table, so their data() is
+  // NUL-terminated and lives as long as the arena.
+  view.name = v.name.data();
+  view.dtype = v.dtype.data();
+  view.shape = v.shape.data();
+  view.ndim = static_cast<uint32_t>(v.shape.size());
+  view.data = v.bytes.data();
+  view.bytes = v.bytes.size();
+  view.file_offset = v.file_offset;
+  view.checksum = v.checksum;
+  CopyOut(view, out);
+  return 0;
+}
+
+// The smallest struct sizes this library accepts: the fields of the first version.
+constexpr size_t kMinParamsSize = offsetof(ea_open_params, quiet) + sizeof(int);
+constexpr size_t kMinViewSize = offsetof(ea_tensor_view, checksum) + sizeof(uint64_t);
+constexpr size_t kMinInfoSize = offsetof(ea_arena_info, gpu_registered_bytes) + sizeof(uint64_t);
+
+}  // namespace
+}  // namespace expert_arena
+
+using expert_arena::Fail;
+using expert_arena::Guarded;
+
+extern "C" {
+
+void ea_open_params_init(ea_open_params* params) {
+  if (params == nullptr) return;
+  std::memset(static_cast<void*>(params), 0, sizeof *params);
+  params->size = sizeof *params;
+  params->wait_timeout_seconds = 600.0;
+  params->huge_pages = EA_HUGE_AUTO;
+  params->file_mode = 0600;
+}
+
+int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
+  using namespace expert_arena;
+  last_error.clear();
+  if (out == nullptr) return Fail(-EINVAL, "ea_arena_open: out is NULL");
+  *out = nullptr;
+  if (params_in == nullptr) return Fail(-EINVAL, "ea_arena_open: params is NULL");
+  if (params_in->size < kMinParamsSize) {
+    return Fail(-EINVAL, "ea_arena_open: params->size " + std::to_string(params_in->size) +
+                             " is smaller than any version of ea_open_params (call "
+                             "ea_open_params_init)");
+  }
+  return Guarded("ea_arena_open", [&]() -> int {
+    // A newer caller's extra fields are ignored; an older caller's missing ones keep the
+    // defaults.
+    ea_open_params p;
+    ea_open_params_init(&p);
+    std::memcpy(static_cast<void*>(&p), params_in, std::min(params_in->size, sizeof p));
+
+    ArenaOptions options;
+    options.shared_path = p.shared_path != nullptr ? p.shared_path : "";
+    if (p.wait_timeout_seconds < 0) {
+      return Fail(-EINVAL, "ea_arena_open: wait_timeout_seconds is negative");
+    }
+    options.wait_timeout_seconds = p.wait_timeout_seconds;
+    switch (p.huge_pages) {
+      case EA_HUGE_AUTO: options.huge = HugePages::kAuto; break;
+      case EA_HUGE_ON: options.huge = HugePages::kOn; break;
+      case EA_HUGE_OFF: options.huge = HugePages::kOff; break;
+      default:
+        return Fail(-EINVAL, "ea_arena_open: huge_pages " + std::to_string(p.huge_pages) +
+                                 " is not EA_HUGE_AUTO, EA_HUGE_ON or EA_HUGE_OFF");
+    }
+    options.gpu = p.gpu != nullptr && *p.gpu != '\0' ? p.gpu : "none";
+    options.gpu_required = p.gpu_required != 0;
+    options.file_mode = static_cast<mode_t>(p.file_mode != 0 ? p.file_mode : 0600);
+    options.allow_foreign_owner = p.allow_foreign_owner != 0;
+    options.progress = false;
+    if (p.quiet != 0) {
+      options.logger = std::make_shared<spdlog::logger>(
+          "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());
+    }
+
+    Result<Arena> arena = Status(StatusCode::kInternal, "not opened");
+    if (p.attach_only != 0) {
+      if (options.shared_path.empty()) {
+        return Fail(-EINVAL, "ea_arena_open: attach_only needs shared_path");
+      }
+      arena = Arena::AttachExisting(options.shared_path, options);
+    } else {
+      if (p.model_file_count == 0 || p.model_files == nullptr) {
+        return Fail(-EINVAL, "ea_arena_open: no model file given (or set attach_only)");
+      }
+      ModelSpec model;
+      for (size_t i = 0; i < p.model_file_count; ++i) {
+        if (p.model_files[i] == nullptr) {
+          return Fail(-EINVAL, "ea_arena_open: model_files[" + std::to_string(i) + "] is NULL");
+        }
+        model.files.emplace_back(p.model_files[i]);
+      }
+      model.select = p.select != nullptr ? p.select : "";
+      model.select_all = p.select_all != 0;
+      arena = Arena::Open(model, options);
+    }
+    if (!arena.ok()) return Fail(arena.status());
+    auto* handle = new ea_arena{std::move(arena).value(), {}};
+    handle->start_line = handle->arena.report().StartLine();
+    *out = handle;
+    return 0;
+  });
+}
+
+void ea_arena_close(ea_arena* arena) { delete arena; }
+
+int ea_arena_get_info(const ea_arena* arena, ea_arena_info* out) {
+  using namespace expert_arena;
+  if (arena == nullptr || out == nullptr) return Fail(-EINVAL, "ea_arena_get_info: NULL argument");
+  if (out->size < kMinInfoSize) {
+    return Fail(-EINVAL, "ea_arena_get_info: out->size " + std::to_string(out->size) +
+                             " is smaller than any version of ea_arena_info");
+  }
+  return Guarded("ea_arena_get_info", [&]() -> int {
+    const ArenaReport& r = arena->arena.report();
+    ea_arena_info info{};
+    info.size = sizeof info;
+    info.role = r.role == ArenaRole::kLoaded     ? EA_ROLE_LOADED
+                : r.role == ArenaRole::kAttached ? EA_ROLE_ATTACHED
+                                                 : EA_ROLE_PRIVATE;
+    info.path = r.path.c_str();
+    info.backing = r.backing.c_str();
+    info.start_line = arena->start_line.c_str();
+    info.data = arena->arena.data().data();
+    info.data_bytes = arena->arena.data().size();
+    info.tensor_count = arena->arena.tensor_count();
+    info.tensor_bytes = r.tensor_bytes;
+    info.huge_bytes = r.huge_bytes;
+    info.bytes_read = r.bytes_read;
+    info.seconds = r.seconds;
+    info.identity_hash = r.identity_hash;
+    info.gpu_registered_bytes = r.gpu_registered_bytes;
+    CopyOut(info, out);
+    return 0;
+  });
+}
+
+size_t ea_arena_tensor_count(const ea_arena* arena) {
+  return arena == nullptr ? 0 : arena->arena.tensor_count();
+}
+
+int ea_arena_tensor(const ea_arena* arena, size_t index, ea_tensor_view* out) {
+  using namespace expert_arena;
+  if (arena == nullptr || out == nullptr) return Fail(-EINVAL, "ea_arena_tensor: NULL argument");
+  if (out->size < kMinViewSize) {
+    return Fail(-EINVAL, "ea_arena_tensor: out->size " + std::to_string(out->size) +
+                             " is smaller than any version of ea_tensor_view");
+  }
+  size_t count = arena->arena.tensor_count();
+  if (index >= count) {
+    return Fail(-ERANGE, "ea_arena_tensor: index " + std::to_string(index) +
+                             " is past the last of " + std::to_string(count) + " tensors");
+  }
+  return Guarded("ea_arena_tensor", [&] { return FillView(arena->arena.tensor(index), out); });
+}
+
+int ea_arena_find(const ea_arena* arena, const char* name, ea_tensor_view* out) {
+  using namespace expert_arena;
+  if (arena == nullptr || name == nullptr || out == nullptr) {
+    return Fail(-EINVAL, "ea_arena_find: NULL argument");
+  }
+  if (out->size < kMinViewSize) {
+    return Fail(-EINVAL, "ea_arena_find: out->size " + std::to_string(out->size) +
+                             " is smaller than any version of ea_tensor_view");
+  }
+  return Guarded("ea_arena_find", [&]() -> int {
+    auto view = arena->arena.Find(name);
+    if (!view) {
+      const std::string& path = arena->arena.report().path;
+      return Fail(-ENOENT, std::string("no tensor named ") + name + " in the arena" +
+                               (path.empty() ? std::string() : " " + path));
+    }
+    return FillView(*view, out);
+  });
+}
+
+const char* ea_last_error(void) { return expert_arena::last_error.c_str(); }
+
+const char* ea_version(void) { return EXPERT_ARENA_VERSION_STRING; }
+
+}  // extern "C"

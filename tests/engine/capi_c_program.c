@@ -1,0 +1,160 @@
+/* A C engine's use of expert-arena: only expert_arena.h and libexpert_arena.so.
+ * Usage: capi_c_program MODEL_FILE ARENA_PATH
+ * MODEL_FILE is a raw data file (one tensor of dtype u8, the whole file). Exercises a private
+ * arena, a shared one (loaded), a second handle attached to it, lookups, errors and the
+ * struct-size rules. Exit 0 when every check passes; each failure is printed. */
+#include <errno.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "expert_arena/expert_arena.h"
+
+static int failures = 0;
+
+#define CHECK(cond)                                                               \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__,     \
+              __LINE__, #cond, ea_last_error());                                  \
+      ++failures;                                                                 \
+    }                                                                             \
+  } while (0)
+
+static unsigned char* ReadFile(const char* path, size_t* size) {
+  FILE* f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  unsigned char* buf = malloc((size_t)n);
+  if (buf != NULL && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+    free(buf);
+    buf = NULL;
+  }
+  fclose(f);
+  *size = (size_t)n;
+  return buf;
+}
+
+/* The arena's single tensor must hold exactly the file's bytes. */
+static void CheckContents(ea_arena* arena, const unsigned char* expected, size_t size) {
+  ea_tensor_view view;
+  memset(&view, 0, sizeof view);
+  view.size = sizeof view;
+  CHECK(ea_arena_tensor_count(arena) == 1);
+  CHECK(ea_arena_tensor(arena, 0, &view) == 0);
+  CHECK(view.bytes == size);
+  CHECK(view.ndim == 1 && view.shape != NULL && view.shape[0] == size);
+  CHECK(view.dtype != NULL && strcmp(view.dtype, "u8") == 0);
+  CHECK(view.data != NULL && memcmp(view.data, expected, size) == 0);
+  CHECK(view.checksum != 0);
+
+  ea_tensor_view by_name;
+  memset(&by_name, 0, sizeof by_name);
+  by_name.size = sizeof by_name;
+  CHECK(ea_arena_find(arena, view.name, &by_name) == 0);
+  CHECK(by_name.data == view.data && by_name.checksum == view.checksum);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    fprintf(stderr, "usage: %s MODEL_FILE ARENA_PATH\n", argv[0]);
+    return 2;
+  }
+  const char* model = argv[1];
+  const char* arena_path = argv[2];
+  size_t size = 0;
+  unsigned char* expected = ReadFile(model, &size);
+  if (expected == NULL) {
+    fprintf(stderr, "cannot read %s\n", model);
+    return 2;
+  }
+  CHECK(ea_version() != NULL && strlen(ea_version()) > 0);
+
+  /* Errors: 0/-errno with a message. */
+  ea_open_params p;
+  ea_open_params_init(&p);
+  CHECK(p.size == sizeof p && p.wait_timeout_seconds > 0 && p.file_mode == 0600);
+  ea_arena* arena = (ea_arena*)1;
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL);
+  CHECK(arena == NULL);
+  CHECK(strlen(ea_last_error()) > 0);
+  p.attach_only = 1;
+  p.quiet = 1;
+  p.shared_path = "/nonexistent-dir/ea-capi.arena";
+  CHECK(ea_arena_open(&p, &arena) < 0);
+  CHECK(strstr(ea_last_error(), "/nonexistent-dir") != NULL);
+  ea_open_params tiny = p;
+  tiny.size = 8;
+  CHECK(ea_arena_open(&tiny, &arena) == -EINVAL);
+
+  /* A private arena. */
+  const char* files[1] = {model};
+  ea_open_params_init(&p);
+  p.model_files = files;
+  p.model_file_count = 1;
+  p.quiet = 1;
+  CHECK(ea_arena_open(&p, &arena) == 0);
+  if (arena != NULL) {
+    ea_arena_info info;
+    memset(&info, 0, sizeof info);
+    info.size = sizeof info;
+    CHECK(ea_arena_get_info(arena, &info) == 0);
+    CHECK(info.role == EA_ROLE_PRIVATE);
+    CHECK(info.tensor_count == 1 && info.tensor_bytes == size);
+    CHECK(info.start_line != NULL && strlen(info.start_line) > 0);
+    CheckContents(arena, expected, size);
+    ea_arena_close(arena);
+  }
+
+  /* A shared arena: this handle loads it, a second one attaches without the model. */
+  p.shared_path = arena_path;
+  ea_arena* loaded = NULL;
+  CHECK(ea_arena_open(&p, &loaded) == 0);
+  ea_open_params attach;
+  ea_open_params_init(&attach);
+  attach.shared_path = arena_path;
+  attach.attach_only = 1;
+  attach.quiet = 1;
+  ea_arena* attached = NULL;
+  CHECK(ea_arena_open(&attach, &attached) == 0);
+  if (loaded != NULL && attached != NULL) {
+    ea_arena_info a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.size = sizeof a;
+    b.size = sizeof b;
+    CHECK(ea_arena_get_info(loaded, &a) == 0 && a.role == EA_ROLE_LOADED);
+    CHECK(ea_arena_get_info(attached, &b) == 0 && b.role == EA_ROLE_ATTACHED);
+    CHECK(strcmp(b.path, arena_path) == 0 && b.identity_hash == a.identity_hash);
+    CHECK(b.bytes_read == 0);
+    CheckContents(loaded, expected, size);
+    CheckContents(attached, expected, size);
+
+    ea_tensor_view v;
+    memset(&v, 0, sizeof v);
+    v.size = sizeof v;
+    CHECK(ea_arena_find(attached, "no-such-tensor", &v) == -ENOENT);
+    CHECK(strstr(ea_last_error(), "no-such-tensor") != NULL);
+    CHECK(ea_arena_tensor(attached, 1, &v) == -ERANGE);
+    CHECK(ea_arena_tensor(NULL, 0, &v) == -EINVAL);
+    v.size = 4;
+    CHECK(ea_arena_tensor(attached, 0, &v) == -EINVAL);
+
+    /* An older caller's struct (without the last field) gets the fields it knows. */
+    ea_tensor_view older;
+    memset(&older, 0xab, sizeof older);
+    older.size = offsetof(ea_tensor_view, checksum) + sizeof(uint64_t);
+    CHECK(ea_arena_tensor(attached, 0, &older) == 0);
+    CHECK(older.bytes == size && older.size == offsetof(ea_tensor_view, checksum) + 8);
+  }
+  ea_arena_close(attached);
+  ea_arena_close(loaded);
+  ea_arena_close(NULL);
+  CHECK(ea_arena_tensor_count(NULL) == 0);
+  free(expected);
+  if (failures == 0) printf("capi: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}

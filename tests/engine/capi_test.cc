@@ -1,0 +1,45 @@
+// The C interface from outside the library: a C program that includes only
+// expert_arena.h and links only libexpert_arena.so, and the Python ctypes example.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "test_util.h"
+
+namespace expert_arena::testing {
+namespace {
+
+TEST(CApiTest, CProgramPassesEveryCheck) {
+  ScopedDataFile model(3 * 1024 * 1024 + 123, 42);
+  ScopedPath arena("capi.arena");
+  Child c = SpawnProgram(BinDir() + "/capi_c_program", {model.path(), arena.path()});
+  EXPECT_EQ(c.Wait(60), 0);
+  EXPECT_NE(c.Output().find("all checks passed"), std::string::npos) << c.Output();
+}
+
+// attach_arena.py reads a tensor's bytes through ctypes and compares them with the model
+// file at the offset `expert-arena info --json` names.
+TEST(CApiTest, PythonCtypesExampleReadsTheSourceBytes) {
+  if (access(EA_PYTHON3, X_OK) != 0) GTEST_SKIP() << "no python3 at " << EA_PYTHON3;
+  ScopedDataFile model(5 * 1024 * 1024 + 7, 43);
+  ScopedPath arena("ctypes.arena");
+  Child load = SpawnProgram(BinDir() + "/expert-arena",
+                            {"load", "--model", model.path(), "--arena", arena.path()});
+  ASSERT_EQ(load.Wait(60), 0);
+  Child py = SpawnProgram(EA_PYTHON3, {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path(),
+                                       "--check", BinDir() + "/expert-arena"});
+  EXPECT_EQ(py.Wait(60), 0) << py.Output();
+  EXPECT_NE(py.Output().find("attached"), std::string::npos) << py.Output();
+  EXPECT_NE(py.Output().find("equal the model file"), std::string::npos) << py.Output();
+}
+
+TEST(CApiTest, PythonCtypesExampleReportsAMissingArena) {
+  if (access(EA_PYTHON3, X_OK) != 0) GTEST_SKIP() << "no python3 at " << EA_PYTHON3;
+  ScopedPath arena("absent.arena");
+  Child py = SpawnProgram(EA_PYTHON3, {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path()});
+  EXPECT_EQ(py.Wait(60), 1);
+}
+
+}  // namespace
+}  // namespace expert_arena::testing
