@@ -18,7 +18,8 @@ namespace expert_arena::moe {
 struct GpuCopyReport {
   uint64_t copied_bytes = 0;
   double seconds = 0;
-  std::string note;  // empty when no device was asked for
+  bool verified = false;  // a read-back of the device copy equals the arena's bytes
+  std::string note;       // one line; empty when no device was asked for
 };
 
 // `requested` is the --gpu value; `expert_hits` comes from RunForward. Never fails: a

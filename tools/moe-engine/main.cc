@@ -139,6 +139,8 @@ int Run(EngineArgs& args) {
     j["gpu"] = r.gpu_note.empty() ? "none" : r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
     j["gpu_copied_bytes"] = gpu.copied_bytes;
+    j["gpu_copy_seconds"] = gpu.seconds;
+    j["gpu_copy_verified"] = gpu.verified;
     j["gpu_copy_note"] = gpu.note;
     j["naming"] = table->naming();
     j["layers"] = table->layers();
