@@ -203,13 +203,16 @@ Result<double> CopyRate(const gpu::Runtime& runtime, int device, const std::byte
   for (int pass = 0; pass < 2; ++pass) {
     auto start = Clock::now();
     uint64_t off = 0;
-    for (uint64_t done = 0; done < total; done += piece) {
-      if (off + piece > src_bytes) off = 0;
-      EA_RETURN_IF_ERROR(runtime.CopyToDeviceAsync(device, dst, src + off, piece, stream));
-      off += piece;
+    uint64_t done = 0;
+    while (done < total) {
+      if (off >= src_bytes) off = 0;
+      uint64_t n = std::min({piece, src_bytes - off, total - done});
+      EA_RETURN_IF_ERROR(runtime.CopyToDeviceAsync(device, dst, src + off, n, stream));
+      off += n;
+      done += n;
     }
     EA_RETURN_IF_ERROR(runtime.StreamSynchronize(device, stream));
-    best = std::max(best, static_cast<double>(total) / 1e9 / Since(start));
+    best = std::max(best, static_cast<double>(done) / 1e9 / Since(start));
   }
   return best;
 }
