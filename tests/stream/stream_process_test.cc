@@ -417,5 +417,38 @@ TEST(StreamProcess, ConsumerDropsAnUnlinkedSegmentAfterItsViews) {
   EXPECT_EQ(s.dropped_segments, 1u);
 }
 
+// The CLI: `info` on a segment names its owner and liveness; `sweep DIR` removes a dead
+// owner's segments only.
+TEST(StreamProcess, CliInfoAndSweep) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  const std::string tool = testing::BinDir() + "/expert-arena";
+  if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built";
+  Child owner = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "cli",
+                                                      base + "ready"});
+  ASSERT_TRUE(WaitForFile(base + "ready", 60));
+  ASSERT_OK_AND_ASSIGN(auto d, TensorDescriptor::Decode(ReadMessages(base + "ready.desc").at(0)));
+  std::string seg = dirs.shm() + "/" + d.segment;
+  Child info = testing::SpawnProgram(tool, {"info", seg});
+  ASSERT_EQ(info.Wait(30), 0);
+  EXPECT_NE(info.Output().find("pid " + std::to_string(owner.pid())), std::string::npos)
+      << info.Output();
+  EXPECT_NE(info.Output().find("alive"), std::string::npos) << info.Output();
+  EXPECT_NE(info.Output().find("1 live"), std::string::npos) << info.Output();
+  Child sweep_live = testing::SpawnProgram(tool, {"sweep", dirs.shm()});
+  ASSERT_EQ(sweep_live.Wait(30), 0);
+  EXPECT_TRUE(std::filesystem::exists(seg));
+  owner.Kill(SIGKILL);
+  owner.Wait(10);
+  Child info_dead = testing::SpawnProgram(tool, {"info", seg, "--json"});
+  ASSERT_EQ(info_dead.Wait(30), 0);
+  EXPECT_NE(info_dead.Output().find("\"owner_alive\": false"), std::string::npos)
+      << info_dead.Output();
+  Child sweep = testing::SpawnProgram(tool, {"sweep", dirs.shm()});
+  ASSERT_EQ(sweep.Wait(30), 0);
+  EXPECT_NE(sweep.Output().find("removed 1"), std::string::npos) << sweep.Output();
+  EXPECT_FALSE(std::filesystem::exists(seg));
+}
+
 }  // namespace
 }  // namespace expert_arena

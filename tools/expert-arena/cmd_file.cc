@@ -6,6 +6,7 @@
 #include "arena/arena_file.h"
 #include "commands.h"
 #include "common/units.h"
+#include "expert_arena/stream.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -17,6 +18,7 @@ std::string Hex(uint64_t v) {
 }
 
 int RunInfo(const std::string& path, bool json) {
+  if (IsStreamSegment(path)) return RunSegmentInfo(path, json);
   auto info = arena::InspectArenaFile(path);
   if (!info.ok()) {
     std::fprintf(stderr, "expert-arena info: %s\n", info.status().message().c_str());

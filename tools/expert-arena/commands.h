@@ -8,5 +8,8 @@ namespace expert_arena::cli {
 
 void RegisterLoad(CLI::App& app, int& exit_code);
 void RegisterFileCommands(CLI::App& app, int& exit_code);  // info, verify, rm
+void RegisterSweep(CLI::App& app, int& exit_code);
+// `info` of a stream segment (cmd_sweep.cc).
+int RunSegmentInfo(const std::string& path, bool json);
 
 }  // namespace expert_arena::cli

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   expert_arena::cli::RegisterLoad(app, exit_code);
   expert_arena::cli::RegisterFileCommands(app, exit_code);
+  expert_arena::cli::RegisterSweep(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
