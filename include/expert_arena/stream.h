@@ -95,6 +95,9 @@ struct StreamOptions {
   // pin_budget_bytes (0: no bound). Dedicated one-shot segments are never pinned.
   std::string gpu = "none";
   uint64_t pin_budget_bytes = 4ull << 30;
+  // Put() copies tensors of 8 MiB and more with up to this many threads (0: one per core,
+  // at most 4); a single thread is memory-latency bound well below the bus's bandwidth.
+  uint32_t copy_threads = 0;
   // Remove segments of dead owners in directory and spill_directory at creation.
   bool sweep_at_start = true;
   // Logger for the start line, growth, fragmentation and spill notes; null: "expert_arena".

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <random>
@@ -550,10 +551,34 @@ Result<Reservation> StreamProducer::Reserve(std::string_view key, uint64_t bytes
   return impl_->ReserveLocked(lock, key, bytes);
 }
 
+namespace {
+
+// memcpy split across threads for large tensors (pieces of whole 2 MiB pages).
+void CopyParallel(std::byte* to, const std::byte* from, uint64_t bytes, uint32_t threads) {
+  constexpr uint64_t kParallelFrom = 8 * kMiB;
+  if (threads == 0) threads = std::clamp<uint32_t>(std::thread::hardware_concurrency(), 1, 4);
+  if (bytes < kParallelFrom || threads <= 1) {
+    std::memcpy(to, from, bytes);
+    return;
+  }
+  uint64_t piece = *AlignUp((bytes + threads - 1) / threads, kHugePageBytes);
+  std::vector<std::thread> pool;
+  for (uint64_t at = piece; at < bytes; at += piece) {
+    uint64_t n = std::min(piece, bytes - at);
+    pool.emplace_back([=] { std::memcpy(to + at, from + at, n); });
+  }
+  std::memcpy(to, from, std::min(piece, bytes));
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
 Result<std::string> StreamProducer::Put(std::string_view key, std::span<const std::byte> bytes,
                                         const TensorInfo& info, uint32_t readers) {
   EA_ASSIGN_OR_RETURN(Reservation r, Reserve(key, bytes.size()));
-  if (!bytes.empty()) std::memcpy(r.bytes().data(), bytes.data(), bytes.size());
+  if (!bytes.empty()) {
+    CopyParallel(r.bytes().data(), bytes.data(), bytes.size(), impl_->options.copy_threads);
+  }
   return r.Publish(info, readers);
 }
 
