@@ -229,6 +229,7 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   uint64_t seq = 0;
   char ack;
+  double channel_us = 0;
   auto stream_round = [&](const Shape& shape, Peer& peer) -> bool {
     std::vector<std::string> batch;
     for (int t = 0; t < shape.count; ++t) {
@@ -243,6 +244,17 @@ int main(int argc, char** argv) {
     SendBatch(peer.to, batch);
     return ReadAll(peer.from, &ack, 1);
   };
+  {
+    // The channel alone (an empty batch and its acknowledgement): both transports pay it.
+    std::vector<double> t;
+    for (int r = 0; r < 300; ++r) {
+      auto t0 = Clock::now();
+      SendBatch(view_peer.to, {});
+      ReadAll(view_peer.from, &ack, 1);
+      t.push_back(Seconds(t0, Clock::now()));
+    }
+    channel_us = Median(t) * 1e6;
+  }
   for (const Shape& shape : shapes) {
     std::vector<double> view_t, copy_t, file_t, memcpy_t, put_t;
     std::vector<std::byte> dest(shape.bytes * shape.count);
@@ -292,6 +304,9 @@ int main(int argc, char** argv) {
                 shape.name, v * 1e6, c * 1e6, f * 1e6, f / v, f / c, m * 1e6, pu * 1e6, m / v,
                 2 * m / c);
   }
+
+  std::printf("\nchannel round trip (FIFO, empty batch, in every round above): median %.0f us\n",
+              channel_us);
 
   // Allocator latency with 10k live blocks (their own producer: 10k x up to 64 KiB).
   {
