@@ -11,7 +11,8 @@
 //   auto consumer = expert_arena::StreamConsumer::Create({});
 //   auto tensor = consumer->Open(received);  // zero-copy view of the producer's segment
 //   copy_to_device(tensor->bytes());
-//   tensor->ReleaseWhen([event] { return event.Ready(); });  // or Release()
+//   auto copied = expert_arena::CopyToDeviceAsync(device, tensor->bytes(), dst, stream);
+//   tensor->ReleaseAfter(std::move(copied).value());  // or Release(), or ReleaseWhen(pred)
 //
 // Segments are files in a shared directory (default /dev/shm) named
 // "ea-stream-<logical>-<pid>-<starttime>-<random>-<seq>", so two servers with the same logical
@@ -39,6 +40,7 @@
 
 #include "expert_arena/arena.h"
 #include "expert_arena/export.h"
+#include "expert_arena/gpu.h"
 #include "expert_arena/status.h"
 
 namespace spdlog {
@@ -92,7 +94,8 @@ struct StreamOptions {
   // 2 MiB pages for segments (collapsed while empty, like the arena): see HugePages.
   HugePages huge = HugePages::kAuto;
   // "none", "cuda[:N]", "hip[:N]": register each regular segment in this process, within
-  // pin_budget_bytes (0: no bound). Dedicated one-shot segments are never pinned.
+  // pin_budget_bytes (0: no bound; the budget is shared by every registration of the process,
+  // see src/gpu/gpu.h). Dedicated one-shot segments and spill files are never pinned.
   std::string gpu = "none";
   uint64_t pin_budget_bytes = 4ull << 30;
   // Put() copies tensors of 8 MiB and more with up to this many threads (0: one per core,
@@ -214,6 +217,9 @@ class EXPERT_ARENA_EXPORT StreamTensor {
   const TensorDescriptor& descriptor() const;
   void Release();
   void ReleaseWhen(std::function<bool()> ready);
+  // Releases once the device copy recorded by `copied` is done (or failed: a failed copy no
+  // longer reads these bytes).
+  void ReleaseAfter(CopyEvent copied);
 
   struct State;
 

@@ -138,10 +138,10 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
     Status s = platform::AdviseRange(seg->file.mapping.data(), seg->file.file_bytes(),
                                      platform::Advice::kPopulateRead, seg->file.path);
     if (!s.ok()) log->debug("{}", s.message());
-    uint64_t bytes = seg->file.file_bytes();
-    if (!options.gpu.empty() && options.gpu != "none" &&
-        (options.pin_budget_bytes == 0 || pinned_bytes + bytes <= options.pin_budget_bytes)) {
-      auto reg = gpu::RegisterHostRange(seg->file.mapping.bytes(), {.device = options.gpu});
+    if (!options.gpu.empty() && options.gpu != "none") {
+      auto reg = gpu::RegisterHostRange(
+          seg->file.mapping.bytes(),
+          {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
       if (reg.ok()) {
         seg->file.pinned_bytes = (*reg)->report().registered_bytes;
         pinned_bytes += seg->file.pinned_bytes;
@@ -374,6 +374,14 @@ void StreamTensor::Release() {
   auto consumer = std::move(state_->consumer);
   consumer->Release(*state_);
   state_.reset();
+}
+
+void StreamTensor::ReleaseAfter(CopyEvent copied) {
+  auto event = std::make_shared<CopyEvent>(std::move(copied));
+  ReleaseWhen([event] {
+    auto ready = event->Ready();
+    return !ready.ok() || *ready;
+  });
 }
 
 void StreamTensor::ReleaseWhen(std::function<bool()> ready) {

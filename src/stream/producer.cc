@@ -165,10 +165,10 @@ Result<ProducerSegment*> StreamProducer::Impl::AddSegment(SegmentKind kind, uint
   seg->free_slots.reserve(slots);
   for (uint32_t s = slots; s-- > 0;) seg->free_slots.push_back(s);
   if (kind == SegmentKind::kRegular) {
-    uint64_t file_bytes = seg->file.file_bytes();
-    if (options.gpu != "none" && !options.gpu.empty() &&
-        (options.pin_budget_bytes == 0 || pinned_bytes + file_bytes <= options.pin_budget_bytes)) {
-      auto reg = gpu::RegisterHostRange(seg->file.mapping.bytes(), {.device = options.gpu});
+    if (options.gpu != "none" && !options.gpu.empty()) {
+      auto reg = gpu::RegisterHostRange(
+          seg->file.mapping.bytes(),
+          {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
       if (reg.ok()) {
         seg->file.pinned_bytes = (*reg)->report().registered_bytes;
         pinned_bytes += seg->file.pinned_bytes;

@@ -235,5 +235,23 @@ TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
   EXPECT_EQ(producer.Stats().live_blocks, 1u);
 }
 
+// Asking for a GPU on a machine without one (or a build without the backend) is reported and
+// skipped, never fatal; nothing is pinned.
+TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.gpu = "cuda";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  ConsumerOptions c = dirs.Consumer();
+  c.gpu = "cuda";
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(c));
+  std::vector<std::byte> data(4096);
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("k", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+  if (producer.Stats().pinned_bytes == 0) {
+    EXPECT_EQ(consumer.Stats().pinned_bytes, 0u);
+  }
+}
+
 }  // namespace
 }  // namespace expert_arena
