@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "common/units.h"
+#include "platform/process_memory.h"
 
 #ifndef TMPFS_MAGIC
 #define TMPFS_MAGIC 0x01021994
@@ -99,13 +100,7 @@ Result<uint64_t> FreeHugeBlocks() {
 
 namespace {
 
-struct SmapsTotals {
-  uint64_t rss = 0;
-  uint64_t huge = 0;
-  uint64_t shared = 0;
-};
-
-// Parses "Key:   123 kB" and returns bytes, or -1 for other lines.
+// "Key:   123 kB" -> bytes.
 bool ParseKb(const std::string& line, const char* key, uint64_t* bytes) {
   size_t key_len = std::strlen(key);
   if (line.compare(0, key_len, key) != 0 || line.size() <= key_len || line[key_len] != ':') {
@@ -113,44 +108,6 @@ bool ParseKb(const std::string& line, const char* key, uint64_t* bytes) {
   }
   *bytes = std::strtoull(line.c_str() + key_len + 1, nullptr, 10) * 1024;
   return true;
-}
-
-Result<SmapsTotals> ReadSmapsRange(const void* start, uint64_t length) {
-  std::ifstream in("/proc/self/smaps");
-  if (!in) return ErrnoStatus(errno, "open", "/proc/self/smaps");
-  auto lo = reinterpret_cast<uintptr_t>(start);
-  uintptr_t hi = lo + length;
-  SmapsTotals totals;
-  bool in_range = false;
-  bool seen = false;
-  std::string line;
-  while (std::getline(in, line)) {
-    uintptr_t vma_start = 0, vma_end = 0;
-    // VMA header lines look like "7f1200000000-7f1240000000 rw-s 00000000 00:1a 123 /dev/shm/x".
-    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &vma_start, &vma_end) == 2 &&
-        line.find(':') != std::string::npos && line.find('-') < line.find(' ')) {
-      in_range = vma_start >= lo && vma_end <= hi;
-      seen = seen || in_range;
-      continue;
-    }
-    if (!in_range) continue;
-    uint64_t bytes = 0;
-    if (ParseKb(line, "Rss", &bytes)) totals.rss += bytes;
-    if (ParseKb(line, "ShmemPmdMapped", &bytes) || ParseKb(line, "FilePmdMapped", &bytes) ||
-        ParseKb(line, "AnonHugePages", &bytes)) {
-      totals.huge += bytes;
-    }
-    if (ParseKb(line, "Shared_Hugetlb", &bytes) || ParseKb(line, "Private_Hugetlb", &bytes)) {
-      totals.huge += bytes;
-      totals.rss += bytes;  // hugetlb pages are not in Rss; count them as resident
-      if (line[0] == 'S') totals.shared += bytes;
-    }
-    if (ParseKb(line, "Shared_Clean", &bytes) || ParseKb(line, "Shared_Dirty", &bytes)) {
-      totals.shared += bytes;
-    }
-  }
-  if (!seen) return NotFound("no mapping at the given address in /proc/self/smaps");
-  return totals;
 }
 
 Result<std::string> ReadSmallFile(const std::string& path) {
@@ -180,13 +137,8 @@ Result<uint64_t> ReadNumber(const std::string& path) {
 }  // namespace
 
 Result<uint64_t> HugeBytesInRange(const void* start, uint64_t length) {
-  EA_ASSIGN_OR_RETURN(SmapsTotals totals, ReadSmapsRange(start, length));
-  return totals.huge;
-}
-
-Result<RangeMemory> MemoryInRange(const void* start, uint64_t length) {
-  EA_ASSIGN_OR_RETURN(SmapsTotals totals, ReadSmapsRange(start, length));
-  return RangeMemory{totals.rss, totals.huge, totals.shared};
+  EA_ASSIGN_OR_RETURN(MemoryFigures m, MemoryOfMappingsOverlapping(start, length));
+  return m.huge;
 }
 
 Result<ProcessIo> ReadProcessIo() {

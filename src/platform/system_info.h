@@ -32,20 +32,10 @@ Result<FilesystemInfo> StatFilesystem(const std::string& path);
 // (/proc/buddyinfo, orders >= 9 counted as 2^(order-9) blocks each).
 Result<uint64_t> FreeHugeBlocks();
 
-// Bytes of the mapping that starts at `start` (and of the VMAs that follow it up to
-// start+length, since mprotect may split a mapping) that are mapped with 2 MiB pages, from
-// /proc/self/smaps: ShmemPmdMapped + FilePmdMapped + AnonHugePages for tmpfs and anonymous
-// memory, plus Shared_Hugetlb + Private_Hugetlb for hugetlbfs (hugetlb pages are not in Rss;
-// a hugetlbfs mapping held by one process is counted as Private_Hugetlb).
+// Bytes of the mappings over [start, start+length) that are on 2 MiB pages, from
+// /proc/self/smaps (see process_memory.h: ShmemPmdMapped + FilePmdMapped + AnonHugePages, and
+// Shared_Hugetlb + Private_Hugetlb for hugetlbfs, where one engine's mapping is private).
 Result<uint64_t> HugeBytesInRange(const void* start, uint64_t length);
-
-// Rss of the same range (for reports that show shared vs private memory).
-struct RangeMemory {
-  uint64_t rss = 0;
-  uint64_t huge = 0;
-  uint64_t shared = 0;  // Shared_Clean + Shared_Dirty + Shared_Hugetlb
-};
-Result<RangeMemory> MemoryInRange(const void* start, uint64_t length);
 
 // /proc/self/io: rchar (bytes passed to read-like calls) and read_bytes (from storage).
 struct ProcessIo {
