@@ -1,5 +1,7 @@
 #include "arena/arena_file.h"
 
+#include "arena/arena_locks.h"
+
 #include <filesystem>
 #include <vector>
 
@@ -12,14 +14,6 @@
 
 namespace expert_arena::arena {
 namespace {
-
-constexpr uint64_t kFillByte = 0;
-constexpr uint64_t kUserByte = 1;
-
-std::string DirOf(const std::string& path) {
-  auto parent = std::filesystem::path(path).parent_path();
-  return parent.empty() ? "." : parent.string();
-}
 
 Result<platform::UniqueFd> OpenExisting(const std::string& path, bool write) {
   platform::OpenOptions options;
@@ -37,7 +31,7 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
   info.file_bytes = st.size;
   info.owner_uid = st.owner_uid;
   info.mode = st.mode & 07777;
-  auto fs = platform::StatFilesystem(DirOf(path));
+  auto fs = platform::StatFilesystem(DirectoryOf(path));
   info.backing = fs.ok() ? platform::FsKindName(fs->kind) : "unknown";
   EA_ASSIGN_OR_RETURN(info.in_use, platform::ByteIsLocked(fd, kUserByte,
                                                           platform::LockMode::kExclusive));
@@ -94,7 +88,7 @@ Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* tab
   EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared));
   if (!user) return Busy(path + ": an engine is loading or replacing it; try again later");
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
-  auto fs = platform::StatFilesystem(DirOf(path));
+  auto fs = platform::StatFilesystem(DirectoryOf(path));
   uint64_t alignment = fs.ok() && fs->kind == platform::FsKind::kHugetlbfs
                            ? std::max(fs->block_bytes, kHugePageBytes)
                            : kHugePageBytes;

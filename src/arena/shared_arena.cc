@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "arena/arena_impl.h"
+#include "arena/arena_locks.h"
 #include "arena/page_backing.h"
 #include "arena/test_hooks.h"
 #include "common/units.h"
@@ -32,8 +33,6 @@
 namespace expert_arena::arena {
 namespace {
 
-constexpr uint64_t kFillByte = 0;
-constexpr uint64_t kUserByte = 1;
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 using Clock = std::chrono::steady_clock;
@@ -60,12 +59,6 @@ format::HeaderSummary PeekHeader(const platform::UniqueFd& fd) {
 bool PathNamesFile(const std::string& path, const platform::FileStat& st) {
   auto now = platform::StatPath(path);
   return now.ok() && now->device == st.device && now->inode == st.inode;
-}
-
-std::string ParentDirectory(const std::string& path) {
-  std::filesystem::path p(path);
-  auto parent = p.parent_path();
-  return parent.empty() ? "." : parent.string();
 }
 
 // Why a present file cannot be used as it is, or "" when it can.
@@ -166,7 +159,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
   const auto start = Clock::now();
   const auto deadline =
       start + std::chrono::milliseconds(static_cast<int64_t>(options.wait_timeout_seconds * 1000));
-  EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, platform::StatFilesystem(ParentDirectory(path)));
+  EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, platform::StatFilesystem(DirectoryOf(path)));
   const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
   bool said_waiting = false;
   uint32_t waited_for = 0;

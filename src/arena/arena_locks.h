@@ -1,0 +1,24 @@
+// The two one-byte OFD locks of an arena file (DESIGN.md "The shared-arena protocol"), shared
+// by the protocol (shared_arena.cc) and the tools (arena_file.cc) so they can never disagree.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace expert_arena::arena {
+
+// Exclusive while an engine decides what to do with the file and, when it loads, until the
+// load is published.
+inline constexpr uint64_t kFillByte = 0;
+// Shared by every engine that maps the published file; exclusive by a loader until it
+// publishes, and by an engine that replaces or removes the file.
+inline constexpr uint64_t kUserByte = 1;
+
+// The directory holding `path`, for statfs.
+inline std::string DirectoryOf(const std::string& path) {
+  auto parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? "." : parent.string();
+}
+
+}  // namespace expert_arena::arena
