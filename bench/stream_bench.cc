@@ -308,6 +308,65 @@ int main(int argc, char** argv) {
   std::printf("\nchannel round trip (FIFO, empty batch, in every round above): median %.0f us\n",
               channel_us);
 
+  // The transport work alone (the field's A/B measured its managers without a channel):
+  // producer and consumer in this process, same operations, no FIFO.
+  {
+    ConsumerOptions co;
+    co.directory = dir;
+    co.spill_directory = dir;
+    auto local = StreamConsumer::Create(co);
+    if (!local.ok()) return 1;
+    std::printf("\nIn one process (no channel):\n\n");
+    std::printf("| shape | stream put + view + release | file write + rename + read + unlink | "
+                "file / stream |\n|---|---|---|---|\n");
+    std::vector<std::byte> dest(64 << 20);
+    std::memset(dest.data(), 0, dest.size());
+    for (const Shape& shape : shapes) {
+      std::vector<double> st, ft, put_only;
+      for (int r = 0; r < shape.rounds + 3; ++r) {
+        auto t0 = Clock::now();
+        std::vector<std::string> batch;
+        for (int t = 0; t < shape.count; ++t) {
+          auto d = producer->Put("k" + std::to_string(seq++), std::span(source.data(), shape.bytes),
+                                 {"u8", {shape.bytes}});
+          if (!d.ok()) return 1;
+          batch.push_back(std::move(d).value());
+        }
+        auto tp = Clock::now();
+        for (const auto& d : batch) {
+          auto v = local->Open(d);
+          if (!v.ok()) return 1;
+        }
+        auto t1 = Clock::now();
+        if (r >= 3) put_only.push_back(Seconds(t0, tp));
+        batch.clear();
+        for (int t = 0; t < shape.count; ++t) {
+          std::string final_path = dir + "/ea-bench-file-" + std::to_string(getpid()) + "-" +
+                                   std::to_string(seq++);
+          std::string tmp = final_path + ".tmp";
+          int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+          WriteAll(fd, source.data(), shape.bytes);
+          close(fd);
+          rename(tmp.c_str(), final_path.c_str());
+          batch.push_back(final_path);
+        }
+        for (const auto& path : batch) {
+          int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+          ReadAll(fd, dest.data(), shape.bytes);
+          close(fd);
+          unlink(path.c_str());
+        }
+        auto t2 = Clock::now();
+        if (r < 3) continue;
+        st.push_back(Seconds(t0, t1));
+        ft.push_back(Seconds(t1, t2));
+      }
+      double a = Median(st), f = Median(ft);
+      std::printf("| %s | %.0f us (puts %.0f us) | %.0f us | %.1fx |\n", shape.name, a * 1e6,
+                  Median(put_only) * 1e6, f * 1e6, f / a);
+    }
+  }
+
   // Allocator latency with 10k live blocks (their own producer: 10k x up to 64 KiB).
   {
     o.segment_bytes = 256ull << 20;

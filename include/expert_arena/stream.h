@@ -98,8 +98,8 @@ struct StreamOptions {
   // see src/gpu/gpu.h). Dedicated one-shot segments and spill files are never pinned.
   std::string gpu = "none";
   uint64_t pin_budget_bytes = 4ull << 30;
-  // Put() copies tensors of 8 MiB and more with up to this many threads (0: one per core,
-  // at most 4); a single thread is memory-latency bound well below the bus's bandwidth.
+  // Put() copies tensors of 8 MiB and more with up to this many threads (0: a quarter of the
+  // cores, 1 to 4); one thread is latency-bound below the memory bus on large hosts.
   uint32_t copy_threads = 0;
   // Remove segments of dead owners in directory and spill_directory at creation.
   bool sweep_at_start = true;

@@ -95,7 +95,6 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
     // A sweep unlinked the empty file between our create and our lock.
     return Busy("create " + seg.path + ": removed by a sweep before it was ready");
   }
-  std::atomic_thread_fence(std::memory_order_release);
   return seg;
 }
 

@@ -4,8 +4,10 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "expert_arena/stream.h"
 #include "stream/block_allocator.h"
@@ -233,6 +235,60 @@ TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
   EXPECT_EQ(published.status().code(), StatusCode::kBusy);
   ASSERT_OK(other.Publish({}));
   EXPECT_EQ(producer.Stats().live_blocks, 1u);
+}
+
+// Writers on several threads put tensors of their own keys while another thread aborts keys
+// of one writer: the other writers' tensors are never touched, and everything comes back.
+TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.max_segments = 8;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  constexpr int kWriters = 3;
+  constexpr int kPerWriter = 300;
+  std::vector<std::vector<std::string>> descs(kWriters);
+  std::atomic<bool> done{false};
+  std::atomic<int> aborted_keys{0};
+  std::thread aborter([&] {
+    int i = 0;
+    while (!done.load()) {
+      auto r = producer.Abort("victim_" + std::to_string(i++ % kPerWriter));
+      if (r.ok() && *r > 0) aborted_keys.fetch_add(1);
+    }
+  });
+  std::vector<std::thread> writers;
+  for (int w = 0; w < kWriters; ++w) {
+    writers.emplace_back([&, w] {
+      std::mt19937_64 rng(w);
+      for (int i = 0; i < kPerWriter; ++i) {
+        std::string key = (w == 0 ? "victim_" : "w" + std::to_string(w) + "_") + std::to_string(i);
+        std::vector<std::byte> data(1 + rng() % 60000);
+        testing::FillPattern(data, key);
+        auto d = producer.Put(key, data, {});
+        if (d.ok()) {
+          descs[w].push_back(*d);
+        } else {
+          EXPECT_EQ(w, 0) << d.status().ToString();  // only victims may be refused
+        }
+      }
+    });
+  }
+  for (auto& t : writers) t.join();
+  done = true;
+  aborter.join();
+  for (int w = 1; w < kWriters; ++w) {
+    ASSERT_EQ(descs[w].size(), static_cast<size_t>(kPerWriter));
+    for (const auto& d : descs[w]) {
+      ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+      EXPECT_TRUE(testing::CheckPattern(t.bytes(), t.descriptor().key)) << t.descriptor().key;
+    }
+  }
+  for (int i = 0; i < kPerWriter; ++i) ASSERT_OK(producer.Abort("victim_" + std::to_string(i)));
+  ASSERT_OK(producer.Reclaim());
+  StreamStats s = producer.Stats();
+  EXPECT_EQ(s.live_blocks, 0u);
+  EXPECT_EQ(s.free_bytes, s.total_bytes);
 }
 
 // Asking for a GPU on a machine without one (or a build without the backend) is reported and
