@@ -65,6 +65,18 @@ EXPERT_ARENA_EXPORT Result<CopyEvent> CopyToDeviceAsync(const GpuDevice& device,
                                                         const TensorView& tensor, void* dst,
                                                         void* stream);
 
+// One host-to-device copy of a batch: `src.size()` bytes to the device pointer `dst`.
+struct HostToDeviceCopy {
+  std::span<const std::byte> src;
+  void* dst = nullptr;
+};
+
+// Enqueues every copy in order on `stream`, then records one event after the last: for an
+// engine that moves many experts at once and waits for them together. On an error, the
+// copies enqueued before it still run; the error names the failing copy's index.
+EXPERT_ARENA_EXPORT Result<CopyEvent> CopyBatchToDeviceAsync(
+    const GpuDevice& device, std::span<const HostToDeviceCopy> copies, void* stream);
+
 // Device memory on one device; freed by the destructor.
 class EXPERT_ARENA_EXPORT DeviceBuffer {
  public:
@@ -112,6 +124,8 @@ class EXPERT_ARENA_EXPORT CopyEvent {
  private:
   friend Result<CopyEvent> CopyToDeviceAsync(const GpuDevice&, std::span<const std::byte>,
                                              void*, void*);
+  friend Result<CopyEvent> CopyBatchToDeviceAsync(const GpuDevice&,
+                                                  std::span<const HostToDeviceCopy>, void*);
   GpuDevice device_;
   void* event_ = nullptr;
 };

@@ -117,6 +117,29 @@ Result<CopyEvent> CopyToDeviceAsync(const GpuDevice& device, std::span<const std
   return copy;
 }
 
+Result<CopyEvent> CopyBatchToDeviceAsync(const GpuDevice& device,
+                                         std::span<const HostToDeviceCopy> copies, void* stream) {
+  EA_ASSIGN_OR_RETURN(const gpu::Runtime* runtime, RuntimeOf(device, "copy to device"));
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const HostToDeviceCopy& c = copies[i];
+    if (c.src.empty()) continue;
+    Status s = c.dst == nullptr
+                   ? InvalidArgument("null destination")
+                   : runtime->CopyToDeviceAsync(device.index, c.dst, c.src.data(), c.src.size(),
+                                                stream);
+    if (!s.ok()) {
+      return s.WithContext(device.ToString() + ": copy " + std::to_string(i) + " of " +
+                           std::to_string(copies.size()));
+    }
+  }
+  auto event = runtime->EventRecord(device.index, stream);
+  if (!event.ok()) return event.status().WithContext(device.ToString());
+  CopyEvent copy;
+  copy.device_ = device;
+  copy.event_ = *event;
+  return copy;
+}
+
 Result<CopyEvent> CopyToDeviceAsync(const GpuDevice& device, const TensorView& tensor, void* dst,
                                     void* stream) {
   auto copy = CopyToDeviceAsync(device, tensor.bytes, dst, stream);

@@ -101,6 +101,8 @@ TEST(GpuNoneTest, CopiesNeedADevice) {
   EXPECT_EQ(copy.status().code(), StatusCode::kInvalidArgument);
   auto buffer = DeviceBuffer::Allocate(GpuDevice{}, 64);
   ASSERT_FALSE(buffer.ok());
+  HostToDeviceCopy batch[] = {{host, host.data()}};
+  EXPECT_FALSE(CopyBatchToDeviceAsync(GpuDevice{}, batch, nullptr).ok());
   CopyEvent empty;
   EXPECT_FALSE(empty.Wait().ok());
   EXPECT_FALSE(empty.Ready().ok());
@@ -382,6 +384,19 @@ TEST(GpuDeviceRegistrationTest, ArenaCopyEqualsHostBytes) {
       ASSERT_OK(CopyToHost(device, buffer.data(), back));
       EXPECT_EQ(std::memcmp(back.data(), view.bytes.data(), back.size()), 0);
       runtime->StreamDestroy(device.index, stream);
+      // A batch: the tensor's two halves in swapped places, one event for both.
+      {
+        const size_t half = view.bytes.size() / 2;
+        auto* d = static_cast<std::byte*>(buffer.data());
+        HostToDeviceCopy batch[] = {{view.bytes.first(half), d + (view.bytes.size() - half)},
+                                    {view.bytes.subspan(half), d}};
+        ASSERT_OK_AND_ASSIGN(CopyEvent both, CopyBatchToDeviceAsync(device, batch, nullptr));
+        ASSERT_OK(both.Wait());
+        ASSERT_OK(CopyToHost(device, buffer.data(), back));
+        const size_t second = view.bytes.size() - half;
+        EXPECT_EQ(std::memcmp(back.data(), view.bytes.data() + half, second), 0);
+        EXPECT_EQ(std::memcmp(back.data() + second, view.bytes.data(), half), 0);
+      }
       // The default stream works too.
       ASSERT_OK_AND_ASSIGN(CopyEvent copy2, CopyToDeviceAsync(device, view.bytes.first(4096),
                                                               buffer.data(), nullptr));
