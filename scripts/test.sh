@@ -35,7 +35,7 @@ ctest --preset default
 if ((quick)); then exit 0; fi
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
-cmake --preset asan >/dev/null
+cmake --preset asan "${gpu_flags[@]}" >/dev/null
 cmake --build --preset asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --preset asan
