@@ -4,7 +4,10 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <filesystem>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -289,6 +292,70 @@ TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
   StreamStats s = producer.Stats();
   EXPECT_EQ(s.live_blocks, 0u);
   EXPECT_EQ(s.free_bytes, s.total_bytes);
+}
+
+// The sweep leaves another user's files alone (with a note), removes a leftover of ours that no
+// owner holds (a crashed create), and ignores files that are not stream segments.
+TEST(StreamSweep, LeavesAnotherUsersFilesAloneWithANote) {
+  StreamDirs dirs;
+  std::string leftover = dirs.shm() + "/ea-stream-crashed-1-2-abcd-0";
+  std::string unrelated = dirs.shm() + "/not-a-stream-file";
+  testing::TouchFile(leftover);
+  testing::TouchFile(unrelated);
+  std::string foreign = dirs.shm() + "/ea-stream-other-1-2-abcd-0";
+  bool root = geteuid() == 0;
+  if (root) {
+    testing::TouchFile(foreign);
+    ASSERT_EQ(chown(foreign.c_str(), 65534, 65534), 0);
+  }
+  ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
+  ASSERT_EQ(report.removed.size(), 1u);
+  EXPECT_EQ(report.removed[0], leftover);
+  EXPECT_TRUE(std::filesystem::exists(unrelated));
+  if (!root) GTEST_SKIP() << "needs root to make a file of another user";
+  EXPECT_TRUE(std::filesystem::exists(foreign));
+  bool noted = false;
+  for (const auto& n : report.notes) noted |= n.find("uid 65534") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
+// Liveness is the owner's lock, not its pid: a copy of a live producer's segment names a live
+// pid (ours) in its header, yet nobody holds its lock, so the sweep removes it (what a reused
+// pid looks like); the original, whose lock is held, stays.
+TEST(StreamSweep, AliveByLockNotByPid) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::string original = producer.SegmentPaths().at(0);
+  std::string copy = dirs.shm() + "/ea-stream-copy-1-2-abcd-0";
+  std::filesystem::copy_file(original, copy);
+  ASSERT_OK_AND_ASSIGN(auto info, InspectSegment(copy));
+  EXPECT_EQ(info.owner_pid, static_cast<uint32_t>(getpid()));
+  EXPECT_FALSE(info.owner_alive);
+  ASSERT_OK_AND_ASSIGN(auto live, InspectSegment(original));
+  EXPECT_TRUE(live.owner_alive);
+  ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
+  ASSERT_EQ(report.removed.size(), 1u);
+  EXPECT_EQ(report.removed[0], copy);
+  EXPECT_TRUE(std::filesystem::exists(original));
+}
+
+// A consumer refuses a segment of another user unless allow_foreign_owner opts in.
+TEST(StreamConsumer, RefusesAnotherUsersSegment) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give a segment to another user";
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(4096);
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("k", data, {}));
+  for (const auto& path : producer.SegmentPaths()) ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  auto refused = consumer.Open(d);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermission);
+  EXPECT_NE(refused.status().message().find("uid 65534"), std::string::npos);
+  ConsumerOptions o = dirs.Consumer();
+  o.allow_foreign_owner = true;
+  ASSERT_OK_AND_ASSIGN(auto trusting, StreamConsumer::Create(o));
+  ASSERT_OK(trusting.Open(d));
 }
 
 // Asking for a GPU on a machine without one (or a build without the backend) is reported and
