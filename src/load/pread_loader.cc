@@ -66,7 +66,7 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   auto start = std::chrono::steady_clock::now();
   std::vector<platform::UniqueFd> fds;
   for (const auto& source : table.sources) {
-    EA_ASSIGN_OR_RETURN(auto fd, platform::OpenFile(source.path, {}));
+    EA_ASSIGN_OR_RETURN(auto fd, platform::OpenFile(source.path, {.no_follow = false}));
     EA_ASSIGN_OR_RETURN(auto st, platform::StatFd(fd));
     if (st.size != source.size) {
       return Corrupt(source.path + ": changed size since it was planned (" +

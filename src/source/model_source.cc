@@ -1,12 +1,224 @@
 #include "source/model_source.h"
 
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <numeric>
+
+#include "platform/file.h"
+#include "source/gguf_reader.h"
+#include "source/safetensors_reader.h"
+#include "source/selection.h"
+
 namespace expert_arena::source {
+namespace {
+
+enum class FileKind { kGguf, kSafetensors, kSafetensorsIndex, kRaw };
+
+const char* KindName(FileKind kind) {
+  switch (kind) {
+    case FileKind::kGguf: return "GGUF";
+    case FileKind::kSafetensors:
+    case FileKind::kSafetensorsIndex: return "safetensors";
+    case FileKind::kRaw: return "raw";
+  }
+  return "";
+}
+
+std::string Absolute(const std::string& path) {
+  std::error_code ec;
+  auto absolute = std::filesystem::absolute(path, ec);
+  return ec ? path : absolute.lexically_normal().string();
+}
+
+// A directory stands for the safetensors model in it.
+Result<std::string> ResolveDirectory(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return path;
+  for (const char* name : {kSafetensorsIndexName, "model.safetensors"}) {
+    std::string candidate = (std::filesystem::path(path) / name).string();
+    if (std::filesystem::exists(candidate, ec)) return candidate;
+  }
+  return InvalidArgument(path + ": a directory without " + kSafetensorsIndexName +
+                         " or model.safetensors");
+}
+
+// The format of one file, from its first bytes (and a .json name for an index).
+Result<FileKind> DetectKind(const std::string& path, uint64_t* bytes_read) {
+  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, platform::OpenFile(path, {.no_follow = false}));
+  EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
+  if (!st.regular) return InvalidArgument(path + ": not a regular file");
+  std::byte head[16] = {};
+  EA_ASSIGN_OR_RETURN(size_t got, platform::ReadSome(fd, 0, head));
+  *bytes_read += got;
+  if (got >= 4 && std::memcmp(head, kGgufMagic, 4) == 0) return FileKind::kGguf;
+  if (LooksLikeSafetensors(head, got, st.size)) return FileKind::kSafetensors;
+  bool json_name = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  if (json_name && got > 0 && static_cast<char>(head[0]) == '{') {
+    return FileKind::kSafetensorsIndex;
+  }
+  return FileKind::kRaw;
+}
+
+// A tensor found in a model file, before selection.
+struct Candidate {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  uint32_t source_index = 0;
+  uint64_t source_offset = 0;
+  uint64_t bytes = 0;
+};
+
+struct Collected {
+  std::vector<format::SourceRecord> sources;
+  std::vector<Candidate> tensors;
+  uint64_t header_bytes = 0;
+};
+
+uint32_t AddSource(Collected& out, const std::string& path, uint64_t size) {
+  // The size recorded is the one the reader validated against (the loader re-checks it); the
+  // time is the target's when the path is a symlink (model caches link to blobs).
+  int64_t mtime = 0;
+  auto fd = platform::OpenFile(path, {.no_follow = false});
+  if (fd.ok()) {
+    auto st = platform::StatFd(*fd);
+    if (st.ok()) mtime = st->mtime_ns;
+  }
+  out.sources.push_back({Absolute(path), size, mtime});
+  return static_cast<uint32_t>(out.sources.size() - 1);
+}
+
+Status CollectGguf(const std::string& path, Collected& out) {
+  EA_ASSIGN_OR_RETURN(GgufFile file, ReadGguf(path));
+  out.header_bytes += file.header_bytes_read;
+  uint32_t source = AddSource(out, path, file.file_size);
+  for (GgufTensorInfo& t : file.tensors) {
+    out.tensors.push_back({std::move(t.name), t.type->name, std::move(t.ne), source,
+                           t.absolute_offset, t.bytes});
+  }
+  return Status::Ok();
+}
+
+void AddSafetensors(SafetensorsFile& file, Collected& out) {
+  out.header_bytes += file.header_bytes_read;
+  uint32_t source = AddSource(out, file.path, file.file_size);
+  for (SafetensorsTensorInfo& t : file.tensors) {
+    out.tensors.push_back({std::move(t.name), std::move(t.dtype), std::move(t.shape), source,
+                           t.absolute_offset, t.bytes});
+  }
+}
+
+Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
+                                    const std::string& format) {
+  // Tensor names are unique across the files of one model.
+  std::map<std::string_view, const Candidate*> seen;
+  for (const Candidate& t : collected.tensors) {
+    auto [it, inserted] = seen.emplace(t.name, &t);
+    if (!inserted) {
+      return Corrupt("tensor " + t.name + " appears in both " +
+                     collected.sources[it->second->source_index].path + " and " +
+                     collected.sources[t.source_index].path);
+    }
+  }
+  EA_ASSIGN_OR_RETURN(TensorSelector selector, TensorSelector::Make(spec));
+  ModelPlan plan;
+  plan.format = format;
+  plan.metadata_bytes_read = collected.header_bytes;
+  plan.table.alignment = spec.alignment;
+  plan.table.model_tensors_total = collected.tensors.size();
+  for (Candidate& t : collected.tensors) {
+    plan.table.model_bytes_total += t.bytes;
+    EA_ASSIGN_OR_RETURN(bool selected, selector.Selects(t.name));
+    if (!selected) continue;
+    format::TensorRecord record;
+    record.name = std::move(t.name);
+    record.dtype = std::move(t.dtype);
+    record.shape = std::move(t.shape);
+    record.source_index = t.source_index;
+    record.source_offset = t.source_offset;
+    record.bytes = t.bytes;
+    plan.table.tensors.push_back(std::move(record));
+  }
+  if (plan.table.tensors.empty()) {
+    std::string files = collected.sources.empty() ? "" : collected.sources[0].path;
+    if (collected.sources.size() > 1) {
+      files += " and " + std::to_string(collected.sources.size() - 1) + " more";
+    }
+    return InvalidArgument("no tensor of " + files + " (" +
+                           std::to_string(collected.tensors.size()) + " tensors) is selected by " +
+                           selector.Describe() + "; use --all or --select REGEX");
+  }
+  // File order: the loader then reads each file front to back.
+  std::stable_sort(plan.table.tensors.begin(), plan.table.tensors.end(),
+                   [](const format::TensorRecord& a, const format::TensorRecord& b) {
+                     return a.source_index != b.source_index ? a.source_index < b.source_index
+                                                             : a.source_offset < b.source_offset;
+                   });
+  plan.table.sources = std::move(collected.sources);
+  EA_RETURN_IF_ERROR(format::AssignArenaOffsets(plan.table));
+  format::ComputeIdentity(plan.table);
+  return plan;
+}
+
+}  // namespace
 
 Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   if (spec.files.empty()) return InvalidArgument("no model file given");
-  // GGUF and safetensors readers are dispatched here once they land; until then every
-  // file is loaded raw.
-  return PlanRawFiles(spec);
+  std::vector<std::string> paths;
+  std::vector<FileKind> kinds;
+  uint64_t probe_bytes = 0;
+  for (const std::string& given : spec.files) {
+    EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectKind(path, &probe_bytes));
+    paths.push_back(path);
+    kinds.push_back(kind);
+  }
+  auto family = [](FileKind k) {
+    return k == FileKind::kSafetensorsIndex ? FileKind::kSafetensors : k;
+  };
+  for (size_t i = 1; i < kinds.size(); ++i) {
+    if (family(kinds[i]) != family(kinds[0])) {
+      return InvalidArgument("model files of different formats: " + paths[0] + " is " +
+                             KindName(kinds[0]) + ", " + paths[i] + " is " + KindName(kinds[i]));
+    }
+  }
+  if (kinds[0] == FileKind::kRaw) {
+    EA_ASSIGN_OR_RETURN(ModelPlan plan, PlanRawFiles(spec));
+    plan.metadata_bytes_read += probe_bytes;
+    return plan;
+  }
+
+  Collected collected;
+  collected.header_bytes = probe_bytes;
+  if (kinds[0] == FileKind::kGguf) {
+    for (const std::string& path : paths) EA_RETURN_IF_ERROR(CollectGguf(path, collected));
+    return PlanFromCollected(std::move(collected), spec, "gguf");
+  }
+
+  // safetensors: shards named by indexes and files named directly, each read once.
+  std::vector<std::string> done;
+  auto already = [&](const std::string& path) {
+    std::string abs = Absolute(path);
+    if (std::find(done.begin(), done.end(), abs) != done.end()) return true;
+    done.push_back(abs);
+    return false;
+  };
+  for (size_t i = 0; i < paths.size(); ++i) {
+    if (kinds[i] == FileKind::kSafetensorsIndex) {
+      EA_ASSIGN_OR_RETURN(SafetensorsIndex index, ReadSafetensorsIndex(paths[i]));
+      collected.header_bytes += index.bytes_read;
+      EA_ASSIGN_OR_RETURN(std::vector<SafetensorsFile> shards, ReadShardedSafetensors(index));
+      for (SafetensorsFile& shard : shards) {
+        if (!already(shard.path)) AddSafetensors(shard, collected);
+      }
+    } else if (!already(paths[i])) {
+      EA_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(paths[i]));
+      AddSafetensors(file, collected);
+    }
+  }
+  return PlanFromCollected(std::move(collected), spec, "safetensors");
 }
 
 }  // namespace expert_arena::source

@@ -11,7 +11,9 @@ Result<ModelPlan> PlanRawFiles(const ModelSpec& spec) {
   plan.table.alignment = spec.alignment;
   for (size_t i = 0; i < spec.files.size(); ++i) {
     const std::string& path = spec.files[i];
-    EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatPath(path));
+    // Followed: model caches link to their blobs.
+    EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, platform::OpenFile(path, {.no_follow = false}));
+    EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
     if (!st.regular) return InvalidArgument(path + ": not a regular file");
     std::error_code ec;
     std::string absolute = std::filesystem::absolute(path, ec).lexically_normal().string();

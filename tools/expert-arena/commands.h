@@ -11,5 +11,6 @@ void RegisterFileCommands(CLI::App& app, int& exit_code);  // info, verify, rm
 void RegisterSweep(CLI::App& app, int& exit_code);
 // `info` of a stream segment (cmd_sweep.cc).
 int RunSegmentInfo(const std::string& path, bool json);
+void RegisterGenModel(CLI::App& app, int& exit_code);
 
 }  // namespace expert_arena::cli

@@ -1,0 +1,57 @@
+// expert-arena gen-model: write a deterministic synthetic MoE model (GGUF or safetensors).
+#include <chrono>
+#include <cstdio>
+
+#include "commands.h"
+#include "common/units.h"
+#include "source/synthetic_model.h"
+
+namespace expert_arena::cli {
+namespace {
+
+int RunGenModel(const source::SyntheticModelOptions& options) {
+  auto start = std::chrono::steady_clock::now();
+  auto report = source::WriteSyntheticModel(options);
+  if (!report.ok()) {
+    std::fprintf(stderr, "expert-arena gen-model: %s\n", report.status().message().c_str());
+    return report.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf(
+      "wrote %s (%s, %llu layers x %llu experts, hidden %llu, ffn %llu, %s): %llu tensors, "
+      "%s in %zu file%s; experts %llu tensors, %s; %.2f s\n",
+      options.out.c_str(), options.format.c_str(), static_cast<unsigned long long>(options.layers),
+      static_cast<unsigned long long>(options.experts),
+      static_cast<unsigned long long>(options.hidden), static_cast<unsigned long long>(options.ffn),
+      options.dtype.c_str(), static_cast<unsigned long long>(report->tensors),
+      FormatBytes(report->file_bytes).c_str(), report->files.size(),
+      report->files.size() == 1 ? "" : "s", static_cast<unsigned long long>(report->expert_tensors),
+      FormatBytes(report->expert_bytes).c_str(), seconds);
+  return 0;
+}
+
+}  // namespace
+
+void RegisterGenModel(CLI::App& app, int& exit_code) {
+  auto options = std::make_shared<source::SyntheticModelOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "gen-model", "Write a deterministic synthetic MoE model (GGUF or safetensors)");
+  cmd->add_option("--format", options->format, "gguf|safetensors")
+      ->required()
+      ->check(CLI::IsMember({"gguf", "safetensors"}));
+  cmd->add_option("--out", options->out,
+                  "Model file, or a directory for sharded safetensors (--shards K > 1)")
+      ->required();
+  cmd->add_option("--layers", options->layers, "Layers (L)")->required();
+  cmd->add_option("--experts", options->experts, "Experts per layer (E)")->required();
+  cmd->add_option("--hidden", options->hidden, "Hidden size (H)")->required();
+  cmd->add_option("--ffn", options->ffn, "Expert feed-forward size (F)")->required();
+  cmd->add_option("--dtype", options->dtype, "Expert dtype: f32|f16|bf16|q8_0 (q8_0: GGUF only)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
+  cmd->add_option("--shards", options->shards, "safetensors shards (K files + index)");
+  cmd->add_option("--seed", options->seed, "Seed of the values");
+  cmd->callback([options, &exit_code] { exit_code = RunGenModel(*options); });
+}
+
+}  // namespace expert_arena::cli
