@@ -44,14 +44,15 @@ Result<std::string> ResolveDirectory(const std::string& path) {
                          " or model.safetensors");
 }
 
-// The format of one file, from its first bytes (and a .json name for an index).
-Result<FileKind> DetectKind(const std::string& path, uint64_t* bytes_read) {
+// The format of one file, from its first bytes (and a .json name for an index). These bytes
+// are not counted as read: the readers read them again and count them, and a raw file's first
+// bytes are tensor data that an attaching engine must not be charged for.
+Result<FileKind> DetectKind(const std::string& path) {
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, platform::OpenFile(path, {.no_follow = false}));
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
   if (!st.regular) return InvalidArgument(path + ": not a regular file");
   std::byte head[16] = {};
   EA_ASSIGN_OR_RETURN(size_t got, platform::ReadSome(fd, 0, head));
-  *bytes_read += got;
   if (got >= 4 && std::memcmp(head, kGgufMagic, 4) == 0) return FileKind::kGguf;
   if (LooksLikeSafetensors(head, got, st.size)) return FileKind::kSafetensors;
   bool json_name = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
@@ -168,10 +169,9 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   if (spec.files.empty()) return InvalidArgument("no model file given");
   std::vector<std::string> paths;
   std::vector<FileKind> kinds;
-  uint64_t probe_bytes = 0;
   for (const std::string& given : spec.files) {
     EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
-    EA_ASSIGN_OR_RETURN(FileKind kind, DetectKind(path, &probe_bytes));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectKind(path));
     paths.push_back(path);
     kinds.push_back(kind);
   }
@@ -185,13 +185,10 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
     }
   }
   if (kinds[0] == FileKind::kRaw) {
-    EA_ASSIGN_OR_RETURN(ModelPlan plan, PlanRawFiles(spec));
-    plan.metadata_bytes_read += probe_bytes;
-    return plan;
+    return PlanRawFiles(spec);
   }
 
   Collected collected;
-  collected.header_bytes = probe_bytes;
   if (kinds[0] == FileKind::kGguf) {
     for (const std::string& path : paths) EA_RETURN_IF_ERROR(CollectGguf(path, collected));
     return PlanFromCollected(std::move(collected), spec, "gguf");
