@@ -87,6 +87,7 @@ struct StreamProducer::Impl {
   uint64_t regular_file_bytes = 0;
   uint64_t cap_bytes = 0;
   uint32_t regular_slots = 0;
+  uint32_t copy_threads = 1;  // resolved once: hardware_concurrency() reads /sys each call
 
   std::mutex mu;
   stream::BlockAllocator allocator;
@@ -486,6 +487,12 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
                            ": must be a power of two from 64 B to 2 MiB");
   }
   if (o.max_segments == 0) return InvalidArgument("stream max_segments must be at least 1");
+  // Auto: a quarter of the cores, at most 4 (measured: on a busy 2-core machine a second
+  // copy thread made a 64 MiB put slower, 11.6 ms vs 7.9 ms).
+  impl->copy_threads =
+      o.copy_threads != 0
+          ? o.copy_threads
+          : std::clamp<uint32_t>(std::thread::hardware_concurrency() / 4, 1, 4);
   impl->regular_file_bytes = stream::SegmentFileBytes(o.segment_bytes);
   impl->cap_bytes = impl->regular_file_bytes * o.max_segments;
   impl->regular_slots = static_cast<uint32_t>(
@@ -553,12 +560,9 @@ Result<Reservation> StreamProducer::Reserve(std::string_view key, uint64_t bytes
 
 namespace {
 
-// memcpy split across threads for large tensors (pieces of whole 2 MiB pages).
+// memcpy split across `threads` threads for large tensors (pieces of whole 2 MiB pages).
 void CopyParallel(std::byte* to, const std::byte* from, uint64_t bytes, uint32_t threads) {
   constexpr uint64_t kParallelFrom = 8 * kMiB;
-  // Auto: a quarter of the cores, at most 4 (measured: on a busy 2-core machine a second
-  // copy thread made a 64 MiB put slower, 11.6 ms vs 7.9 ms).
-  if (threads == 0) threads = std::clamp<uint32_t>(std::thread::hardware_concurrency() / 4, 1, 4);
   if (bytes < kParallelFrom || threads <= 1) {
     std::memcpy(to, from, bytes);
     return;
@@ -579,7 +583,7 @@ Result<std::string> StreamProducer::Put(std::string_view key, std::span<const st
                                         const TensorInfo& info, uint32_t readers) {
   EA_ASSIGN_OR_RETURN(Reservation r, Reserve(key, bytes.size()));
   if (!bytes.empty()) {
-    CopyParallel(r.bytes().data(), bytes.data(), bytes.size(), impl_->options.copy_threads);
+    CopyParallel(r.bytes().data(), bytes.data(), bytes.size(), impl_->copy_threads);
   }
   return r.Publish(info, readers);
 }
