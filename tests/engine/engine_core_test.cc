@@ -95,6 +95,24 @@ TEST(KernelsTest, HalfAndBf16Decode) {
   EXPECT_EQ(Bf16ToFloat(0xc040), -3.0f);
 }
 
+// The F16C path (when the CPU has it) and the table give the same bits for every half.
+TEST(KernelsTest, EveryHalfDecodesToTheSameBitsInARow) {
+  std::vector<uint16_t> halves(65536);
+  for (uint32_t i = 0; i < 65536; ++i) halves[i] = static_cast<uint16_t>(i);
+  Matrix m{reinterpret_cast<const std::byte*>(halves.data()), Dtype::kF16, 1, 65536,
+           65536 * 2};
+  std::vector<float> row(65536);
+  DecodeRow(m, 0, row.data());
+  for (uint32_t i = 0; i < 65536; ++i) {
+    float expected = HalfToFloat(static_cast<uint16_t>(i));
+    if (std::isnan(expected)) {
+      ASSERT_TRUE(std::isnan(row[i])) << std::hex << i;
+    } else {
+      ASSERT_EQ(std::memcmp(&row[i], &expected, 4), 0) << std::hex << i;
+    }
+  }
+}
+
 TEST(KernelsTest, DtypeNamesAndRowBytes) {
   EXPECT_EQ(ParseDtype("f16"), Dtype::kF16);
   EXPECT_EQ(ParseDtype("F16"), Dtype::kF16);
