@@ -114,7 +114,11 @@ int Run(EngineArgs& args) {
     sigprocmask(SIG_BLOCK, &set, nullptr);
   }
   const char* role = ArenaRoleName(r.role);
-  double rate = r.seconds > 0 ? Gib(r.tensor_bytes) / r.seconds : 0;
+  // A loader's rate is its reading rate (seconds also hold page collapsing and GPU
+  // registration); an attacher's is how fast the experts became usable.
+  double rate = r.role == ArenaRole::kAttached
+                    ? (r.seconds > 0 ? Gib(r.tensor_bytes) / r.seconds : 0)
+                    : (r.load_seconds > 0 ? Gib(r.tensor_bytes) / r.load_seconds : 0);
 
   if (args.json) {
     nlohmann::json j;
@@ -130,6 +134,7 @@ int Run(EngineArgs& args) {
     j["arena"] = r.path;
     j["backing"] = r.backing;
     j["data_bytes"] = r.data_bytes;
+    j["mapped_bytes"] = r.mapped_bytes;
     j["tensor_bytes"] = r.tensor_bytes;
     j["tensors"] = r.tensors;
     j["load_seconds"] = r.load_seconds;
@@ -158,10 +163,11 @@ int Run(EngineArgs& args) {
     std::cout << j.dump() << std::endl;
   } else {
     std::printf(
-        "moe-engine: %s %.2f GiB in %.3f s (%.2f GiB/s), %.2f of %.2f GiB on 2 MiB pages, "
+        "moe-engine: %s %.2f GiB in %.3f s (%.2f GiB/s%s%s), %.2f of %.2f GiB on 2 MiB pages, "
         "%llu model bytes read; gpu: %s\n",
-        role, Gib(r.tensor_bytes), r.seconds, rate, Gib(r.huge_bytes), Gib(r.data_bytes),
-        static_cast<unsigned long long>(r.bytes_read),
+        role, Gib(r.tensor_bytes), r.seconds, rate,
+        r.role == ArenaRole::kAttached ? "" : " reading, ", r.reader.c_str(),
+        Gib(r.huge_bytes), Gib(r.mapped_bytes), static_cast<unsigned long long>(r.bytes_read),
         r.gpu_note.empty() ? "none" : r.gpu_note.c_str());
     std::printf("moe-engine: %s model, %llu layers x %llu experts, hidden %llu, ffn %llu, %s\n",
                 table->naming().c_str(), static_cast<unsigned long long>(table->layers()),
