@@ -10,6 +10,17 @@
 namespace expert_arena::testing {
 namespace {
 
+// Why python3 cannot load the library under test, or "" when it can.
+std::string PythonSkipReason() {
+#ifdef EA_SANITIZED_LIBRARY
+  return "sanitizer build: python3 cannot load an instrumented libexpert_arena.so (the "
+         "sanitizer runtime must come first)";
+#else
+  if (access(EA_PYTHON3, X_OK) != 0) return std::string("no python3 at ") + EA_PYTHON3;
+  return "";
+#endif
+}
+
 TEST(CApiTest, CProgramPassesEveryCheck) {
   ScopedDataFile model(3 * 1024 * 1024 + 123, 42);
   ScopedPath arena("capi.arena");
@@ -21,7 +32,7 @@ TEST(CApiTest, CProgramPassesEveryCheck) {
 // attach_arena.py reads a tensor's bytes through ctypes and compares them with the model
 // file at the offset `expert-arena info --json` names.
 TEST(CApiTest, PythonCtypesExampleReadsTheSourceBytes) {
-  if (access(EA_PYTHON3, X_OK) != 0) GTEST_SKIP() << "no python3 at " << EA_PYTHON3;
+  if (std::string why = PythonSkipReason(); !why.empty()) GTEST_SKIP() << why;
   ScopedDataFile model(5 * 1024 * 1024 + 7, 43);
   ScopedPath arena("ctypes.arena");
   Child load = SpawnProgram(BinDir() + "/expert-arena",
@@ -34,8 +45,31 @@ TEST(CApiTest, PythonCtypesExampleReadsTheSourceBytes) {
   EXPECT_NE(py.Output().find("equal the model file"), std::string::npos) << py.Output();
 }
 
+// The same on a GGUF model: an expert tensor that starts deep inside the model file.
+TEST(CApiTest, PythonCtypesExampleReadsAnExpertOfAGgufModel) {
+  if (std::string why = PythonSkipReason(); !why.empty()) GTEST_SKIP() << why;
+  ScopedPath model("model.gguf", "/tmp");
+  Child gen = SpawnProgram(BinDir() + "/expert-arena",
+                           {"gen-model", "--format", "gguf", "--out", model.path(), "--layers",
+                            "2", "--experts", "4", "--hidden", "128", "--ffn", "256",
+                            "--dtype", "q8_0"});
+  ASSERT_EQ(gen.Wait(60), 0);
+  ScopedPath arena("ctypes-gguf.arena");
+  Child load = SpawnProgram(BinDir() + "/expert-arena",
+                            {"load", "--model", model.path(), "--arena", arena.path()});
+  ASSERT_EQ(load.Wait(60), 0);
+  Child py = SpawnProgram(EA_PYTHON3, {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path(),
+                                       "--tensor", "blk.1.ffn_down_exps.weight", "--check",
+                                       BinDir() + "/expert-arena"});
+  EXPECT_EQ(py.Wait(60), 0) << py.Output();
+  EXPECT_NE(py.Output().find("tensor blk.1.ffn_down_exps.weight: q8_0 [256, 128, 4]"),
+            std::string::npos)
+      << py.Output();
+  EXPECT_NE(py.Output().find("equal the model file"), std::string::npos) << py.Output();
+}
+
 TEST(CApiTest, PythonCtypesExampleReportsAMissingArena) {
-  if (access(EA_PYTHON3, X_OK) != 0) GTEST_SKIP() << "no python3 at " << EA_PYTHON3;
+  if (std::string why = PythonSkipReason(); !why.empty()) GTEST_SKIP() << why;
   ScopedPath arena("absent.arena");
   Child py = SpawnProgram(EA_PYTHON3, {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path()});
   EXPECT_EQ(py.Wait(60), 1);

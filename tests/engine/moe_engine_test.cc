@@ -4,7 +4,11 @@
 // model formats, and the memory of two engines sharing one arena (counted once).
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <ostream>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,6 +31,7 @@ struct ModelShape {
 };
 
 std::string ShapeName(const ModelShape& s) { return s.format + "_" + s.dtype; }
+void PrintTo(const ModelShape& s, std::ostream* os) { *os << ShapeName(s); }
 
 // A model written by `expert-arena gen-model` in /tmp; removed with the object.
 class GeneratedModel {
@@ -187,6 +192,35 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelShape{"safetensors", "bf16"}),
     [](const auto& info) { return ShapeName(info.param); });
 
+// A sharded safetensors model named by its index: the shards' tensors make one table.
+TEST(MoeEngineTest, ShardedSafetensorsThroughTheIndex) {
+  char tmpl[] = "/tmp/ea-test-shards-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  struct RemoveDir {
+    std::string dir;
+    ~RemoveDir() { std::filesystem::remove_all(dir); }
+  } remove_dir{tmpl};
+  const std::string dir = tmpl;
+  Child gen = SpawnProgram(BinDir() + "/expert-arena",
+                           {"gen-model", "--format", "safetensors", "--out", dir, "--layers",
+                            "2", "--experts", "4", "--hidden", "128", "--ffn", "256",
+                            "--dtype", "bf16", "--shards", "3", "--seed", "7"});
+  ASSERT_EQ(gen.Wait(120), 0) << gen.Output();
+  const std::string index = dir + "/model.safetensors.index.json";
+  ScopedPath arena("shards.arena");
+  EngineResult priv = RunEngine(EngineArgs(index, ""));
+  EngineResult loaded = RunEngine(EngineArgs(index, arena.path()));
+  EngineResult attached = RunEngine(EngineArgs(index, arena.path()));
+  ASSERT_ENGINE_OK(priv);
+  ASSERT_ENGINE_OK(loaded);
+  ASSERT_ENGINE_OK(attached);
+  EXPECT_EQ(attached.json["role"], "attached");
+  EXPECT_EQ(attached.json["experts"], 4);
+  EXPECT_EQ(attached.json["tensors"], 2 * 4 * 3);
+  EXPECT_EQ(priv.json["checksum"], loaded.json["checksum"]);
+  EXPECT_EQ(priv.json["checksum"], attached.json["checksum"]);
+}
+
 // Two engines that share the arena hold one copy: summed over both, Pss (which divides a
 // shared page between its users) stays near one arena; two private engines hold two.
 TEST(MoeEngineTest, TwoSharedEnginesCountTheArenaOnce) {
@@ -252,6 +286,8 @@ TEST(MoeEngineTest, TwoSharedEnginesCountTheArenaOnce) {
   EXPECT_GT(private_pss, 1.8 * arena_bytes) << "two private engines should hold two copies";
   RecordProperty("shared_pair_pss_mib", std::to_string(shared_pss / kMiB));
   RecordProperty("private_pair_pss_mib", std::to_string(private_pss / kMiB));
+  std::printf("arena %.0f MiB: two shared engines Pss %.0f MiB, two private engines %.0f MiB\n",
+              arena_bytes / kMiB, shared_pss / kMiB, private_pss / kMiB);
 }
 
 }  // namespace
