@@ -27,6 +27,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <string>
 
 #include "expert_arena/arena.h"
@@ -51,7 +52,12 @@ struct SharedArenaFlags {
     options.wait_timeout_seconds = wait_timeout_seconds;
     options.huge = huge == "on" ? HugePages::kOn : huge == "off" ? HugePages::kOff
                                                                  : HugePages::kAuto;
-    options.file_mode = static_cast<mode_t>(std::stoul(mode, nullptr, 8));
+    // Validated by the parser; a value set by hand that is not octal keeps the default.
+    char* end = nullptr;
+    unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
+    options.file_mode = end != nullptr && *end == '\0' && !mode.empty()
+                            ? static_cast<mode_t>(parsed)
+                            : mode_t{0600};
     options.allow_foreign_owner = allow_foreign_owner;
     options.gpu = gpu;
     options.gpu_required = gpu_required;
