@@ -223,9 +223,10 @@ int main(int argc, char** argv) {
   Peer copy_peer = SpawnConsumer("copy", dir, "copy");
   Peer file_peer = SpawnConsumer("file", dir, "file");
 
-  std::printf("| shape | stream, zero-copy view | stream + copy out | file transport | "
-              "file / stream | file / (stream + copy) | memcpy | put alone | stream vs memcpy | "
-              "stream + copy vs 2 memcpy |\n");
+  std::printf(
+      "| shape | stream, zero-copy view | stream + copy out | file transport | "
+      "file / stream | file / (stream + copy) | memcpy | put alone | stream vs memcpy | "
+      "stream + copy vs 2 memcpy |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   uint64_t seq = 0;
   char ack;
@@ -267,8 +268,8 @@ int main(int argc, char** argv) {
       auto t2 = Clock::now();
       std::vector<std::string> batch;
       for (int t = 0; t < shape.count; ++t) {
-        std::string final_path = dir + "/ea-bench-file-" + std::to_string(getpid()) + "-" +
-                                 std::to_string(seq++);
+        std::string final_path =
+            dir + "/ea-bench-file-" + std::to_string(getpid()) + "-" + std::to_string(seq++);
         std::string tmp = final_path + ".tmp";
         int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         WriteAll(fd, source.data(), shape.bytes);
@@ -305,9 +306,10 @@ int main(int argc, char** argv) {
     }
     double v = Median(view_t), c = Median(copy_t), f = Median(file_t), m = Median(memcpy_t);
     double pu = Median(put_t);
-    std::printf("| %s | %.0f us | %.0f us | %.0f us | %.1fx | %.1fx | %.0f us | %.0f us | %.2fx | %.2fx |\n",
-                shape.name, v * 1e6, c * 1e6, f * 1e6, f / v, f / c, m * 1e6, pu * 1e6, m / v,
-                2 * m / c);
+    std::printf(
+        "| %s | %.0f us | %.0f us | %.0f us | %.1fx | %.1fx | %.0f us | %.0f us | %.2fx | %.2fx "
+        "|\n",
+        shape.name, v * 1e6, c * 1e6, f * 1e6, f / v, f / c, m * 1e6, pu * 1e6, m / v, 2 * m / c);
   }
 
   std::printf("\nchannel round trip (FIFO, empty batch, in every round above): median %.0f us\n",
@@ -322,8 +324,9 @@ int main(int argc, char** argv) {
     auto local = StreamConsumer::Create(co);
     if (!local.ok()) return 1;
     std::printf("\nIn one process (no channel):\n\n");
-    std::printf("| shape | stream put + view + release | file write + rename + read + unlink | "
-                "file / stream |\n|---|---|---|---|\n");
+    std::printf(
+        "| shape | stream put + view + release | file write + rename + read + unlink | "
+        "file / stream |\n|---|---|---|---|\n");
     std::vector<std::byte> dest(64 << 20);
     std::memset(dest.data(), 0, dest.size());
     for (const Shape& shape : shapes) {
@@ -346,8 +349,8 @@ int main(int argc, char** argv) {
         if (r >= 3) put_only.push_back(Seconds(t0, tp));
         batch.clear();
         for (int t = 0; t < shape.count; ++t) {
-          std::string final_path = dir + "/ea-bench-file-" + std::to_string(getpid()) + "-" +
-                                   std::to_string(seq++);
+          std::string final_path =
+              dir + "/ea-bench-file-" + std::to_string(getpid()) + "-" + std::to_string(seq++);
           std::string tmp = final_path + ".tmp";
           int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
           WriteAll(fd, source.data(), shape.bytes);
@@ -400,8 +403,7 @@ int main(int argc, char** argv) {
     }
     auto stats = producer->Stats();
     std::printf("\nreserve + free with %llu live blocks: median %.3f us, p99 %.3f us\n",
-                static_cast<unsigned long long>(stats.live_blocks), Median(t) * 1e6,
-                [&] {
+                static_cast<unsigned long long>(stats.live_blocks), Median(t) * 1e6, [&] {
                   std::sort(t.begin(), t.end());
                   return t[t.size() * 99 / 100] * 1e6;
                 }());

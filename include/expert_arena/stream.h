@@ -53,15 +53,15 @@ namespace expert_arena {
 // wire form (magic "EATD", a version, then the fields, then an xxh3 checksum); Decode()
 // validates everything a peer could get wrong or forge before anything is mapped.
 struct EXPERT_ARENA_EXPORT TensorDescriptor {
-  std::string segment;   // a file name (never a path) in the stream or spill directory
-  bool spilled = false;  // in the spill directory rather than the stream directory
-  uint32_t slot = 0;     // the block's entry in the segment's block table
+  std::string segment;      // a file name (never a path) in the stream or spill directory
+  bool spilled = false;     // in the spill directory rather than the stream directory
+  uint32_t slot = 0;        // the block's entry in the segment's block table
   uint64_t generation = 0;  // of that entry when the block was reserved
-  uint64_t offset = 0;   // of the bytes in the segment file
-  uint64_t length = 0;   // bytes
+  uint64_t offset = 0;      // of the bytes in the segment file
+  uint64_t length = 0;      // bytes
   std::string dtype;
   std::vector<uint64_t> shape;
-  std::string key;       // the request key that owns the block
+  std::string key;  // the request key that owns the block
 
   std::string Encode() const;
   static Result<TensorDescriptor> Decode(std::string_view bytes);
@@ -119,15 +119,15 @@ struct ConsumerOptions {
 };
 
 struct StreamStats {
-  uint64_t total_bytes = 0;          // data bytes of all segments
+  uint64_t total_bytes = 0;  // data bytes of all segments
   uint64_t free_bytes = 0;
   uint64_t largest_free_block = 0;
-  uint64_t segments = 0;             // regular + dedicated
+  uint64_t segments = 0;  // regular + dedicated
   uint64_t dedicated_segments = 0;
-  uint64_t live_blocks = 0;          // reserved, published or aborted-but-held blocks
-  uint64_t pinned_bytes = 0;         // registered with the GPU by this process
-  uint64_t spills = 0;               // tensors spilled so far
-  uint64_t spill_files = 0;          // spill files still present
+  uint64_t live_blocks = 0;             // reserved, published or aborted-but-held blocks
+  uint64_t pinned_bytes = 0;            // registered with the GPU by this process
+  uint64_t spills = 0;                  // tensors spilled so far
+  uint64_t spill_files = 0;             // spill files still present
   uint64_t fragmentation_failures = 0;  // reserves that failed while free bytes covered them
   uint64_t reclaimed_blocks = 0;
   uint64_t dead_readers_cleared = 0;
@@ -204,7 +204,8 @@ class EXPERT_ARENA_EXPORT StreamProducer {
 
 // A consumer's zero-copy view of one tensor. Release() (or the destructor) returns this
 // reader's share; ReleaseWhen() defers it until `ready` returns true (a device copy from
-// these bytes finished), checked by the consumer's calls and PollReleases().
+// these bytes finished), checked by the consumer's calls and PollReleases(). bytes() and
+// descriptor() may be called only before the tensor is released (or moved from).
 class EXPERT_ARENA_EXPORT StreamTensor {
  public:
   StreamTensor(StreamTensor&& other) noexcept;
@@ -234,8 +235,8 @@ struct ConsumerStats {
   uint64_t mapped_bytes = 0;
   uint64_t pinned_bytes = 0;
   uint64_t open_views = 0;
-  uint64_t deferred_releases = 0;   // waiting on their ready predicate
-  uint64_t dropped_segments = 0;    // unmapped after their file was unlinked
+  uint64_t deferred_releases = 0;  // waiting on their ready predicate
+  uint64_t dropped_segments = 0;   // unmapped after their file was unlinked
 };
 
 class EXPERT_ARENA_EXPORT StreamConsumer {
@@ -268,8 +269,8 @@ class EXPERT_ARENA_EXPORT StreamConsumer {
 // One stream segment or spill file found by a sweep or inspected by a tool.
 struct SegmentInfo {
   std::string path;
-  bool ours = false;         // has the stream segment magic and a version we read
-  std::string problem;       // why it is not readable as a segment, when it is not
+  bool ours = false;    // has the stream segment magic and a version we read
+  std::string problem;  // why it is not readable as a segment, when it is not
   uint32_t owner_pid = 0;
   uint64_t owner_start_time = 0;
   uint32_t owner_uid = 0;
@@ -284,7 +285,7 @@ struct SegmentInfo {
   uint64_t live_bytes = 0;
   uint64_t published_blocks = 0;
   uint64_t aborted_blocks = 0;
-  uint32_t readers = 0;      // reader entries in use
+  uint32_t readers = 0;  // reader entries in use
 };
 
 // Reads a segment's header and block table without taking anything.
@@ -293,9 +294,9 @@ EXPERT_ARENA_EXPORT Result<SegmentInfo> InspectSegment(const std::string& path);
 EXPERT_ARENA_EXPORT bool IsStreamSegment(const std::string& path);
 
 struct SweepReport {
-  std::vector<std::string> removed;   // paths of dead owners' segments, unlinked
-  std::vector<std::string> live;      // paths whose owner is alive, left alone
-  std::vector<std::string> notes;     // files left alone and why (another user's, unreadable)
+  std::vector<std::string> removed;  // paths of dead owners' segments, unlinked
+  std::vector<std::string> live;     // paths whose owner is alive, left alone
+  std::vector<std::string> notes;    // files left alone and why (another user's, unreadable)
 };
 
 // Removes the stream segments in `directory` whose owner process is gone: the owner holds an

@@ -42,7 +42,7 @@ class BlockAllocator {
   void Insert(uint32_t segment, uint64_t offset, uint64_t size);
   void Erase(uint32_t segment, uint64_t offset, uint64_t size);
 
-  std::set<std::tuple<uint64_t, uint32_t, uint64_t>> by_size_;           // size, seg, offset
+  std::set<std::tuple<uint64_t, uint32_t, uint64_t>> by_size_;             // size, seg, offset
   std::unordered_map<uint32_t, std::map<uint64_t, uint64_t>> by_address_;  // offset -> size
   uint64_t total_ = 0;
   uint64_t free_ = 0;

@@ -80,7 +80,8 @@ struct StreamConsumer::Impl {
 
   ~Impl();
   Result<PeerSegment*> MapLocked(bool spill, const std::string& name);
-  void DropLocked(std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
+  void DropLocked(
+      std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
   void DropUnlinkedLocked(bool now);
   void Release(StreamTensor::State& state);
   uint64_t Poll();
@@ -261,8 +262,9 @@ StreamConsumer::~StreamConsumer() {
   auto deadline = Clock::now() + std::chrono::seconds(30);
   while (impl_->Poll() > 0) {
     if (Clock::now() > deadline) {
-      impl_->log->warn("stream consumer: deferred releases still not ready after 30 s; "
-                       "releasing them");
+      impl_->log->warn(
+          "stream consumer: deferred releases still not ready after 30 s; "
+          "releasing them");
       std::lock_guard lock(impl_->deferred_mu);
       for (auto& state : impl_->deferred) state->ready = nullptr;
     }
@@ -285,8 +287,8 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   }
   if (d.offset < h.data_offset || d.offset > seg->file.file_bytes() ||
       d.length > seg->file.file_bytes() - d.offset) {
-    return InvalidArgument("tensor descriptor refused: bytes [" + std::to_string(d.offset) +
-                           ", +" + std::to_string(d.length) + ") outside the data region [" +
+    return InvalidArgument("tensor descriptor refused: bytes [" + std::to_string(d.offset) + ", +" +
+                           std::to_string(d.length) + ") outside the data region [" +
                            std::to_string(h.data_offset) + ", " +
                            std::to_string(seg->file.file_bytes()) + ") of " + seg->file.path);
   }

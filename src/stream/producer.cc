@@ -46,7 +46,7 @@ struct BlockRecord {
   bool live = false;
   bool published = false;
   bool aborted = false;  // Abort() while it was being written
-  uint64_t offset = 0;  // our own copy: the shared slot is writable by every reader
+  uint64_t offset = 0;   // our own copy: the shared slot is writable by every reader
   uint64_t block_bytes = 0;
   uint64_t generation = 0;
   std::string key;
@@ -56,9 +56,9 @@ struct BlockRecord {
 struct ProducerSegment {
   uint32_t id = 0;
   stream::SegmentFile file;
-  std::vector<BlockRecord> blocks;        // one per slot
+  std::vector<BlockRecord> blocks;  // one per slot
   std::vector<uint32_t> free_slots;
-  std::vector<uint32_t> published;        // slots to look at when the epoch moves
+  std::vector<uint32_t> published;  // slots to look at when the epoch moves
   uint64_t seen_epoch = 0;
   uint32_t live = 0;
 };
@@ -180,10 +180,10 @@ Result<ProducerSegment*> StreamProducer::Impl::AddSegment(SegmentKind kind, uint
       }
     }
     allocator.AddSegment(seg->id, seg->file.header().data_offset, data_bytes);
-    log->info("stream {}: segment {} ({}){}; {} segments, {} free, largest free block {}",
-              instance, seg->file.name, FormatBytes(data_bytes),
-              huge_note.empty() ? "" : "; " + huge_note, segments.size() + 1,
-              FormatBytes(allocator.free_bytes()), FormatBytes(allocator.largest_free_block()));
+    log->info("stream {}: segment {} ({}){}; {} segments, {} free, largest free block {}", instance,
+              seg->file.name, FormatBytes(data_bytes), huge_note.empty() ? "" : "; " + huge_note,
+              segments.size() + 1, FormatBytes(allocator.free_bytes()),
+              FormatBytes(allocator.largest_free_block()));
   }
   if (kind != SegmentKind::kSpill) file_bytes_used += seg->file.file_bytes();
   if (kind == SegmentKind::kDedicated) ++dedicated_segments;
@@ -226,7 +226,10 @@ Reservation StreamProducer::Impl::MakeReservation(ProducerSegment& seg, uint32_t
   Holders(s).store(0, std::memory_order_relaxed);
   Control(s).store(ControlWord::Make(BlockState::kWriting, 0, generation),
                    std::memory_order_release);
-  rec = BlockRecord{.live = true, .offset = offset, .block_bytes = block_bytes, .generation = generation,
+  rec = BlockRecord{.live = true,
+                    .offset = offset,
+                    .block_bytes = block_bytes,
+                    .generation = generation,
                     .key = std::string(key)};
   ++seg.live;
   ++live_blocks;
@@ -292,8 +295,8 @@ bool StreamProducer::Impl::TryReclaim(ProducerSegment& seg, uint32_t slot) {
   BlockSlot& s = seg.file.view.slots[slot];
   uint64_t c = Control(s).load(std::memory_order_seq_cst);
   BlockState st = ControlWord::State(c);
-  bool done = (st == BlockState::kPublished && ControlWord::Pending(c) == 0) ||
-              st == BlockState::kAborted;
+  bool done =
+      (st == BlockState::kPublished && ControlWord::Pending(c) == 0) || st == BlockState::kAborted;
   if (!done) return false;
   uint64_t reclaiming = ControlWord::Make(BlockState::kReclaiming, 0, ControlWord::Generation(c));
   if (!Control(s).compare_exchange_strong(c, reclaiming, std::memory_order_seq_cst)) return false;
@@ -372,9 +375,8 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
   const uint64_t need = *rounded;
   ReclaimMoved();
   const bool oversized = need > options.segment_bytes;
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(
-                         std::max(0.0, options.strict_wait_seconds) * 1000));
+  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(
+                                           std::max(0.0, options.strict_wait_seconds) * 1000));
   bool reclaimed_all = false;
   for (;;) {
     if (!oversized) {
@@ -395,16 +397,17 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
     }
     if (!oversized && allocator.free_bytes() >= need) {
       ++fragmentation_failures;
-      log->warn("stream {}: reserve of {} for key {} failed while {} is free (largest free "
-                "block {}, {} free blocks): fragmentation",
-                instance, FormatBytes(need), key, FormatBytes(allocator.free_bytes()),
-                FormatBytes(allocator.largest_free_block()), allocator.free_block_count());
+      log->warn(
+          "stream {}: reserve of {} for key {} failed while {} is free (largest free "
+          "block {}, {} free blocks): fragmentation",
+          instance, FormatBytes(need), key, FormatBytes(allocator.free_bytes()),
+          FormatBytes(allocator.largest_free_block()), allocator.free_block_count());
     }
     uint64_t data_bytes = oversized ? *AlignUp(need, kHugePageBytes) : options.segment_bytes;
     uint64_t file_bytes = stream::SegmentFileBytes(data_bytes);
     if (file_bytes_used + file_bytes <= cap_bytes) {
-      auto seg = AddSegment(oversized ? SegmentKind::kDedicated : SegmentKind::kRegular,
-                            data_bytes);
+      auto seg =
+          AddSegment(oversized ? SegmentKind::kDedicated : SegmentKind::kRegular, data_bytes);
       if (seg.ok()) {
         if (oversized) {
           (*seg)->free_slots.pop_back();
@@ -437,8 +440,7 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
     ++spills;
     if (spills == 1 || spills % 100 == 0) {
       log->warn("stream {}: at the cap of {}: spilled {} for key {} to {} ({} spills so far)",
-                instance, FormatBytes(cap_bytes), FormatBytes(need), key, spill->file.path,
-                spills);
+                instance, FormatBytes(cap_bytes), FormatBytes(need), key, spill->file.path, spills);
     }
     spill->free_slots.pop_back();
     return MakeReservation(*spill, 0, spill->file.header().data_offset, need, bytes, key);
@@ -489,10 +491,9 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
   if (o.max_segments == 0) return InvalidArgument("stream max_segments must be at least 1");
   // Auto: a quarter of the cores, at most 4 (measured: on a busy 2-core machine a second
   // copy thread made a 64 MiB put slower, 11.6 ms vs 7.9 ms).
-  impl->copy_threads =
-      o.copy_threads != 0
-          ? o.copy_threads
-          : std::clamp<uint32_t>(std::thread::hardware_concurrency() / 4, 1, 4);
+  impl->copy_threads = o.copy_threads != 0
+                           ? o.copy_threads
+                           : std::clamp<uint32_t>(std::thread::hardware_concurrency() / 4, 1, 4);
   impl->regular_file_bytes = stream::SegmentFileBytes(o.segment_bytes);
   impl->cap_bytes = impl->regular_file_bytes * o.max_segments;
   impl->regular_slots = static_cast<uint32_t>(
@@ -509,10 +510,11 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
                    "; lower max_segments or segment size, or enlarge the filesystem");
   }
   if (impl->cap_bytes > fs.available_bytes) {
-    impl->log->warn("stream directory {}: {} free now, less than the cap of {} ({} x {}); "
-                    "past what is free the stream spills",
-                    o.directory, FormatBytes(fs.available_bytes), FormatBytes(impl->cap_bytes),
-                    o.max_segments, FormatBytes(impl->regular_file_bytes));
+    impl->log->warn(
+        "stream directory {}: {} free now, less than the cap of {} ({} x {}); "
+        "past what is free the stream spills",
+        o.directory, FormatBytes(fs.available_bytes), FormatBytes(impl->cap_bytes), o.max_segments,
+        FormatBytes(impl->regular_file_bytes));
   }
   EA_RETURN_IF_ERROR(platform::MakeDirectories(o.spill_directory, 0700));
 
@@ -608,8 +610,7 @@ Result<uint64_t> StreamProducer::Abort(std::string_view key) {
     BlockSlot& s = seg.file.view.slots[ref.slot];
     uint64_t c = Control(s).load(std::memory_order_seq_cst);
     while (ControlWord::State(c) == BlockState::kPublished) {
-      uint64_t aborted =
-          ControlWord::Make(BlockState::kAborted, 0, ControlWord::Generation(c));
+      uint64_t aborted = ControlWord::Make(BlockState::kAborted, 0, ControlWord::Generation(c));
       if (Control(s).compare_exchange_weak(c, aborted, std::memory_order_seq_cst)) break;
     }
     impl_->TryReclaim(seg, ref.slot);  // now, when nobody holds it
@@ -666,8 +667,8 @@ bool Reservation::spilled() const { return state_->spilled; }
 Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t readers) {
   if (!state_ || state_->done) return InvalidArgument("stream publish: reservation already used");
   if (readers == 0 || readers > stream::kMaxPending) {
-    return InvalidArgument("stream publish: readers " + std::to_string(readers) +
-                           " outside 1.." + std::to_string(stream::kMaxPending));
+    return InvalidArgument("stream publish: readers " + std::to_string(readers) + " outside 1.." +
+                           std::to_string(stream::kMaxPending));
   }
   auto& p = *state_->producer;
   TensorDescriptor d;

@@ -24,13 +24,13 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
   seg.name = p.name;
   seg.path = p.directory + "/" + p.name;
   seg.kind = p.kind;
-  EA_ASSIGN_OR_RETURN(seg.fd, platform::OpenFile(seg.path, {.write = true,
-                                                            .create = true,
-                                                            .exclusive = true,
-                                                            .no_follow = true,
-                                                            .mode = 0600}));
-  EA_ASSIGN_OR_RETURN(bool locked, platform::TryLockByte(seg.fd, kOwnerLockByte,
-                                                         platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(
+      seg.fd,
+      platform::OpenFile(
+          seg.path,
+          {.write = true, .create = true, .exclusive = true, .no_follow = true, .mode = 0600}));
+  EA_ASSIGN_OR_RETURN(
+      bool locked, platform::TryLockByte(seg.fd, kOwnerLockByte, platform::LockMode::kExclusive));
   if (!locked) {
     // A sweep opened the fresh, still empty file and will unlink it; leave it to the sweep.
     return Busy("create " + seg.path + ": a sweep took the file before its owner lock");
@@ -53,8 +53,8 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
     auto fs = platform::StatFilesystem(p.directory);
     auto source = arena::PageSourceFor(fs.ok() && fs->kind == platform::FsKind::kHugetlbfs,
                                        fs.ok() ? fs->tmpfs_huge : "never");
-    auto d = arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path,
-                                   &seconds);
+    auto d =
+        arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path, &seconds);
     if (huge_note != nullptr) *huge_note = d.note;
   }
   if (p.populate) {
@@ -81,10 +81,10 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
   auto start = platform::ProcessStartTime(platform::CurrentPid());
   h->owner_start_time = start.ok() ? *start : 0;
   h->owner_uid = platform::EffectiveUid();
-  h->created_unix_ns = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  h->created_unix_ns =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
   std::strncpy(h->logical_name, p.logical_name.c_str(), sizeof h->logical_name - 1);
   // fallocate gave zeroed pages, so every reader entry and block slot starts free.
   seg.view = SegmentView::Of(seg.mapping.data());
@@ -115,15 +115,15 @@ Result<SegmentFile> OpenSegment(const std::string& directory, const std::string&
                    " bytes, smaller than a segment header region");
   }
   SegmentHeader header;
-  EA_RETURN_IF_ERROR(platform::ReadFull(
-      seg.fd, 0, std::as_writable_bytes(std::span<SegmentHeader>(&header, 1))));
+  EA_RETURN_IF_ERROR(
+      platform::ReadFull(seg.fd, 0, std::as_writable_bytes(std::span<SegmentHeader>(&header, 1))));
   std::string why = ValidateHeader(header, st.size);
   if (!why.empty()) return Corrupt(seg.path + ": " + why);
   seg.kind = static_cast<SegmentKind>(header.kind);
   seg.device = st.device;
   seg.inode = st.inode;
-  EA_ASSIGN_OR_RETURN(seg.mapping, platform::Mapping::MapFile(seg.fd, st.size, true,
-                                                              kHugePageBytes));
+  EA_ASSIGN_OR_RETURN(seg.mapping,
+                      platform::Mapping::MapFile(seg.fd, st.size, true, kHugePageBytes));
   // Check the mapped copy again: the header is what the views below are computed from.
   why = ValidateHeader(*reinterpret_cast<const SegmentHeader*>(seg.mapping.data()), st.size);
   if (!why.empty()) return Corrupt(seg.path + ": " + why);

@@ -63,7 +63,7 @@ struct SegmentHeader {
   uint32_t owner_uid;
   uint32_t reserved0;
   uint64_t created_unix_ns;
-  char logical_name[64];  // NUL-terminated
+  char logical_name[64];   // NUL-terminated
   uint64_t release_epoch;  // atomic: bumped by a reader whenever it releases a hold
   uint64_t reserved[10];
 };
@@ -115,16 +115,23 @@ struct ControlWord {
 
 inline const char* BlockStateName(BlockState s) {
   switch (s) {
-    case BlockState::kFree: return "free";
-    case BlockState::kWriting: return "writing";
-    case BlockState::kPublished: return "published";
-    case BlockState::kAborted: return "aborted";
-    case BlockState::kReclaiming: return "reclaiming";
+    case BlockState::kFree:
+      return "free";
+    case BlockState::kWriting:
+      return "writing";
+    case BlockState::kPublished:
+      return "published";
+    case BlockState::kAborted:
+      return "aborted";
+    case BlockState::kReclaiming:
+      return "reclaiming";
   }
   return "unknown";
 }
 
-inline std::atomic_ref<uint64_t> AtomicWord(uint64_t& word) { return std::atomic_ref<uint64_t>(word); }
+inline std::atomic_ref<uint64_t> AtomicWord(uint64_t& word) {
+  return std::atomic_ref<uint64_t>(word);
+}
 
 // Pointers into a mapped segment; valid while the mapping lives. The header fields were
 // checked by ValidateHeader before a view is made.

@@ -73,16 +73,15 @@ Result<SegmentInfo> InspectSegment(const std::string& path) {
   info.logical_name.assign(h.logical_name, strnlen(h.logical_name, sizeof h.logical_name));
   info.data_bytes = h.data_bytes;
   info.slots = h.slot_count;
-  EA_ASSIGN_OR_RETURN(info.owner_alive,
-                      platform::ByteIsLocked(fd, stream::kOwnerLockByte,
-                                             platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(info.owner_alive, platform::ByteIsLocked(fd, stream::kOwnerLockByte,
+                                                               platform::LockMode::kExclusive));
   std::vector<stream::ReaderEntry> readers(stream::kMaxReaders);
-  EA_RETURN_IF_ERROR(platform::ReadFull(fd, h.readers_offset,
-                                        std::as_writable_bytes(std::span(readers))));
+  EA_RETURN_IF_ERROR(
+      platform::ReadFull(fd, h.readers_offset, std::as_writable_bytes(std::span(readers))));
   for (const auto& r : readers) info.readers += r.owner != 0 ? 1 : 0;
   std::vector<BlockSlot> slots(h.slot_count);
-  EA_RETURN_IF_ERROR(platform::ReadFull(fd, h.slots_offset,
-                                        std::as_writable_bytes(std::span(slots))));
+  EA_RETURN_IF_ERROR(
+      platform::ReadFull(fd, h.slots_offset, std::as_writable_bytes(std::span(slots))));
   for (const auto& s : slots) {
     BlockState state = ControlWord::State(s.control);
     if (state == BlockState::kFree) continue;
@@ -117,8 +116,7 @@ Result<SweepReport> SweepStreamDirectory(const std::string& directory) {
       report.notes.push_back(path + ": " + fd.status().message() + "; left alone");
       continue;
     }
-    auto taken = platform::TryLockByte(*fd, stream::kOwnerLockByte,
-                                       platform::LockMode::kExclusive);
+    auto taken = platform::TryLockByte(*fd, stream::kOwnerLockByte, platform::LockMode::kExclusive);
     if (!taken.ok()) {
       report.notes.push_back(path + ": " + taken.status().message() + "; left alone");
       continue;

@@ -168,9 +168,9 @@ TEST(StreamProcess, ManyToManyWithOneLogicalName) {
   std::vector<Child> producers;
   for (int p = 0; p < 2; ++p) {
     std::string n = std::to_string(p);
-    producers.push_back(SpawnRole("stream_produce", {dirs.shm(), dirs.spill(), "same",
-                                                     base + "desc" + n, "40", base + "ready" + n,
-                                                     base + "stop"}));
+    producers.push_back(
+        SpawnRole("stream_produce", {dirs.shm(), dirs.spill(), "same", base + "desc" + n, "40",
+                                     base + "ready" + n, base + "stop"}));
   }
   for (int p = 0; p < 2; ++p) {
     ASSERT_TRUE(WaitForFile(base + "ready" + std::to_string(p), 60));
@@ -204,10 +204,10 @@ TEST(StreamProcess, ManyToManyWithOneLogicalName) {
 TEST(StreamProcess, SweepRemovesAKilledProducersSegmentsNeverALiveOnes) {
   StreamDirs dirs;
   const std::string base = dirs.spill() + "/";
-  Child doomed = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "doomed",
-                                                       base + "doomed"});
-  Child alive = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "alive",
-                                                      base + "alive"});
+  Child doomed =
+      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "doomed", base + "doomed"});
+  Child alive =
+      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "alive", base + "alive"});
   ASSERT_TRUE(WaitForFile(base + "doomed", 60));
   ASSERT_TRUE(WaitForFile(base + "alive", 60));
   ASSERT_OK_AND_ASSIGN(auto doomed_d,
@@ -258,8 +258,8 @@ TEST(StreamProcess, AbortIsExactAndWaitsForHolders) {
   }
   // A consumer process holds abc's first chunk, gated on a file.
   WriteMessages(base + "held", {descs[0]});
-  Child holder = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "held",
-                                              base + "holding", base + "gate"});
+  Child holder = SpawnRole(
+      "stream_consume", {dirs.shm(), dirs.spill(), base + "held", base + "holding", base + "gate"});
   ASSERT_TRUE(WaitForFile(base + "holding", 60));
   ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("abc"));
   EXPECT_EQ(marked, 2u);
@@ -293,8 +293,8 @@ TEST(StreamProcess, ReleaseGatedOnCompletion) {
   FillPattern(data, "gated");
   ASSERT_OK_AND_ASSIGN(auto d, producer.Put("gated", data, {}));
   WriteMessages(base + "d", {d});
-  Child c = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d", base + "opened",
-                                         base + "copy-done"});
+  Child c = SpawnRole("stream_consume",
+                      {dirs.shm(), dirs.spill(), base + "d", base + "opened", base + "copy-done"});
   ASSERT_TRUE(WaitForFile(base + "opened", 60));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ASSERT_OK(producer.Reclaim());
@@ -316,8 +316,8 @@ TEST(StreamProcess, DeadReaderHoldsAreCleared) {
   FillPattern(data, "k");
   ASSERT_OK_AND_ASSIGN(auto d, producer.Put("k", data, {}));
   WriteMessages(base + "d", {d});
-  Child c = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d", base + "opened",
-                                         base + "never"});
+  Child c = SpawnRole("stream_consume",
+                      {dirs.shm(), dirs.spill(), base + "d", base + "opened", base + "never"});
   ASSERT_TRUE(WaitForFile(base + "opened", 60));
   c.Kill(SIGKILL);
   c.Wait(10);
@@ -383,8 +383,7 @@ TEST(StreamProcess, StrictModeFailsWithinItsBound) {
   ASSERT_OK(producer.Put("fill", data, {}));
   auto start = std::chrono::steady_clock::now();
   auto r = producer.Reserve("more", 1 << 20);
-  double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
   EXPECT_NE(r.status().message().find("strict mode"), std::string::npos) << r.status().message();
@@ -398,8 +397,8 @@ TEST(StreamProcess, StrictModeFailsWithinItsBound) {
 TEST(StreamProcess, ConsumerDropsAnUnlinkedSegmentAfterItsViews) {
   StreamDirs dirs;
   const std::string base = dirs.spill() + "/";
-  Child owner = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "gone",
-                                                      base + "ready"});
+  Child owner =
+      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "gone", base + "ready"});
   ASSERT_TRUE(WaitForFile(base + "ready", 60));
   ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
   ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(ReadMessages(base + "ready.desc").at(0)));
@@ -424,8 +423,8 @@ TEST(StreamProcess, CliInfoAndSweep) {
   const std::string base = dirs.spill() + "/";
   const std::string tool = testing::BinDir() + "/expert-arena";
   if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built";
-  Child owner = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "cli",
-                                                      base + "ready"});
+  Child owner =
+      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "cli", base + "ready"});
   ASSERT_TRUE(WaitForFile(base + "ready", 60));
   ASSERT_OK_AND_ASSIGN(auto d, TensorDescriptor::Decode(ReadMessages(base + "ready.desc").at(0)));
   std::string seg = dirs.shm() + "/" + d.segment;

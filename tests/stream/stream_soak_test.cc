@@ -180,13 +180,14 @@ TEST(StreamSoak, RandomSizesAbortsAndAKilledConsumer) {
     for (const auto& k : keys_of_killed) ASSERT_OK(producer.Abort(k));
     ASSERT_OK(producer.Reclaim());
     StreamStats s = producer.Stats();
-    std::printf("soak: %llu tensors in %.1f s (%llu spilled, %llu aborted keys), consumer 0: %s"
-                "segments %llu, fragmentation warnings %llu, dead readers cleared %llu\n",
-                static_cast<unsigned long long>(sent), elapsed(),
-                static_cast<unsigned long long>(spilled), static_cast<unsigned long long>(aborts),
-                outcome.c_str(), static_cast<unsigned long long>(s.segments),
-                static_cast<unsigned long long>(s.fragmentation_failures),
-                static_cast<unsigned long long>(s.dead_readers_cleared));
+    std::printf(
+        "soak: %llu tensors in %.1f s (%llu spilled, %llu aborted keys), consumer 0: %s"
+        "segments %llu, fragmentation warnings %llu, dead readers cleared %llu\n",
+        static_cast<unsigned long long>(sent), elapsed(), static_cast<unsigned long long>(spilled),
+        static_cast<unsigned long long>(aborts), outcome.c_str(),
+        static_cast<unsigned long long>(s.segments),
+        static_cast<unsigned long long>(s.fragmentation_failures),
+        static_cast<unsigned long long>(s.dead_readers_cleared));
     EXPECT_EQ(s.live_blocks, 0u);
     EXPECT_EQ(s.free_bytes, s.total_bytes);  // zero leaked bytes
     EXPECT_EQ(s.spill_files, 0u);

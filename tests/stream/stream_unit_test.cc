@@ -3,7 +3,6 @@
 // stream_process_test.cc.
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
-
 #include <unistd.h>
 
 #include <atomic>

@@ -69,12 +69,12 @@ int RunSegmentInfo(const std::string& path, bool json) {
   }
   std::printf("path:      %s\n", i.path.c_str());
   std::printf("type:      stream segment (%s) of \"%s\"\n", kind, i.logical_name.c_str());
-  std::printf("owner:     pid %u (start tick %llu), uid %u: %s\n", i.owner_pid,
-              static_cast<unsigned long long>(i.owner_start_time), i.owner_uid,
-              i.owner_alive ? "alive (holds its lock)"
-                            : "gone (`expert-arena sweep` removes this file)");
-  std::printf("size:      %s file, %s data, %u block entries\n",
-              FormatBytes(i.file_bytes).c_str(), FormatBytes(i.data_bytes).c_str(), i.slots);
+  std::printf(
+      "owner:     pid %u (start tick %llu), uid %u: %s\n", i.owner_pid,
+      static_cast<unsigned long long>(i.owner_start_time), i.owner_uid,
+      i.owner_alive ? "alive (holds its lock)" : "gone (`expert-arena sweep` removes this file)");
+  std::printf("size:      %s file, %s data, %u block entries\n", FormatBytes(i.file_bytes).c_str(),
+              FormatBytes(i.data_bytes).c_str(), i.slots);
   std::printf("blocks:    %llu live (%s): %llu published, %llu aborted and still held\n",
               static_cast<unsigned long long>(i.live_blocks), FormatBytes(i.live_bytes).c_str(),
               static_cast<unsigned long long>(i.published_blocks),
