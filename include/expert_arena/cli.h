@@ -50,8 +50,9 @@ struct SharedArenaFlags {
   void ApplyTo(ArenaOptions& options) const {
     options.shared_path = path;
     options.wait_timeout_seconds = wait_timeout_seconds;
-    options.huge = huge == "on" ? HugePages::kOn : huge == "off" ? HugePages::kOff
-                                                                 : HugePages::kAuto;
+    options.huge = huge == "on"    ? HugePages::kOn
+                   : huge == "off" ? HugePages::kOff
+                                   : HugePages::kAuto;
     // Validated by the parser; a value set by hand that is not octal keeps the default.
     char* end = nullptr;
     unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
@@ -101,31 +102,35 @@ inline CLI::Validator FileModeValidator() {
 
 // Adds the options above to `app` as one option group and returns it (engines may hide it
 // or add more). `flags` receives the values during app.parse().
-inline CLI::Option_group* AddSharedArenaOptions(CLI::App& app, SharedArenaFlags& flags,
-                                                const std::string& group_name =
-                                                    "Shared expert arena") {
+inline CLI::Option_group* AddSharedArenaOptions(
+    CLI::App& app, SharedArenaFlags& flags, const std::string& group_name = "Shared expert arena") {
   CLI::Option_group* group = app.add_option_group(
       group_name, "One RAM copy of the expert weights shared by every engine on this host");
   CLI::Option* path =
-      group->add_option("--shared-expert-arena", flags.path,
-                        "Arena file on tmpfs or hugetlbfs (e.g. /dev/shm/model.arena): load "
-                        "the experts into it once, or attach when another engine did; "
-                        "without it the engine loads a private copy")
+      group
+          ->add_option("--shared-expert-arena", flags.path,
+                       "Arena file on tmpfs or hugetlbfs (e.g. /dev/shm/model.arena): load "
+                       "the experts into it once, or attach when another engine did; "
+                       "without it the engine loads a private copy")
           ->type_name("PATH");
-  group->add_option("--arena-wait-timeout", flags.wait_timeout_seconds,
-                    "Seconds to wait for another engine that is loading the same arena")
+  group
+      ->add_option("--arena-wait-timeout", flags.wait_timeout_seconds,
+                   "Seconds to wait for another engine that is loading the same arena")
       ->type_name("SECONDS")
       ->check(CLI::NonNegativeNumber)
       ->needs(path);
-  group->add_option("--arena-huge", flags.huge,
-                    "2 MiB pages on tmpfs: auto (when free blocks allow), on, off")
+  group
+      ->add_option("--arena-huge", flags.huge,
+                   "2 MiB pages on tmpfs: auto (when free blocks allow), on, off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
-  group->add_option("--arena-mode", flags.mode,
-                    "Octal mode of an arena file this engine creates (0660: group access)")
+  group
+      ->add_option("--arena-mode", flags.mode,
+                   "Octal mode of an arena file this engine creates (0660: group access)")
       ->check(FileModeValidator())
       ->needs(path);
-  group->add_flag("--arena-allow-foreign-owner", flags.allow_foreign_owner,
-                  "Attach to an arena file owned by another user")
+  group
+      ->add_flag("--arena-allow-foreign-owner", flags.allow_foreign_owner,
+                 "Attach to an arena file owned by another user")
       ->needs(path);
   group->add_option("--gpu", flags.gpu, "Register the arena with this device")
       ->check(GpuDeviceValidator());

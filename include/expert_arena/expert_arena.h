@@ -52,47 +52,47 @@ enum ea_role { EA_ROLE_LOADED = 0, EA_ROLE_ATTACHED = 1, EA_ROLE_PRIVATE = 2 };
 enum ea_huge_pages { EA_HUGE_AUTO = 0, EA_HUGE_ON = 1, EA_HUGE_OFF = 2 };
 
 typedef struct ea_open_params {
-  size_t size;                     /* sizeof(ea_open_params), set by ea_open_params_init */
-  const char* const* model_files;  /* the model's files (shards); unused with attach_only */
+  size_t size;                    /* sizeof(ea_open_params), set by ea_open_params_init */
+  const char* const* model_files; /* the model's files (shards); unused with attach_only */
   size_t model_file_count;
-  const char* select;              /* regex of tensor names; NULL or "": the routed experts */
-  int select_all;                  /* nonzero: every tensor of the model */
-  const char* shared_path;         /* arena file on tmpfs/hugetlbfs; NULL or "": private */
-  int attach_only;                 /* nonzero: attach to a published shared_path, no model */
-  double wait_timeout_seconds;     /* wait for another engine's load; default 600 */
-  int huge_pages;                  /* enum ea_huge_pages; default EA_HUGE_AUTO */
-  const char* gpu;                 /* "none", "cuda[:N]", "hip[:N]"; NULL: "none" */
-  int gpu_required;                /* nonzero: fail when the registration does not happen */
-  uint32_t file_mode;              /* mode of a created file; default 0600 */
-  int allow_foreign_owner;         /* nonzero: attach to a file owned by another user */
-  int quiet;                       /* nonzero: no start line or notes on stderr */
+  const char* select;          /* regex of tensor names; NULL or "": the routed experts */
+  int select_all;              /* nonzero: every tensor of the model */
+  const char* shared_path;     /* arena file on tmpfs/hugetlbfs; NULL or "": private */
+  int attach_only;             /* nonzero: attach to a published shared_path, no model */
+  double wait_timeout_seconds; /* wait for another engine's load; default 600 */
+  int huge_pages;              /* enum ea_huge_pages; default EA_HUGE_AUTO */
+  const char* gpu;             /* "none", "cuda[:N]", "hip[:N]"; NULL: "none" */
+  int gpu_required;            /* nonzero: fail when the registration does not happen */
+  uint32_t file_mode;          /* mode of a created file; default 0600 */
+  int allow_foreign_owner;     /* nonzero: attach to a file owned by another user */
+  int quiet;                   /* nonzero: no start line or notes on stderr */
 } ea_open_params;
 
 typedef struct ea_tensor_view {
-  size_t size;              /* set by the caller: sizeof(ea_tensor_view) */
-  const char* name;         /* NUL-terminated */
-  const char* dtype;        /* "f16", "q8_0" (GGUF), "BF16" (safetensors), "u8" (raw) ... */
-  const uint64_t* shape;    /* ndim values, in the source format's order (ggml: ne0 first) */
+  size_t size;           /* set by the caller: sizeof(ea_tensor_view) */
+  const char* name;      /* NUL-terminated */
+  const char* dtype;     /* "f16", "q8_0" (GGUF), "BF16" (safetensors), "u8" (raw) ... */
+  const uint64_t* shape; /* ndim values, in the source format's order (ggml: ne0 first) */
   uint32_t ndim;
-  const void* data;         /* bytes of the tensor in the arena (read-only) */
+  const void* data; /* bytes of the tensor in the arena (read-only) */
   uint64_t bytes;
-  uint64_t file_offset;     /* absolute offset in the arena file; 0 for a private arena */
-  uint64_t checksum;        /* xxh3-64 of the bytes, as `expert-arena info` shows it */
+  uint64_t file_offset; /* absolute offset in the arena file; 0 for a private arena */
+  uint64_t checksum;    /* xxh3-64 of the bytes, as `expert-arena info` shows it */
 } ea_tensor_view;
 
 typedef struct ea_arena_info {
-  size_t size;              /* set by the caller: sizeof(ea_arena_info) */
-  int role;                 /* enum ea_role */
-  const char* path;         /* the shared file, "" when private */
-  const char* backing;      /* "tmpfs", "hugetlbfs", "anonymous", "other" */
-  const char* start_line;   /* the one line an operator reads */
-  const void* data;         /* the whole data region */
+  size_t size;            /* set by the caller: sizeof(ea_arena_info) */
+  int role;               /* enum ea_role */
+  const char* path;       /* the shared file, "" when private */
+  const char* backing;    /* "tmpfs", "hugetlbfs", "anonymous", "other" */
+  const char* start_line; /* the one line an operator reads */
+  const void* data;       /* the whole data region */
   uint64_t data_bytes;
   uint64_t tensor_count;
   uint64_t tensor_bytes;
-  uint64_t huge_bytes;      /* bytes of this mapping on 2 MiB pages */
-  uint64_t bytes_read;      /* model bytes this process read */
-  double seconds;           /* open to ready */
+  uint64_t huge_bytes; /* bytes of this mapping on 2 MiB pages */
+  uint64_t bytes_read; /* model bytes this process read */
+  double seconds;      /* open to ready */
   uint64_t identity_hash;
   uint64_t gpu_registered_bytes;
 } ea_arena_info;
@@ -116,12 +116,10 @@ EXPERT_ARENA_EXPORT int ea_arena_get_info(const ea_arena* arena, ea_arena_info* 
 EXPERT_ARENA_EXPORT size_t ea_arena_tensor_count(const ea_arena* arena);
 
 /* The view of tensor `index` (0 <= index < count); -ERANGE past the end. */
-EXPERT_ARENA_EXPORT int ea_arena_tensor(const ea_arena* arena, size_t index,
-                                        ea_tensor_view* out);
+EXPERT_ARENA_EXPORT int ea_arena_tensor(const ea_arena* arena, size_t index, ea_tensor_view* out);
 
 /* The view of the tensor named `name`; -ENOENT when there is none. */
-EXPERT_ARENA_EXPORT int ea_arena_find(const ea_arena* arena, const char* name,
-                                      ea_tensor_view* out);
+EXPERT_ARENA_EXPORT int ea_arena_find(const ea_arena* arena, const char* name, ea_tensor_view* out);
 
 /* The message of the last failed call on this thread ("" when none failed). Valid until
  * the next call on this thread. */

@@ -3,8 +3,6 @@
 // Every entry point catches everything: a C caller (or a Python interpreter) has no way to
 // handle a C++ exception, so an allocation failure becomes -ENOMEM and anything else -EIO,
 // with the message in ea_last_error().
-#include "expert_arena/expert_arena.h"
-
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 
@@ -15,6 +13,7 @@
 #include <string>
 
 #include "expert_arena/arena.h"
+#include "expert_arena/expert_arena.h"
 
 #ifndef EXPERT_ARENA_VERSION_STRING
 #define EXPERT_ARENA_VERSION_STRING "unknown"
@@ -32,17 +31,28 @@ thread_local std::string last_error;
 
 int ErrnoFor(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return 0;
-    case StatusCode::kInvalidArgument: return -EINVAL;
-    case StatusCode::kNotFound: return -ENOENT;
-    case StatusCode::kCorrupt: return -EBADMSG;
-    case StatusCode::kBusy: return -EBUSY;
-    case StatusCode::kTimedOut: return -ETIMEDOUT;
-    case StatusCode::kNoSpace: return -ENOSPC;
-    case StatusCode::kUnsupported: return -ENOTSUP;
-    case StatusCode::kPermission: return -EACCES;
-    case StatusCode::kIoError: return -EIO;
-    case StatusCode::kInternal: return -EIO;
+    case StatusCode::kOk:
+      return 0;
+    case StatusCode::kInvalidArgument:
+      return -EINVAL;
+    case StatusCode::kNotFound:
+      return -ENOENT;
+    case StatusCode::kCorrupt:
+      return -EBADMSG;
+    case StatusCode::kBusy:
+      return -EBUSY;
+    case StatusCode::kTimedOut:
+      return -ETIMEDOUT;
+    case StatusCode::kNoSpace:
+      return -ENOSPC;
+    case StatusCode::kUnsupported:
+      return -ENOTSUP;
+    case StatusCode::kPermission:
+      return -EACCES;
+    case StatusCode::kIoError:
+      return -EIO;
+    case StatusCode::kInternal:
+      return -EIO;
   }
   return -EIO;
 }
@@ -141,9 +151,15 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
     }
     options.wait_timeout_seconds = p.wait_timeout_seconds;
     switch (p.huge_pages) {
-      case EA_HUGE_AUTO: options.huge = HugePages::kAuto; break;
-      case EA_HUGE_ON: options.huge = HugePages::kOn; break;
-      case EA_HUGE_OFF: options.huge = HugePages::kOff; break;
+      case EA_HUGE_AUTO:
+        options.huge = HugePages::kAuto;
+        break;
+      case EA_HUGE_ON:
+        options.huge = HugePages::kOn;
+        break;
+      case EA_HUGE_OFF:
+        options.huge = HugePages::kOff;
+        break;
       default:
         return Fail(-EINVAL, "ea_arena_open: huge_pages " + std::to_string(p.huge_pages) +
                                  " is not EA_HUGE_AUTO, EA_HUGE_ON or EA_HUGE_OFF");

@@ -13,13 +13,13 @@
 
 static int failures = 0;
 
-#define CHECK(cond)                                                               \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__,     \
-              __LINE__, #cond, ea_last_error());                                  \
-      ++failures;                                                                 \
-    }                                                                             \
+#define CHECK(cond)                                                                            \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
+              ea_last_error());                                                                \
+      ++failures;                                                                              \
+    }                                                                                          \
   } while (0)
 
 static unsigned char* ReadFile(const char* path, size_t* size) {

@@ -49,18 +49,18 @@ TEST(CApiTest, PythonCtypesExampleReadsTheSourceBytes) {
 TEST(CApiTest, PythonCtypesExampleReadsAnExpertOfAGgufModel) {
   if (std::string why = PythonSkipReason(); !why.empty()) GTEST_SKIP() << why;
   ScopedPath model("model.gguf", "/tmp");
-  Child gen = SpawnProgram(BinDir() + "/expert-arena",
-                           {"gen-model", "--format", "gguf", "--out", model.path(), "--layers",
-                            "2", "--experts", "4", "--hidden", "128", "--ffn", "256",
-                            "--dtype", "q8_0"});
+  Child gen =
+      SpawnProgram(BinDir() + "/expert-arena",
+                   {"gen-model", "--format", "gguf", "--out", model.path(), "--layers", "2",
+                    "--experts", "4", "--hidden", "128", "--ffn", "256", "--dtype", "q8_0"});
   ASSERT_EQ(gen.Wait(60), 0);
   ScopedPath arena("ctypes-gguf.arena");
   Child load = SpawnProgram(BinDir() + "/expert-arena",
                             {"load", "--model", model.path(), "--arena", arena.path()});
   ASSERT_EQ(load.Wait(60), 0);
-  Child py = SpawnProgram(EA_PYTHON3, {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path(),
-                                       "--tensor", "blk.1.ffn_down_exps.weight", "--check",
-                                       BinDir() + "/expert-arena"});
+  Child py = SpawnProgram(EA_PYTHON3,
+                          {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path(), "--tensor",
+                           "blk.1.ffn_down_exps.weight", "--check", BinDir() + "/expert-arena"});
   EXPECT_EQ(py.Wait(60), 0) << py.Output();
   EXPECT_NE(py.Output().find("tensor blk.1.ffn_down_exps.weight: q8_0 [256, 128, 4]"),
             std::string::npos)

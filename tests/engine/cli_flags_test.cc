@@ -1,10 +1,10 @@
 // The --shared-expert-arena option group (include/expert_arena/cli.h) as an engine uses it.
-#include "expert_arena/cli.h"
-
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
+
+#include "expert_arena/cli.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -40,8 +40,8 @@ TEST(SharedArenaFlagsTest, WithoutTheFlagTheArenaIsPrivate) {
 TEST(SharedArenaFlagsTest, EveryOptionReachesArenaOptions) {
   SharedArenaFlags flags;
   ASSERT_EQ(Parse({"--shared-expert-arena", "/dev/shm/m.arena", "--arena-wait-timeout", "12.5",
-                   "--arena-huge", "off", "--arena-mode", "0660",
-                   "--arena-allow-foreign-owner", "--gpu", "cuda:1", "--gpu-required"},
+                   "--arena-huge", "off", "--arena-mode", "0660", "--arena-allow-foreign-owner",
+                   "--gpu", "cuda:1", "--gpu-required"},
                   flags),
             "");
   ArenaOptions options;

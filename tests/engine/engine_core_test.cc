@@ -48,7 +48,9 @@ std::vector<std::byte> Encode(Dtype dtype, const std::vector<float>& values, uin
     for (uint64_t c = 0; c < cols; ++c) {
       float v = values[r * cols + c];
       switch (dtype) {
-        case Dtype::kF32: std::memcpy(p + 4 * c, &v, 4); break;
+        case Dtype::kF32:
+          std::memcpy(p + 4 * c, &v, 4);
+          break;
         case Dtype::kF16: {
           uint16_t h = FloatToHalfExact(v);
           std::memcpy(p + 2 * c, &h, 2);
@@ -99,8 +101,7 @@ TEST(KernelsTest, HalfAndBf16Decode) {
 TEST(KernelsTest, EveryHalfDecodesToTheSameBitsInARow) {
   std::vector<uint16_t> halves(65536);
   for (uint32_t i = 0; i < 65536; ++i) halves[i] = static_cast<uint16_t>(i);
-  Matrix m{reinterpret_cast<const std::byte*>(halves.data()), Dtype::kF16, 1, 65536,
-           65536 * 2};
+  Matrix m{reinterpret_cast<const std::byte*>(halves.data()), Dtype::kF16, 1, 65536, 65536 * 2};
   std::vector<float> row(65536);
   DecodeRow(m, 0, row.data());
   for (uint32_t i = 0; i < 65536; ++i) {
@@ -272,8 +273,7 @@ TEST(ExpertTableTest, ErrorsNameTheTensor) {
     auto views = m.Views();
     auto t = ExpertTable::Build(views);
     ASSERT_FALSE(t.ok());
-    EXPECT_NE(t.status().message().find("blk.1.ffn_up_exps.weight is missing"),
-              std::string::npos)
+    EXPECT_NE(t.status().message().find("blk.1.ffn_up_exps.weight is missing"), std::string::npos)
         << t.status().message();
   }
   {

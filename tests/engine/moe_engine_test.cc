@@ -3,7 +3,6 @@
 // restart that attaches, a private arena with the same checksum, every weight dtype in both
 // model formats, and the memory of two engines sharing one arena (counted once).
 #include <gtest/gtest.h>
-
 #include <stdlib.h>
 
 #include <filesystem>
@@ -37,14 +36,13 @@ void PrintTo(const ModelShape& s, std::ostream* os) { *os << ShapeName(s); }
 class GeneratedModel {
  public:
   explicit GeneratedModel(const ModelShape& shape)
-      : path_("model." + std::string(shape.format == "gguf" ? "gguf" : "safetensors"),
-              "/tmp") {
-    Child gen = SpawnProgram(
-        BinDir() + "/expert-arena",
-        {"gen-model", "--format", shape.format, "--out", path_.path(), "--layers",
-         std::to_string(shape.layers), "--experts", std::to_string(shape.experts), "--hidden",
-         std::to_string(shape.hidden), "--ffn", std::to_string(shape.ffn), "--dtype",
-         shape.dtype, "--seed", "7"});
+      : path_("model." + std::string(shape.format == "gguf" ? "gguf" : "safetensors"), "/tmp") {
+    Child gen =
+        SpawnProgram(BinDir() + "/expert-arena",
+                     {"gen-model", "--format", shape.format, "--out", path_.path(), "--layers",
+                      std::to_string(shape.layers), "--experts", std::to_string(shape.experts),
+                      "--hidden", std::to_string(shape.hidden), "--ffn", std::to_string(shape.ffn),
+                      "--dtype", shape.dtype, "--seed", "7"});
     exit_code_ = gen.Wait(120);
   }
   bool ok() const { return exit_code_ == 0; }
@@ -84,9 +82,9 @@ EngineResult RunEngine(const std::vector<std::string>& args) {
   return Finish(child);
 }
 
-#define ASSERT_ENGINE_OK(r)                                         \
-  do {                                                              \
-    ASSERT_EQ((r).exit_code, 0) << (r).output;                      \
+#define ASSERT_ENGINE_OK(r)                                                     \
+  do {                                                                          \
+    ASSERT_EQ((r).exit_code, 0) << (r).output;                                  \
     ASSERT_TRUE((r).json.is_object()) << "not one JSON object: " << (r).output; \
   } while (0)
 
@@ -139,9 +137,9 @@ TEST(MoeEngineTest, TextOutputHasStartLineAndChecksum) {
   GeneratedModel model({});
   ASSERT_TRUE(model.ok());
   ScopedPath arena("text.arena");
-  Child c = SpawnProgram(BinDir() + "/moe-engine",
-                         {"--model", model.path(), "--shared-expert-arena", arena.path(),
-                          "--tokens", "4", "--gpu", "cuda"});
+  Child c =
+      SpawnProgram(BinDir() + "/moe-engine", {"--model", model.path(), "--shared-expert-arena",
+                                              arena.path(), "--tokens", "4", "--gpu", "cuda"});
   ASSERT_EQ(c.Wait(120), 0) << c.Output();
   const std::string& out = c.Output();
   EXPECT_NE(out.find("moe-engine: loaded "), std::string::npos) << out;
@@ -184,13 +182,13 @@ TEST_P(MoeEngineDtypeTest, PrivateLoadedAndAttachedGiveOneChecksum) {
   EXPECT_EQ(attached.json["dtype"], GetParam().dtype);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    FormatsAndDtypes, MoeEngineDtypeTest,
-    ::testing::Values(ModelShape{"gguf", "f32"}, ModelShape{"gguf", "f16"},
-                      ModelShape{"gguf", "bf16"}, ModelShape{"gguf", "q8_0"},
-                      ModelShape{"safetensors", "f32"}, ModelShape{"safetensors", "f16"},
-                      ModelShape{"safetensors", "bf16"}),
-    [](const auto& info) { return ShapeName(info.param); });
+INSTANTIATE_TEST_SUITE_P(FormatsAndDtypes, MoeEngineDtypeTest,
+                         ::testing::Values(ModelShape{"gguf", "f32"}, ModelShape{"gguf", "f16"},
+                                           ModelShape{"gguf", "bf16"}, ModelShape{"gguf", "q8_0"},
+                                           ModelShape{"safetensors", "f32"},
+                                           ModelShape{"safetensors", "f16"},
+                                           ModelShape{"safetensors", "bf16"}),
+                         [](const auto& info) { return ShapeName(info.param); });
 
 // A sharded safetensors model named by its index: the shards' tensors make one table.
 TEST(MoeEngineTest, ShardedSafetensorsThroughTheIndex) {
@@ -201,10 +199,10 @@ TEST(MoeEngineTest, ShardedSafetensorsThroughTheIndex) {
     ~RemoveDir() { std::filesystem::remove_all(dir); }
   } remove_dir{tmpl};
   const std::string dir = tmpl;
-  Child gen = SpawnProgram(BinDir() + "/expert-arena",
-                           {"gen-model", "--format", "safetensors", "--out", dir, "--layers",
-                            "2", "--experts", "4", "--hidden", "128", "--ffn", "256",
-                            "--dtype", "bf16", "--shards", "3", "--seed", "7"});
+  Child gen = SpawnProgram(
+      BinDir() + "/expert-arena",
+      {"gen-model", "--format", "safetensors", "--out", dir, "--layers", "2", "--experts", "4",
+       "--hidden", "128", "--ffn", "256", "--dtype", "bf16", "--shards", "3", "--seed", "7"});
   ASSERT_EQ(gen.Wait(120), 0) << gen.Output();
   const std::string index = dir + "/model.safetensors.index.json";
   ScopedPath arena("shards.arena");
@@ -238,10 +236,10 @@ TEST(MoeEngineTest, TwoSharedEnginesCountTheArenaOnce) {
   auto measure_pair = [&](const std::string& arena_path, double* pss_sum,
                           std::vector<nlohmann::json>* reports) {
     std::vector<Child> engines;
-    engines.push_back(SpawnProgram(BinDir() + "/moe-engine",
-                                   EngineArgs(model.path(), arena_path, {"--hold"})));
-    engines.push_back(SpawnProgram(BinDir() + "/moe-engine",
-                                   EngineArgs(model.path(), arena_path, {"--hold"})));
+    engines.push_back(
+        SpawnProgram(BinDir() + "/moe-engine", EngineArgs(model.path(), arena_path, {"--hold"})));
+    engines.push_back(
+        SpawnProgram(BinDir() + "/moe-engine", EngineArgs(model.path(), arena_path, {"--hold"})));
     *pss_sum = 0;
     for (Child& e : engines) {
       ASSERT_TRUE(e.WaitForOutput("}\n", 120)) << e.Output();

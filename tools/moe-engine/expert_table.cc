@@ -94,15 +94,16 @@ Result<ExpertTable> ExpertTable::Build(std::span<const TensorView> views) {
                                            std::string(views[0].name);
     return NotFound(
         "no routed-expert tensors (blk.N.ffn_{gate,up,down}_exps.weight or "
-        "model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight) among " + seen);
+        "model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight) among " +
+        seen);
   }
   if (!gguf.empty() && !safetensors.empty()) {
     return InvalidArgument("expert tensors of both GGUF and safetensors naming in one arena");
   }
   // Layer counts come from names, which a damaged table could make absurd.
   if (max_layer >= (1u << 20) || max_expert >= (1u << 20)) {
-    return Corrupt("expert tensor names give layer " + std::to_string(max_layer) +
-                   " and expert " + std::to_string(max_expert) + ": too many to be a model");
+    return Corrupt("expert tensor names give layer " + std::to_string(max_layer) + " and expert " +
+                   std::to_string(max_expert) + ": too many to be a model");
   }
 
   ExpertTable table;
@@ -120,16 +121,16 @@ Result<ExpertTable> ExpertTable::Build(std::span<const TensorView> views) {
     auto find = [&](uint64_t layer, int kind) -> Result<const TensorView*> {
       auto it = gguf.find({layer, 0, kind});
       if (it == gguf.end()) {
-        return NotFound("expert tensor blk." + std::to_string(layer) + ".ffn_" +
-                        kKindNames[kind] + "_exps.weight is missing (the model has " +
-                        std::to_string(table.layers_) + " layers)");
+        return NotFound("expert tensor blk." + std::to_string(layer) + ".ffn_" + kKindNames[kind] +
+                        "_exps.weight is missing (the model has " + std::to_string(table.layers_) +
+                        " layers)");
       }
       return it->second;
     };
     EA_ASSIGN_OR_RETURN(const TensorView* first, find(0, kGate));
     if (first->shape.size() != 3) {
-      return Corrupt("tensor " + std::string(first->name) + ": shape " +
-                     ShapeText(first->shape) + ", expected ggml ne=[hidden, ffn, experts]");
+      return Corrupt("tensor " + std::string(first->name) + ": shape " + ShapeText(first->shape) +
+                     ", expected ggml ne=[hidden, ffn, experts]");
     }
     table.hidden_ = first->shape[0];
     table.ffn_ = first->shape[1];
@@ -140,8 +141,8 @@ Result<ExpertTable> ExpertTable::Build(std::span<const TensorView> views) {
                      ShapeText(first->shape));
     }
     if (!Mul(f, e) || !Mul(h, e) || !Mul(table.layers_, e)) {
-      return Corrupt("tensor " + std::string(first->name) + ": shape " +
-                     ShapeText(first->shape) + " overflows");
+      return Corrupt("tensor " + std::string(first->name) + ": shape " + ShapeText(first->shape) +
+                     " overflows");
     }
     table.weights_.resize(table.layers_ * e);
     for (uint64_t l = 0; l < table.layers_; ++l) {
@@ -167,18 +168,17 @@ Result<ExpertTable> ExpertTable::Build(std::span<const TensorView> views) {
     auto find = [&](uint64_t layer, uint64_t expert, int kind) -> Result<const TensorView*> {
       auto it = safetensors.find({layer, expert, kind});
       if (it == safetensors.end()) {
-        return NotFound("expert tensor model.layers." + std::to_string(layer) +
-                        ".mlp.experts." + std::to_string(expert) + "." + kKindNames[kind] +
-                        "_proj.weight is missing (the model has " +
-                        std::to_string(table.layers_) + " layers of " +
-                        std::to_string(table.experts_) + " experts)");
+        return NotFound("expert tensor model.layers." + std::to_string(layer) + ".mlp.experts." +
+                        std::to_string(expert) + "." + kKindNames[kind] +
+                        "_proj.weight is missing (the model has " + std::to_string(table.layers_) +
+                        " layers of " + std::to_string(table.experts_) + " experts)");
       }
       return it->second;
     };
     EA_ASSIGN_OR_RETURN(const TensorView* first, find(0, 0, kGate));
     if (first->shape.size() != 2 || first->shape[0] == 0 || first->shape[1] == 0) {
-      return Corrupt("tensor " + std::string(first->name) + ": shape " +
-                     ShapeText(first->shape) + ", expected [ffn, hidden]");
+      return Corrupt("tensor " + std::string(first->name) + ": shape " + ShapeText(first->shape) +
+                     ", expected [ffn, hidden]");
     }
     table.ffn_ = first->shape[0];
     table.hidden_ = first->shape[1];

@@ -125,8 +125,8 @@ Result<ForwardResult> RunForward(const ExpertTable& table, const ForwardOptions&
     std::vector<std::thread> workers;
     for (unsigned i = 1; i < threads; ++i) {
       workers.emplace_back([&, i] {
-        LayerForTokens(table, l, router, k, n * i / threads, n * (i + 1) / threads, states,
-                       chosen, scratch[i]);
+        LayerForTokens(table, l, router, k, n * i / threads, n * (i + 1) / threads, states, chosen,
+                       scratch[i]);
       });
     }
     LayerForTokens(table, l, router, k, 0, n / threads, states, chosen, scratch[0]);
@@ -139,8 +139,7 @@ Result<ForwardResult> RunForward(const ExpertTable& table, const ForwardOptions&
   for (uint32_t hits : result.expert_hits) result.experts_used += hits > 0 ? 1 : 0;
   result.expert_calls = n * k * table.layers();
   result.checksum = XXH3_64bits(states.data(), states.size() * sizeof(float));
-  result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }
 

@@ -25,18 +25,18 @@ namespace expert_arena::moe {
 
 struct ForwardOptions {
   uint64_t tokens = 32;
-  uint64_t top_k = 2;       // experts per token and layer; 1 <= top_k <= experts
-  uint64_t seed = 0x5eed;   // hidden states and router projections
-  unsigned threads = 1;     // tokens are split between this many threads
+  uint64_t top_k = 2;      // experts per token and layer; 1 <= top_k <= experts
+  uint64_t seed = 0x5eed;  // hidden states and router projections
+  unsigned threads = 1;    // tokens are split between this many threads
 };
 
 struct ForwardResult {
-  std::vector<float> outputs;          // tokens x hidden, each token's final state
-  uint64_t checksum = 0;               // xxh3-64 of `outputs`
-  std::vector<uint32_t> expert_hits;   // layers x experts: tokens routed to each expert
-  uint64_t experts_used = 0;           // distinct (layer, expert) pairs with a hit
-  uint64_t expert_calls = 0;           // FFN evaluations
-  uint64_t weight_bytes_read = 0;      // arena bytes the FFNs read (per evaluation)
+  std::vector<float> outputs;         // tokens x hidden, each token's final state
+  uint64_t checksum = 0;              // xxh3-64 of `outputs`
+  std::vector<uint32_t> expert_hits;  // layers x experts: tokens routed to each expert
+  uint64_t experts_used = 0;          // distinct (layer, expert) pairs with a hit
+  uint64_t expert_calls = 0;          // FFN evaluations
+  uint64_t weight_bytes_read = 0;     // arena bytes the FFNs read (per evaluation)
   double seconds = 0;
 };
 

@@ -68,8 +68,8 @@ GpuCopyReport CopyUsedExpertsToDevice(const Arena& arena, const ExpertTable& tab
   std::vector<CopyEvent> events;
   uint64_t offset = 0;
   for (const auto& part : parts) {
-    auto copied = CopyToDeviceAsync(*device, part,
-                                    static_cast<std::byte*>(buffer->data()) + offset, nullptr);
+    auto copied =
+        CopyToDeviceAsync(*device, part, static_cast<std::byte*>(buffer->data()) + offset, nullptr);
     if (!copied.ok()) {
       report.note = "device copy failed: " + copied.status().message() + cpu;
       return report;
@@ -84,20 +84,18 @@ GpuCopyReport CopyUsedExpertsToDevice(const Arena& arena, const ExpertTable& tab
       return report;
     }
   }
-  report.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.copied_bytes = used_bytes;
 
   // Read the last expert's down matrix back: the device holds the arena's bytes.
   std::vector<std::byte> back(parts.back().size());
-  Status s = CopyToHost(*device, static_cast<std::byte*>(buffer->data()) + used_bytes -
-                                     back.size(), back);
+  Status s =
+      CopyToHost(*device, static_cast<std::byte*>(buffer->data()) + used_bytes - back.size(), back);
   bool same = s.ok() && std::memcmp(back.data(), parts.back().data(), back.size()) == 0;
   const ArenaReport& r = arena.report();
   char rate[64];
   std::snprintf(rate, sizeof rate, "%.3f s (%.1f GB/s)", report.seconds,
-                report.seconds > 0 ? static_cast<double>(used_bytes) / report.seconds / 1e9
-                                   : 0.0);
+                report.seconds > 0 ? static_cast<double>(used_bytes) / report.seconds / 1e9 : 0.0);
   report.note = "copied " + std::to_string(experts) + " used experts (" + Mib(used_bytes) +
                 ") to " + device->ToString() + " in " + rate + ", " +
                 (r.gpu_registered_bytes > 0 ? "DMA from the registered arena"

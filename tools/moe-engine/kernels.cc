@@ -69,7 +69,7 @@ uint16_t Load16(const std::byte* p) {
 // F16C converts eight halves per instruction, exactly as the table does (every half is a
 // float), so the two paths give the same bits; the table serves CPUs without F16C.
 __attribute__((target("avx,f16c"))) void DecodeHalvesF16c(const std::byte* p, uint64_t n,
-                                                         float* out) {
+                                                          float* out) {
   uint64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
@@ -97,10 +97,14 @@ std::optional<Dtype> ParseDtype(std::string_view name) {
 
 const char* DtypeName(Dtype dtype) {
   switch (dtype) {
-    case Dtype::kF32: return "f32";
-    case Dtype::kF16: return "f16";
-    case Dtype::kBF16: return "bf16";
-    case Dtype::kQ8_0: return "q8_0";
+    case Dtype::kF32:
+      return "f32";
+    case Dtype::kF16:
+      return "f16";
+    case Dtype::kBF16:
+      return "bf16";
+    case Dtype::kQ8_0:
+      return "q8_0";
   }
   return "unknown";
 }
@@ -109,9 +113,13 @@ std::optional<uint64_t> RowBytes(Dtype dtype, uint64_t cols) {
   uint64_t unit = 0;
   uint64_t per_unit = 1;
   switch (dtype) {
-    case Dtype::kF32: unit = 4; break;
+    case Dtype::kF32:
+      unit = 4;
+      break;
     case Dtype::kF16:
-    case Dtype::kBF16: unit = 2; break;
+    case Dtype::kBF16:
+      unit = 2;
+      break;
     case Dtype::kQ8_0:
       if (cols % kQ8_0BlockValues != 0) return std::nullopt;
       unit = kQ8_0BlockBytes;

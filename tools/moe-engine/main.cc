@@ -70,8 +70,7 @@ MemoryReport MeasureMemory(const Arena& arena) {
   MemoryReport m;
   if (auto rss = platform::ResidentBytes(); rss.ok()) m.rss = *rss;
   auto data = arena.data();
-  if (auto range = platform::MemoryOfMappingsOverlapping(data.data(), data.size());
-      range.ok()) {
+  if (auto range = platform::MemoryOfMappingsOverlapping(data.data(), data.size()); range.ok()) {
     m.arena_rss = range->rss;
     m.shared = range->shared;
     m.huge = range->huge;
@@ -106,8 +105,7 @@ int Run(EngineArgs& args) {
     return 1;
   }
   // With a registered device, the experts this run used go to the device from the arena.
-  GpuCopyReport gpu =
-      CopyUsedExpertsToDevice(*arena, *table, result->expert_hits, args.arena.gpu);
+  GpuCopyReport gpu = CopyUsedExpertsToDevice(*arena, *table, result->expert_hits, args.arena.gpu);
   MemoryReport mem = MeasureMemory(*arena);
   if (args.hold) {
     sigset_t set = HoldSignals();
@@ -166,8 +164,8 @@ int Run(EngineArgs& args) {
         "moe-engine: %s %.2f GiB in %.3f s (%.2f GiB/s%s%s), %.2f of %.2f GiB on 2 MiB pages, "
         "%llu model bytes read; gpu: %s\n",
         role, Gib(r.tensor_bytes), r.seconds, rate,
-        r.role == ArenaRole::kAttached ? "" : " reading, ", r.reader.c_str(),
-        Gib(r.huge_bytes), Gib(r.mapped_bytes), static_cast<unsigned long long>(r.bytes_read),
+        r.role == ArenaRole::kAttached ? "" : " reading, ", r.reader.c_str(), Gib(r.huge_bytes),
+        Gib(r.mapped_bytes), static_cast<unsigned long long>(r.bytes_read),
         r.gpu_note.empty() ? "none" : r.gpu_note.c_str());
     std::printf("moe-engine: %s model, %llu layers x %llu experts, hidden %llu, ffn %llu, %s\n",
                 table->naming().c_str(), static_cast<unsigned long long>(table->layers()),
@@ -183,11 +181,11 @@ int Run(EngineArgs& args) {
         static_cast<unsigned long long>(result->experts_used),
         static_cast<unsigned long long>(table->layers() * table->experts()), result->seconds);
     if (!gpu.note.empty()) std::printf("moe-engine: gpu: %s\n", gpu.note.c_str());
-    std::printf("moe-engine: memory: rss %.1f MiB, arena %.1f MiB resident of which %.1f MiB "
-                "shared with other processes\n",
-                static_cast<double>(mem.rss) / (1 << 20),
-                static_cast<double>(mem.arena_rss) / (1 << 20),
-                static_cast<double>(mem.shared) / (1 << 20));
+    std::printf(
+        "moe-engine: memory: rss %.1f MiB, arena %.1f MiB resident of which %.1f MiB "
+        "shared with other processes\n",
+        static_cast<double>(mem.rss) / (1 << 20), static_cast<double>(mem.arena_rss) / (1 << 20),
+        static_cast<double>(mem.shared) / (1 << 20));
     std::printf("moe-engine: checksum %s\n", Hex(result->checksum).c_str());
   }
   std::fflush(stdout);
