@@ -357,6 +357,43 @@ TEST(StreamConsumer, RefusesAnotherUsersSegment) {
   ASSERT_OK(trusting.Open(d));
 }
 
+// Sizing against a real small filesystem: a cap that fits the filesystem but not what is free
+// now is a warning at creation; growth that then hits ENOSPC spills instead of failing.
+TEST(StreamProducer, WarnsWhenFreeSpaceIsShortAndSpillsWhenGrowthHitsIt) {
+  testing::ScopedMount mount(testing::ScopedMount::Kind::kTmpfsHuge, 64 << 20);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  StreamDirs dirs;
+  std::string filler = mount.dir() + "/filler";
+  {
+    std::vector<char> mib(1 << 20, 'x');
+    FILE* f = std::fopen(filler.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    for (int i = 0; i < 48; ++i) std::fwrite(mib.data(), 1, mib.size(), f);
+    std::fclose(f);
+  }
+  std::ostringstream logged;
+  auto logger = std::make_shared<spdlog::logger>(
+      "stream-sizing-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
+  StreamOptions o = dirs.Producer();
+  o.directory = mount.dir();
+  o.segment_bytes = 4 << 20;  // 6 MiB files
+  o.max_segments = 8;         // 48 MiB: fits the 64 MiB filesystem, not its 16 MiB free
+  o.logger = logger;
+  {
+    ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+    logger->flush();
+    EXPECT_NE(logged.str().find("free now"), std::string::npos) << logged.str();
+    std::vector<std::byte> data(4 << 20);
+    for (int i = 0; i < 4; ++i) ASSERT_OK(producer.Put("t" + std::to_string(i), data, {}));
+    StreamStats s = producer.Stats();
+    EXPECT_GE(s.spills, 1u);
+    EXPECT_LT(s.segments, 4u);
+    logger->flush();
+    EXPECT_NE(logged.str().find("cannot grow"), std::string::npos) << logged.str();
+  }
+  std::remove(filler.c_str());
+}
+
 // Asking for a GPU on a machine without one (or a build without the backend) is reported and
 // skipped, never fatal; nothing is pinned.
 TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {
