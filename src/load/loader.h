@@ -1,6 +1,13 @@
 // Moving tensor bytes from the model's files into the arena's data region, and computing
 // each tensor's checksum on the way.
 //
+// The reader is io_uring (liburing) when the kernel allows a ring, else a pread thread pool;
+// "auto" picks io_uring and falls back (logging why), "io_uring" or "pread" force one. Both
+// read the same plan (read_plan.h): pieces of up to chunk_bytes straight into the arena, with
+// O_DIRECT for pieces not in the page cache (through a bounce buffer when the file offset is
+// misaligned for the device), buffered for cached pieces and where O_DIRECT is unavailable. Each
+// tensor's xxh3-64 is computed by the reader threads as its pieces arrive (tensor_hasher.h).
+//
 // Thread-safety: LoadTensors runs its own worker threads and returns when every byte is in
 // place (or on the first error, after the workers stopped).
 #pragma once
@@ -24,17 +31,27 @@ struct LoadRequest {
   std::string reader = "auto";    // "auto", "io_uring", "pread"
   bool progress = false;          // a progress line on stderr when it is a terminal
   spdlog::logger* logger = nullptr;
+  // Tuning (0: the default). Reads of up to chunk_bytes; queue_depth reads in flight per
+  // io_uring thread for uncached data; `threads` readers (default: one per CPU, 2 to 8).
+  uint64_t chunk_bytes = 0;
+  unsigned queue_depth = 0;
+  unsigned threads = 0;
+  bool direct_io = true;          // O_DIRECT where the source and alignment allow it
 };
 
 struct LoadResult {
   uint64_t bytes_read = 0;
+  uint64_t direct_bytes = 0;      // of which read with O_DIRECT
+  uint64_t bounce_bytes = 0;      // of which through bounce buffers (misaligned in the file)
   double seconds = 0;
-  std::string reader;
+  std::string reader;             // "io_uring" or "pread"
+  std::string note;               // why io_uring was not used, when it was not
 };
 
 // Reads every tensor of `table` from its source into data[arena_offset, +bytes) and sets its
-// checksum. The sources are checked first: a file that changed size since it was planned is
-// an error naming it.
+// checksum. The sources are checked first: a file that changed size since it was planned, or
+// a tensor outside its file or the data region, is an error naming it. reader "io_uring" fails
+// with kUnsupported (saying why) where rings are not allowed.
 Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& table);
 
 // Recomputes checksums of tensors already in `data` in parallel; returns the index of the

@@ -1,0 +1,82 @@
+#include "load/tensor_hasher.h"
+
+namespace expert_arena::load {
+
+TensorHasher::TensorHasher(const ReadPlan& plan, std::span<const std::byte> data)
+    : plan_(plan),
+      data_(data),
+      arrived_(new std::atomic<uint8_t>[plan.pieces.size()]),
+      tensors_(new TensorState[plan.tensor_first.size() - 1]),
+      tensor_count_(plan.tensor_first.size() - 1) {
+  for (size_t p = 0; p < plan.pieces.size(); ++p) arrived_[p].store(0, std::memory_order_relaxed);
+  for (size_t t = 0; t < tensor_count_; ++t) tensors_[t].next = plan.tensor_first[t];
+}
+
+TensorHasher::~TensorHasher() {
+  for (size_t t = 0; t < tensor_count_; ++t) {
+    if (tensors_[t].state != nullptr) XXH3_freeState(tensors_[t].state);
+  }
+}
+
+void TensorHasher::Advance(size_t t) {
+  TensorState& s = tensors_[t];
+  const size_t first = plan_.tensor_first[t];
+  const size_t end = plan_.tensor_first[t + 1];
+  if (s.done) return;
+  if (end - first <= 1) {
+    if (first == end || arrived_[first].load()) {
+      const ReadPiece* p = first == end ? nullptr : &plan_.pieces[first];
+      s.checksum = p == nullptr ? XXH3_64bits(nullptr, 0)
+                                : XXH3_64bits(data_.data() + p->arena_offset, p->bytes);
+      s.next = end;
+      s.done = true;
+    }
+    return;
+  }
+  while (s.next < end && arrived_[s.next].load()) {
+    if (s.next == first) {
+      s.state = XXH3_createState();
+      XXH3_64bits_reset(s.state);
+    }
+    const ReadPiece& p = plan_.pieces[s.next];
+    XXH3_64bits_update(s.state, data_.data() + p.arena_offset, p.bytes);
+    ++s.next;
+  }
+  if (s.next == end) {
+    s.checksum = XXH3_64bits_digest(s.state);
+    XXH3_freeState(s.state);
+    s.state = nullptr;
+    s.done = true;
+  }
+}
+
+void TensorHasher::PieceArrived(size_t piece) {
+  arrived_[piece].store(1);
+  const size_t t = plan_.pieces[piece].tensor;
+  TensorState& s = tensors_[t];
+  for (;;) {
+    bool expected = false;
+    // Strong CAS (no spurious failure): if it fails, another thread holds the tensor and
+    // re-checks our piece after it lets go (seq_cst orders our store before its re-check).
+    if (!s.busy.compare_exchange_strong(expected, true)) return;
+    Advance(t);
+    const size_t next = s.next;
+    const size_t end = plan_.tensor_first[t + 1];
+    s.busy.store(false);
+    if (next >= end || !arrived_[next].load()) return;
+  }
+}
+
+Result<std::vector<uint64_t>> TensorHasher::Finish(const format::ArenaTable& table) {
+  std::vector<uint64_t> checksums(tensor_count_);
+  for (size_t t = 0; t < tensor_count_; ++t) {
+    Advance(t);
+    if (!tensors_[t].done) {
+      return Internal("tensor " + table.tensors[t].name + ": a piece was never read");
+    }
+    checksums[t] = tensors_[t].checksum;
+  }
+  return checksums;
+}
+
+}  // namespace expert_arena::load

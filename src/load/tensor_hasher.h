@@ -1,0 +1,62 @@
+// xxh3-64 checksums of tensors computed while their pieces arrive, on whichever reader thread
+// brought the piece that lets a tensor's hash advance.
+//
+// XXH3 is a streaming hash, not a combinable one, and the stored checksum must equal
+// XXH3_64bits of the tensor's bytes (what `expert-arena verify` recomputes). So each tensor
+// has one streaming state fed in order: a thread whose piece is the tensor's next one hashes
+// it, then every following piece that already arrived; a piece that arrives early waits for
+// the thread that hashes its predecessor. The hand-off needs no thread to block: a thread that
+// finds the tensor busy leaves, and the busy thread re-checks after it lets go.
+//
+// Thread-safety: PieceArrived from any number of threads; Finish from one, after the readers
+// stopped.
+#pragma once
+
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "expert_arena/status.h"
+#include "load/read_plan.h"
+
+namespace expert_arena::load {
+
+class TensorHasher {
+ public:
+  TensorHasher(const ReadPlan& plan, std::span<const std::byte> data);
+  ~TensorHasher();
+  TensorHasher(const TensorHasher&) = delete;
+  TensorHasher& operator=(const TensorHasher&) = delete;
+
+  // Piece `piece` of the plan is in place in `data`.
+  void PieceArrived(size_t piece);
+
+  // Completes every hash (all pieces must have arrived) and returns one checksum per tensor;
+  // kInternal naming the tensor if a piece never arrived.
+  Result<std::vector<uint64_t>> Finish(const format::ArenaTable& table);
+
+ private:
+  struct alignas(64) TensorState {
+    std::atomic<bool> busy{false};
+    size_t next = 0;               // the next piece to hash (guarded by busy)
+    XXH3_state_t* state = nullptr; // for tensors of more than one piece
+    uint64_t checksum = 0;
+    bool done = false;
+  };
+
+  // Hashes tensor t's arrived pieces in order; the caller holds its busy flag.
+  void Advance(size_t t);
+
+  const ReadPlan& plan_;
+  std::span<const std::byte> data_;
+  std::unique_ptr<std::atomic<uint8_t>[]> arrived_;
+  std::unique_ptr<TensorState[]> tensors_;
+  size_t tensor_count_;
+};
+
+}  // namespace expert_arena::load

@@ -1,0 +1,232 @@
+// The loader: both readers fill the arena with the model's bytes at the offsets the formats
+// define, with checksums equal to XXH3_64bits of each tensor; O_DIRECT for cold aligned data;
+// the pread fallback when io_uring is refused (a seccomp filter in a child process).
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <filesystem>
+
+#include "common/units.h"
+#include "load/loader.h"
+#include "platform/file.h"
+#include "platform/file_cache.h"
+#include "platform/io_ring.h"
+#include "platform/mapping.h"
+#include "source/dtypes.h"
+#include "source/gguf_writer.h"
+#include "source/model_source.h"
+#include "source/synthetic_model.h"
+#include "source_test_util.h"
+#include "test_util.h"
+
+namespace expert_arena::load {
+namespace {
+
+using testing::ScopedDir;
+
+bool IoUringWorks() { return platform::IoRing::Create(4).ok(); }
+
+struct Loaded {
+  platform::Mapping memory;
+  format::ArenaTable table;
+  LoadResult result;
+};
+
+Result<Loaded> LoadInto(const source::ModelPlan& plan, const std::string& reader,
+                        uint64_t chunk_bytes) {
+  Loaded out;
+  out.table = plan.table;
+  EA_ASSIGN_OR_RETURN(out.memory, platform::Mapping::MapAnonymous(out.table.data_bytes, kHugePageBytes));
+  LoadRequest request;
+  request.data = out.memory.bytes();
+  request.reader = reader;
+  request.chunk_bytes = chunk_bytes;
+  EA_ASSIGN_OR_RETURN(out.result, LoadTensors(request, out.table));
+  return out;
+}
+
+// Every tensor: the bytes equal the file's at the offset computed by the test's own parser, and
+// the checksum is the one-shot XXH3 of those bytes.
+void ExpectMatchesSources(const Loaded& loaded,
+                          const std::map<std::string, testing::IndependentTensor>& independent,
+                          const std::string& path_of_all = "") {
+  for (const format::TensorRecord& t : loaded.table.tensors) {
+    auto it = independent.find(t.name);
+    ASSERT_NE(it, independent.end()) << t.name;
+    ASSERT_EQ(it->second.bytes, t.bytes) << t.name;
+    const std::string& path =
+        path_of_all.empty() ? loaded.table.sources[t.source_index].path : path_of_all;
+    auto want = testing::ReadRange(path, it->second.offset, t.bytes);
+    const std::byte* got = loaded.memory.data() + t.arena_offset;
+    ASSERT_EQ(std::memcmp(got, want.data(), t.bytes), 0) << t.name;
+    EXPECT_EQ(t.checksum, XXH3_64bits(want.data(), want.size())) << t.name;
+  }
+}
+
+class LoaderReadersTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LoaderReadersTest, GgufOfEveryDtypeFamily) {
+  if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  for (const char* dtype : {"f32", "f16", "bf16", "q8_0"}) {
+    ScopedDir dir("load-gguf");
+    source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 2,
+                                    .experts = 3, .hidden = 96, .ffn = 160, .dtype = dtype};
+    ASSERT_OK(source::WriteSyntheticModel(o));
+    ModelSpec spec{.files = {o.out}, .select_all = true};
+    ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel(spec));
+    // Small chunks: tensors span many pieces, so hashes stream across threads.
+    ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadInto(plan, GetParam(), 64 * kKiB));
+    EXPECT_EQ(loaded.result.reader, GetParam());
+    ExpectMatchesSources(loaded, testing::ParseGgufIndependently(o.out), o.out);
+  }
+}
+
+TEST_P(LoaderReadersTest, ShardedSafetensors) {
+  if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  ScopedDir dir("load-st");
+  source::SyntheticModelOptions o{.format = "safetensors", .out = dir.File("m"), .layers = 2,
+                                  .experts = 4, .hidden = 64, .ffn = 200, .dtype = "bf16",
+                                  .shards = 3};
+  ASSERT_OK_AND_ASSIGN(auto report, source::WriteSyntheticModel(o));
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
+  ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadInto(plan, GetParam(), 64 * kKiB));
+  std::map<std::string, testing::IndependentTensor> independent;
+  for (size_t s = 0; s < 3; ++s) {
+    for (auto& [name, t] : testing::ParseSafetensorsIndependently(report.files[s])) {
+      independent[name] = t;
+    }
+  }
+  ExpectMatchesSources(loaded, independent);
+}
+
+INSTANTIATE_TEST_SUITE_P(Readers, LoaderReadersTest, ::testing::Values("io_uring", "pread"));
+
+TEST(LoaderTest, IoUringAndPreadGiveIdenticalArenas) {
+  if (!IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  ScopedDir dir("load-same");
+  source::SyntheticModelOptions o{.format = "safetensors", .out = dir.File("m.safetensors"),
+                                  .layers = 3, .experts = 4, .hidden = 128, .ffn = 96,
+                                  .dtype = "f16"};
+  ASSERT_OK(source::WriteSyntheticModel(o));
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
+  ASSERT_OK_AND_ASSIGN(Loaded a, LoadInto(plan, "io_uring", 16 * kKiB));
+  ASSERT_OK_AND_ASSIGN(Loaded b, LoadInto(plan, "pread", 1 * kMiB));
+  ASSERT_EQ(a.memory.size(), b.memory.size());
+  EXPECT_EQ(std::memcmp(a.memory.data(), b.memory.data(), a.memory.size()), 0);
+  for (size_t t = 0; t < a.table.tensors.size(); ++t) {
+    EXPECT_EQ(a.table.tensors[t].checksum, b.table.tensors[t].checksum);
+  }
+}
+
+// A file whose pages are not cached, on a filesystem with O_DIRECT, is read with O_DIRECT:
+// straight into the arena when aligned (a GGUF with general.alignment 4096), through bounce
+// buffers when not (gen-model's 32-aligned GGUF, safetensors); the bytes are the same.
+TEST(LoaderTest, ColdDataIsReadWithODirect) {
+  ScopedDir dir("load-direct");
+  source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 2,
+                                  .experts = 4, .hidden = 256, .ffn = 512, .dtype = "f16"};
+  ASSERT_OK(source::WriteSyntheticModel(o));
+  const std::string aligned = dir.File("aligned.gguf");
+  {
+    source::GgufWriter w;
+    w.SetAlignment(4096);
+    for (int t = 0; t < 3; ++t) {
+      ASSERT_OK(w.AddTensor("blk." + std::to_string(t) + ".ffn_up_exps.weight",
+                            *source::FindGgmlTypeByName("f32"), {1000 + 24ull * t, 301}));
+    }
+    ASSERT_OK(w.WriteFile(aligned, [](size_t t, uint64_t offset, std::span<std::byte> out) {
+      for (size_t k = 0; k < out.size(); ++k) out[k] = std::byte((offset + k + t) * 7 >> 3);
+      return Status::Ok();
+    }));
+  }
+  {
+    platform::OpenOptions direct;
+    direct.direct = true;
+    auto fd = platform::OpenFile(o.out, direct);
+    if (!fd.ok() || platform::QueryDirectIoAlignment(*fd).memory == 0) {
+      GTEST_SKIP() << "no O_DIRECT on the filesystem of /tmp";
+    }
+    ASSERT_OK_AND_ASSIGN(auto plain, platform::OpenFile(o.out, {}));
+    ASSERT_OK(platform::EvictFromPageCache(plain));
+  }
+  for (const std::string& path : {o.out, aligned}) {
+    ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {path}}));
+    for (const std::string reader : {"auto", "pread"}) {
+      {
+        ASSERT_OK_AND_ASSIGN(auto plain, platform::OpenFile(path, {}));
+        ASSERT_OK(platform::EvictFromPageCache(plain));
+      }
+      ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadInto(plan, reader, 256 * kKiB));
+      ExpectMatchesSources(loaded, testing::ParseGgufIndependently(path), path);
+      // Every tensor is large enough to have an aligned body: most bytes go direct.
+      EXPECT_GT(loaded.result.direct_bytes, loaded.result.bytes_read / 2) << path << " " << reader;
+      if (path == aligned) {
+        EXPECT_LT(loaded.result.bounce_bytes, loaded.result.direct_bytes) << reader;
+      }
+    }
+  }
+}
+
+TEST(LoaderTest, ChangedOrShortSourcesAreErrors) {
+  ScopedDir dir("load-changed");
+  source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 1,
+                                  .experts = 2, .hidden = 64, .ffn = 64};
+  ASSERT_OK(source::WriteSyntheticModel(o));
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
+  std::filesystem::resize_file(o.out, std::filesystem::file_size(o.out) - 100);
+  auto loaded = LoadInto(plan, "auto", 64 * kKiB);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.status().message().find("changed size"), std::string::npos);
+  EXPECT_NE(loaded.status().message().find("m.gguf"), std::string::npos);
+  auto bad = LoadInto(plan, "mmap", 64 * kKiB);
+  ASSERT_FALSE(bad.ok());
+}
+
+// Refuses io_uring_setup with EPERM in this process (and its future threads), as a container's
+// seccomp profile does.
+bool RefuseIoUringSetup() {
+  struct sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog program = {static_cast<unsigned short>(sizeof filter / sizeof filter[0]),
+                               filter};
+  return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+         prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
+}
+
+// args: model path. Exit 0 when auto falls back to pread with a reason and a forced io_uring is
+// refused with one.
+EA_CHILD_ROLE(seccomp_loader) {
+  if (!RefuseIoUringSetup()) return 10;
+  auto plan = source::PlanModel({.files = {args.at(0)}});
+  if (!plan.ok()) return 11;
+  auto loaded = LoadInto(*plan, "auto", 64 * kKiB);
+  if (!loaded.ok() || loaded->result.reader != "pread") return 12;
+  if (loaded->result.note.find("EPERM") == std::string::npos) return 13;
+  auto forced = LoadInto(*plan, "io_uring", 64 * kKiB);
+  if (forced.ok() || forced.status().code() != StatusCode::kUnsupported) return 14;
+  if (forced.status().message().find("io_uring") == std::string::npos) return 15;
+  std::printf("%s\n", forced.status().message().c_str());
+  return 0;
+}
+
+TEST(LoaderTest, FallsBackToPreadWhenSeccompRefusesIoUring) {
+  ScopedDir dir("load-seccomp");
+  source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 1,
+                                  .experts = 2, .hidden = 64, .ffn = 64};
+  ASSERT_OK(source::WriteSyntheticModel(o));
+  auto child = testing::SpawnRole("seccomp_loader", {o.out});
+  EXPECT_EQ(child.Wait(60), 0) << child.Output();
+}
+
+}  // namespace
+}  // namespace expert_arena::load
