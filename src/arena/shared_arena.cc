@@ -189,7 +189,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
       if (!said_waiting) {
         wait_start = Clock::now();
         format::HeaderSummary loading = PeekHeader(fd);
-        for (int i = 0; i < 25 && loading.loader_pid == 0; ++i) {
+        // The loader writes its pid first thing; give it up to 2 s to appear.
+        for (int i = 0; i < 100 && loading.loader_pid == 0; ++i) {
           std::this_thread::sleep_for(kPollInterval);
           loading = PeekHeader(fd);
         }
@@ -275,6 +276,22 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     };
     auto layout = format::ComputeLayout(impl->table, hugetlbfs ? fs.block_bytes : kHugePageBytes);
     if (!layout.ok()) return fail(layout.status());
+    const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
+    const uint64_t ticks = platform::ProcessStartTime(platform::CurrentPid()).ok()
+                               ? *platform::ProcessStartTime(platform::CurrentPid())
+                               : 0;
+    const uint64_t created = UnixNanos();
+    {
+      // Say who is loading before the (possibly long) allocation, so engines that arrive now
+      // can name this process. Best effort: hugetlbfs has no write(2); the header written
+      // into the mapping below says it again.
+      std::vector<std::byte> stub(layout->header_bytes);
+      if (format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
+                               created, 0, stub)
+              .ok()) {
+        (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
+      }
+    }
     Status allocated = platform::AllocateFile(fd, layout->file_bytes);
     if (!allocated.ok()) return fail(NoSpaceMessage(allocated, fs, layout->file_bytes, path));
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
@@ -283,11 +300,6 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     impl->mapping = std::move(*mapping);
     impl->data_offset = layout->header_bytes;
 
-    const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
-    const uint64_t ticks = platform::ProcessStartTime(platform::CurrentPid()).ok()
-                               ? *platform::ProcessStartTime(platform::CurrentPid())
-                               : 0;
-    const uint64_t created = UnixNanos();
     std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
     Status s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
                                     created, 0, header);
