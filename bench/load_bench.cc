@@ -1,0 +1,287 @@
+// The loader against its ceilings, in one run (DETAILS.md "Model sources and loader"):
+//   warm page cache: LoadTensors into an already-populated 2 MiB-page buffer vs
+//     (a) a two-thread memcpy of the same bytes from a (pre-faulted) mapping of the model into
+//         the same buffer, and
+//     (b) `cp model /dev/shm/x` vs `expert-arena load` end to end into /dev/shm;
+//   cold cache (drop_caches, as root): LoadTensors vs `dd if=model of=/dev/null bs=4M
+//     iflag=direct`.
+// Prints a markdown table. Run it through bench/load_bench.sh (which makes the model and holds
+// the machine-wide benchmark lock).
+//
+//   load_bench --model PATH [--runs N] [--reader auto|io_uring|pread] [--chunk-mib N]
+//              [--qd N] [--threads N] [--skip-cold] [--skip-cp]
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/units.h"
+#include "expert_arena/arena.h"
+#include "format/arena_format.h"
+#include "load/loader.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "platform/system_info.h"
+#include "source/model_source.h"
+
+using namespace expert_arena;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void Check(const Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "load_bench: %s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+bool DropCaches() {
+  ::sync();
+  std::ofstream f("/proc/sys/vm/drop_caches");
+  f << "3\n";
+  f.flush();
+  return static_cast<bool>(f);
+}
+
+double TimeCommand(const std::string& command) {
+  auto start = Clock::now();
+  int rc = std::system(command.c_str());
+  double s = Since(start);
+  if (rc != 0) {
+    std::fprintf(stderr, "load_bench: '%s' failed (%d)\n", command.c_str(), rc);
+    std::exit(1);
+  }
+  return s;
+}
+
+// Copies every tensor from the model mapping to its arena place, on `threads` threads taking
+// 4 MiB pieces in order.
+double MemcpyTensors(const format::ArenaTable& table, const std::byte* source, std::byte* arena,
+                     unsigned threads) {
+  struct Piece { uint64_t from, to, bytes; };
+  std::vector<Piece> pieces;
+  for (const auto& t : table.tensors) {
+    for (uint64_t at = 0; at < t.bytes; at += 4 * kMiB) {
+      pieces.push_back({t.source_offset + at, t.arena_offset + at, std::min(4 * kMiB, t.bytes - at)});
+    }
+  }
+  std::atomic<size_t> next{0};
+  auto start = Clock::now();
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < threads; ++w) {
+    pool.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+        std::memcpy(arena + pieces[i].to, source + pieces[i].from, pieces[i].bytes);
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  return Since(start);
+}
+
+// The same pieces with pread (the kernel's copy from the page cache), no checksums.
+double PreadTensors(const format::ArenaTable& table, const platform::UniqueFd& fd, std::byte* arena,
+                    unsigned threads) {
+  struct Piece { uint64_t from, to, bytes; };
+  std::vector<Piece> pieces;
+  for (const auto& t : table.tensors) {
+    for (uint64_t at = 0; at < t.bytes; at += 4 * kMiB) {
+      pieces.push_back({t.source_offset + at, t.arena_offset + at, std::min(4 * kMiB, t.bytes - at)});
+    }
+  }
+  std::atomic<size_t> next{0};
+  auto start = Clock::now();
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < threads; ++w) {
+    pool.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+        Check(platform::ReadFull(fd, pieces[i].from, {arena + pieces[i].to, pieces[i].bytes}),
+              "pread");
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  return Since(start);
+}
+
+// xxh3 of every tensor already in the buffer, on `threads` threads.
+double HashTensors(const format::ArenaTable& table, const std::byte* arena, unsigned threads) {
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> sink{0};
+  auto start = Clock::now();
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < threads; ++w) {
+    pool.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < table.tensors.size();) {
+        const auto& t = table.tensors[i];
+        sink += format::Checksum({arena + t.arena_offset, t.bytes});
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  return Since(start);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"expert-arena loader benchmark"};
+  std::string model, reader = "auto";
+  int runs = 3;
+  uint64_t chunk_mib = 0;
+  unsigned qd = 0, threads = 0;
+  bool skip_cold = false, skip_cp = false;
+  app.add_option("--model", model)->required();
+  app.add_option("--runs", runs);
+  app.add_option("--reader", reader);
+  app.add_option("--chunk-mib", chunk_mib);
+  app.add_option("--qd", qd);
+  app.add_option("--threads", threads);
+  app.add_flag("--skip-cold", skip_cold);
+  app.add_flag("--skip-cp", skip_cp);
+  CLI11_PARSE(app, argc, argv);
+
+  auto plan = source::PlanModel({.files = {model}, .select_all = true});
+  Check(plan.ok() ? Status::Ok() : plan.status(), "plan");
+  format::ArenaTable& table = plan->table;
+  uint64_t tensor_bytes = 0;
+  for (const auto& t : table.tensors) tensor_bytes += t.bytes;
+  const double gib = static_cast<double>(tensor_bytes) / kGiB;
+
+  // The destination: anonymous memory on 2 MiB pages, populated before anything is timed.
+  auto buffer = platform::Mapping::MapAnonymous(table.data_bytes, kHugePageBytes);
+  Check(buffer.ok() ? Status::Ok() : buffer.status(), "buffer");
+  (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kHugePage, "buffer");
+  Check(platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kPopulateWrite,
+                              "buffer"), "populate");
+  (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kCollapse, "buffer");
+  auto huge = platform::HugeBytesInRange(buffer->data(), buffer->size());
+
+  // Warm the page cache with the model and map it, faulted in, for the memcpy baseline.
+  auto fd = platform::OpenFile(model, {.no_follow = false});
+  Check(fd.ok() ? Status::Ok() : fd.status(), "open");
+  auto st = platform::StatFd(*fd);
+  auto source = platform::Mapping::MapFile(*fd, st->size, false, kHugePageBytes);
+  Check(source.ok() ? Status::Ok() : source.status(), "map model");
+  Check(platform::AdviseRange(source->data(), source->size(), platform::Advice::kPopulateRead,
+                              "model"), "populate model");
+
+  std::vector<double> memcpy_s, load_s, pread_s, hash_s;
+  load::LoadResult last;
+  for (int r = 0; r < runs; ++r) {
+    memcpy_s.push_back(MemcpyTensors(table, source->data(), buffer->data(), 2));
+    pread_s.push_back(PreadTensors(table, *fd, buffer->data(), 2));
+    hash_s.push_back(HashTensors(table, buffer->data(), 2));
+    load::LoadRequest request;
+    request.data = buffer->bytes();
+    request.reader = reader;
+    request.chunk_bytes = chunk_mib * kMiB;
+    request.queue_depth = qd;
+    request.threads = threads;
+    auto loaded = load::LoadTensors(request, table);
+    Check(loaded.ok() ? Status::Ok() : loaded.status(), "load");
+    load_s.push_back(loaded->seconds);
+    last = *loaded;
+  }
+  source->Reset();
+
+  std::printf("model: %s, %zu tensors, %.2f GiB; buffer %.2f of %.2f GiB on 2 MiB pages; "
+              "reader %s\n\n",
+              model.c_str(), table.tensors.size(), gib,
+              huge.ok() ? static_cast<double>(*huge) / kGiB : -1.0,
+              static_cast<double>(buffer->size()) / kGiB, last.reader.c_str());
+  std::printf("| case | seconds (median of %d) | GiB/s | load vs peer |\n|---|---|---|---|\n", runs);
+  const double warm_load = Median(load_s), warm_memcpy = Median(memcpy_s);
+  std::printf("| warm: LoadTensors (%s, xxh3 included) into populated 2 MiB buffer | %.3f | %.2f | |\n",
+              last.reader.c_str(), warm_load, gib / warm_load);
+  std::printf("| warm: 2-thread memcpy from pre-faulted mapping, same buffer | %.3f | %.2f | %.2fx |\n",
+              warm_memcpy, gib / warm_memcpy, warm_memcpy / warm_load);
+  std::printf("| warm, parts: 2-thread pread of the same pieces (kernel copy, no checksum) | %.3f | "
+              "%.2f | |\n", Median(pread_s), gib / Median(pread_s));
+  std::printf("| warm, parts: 2-thread xxh3 of the tensors in the buffer | %.3f | %.2f | |\n",
+              Median(hash_s), gib / Median(hash_s));
+
+  if (!skip_cp) {
+    buffer->Reset();  // keep the footprint at model + one copy
+    std::string shm = "/dev/shm/ea-load-bench-cp-" + std::to_string(getpid());
+    std::string arena = "/dev/shm/ea-load-bench-arena-" + std::to_string(getpid());
+    std::vector<double> cp_s, e2e_s;
+    for (int r = 0; r < runs; ++r) {
+      cp_s.push_back(TimeCommand("cp " + model + " " + shm));
+      (void)platform::UnlinkPath(shm);
+      ArenaOptions options;
+      options.shared_path = arena;
+      options.reader = reader;
+      options.progress = false;
+      auto start = Clock::now();
+      {
+        auto a = Arena::Open({.files = {model}, .select_all = true}, options);
+        Check(a.ok() ? Status::Ok() : a.status(), "expert-arena load");
+        e2e_s.push_back(Since(start));
+      }
+      (void)platform::UnlinkPath(arena);
+    }
+    const double cp = Median(cp_s), e2e = Median(e2e_s);
+    std::printf("| warm: Arena::Open end to end into /dev/shm (allocate, 2 MiB pages, read, "
+                "publish) | %.3f | %.2f | |\n", e2e, gib / e2e);
+    std::printf("| warm: cp model /dev/shm/x | %.3f | %.2f | %.2fx |\n", cp, gib / cp, cp / e2e);
+  }
+
+  if (!skip_cold) {
+    if (!buffer->data()) {
+      buffer = platform::Mapping::MapAnonymous(table.data_bytes, kHugePageBytes);
+      Check(buffer.ok() ? Status::Ok() : buffer.status(), "buffer");
+      (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kHugePage, "b");
+      Check(platform::AdviseRange(buffer->data(), buffer->size(),
+                                  platform::Advice::kPopulateWrite, "buffer"), "populate");
+    }
+    std::vector<double> dd_s, cold_s;
+    for (int r = 0; r < runs; ++r) {
+      if (!DropCaches()) {
+        std::printf("\n(cold runs skipped: /proc/sys/vm/drop_caches is not writable; run as root)\n");
+        break;
+      }
+      dd_s.push_back(TimeCommand("dd if=" + model + " of=/dev/null bs=4M iflag=direct status=none"));
+      DropCaches();
+      load::LoadRequest request;
+      request.data = buffer->bytes();
+      request.reader = reader;
+      request.chunk_bytes = chunk_mib * kMiB;
+      request.queue_depth = qd;
+      request.threads = threads;
+      auto loaded = load::LoadTensors(request, table);
+      Check(loaded.ok() ? Status::Ok() : loaded.status(), "cold load");
+      cold_s.push_back(loaded->seconds);
+      last = *loaded;
+    }
+    if (!cold_s.empty()) {
+      // dd reads the whole file; the loader the tensors. Compare rates.
+      const double dd = Median(dd_s), cold = Median(cold_s);
+      const double file_gib = static_cast<double>(st->size) / kGiB;
+      std::printf("| cold: LoadTensors (%s, %.0f%% O_DIRECT, %.0f%% through bounce buffers) | "
+                  "%.3f | %.2f | %.2fx |\n",
+                  last.reader.c_str(), 100.0 * last.direct_bytes / last.bytes_read,
+                  100.0 * last.bounce_bytes / last.bytes_read, cold, gib / cold,
+                  (gib / cold) / (file_gib / dd));
+      std::printf("| cold: dd bs=4M iflag=direct | %.3f | %.2f | |\n", dd, file_gib / dd);
+    }
+  }
+  return 0;
+}
