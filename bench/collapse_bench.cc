@@ -53,9 +53,14 @@ int main(int argc, char** argv) {
   std::printf("collapse bench: %llu MiB per run, %u cores, %llu free 2 MiB blocks at start\n",
               static_cast<unsigned long long>(mib), cores,
               static_cast<unsigned long long>(blocks.ok() ? *blocks : 0));
-  std::printf("| order                     | threads | s/GiB (each round)      | on 2 MiB pages |\n");
-  std::printf("|---------------------------|---------|-------------------------|----------------|\n");
-  struct Case { bool populate_first; unsigned threads; };
+  std::printf(
+      "| order                     | threads | s/GiB (each round)      | on 2 MiB pages |\n");
+  std::printf(
+      "|---------------------------|---------|-------------------------|----------------|\n");
+  struct Case {
+    bool populate_first;
+    unsigned threads;
+  };
   Case cases[] = {{false, 1}, {true, 1}, {false, cores}, {true, cores}};
   std::string rows[4];
   double shares[4] = {0, 0, 0, 0};

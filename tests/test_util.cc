@@ -102,7 +102,9 @@ int RunChildRoleIfAsked(int argc, char** argv, bool* ran) {
 }
 
 Child::Child(Child&& other) noexcept
-    : pid_(other.pid_), out_fd_(other.out_fd_), output_(std::move(other.output_)),
+    : pid_(other.pid_),
+      out_fd_(other.out_fd_),
+      output_(std::move(other.output_)),
       exit_code_(other.exit_code_) {
   other.pid_ = -1;
   other.out_fd_ = -1;
@@ -290,8 +292,8 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
     }
     long now = ReadLong(kNrHugepages);
     if (now < saved_nr_hugepages_ + pages) {
-      skip_reason_ = "the kernel gave only " + std::to_string(now - saved_nr_hugepages_) +
-                     " of " + std::to_string(pages) + " huge pages (memory fragmented)";
+      skip_reason_ = "the kernel gave only " + std::to_string(now - saved_nr_hugepages_) + " of " +
+                     std::to_string(pages) + " huge pages (memory fragmented)";
       return;
     }
     std::string opts = "pagesize=2M,size=" + std::to_string(pages * 2) + "m,mode=0700";

@@ -10,21 +10,21 @@
 
 #include "expert_arena/status.h"
 
-#define ASSERT_OK(expr)                                               \
-  do {                                                                \
+#define ASSERT_OK(expr)                                                           \
+  do {                                                                            \
     const ::expert_arena::Status ea_s_ = ::expert_arena::testing::ToStatus(expr); \
-    ASSERT_TRUE(ea_s_.ok()) << #expr << ": " << ea_s_.ToString();     \
+    ASSERT_TRUE(ea_s_.ok()) << #expr << ": " << ea_s_.ToString();                 \
   } while (0)
-#define EXPECT_OK(expr)                                               \
-  do {                                                                \
+#define EXPECT_OK(expr)                                                           \
+  do {                                                                            \
     const ::expert_arena::Status ea_s_ = ::expert_arena::testing::ToStatus(expr); \
-    EXPECT_TRUE(ea_s_.ok()) << #expr << ": " << ea_s_.ToString();     \
+    EXPECT_TRUE(ea_s_.ok()) << #expr << ": " << ea_s_.ToString();                 \
   } while (0)
 #define ASSERT_OK_AND_ASSIGN(lhs, expr) \
   ASSERT_OK_AND_ASSIGN_IMPL(EA_CONCAT(ea_r_, __LINE__), lhs, expr)
-#define ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr)                     \
-  auto tmp = (expr);                                                  \
-  ASSERT_TRUE(tmp.ok()) << #expr << ": " << tmp.status().ToString();  \
+#define ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr)                    \
+  auto tmp = (expr);                                                 \
+  ASSERT_TRUE(tmp.ok()) << #expr << ": " << tmp.status().ToString(); \
   lhs = std::move(tmp).value()
 
 namespace expert_arena::testing {
@@ -70,10 +70,10 @@ class ScopedDataFile {
 // would copy them). Its exit code is the role's return value.
 using ChildRole = std::function<int(const std::vector<std::string>& args)>;
 bool RegisterChildRole(const std::string& name, ChildRole role);
-#define EA_CHILD_ROLE(name)                                                              \
-  static int name##_role(const std::vector<std::string>& args);                          \
-  static const bool name##_registered =                                                  \
-      ::expert_arena::testing::RegisterChildRole(#name, name##_role);                    \
+#define EA_CHILD_ROLE(name)                                           \
+  static int name##_role(const std::vector<std::string>& args);       \
+  static const bool name##_registered =                               \
+      ::expert_arena::testing::RegisterChildRole(#name, name##_role); \
   static int name##_role([[maybe_unused]] const std::vector<std::string>& args)
 
 // A running child; its stdout is captured. The destructor kills it if it still runs.

@@ -92,28 +92,28 @@ struct TensorView {
 // What happened when the arena was opened: the facts of the start line.
 struct ArenaReport {
   ArenaRole role = ArenaRole::kPrivate;
-  std::string path;          // the shared file, empty when private
-  std::string backing;       // "tmpfs", "hugetlbfs", "anonymous", "other"
-  std::string identity;      // identity text of the model
+  std::string path;      // the shared file, empty when private
+  std::string backing;   // "tmpfs", "hugetlbfs", "anonymous", "other"
+  std::string identity;  // identity text of the model
   uint64_t identity_hash = 0;
-  uint64_t data_bytes = 0;   // bytes of the data region
-  uint64_t tensor_bytes = 0; // bytes of the selected tensors
+  uint64_t data_bytes = 0;    // bytes of the data region
+  uint64_t tensor_bytes = 0;  // bytes of the selected tensors
   uint64_t tensors = 0;
-  uint64_t model_tensors = 0;      // tensors in the model, selected or not
+  uint64_t model_tensors = 0;  // tensors in the model, selected or not
   uint64_t model_tensor_bytes = 0;
-  uint64_t mapped_bytes = 0; // bytes this process maps (header pages + data)
-  uint64_t huge_bytes = 0;   // bytes of this mapping on 2 MiB pages, read from smaps
-  uint64_t bytes_read = 0;   // model bytes this process read (headers included)
-  double seconds = 0;        // from Open() to ready
-  double load_seconds = 0;   // reading tensors (loaders only)
-  double wait_seconds = 0;   // waiting for another engine's load
+  uint64_t mapped_bytes = 0;  // bytes this process maps (header pages + data)
+  uint64_t huge_bytes = 0;    // bytes of this mapping on 2 MiB pages, read from smaps
+  uint64_t bytes_read = 0;    // model bytes this process read (headers included)
+  double seconds = 0;         // from Open() to ready
+  double load_seconds = 0;    // reading tensors (loaders only)
+  double wait_seconds = 0;    // waiting for another engine's load
   double collapse_seconds = 0;
-  std::string reader;        // "io_uring", "pread", or "" when nothing was read
-  std::string huge_note;     // why 2 MiB pages were or were not asked for
-  std::string gpu_note;      // the registration outcome
+  std::string reader;     // "io_uring", "pread", or "" when nothing was read
+  std::string huge_note;  // why 2 MiB pages were or were not asked for
+  std::string gpu_note;   // the registration outcome
   uint64_t gpu_registered_bytes = 0;
   double gpu_seconds = 0;
-  uint64_t pinned_bytes = 0; // VmPin after registration
+  uint64_t pinned_bytes = 0;  // VmPin after registration
   uint32_t waited_for_pid = 0;
 
   // The one start line an operator reads.

@@ -20,13 +20,13 @@ enum class StatusCode {
   kOk = 0,
   kInvalidArgument,  // the caller asked for something that cannot work (bad option, bad input)
   kNotFound,
-  kCorrupt,        // a file's contents fail validation
-  kBusy,           // somebody else holds the resource (a mapped arena, a lock)
+  kCorrupt,  // a file's contents fail validation
+  kBusy,     // somebody else holds the resource (a mapped arena, a lock)
   kTimedOut,
-  kNoSpace,        // a filesystem, the huge page pool or a cap is too small
-  kUnsupported,    // not on this platform or this kernel
+  kNoSpace,      // a filesystem, the huge page pool or a cap is too small
+  kUnsupported,  // not on this platform or this kernel
   kPermission,
-  kIoError,        // an OS call failed; the message carries errno
+  kIoError,  // an OS call failed; the message carries errno
   kInternal,
 };
 
@@ -57,7 +57,9 @@ class [[nodiscard]] EXPERT_ARENA_EXPORT Status {
 EXPERT_ARENA_EXPORT Status ErrnoStatus(int err, const std::string& operation,
                                        const std::string& path);
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status Corrupt(std::string m) { return {StatusCode::kCorrupt, std::move(m)}; }
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status Busy(std::string m) { return {StatusCode::kBusy, std::move(m)}; }
@@ -71,7 +73,7 @@ inline Status PermissionDenied(std::string m) { return {StatusCode::kPermission,
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     assert(!status_.ok() && "Result built from an OK status carries no value");
     if (status_.ok()) status_ = Internal("Result built from an OK status");
@@ -98,10 +100,10 @@ class [[nodiscard]] Result {
 #define EA_CONCAT(a, b) EA_CONCAT_INNER(a, b)
 
 // Returns the Status from the enclosing function when `expr` failed.
-#define EA_RETURN_IF_ERROR(expr)                         \
-  do {                                                   \
-    ::expert_arena::Status ea_status_ = (expr);          \
-    if (!ea_status_.ok()) return ea_status_;             \
+#define EA_RETURN_IF_ERROR(expr)                \
+  do {                                          \
+    ::expert_arena::Status ea_status_ = (expr); \
+    if (!ea_status_.ok()) return ea_status_;    \
   } while (0)
 
 // `EA_ASSIGN_OR_RETURN(auto x, MakeX());` declares x from a Result or returns its Status.

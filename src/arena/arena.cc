@@ -16,9 +16,12 @@ namespace expert_arena {
 
 const char* ArenaRoleName(ArenaRole role) {
   switch (role) {
-    case ArenaRole::kLoaded: return "loaded";
-    case ArenaRole::kAttached: return "attached";
-    case ArenaRole::kPrivate: return "private";
+    case ArenaRole::kLoaded:
+      return "loaded";
+    case ArenaRole::kAttached:
+      return "attached";
+    case ArenaRole::kPrivate:
+      return "private";
   }
   return "unknown";
 }
@@ -31,13 +34,12 @@ std::string ArenaReport::StartLine() const {
     case ArenaRole::kLoaded:
     case ArenaRole::kPrivate: {
       double rate = load_seconds > 0 ? gib(tensor_bytes) / load_seconds : 0;
-      std::snprintf(buf, sizeof buf,
-                    "%s %s (%s): %llu of %llu tensors, %.2f GiB in %.2f s (%.2f GiB/s, %s)",
-                    role == ArenaRole::kLoaded ? "loaded" : "private arena,",
-                    role == ArenaRole::kLoaded ? path.c_str() : "loaded",
-                    backing.c_str(), static_cast<unsigned long long>(tensors),
-                    static_cast<unsigned long long>(model_tensors), gib(tensor_bytes), seconds,
-                    rate, reader.c_str());
+      std::snprintf(
+          buf, sizeof buf, "%s %s (%s): %llu of %llu tensors, %.2f GiB in %.2f s (%.2f GiB/s, %s)",
+          role == ArenaRole::kLoaded ? "loaded" : "private arena,",
+          role == ArenaRole::kLoaded ? path.c_str() : "loaded", backing.c_str(),
+          static_cast<unsigned long long>(tensors), static_cast<unsigned long long>(model_tensors),
+          gib(tensor_bytes), seconds, rate, reader.c_str());
       line += buf;
       break;
     }
@@ -47,9 +49,9 @@ std::string ArenaReport::StartLine() const {
                     "%s, %llu model bytes read",
                     path.c_str(), backing.c_str(), static_cast<unsigned long long>(tensors),
                     gib(tensor_bytes), seconds,
-                    wait_seconds > 0 ? (" (waited " + std::to_string(wait_seconds).substr(0, 5) +
-                                        " s)").c_str()
-                                     : "",
+                    wait_seconds > 0
+                        ? (" (waited " + std::to_string(wait_seconds).substr(0, 5) + " s)").c_str()
+                        : "",
                     static_cast<unsigned long long>(bytes_read));
       line += buf;
       break;

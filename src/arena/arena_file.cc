@@ -1,10 +1,9 @@
 #include "arena/arena_file.h"
 
-#include "arena/arena_locks.h"
-
 #include <filesystem>
 #include <vector>
 
+#include "arena/arena_locks.h"
 #include "common/units.h"
 #include "load/loader.h"
 #include "platform/file.h"
@@ -33,10 +32,10 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
   info.mode = st.mode & 07777;
   auto fs = platform::StatFilesystem(DirectoryOf(path));
   info.backing = fs.ok() ? platform::FsKindName(fs->kind) : "unknown";
-  EA_ASSIGN_OR_RETURN(info.in_use, platform::ByteIsLocked(fd, kUserByte,
-                                                          platform::LockMode::kExclusive));
-  EA_ASSIGN_OR_RETURN(info.loading_now, platform::ByteIsLocked(fd, kFillByte,
-                                                               platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(info.in_use,
+                      platform::ByteIsLocked(fd, kUserByte, platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(info.loading_now,
+                      platform::ByteIsLocked(fd, kFillByte, platform::LockMode::kExclusive));
   if (st.size == 0) {
     info.state = "empty";
     return info;
@@ -73,9 +72,9 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
                            ? std::max(fs->block_bytes, kHugePageBytes)
                            : kHugePageBytes;
   auto mapping = platform::Mapping::MapFile(fd, st.size, false, alignment);
-  if (mapping.ok() && platform::AdviseRange(mapping->data(), mapping->size(),
-                                            platform::Advice::kPopulateRead, path)
-                          .ok()) {
+  if (mapping.ok() &&
+      platform::AdviseRange(mapping->data(), mapping->size(), platform::Advice::kPopulateRead, path)
+          .ok()) {
     auto huge = platform::HugeBytesInRange(mapping->data(), mapping->size());
     if (huge.ok()) info.huge_bytes = *huge;
     info.mapped_bytes = mapping->size();
@@ -104,18 +103,18 @@ Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* tab
   if (header_bytes == 0 || header_bytes > st.size) {
     header_bytes = std::min<uint64_t>(st.size, format::kHeaderPageBytes);
   }
-  EA_RETURN_IF_ERROR(format::DecodeHeader(mapping.bytes().first(header_bytes), st.size, path,
-                                          table, nullptr));
+  EA_RETURN_IF_ERROR(
+      format::DecodeHeader(mapping.bytes().first(header_bytes), st.size, path, table, nullptr));
   return load::FirstBadChecksum(mapping.bytes().subspan(header_bytes, table->data_bytes), *table);
 }
 
 Status RemoveArenaFile(const std::string& path) {
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
-  EA_ASSIGN_OR_RETURN(bool fill, platform::TryLockByte(fd, kFillByte,
-                                                       platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(bool fill,
+                      platform::TryLockByte(fd, kFillByte, platform::LockMode::kExclusive));
   if (!fill) return Busy(path + ": an engine is loading it; not removed");
-  EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte,
-                                                       platform::LockMode::kExclusive));
+  EA_ASSIGN_OR_RETURN(bool user,
+                      platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
   if (!user) return Busy(path + ": in use by at least one engine; not removed");
   return platform::UnlinkPath(path);
 }

@@ -16,15 +16,15 @@ struct ArenaFileInfo {
   uint64_t file_bytes = 0;
   uint32_t owner_uid = 0;
   uint32_t mode = 0;
-  std::string state;            // "published", "loading", "empty", "not an arena", "damaged"
-  std::string problem;          // why it is damaged, when it is
-  bool in_use = false;          // an engine holds USER
-  bool loading_now = false;     // an engine holds FILL
-  std::string backing;          // tmpfs, hugetlbfs, other
-  uint64_t huge_bytes = 0;      // of a read-only mapping of the file, from smaps
+  std::string state;         // "published", "loading", "empty", "not an arena", "damaged"
+  std::string problem;       // why it is damaged, when it is
+  bool in_use = false;       // an engine holds USER
+  bool loading_now = false;  // an engine holds FILL
+  std::string backing;       // tmpfs, hugetlbfs, other
+  uint64_t huge_bytes = 0;   // of a read-only mapping of the file, from smaps
   uint64_t mapped_bytes = 0;
   format::HeaderSummary summary;
-  format::ArenaTable table;     // when published and valid
+  format::ArenaTable table;  // when published and valid
 };
 
 Result<ArenaFileInfo> InspectArenaFile(const std::string& path);

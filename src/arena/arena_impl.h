@@ -21,9 +21,9 @@ class logger;
 namespace expert_arena {
 
 struct Arena::Impl {
-  platform::UniqueFd fd;          // holds USER (shared) for a shared arena
-  platform::Mapping mapping;      // the whole file, or anonymous memory
-  uint64_t data_offset = 0;       // header bytes for a shared arena, 0 when private
+  platform::UniqueFd fd;      // holds USER (shared) for a shared arena
+  platform::Mapping mapping;  // the whole file, or anonymous memory
+  uint64_t data_offset = 0;   // header bytes for a shared arena, 0 when private
   format::ArenaTable table;
   std::unordered_map<std::string_view, size_t> by_name;
   std::unique_ptr<gpu::Registration> registration;
@@ -40,13 +40,11 @@ namespace arena {
 
 // The shared-file protocol (shared_arena.cc). `plan` is null for AttachExisting.
 Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
-                                                const ArenaOptions& options,
-                                                spdlog::logger& log);
+                                                const ArenaOptions& options, spdlog::logger& log);
 
 // A private arena in anonymous memory (private_arena.cc).
 Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
-                                                 const ArenaOptions& options,
-                                                 spdlog::logger& log);
+                                                 const ArenaOptions& options, spdlog::logger& log);
 
 // Whether the arena is mapped (and stays) writable: when a GPU registration is asked for.
 // cudaHostRegister of a PROT_READ range needs cudaHostRegisterReadOnly, which some GPUs do

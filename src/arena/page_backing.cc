@@ -37,8 +37,8 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
     return d;
   }
   uint64_t free_bytes = free_blocks * kHugePageBytes;
-  std::string free_text = FormatBytes(free_bytes) + " free in 2 MiB blocks for " +
-                          FormatBytes(bytes);
+  std::string free_text =
+      FormatBytes(free_bytes) + " free in 2 MiB blocks for " + FormatBytes(bytes);
   switch (mode) {
     case HugePages::kOff:
       d.note = "2 MiB pages not asked for (--huge off)";
@@ -88,8 +88,8 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
         if (!s.ok()) {
           std::lock_guard lock(mu);
           if (first_error.ok()) {
-            first_error = s.WithContext("bytes " + std::to_string(offset) + "+" +
-                                        std::to_string(length));
+            first_error =
+                s.WithContext("bytes " + std::to_string(offset) + "+" + std::to_string(length));
           }
         }
       }
@@ -124,8 +124,8 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
     std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE %.2f s", *collapsed);
     d.note += buf;
   } else {
-    d.note += "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " +
-              collapsed.status().message();
+    d.note +=
+        "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " + collapsed.status().message();
   }
   return d;
 }

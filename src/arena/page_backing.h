@@ -22,10 +22,10 @@ struct HugeDecision {
 
 // Where the arena's pages come from.
 enum class PageSource {
-  kAnonymous,      // private arena
-  kTmpfs,          // tmpfs without huge= (or huge=advise): 4 KiB pages unless collapsed
-  kTmpfsHuge,      // tmpfs huge=always/within_size (or shmem_enabled=force): 2 MiB at fallocate
-  kHugetlbfs,      // reserved 2 MiB (or larger) pages
+  kAnonymous,  // private arena
+  kTmpfs,      // tmpfs without huge= (or huge=advise): 4 KiB pages unless collapsed
+  kTmpfsHuge,  // tmpfs huge=always/within_size (or shmem_enabled=force): 2 MiB at fallocate
+  kHugetlbfs,  // reserved 2 MiB (or larger) pages
 };
 
 // The page source of a shared file on a filesystem of `kind` mounted with `tmpfs_huge`.

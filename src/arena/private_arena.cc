@@ -11,8 +11,7 @@
 namespace expert_arena::arena {
 
 Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
-                                                 const ArenaOptions& options,
-                                                 spdlog::logger& log) {
+                                                 const ArenaOptions& options, spdlog::logger& log) {
   auto impl = std::make_unique<Arena::Impl>();
   impl->table = std::move(plan.table);
   EA_ASSIGN_OR_RETURN(impl->mapping,

@@ -89,9 +89,9 @@ Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint6
   uint64_t pages = (file_bytes + fs.block_bytes - 1) / fs.block_bytes;
   std::string have = pool.ok() ? std::to_string(pool->free - std::min(pool->free, pool->reserved))
                                : std::string("unknown");
-  return NoSpace("allocate " + path + ": hugetlbfs needs " + std::to_string(pages) + " huge pages of " +
-                 FormatBytes(fs.block_bytes) + " (" + FormatBytes(file_bytes) + ") but has " + have +
-                 " free; set vm.nr_hugepages (e.g. echo " +
+  return NoSpace("allocate " + path + ": hugetlbfs needs " + std::to_string(pages) +
+                 " huge pages of " + FormatBytes(fs.block_bytes) + " (" + FormatBytes(file_bytes) +
+                 ") but has " + have + " free; set vm.nr_hugepages (e.g. echo " +
                  std::to_string(pages + (pool.ok() ? pool->total : 0)) +
                  " > /proc/sys/vm/nr_hugepages) or mount with a larger size=");
 }
@@ -100,20 +100,19 @@ Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint6
 Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
                                                   const platform::FileStat& st,
                                                   const platform::FilesystemInfo& fs,
-                                                  const std::string& path,
-                                                  bool writable) {
+                                                  const std::string& path, bool writable) {
   auto impl = std::make_unique<Arena::Impl>();
-  uint64_t alignment = std::max<uint64_t>(kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs
-                                                              ? fs.block_bytes
-                                                              : kHugePageBytes);
+  uint64_t alignment = std::max<uint64_t>(
+      kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs ? fs.block_bytes : kHugePageBytes);
   EA_ASSIGN_OR_RETURN(impl->mapping, platform::Mapping::MapFile(fd, st.size, writable, alignment));
   // The header region comes first; DecodeHeader checks every offset against the real size.
-  auto summary = format::SummarizeHeader(impl->mapping.bytes().first(
-      std::min<uint64_t>(st.size, sizeof(format::HeaderFixed))));
+  auto summary = format::SummarizeHeader(
+      impl->mapping.bytes().first(std::min<uint64_t>(st.size, sizeof(format::HeaderFixed))));
   uint64_t header_bytes = summary.layout.header_bytes;
-  if (header_bytes == 0 || header_bytes > st.size) header_bytes = std::min<uint64_t>(st.size, format::kHeaderPageBytes);
-  EA_RETURN_IF_ERROR(format::DecodeHeader(impl->mapping.bytes().first(header_bytes), st.size,
-                                          path, &impl->table, nullptr));
+  if (header_bytes == 0 || header_bytes > st.size)
+    header_bytes = std::min<uint64_t>(st.size, format::kHeaderPageBytes);
+  EA_RETURN_IF_ERROR(format::DecodeHeader(impl->mapping.bytes().first(header_bytes), st.size, path,
+                                          &impl->table, nullptr));
   impl->data_offset = header_bytes;
   // A writable mapping (for GPU registration) is populated writable too, so the driver's
   // page walk does not take a write fault per page.
@@ -150,8 +149,7 @@ Status CheckWritesReachedTheFile(const platform::UniqueFd& fd, const platform::M
 }  // namespace
 
 Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
-                                                const ArenaOptions& options,
-                                                spdlog::logger& log) {
+                                                const ArenaOptions& options, spdlog::logger& log) {
 #if !defined(__linux__)
   return Unsupported(options.shared_path + ": shared arena files are implemented on Linux only");
 #else
@@ -183,8 +181,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     // Wait for FILL, noticing when the path is given to a new file meanwhile.
     bool reopen = false;
     for (;;) {
-      EA_ASSIGN_OR_RETURN(bool got_fill, platform::TryLockByte(fd, kFillByte,
-                                                               platform::LockMode::kExclusive));
+      EA_ASSIGN_OR_RETURN(bool got_fill,
+                          platform::TryLockByte(fd, kFillByte, platform::LockMode::kExclusive));
       if (got_fill) break;
       if (!said_waiting) {
         wait_start = Clock::now();
@@ -201,9 +199,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
       }
       if (Clock::now() > deadline) {
         return TimedOut("waited " + std::to_string(static_cast<int>(SecondsSince(start))) +
-                        " s for another engine (pid " + std::to_string(waited_for) +
-                        ") loading " + path +
-                        "; raise the wait timeout or check that process");
+                        " s for another engine (pid " + std::to_string(waited_for) + ") loading " +
+                        path + "; raise the wait timeout or check that process");
       }
       std::this_thread::sleep_for(kPollInterval);
       if (!PathNamesFile(path, st)) {
@@ -233,11 +230,11 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
 
     if (st.size > 0 && why_not.empty()) {
       // A published arena of our model: attach.
-      EA_ASSIGN_OR_RETURN(bool user, platform::TryLockByte(fd, kUserByte,
-                                                           platform::LockMode::kShared));
+      EA_ASSIGN_OR_RETURN(bool user,
+                          platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared));
       if (!user) return Internal(path + ": USER held exclusively while FILL was free");
-      EA_ASSIGN_OR_RETURN(auto impl, MapPublished(std::move(fd), st, fs, path,
-                                                     MapWritableForGpu(options)));
+      EA_ASSIGN_OR_RETURN(auto impl,
+                          MapPublished(std::move(fd), st, fs, path, MapWritableForGpu(options)));
       EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
       impl->report.role = ArenaRole::kAttached;
       impl->report.wait_seconds =
@@ -253,8 +250,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     }
 
     // Replace or load: both need every other engine gone from the file.
-    EA_ASSIGN_OR_RETURN(bool user_excl, platform::TryLockByte(fd, kUserByte,
-                                                              platform::LockMode::kExclusive));
+    EA_ASSIGN_OR_RETURN(bool user_excl,
+                        platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
     if (!user_excl) {
       return Busy(path + " holds " + why_not + " and is in use by another engine; this engine " +
                   "wants " + plan->table.identity_text +
@@ -307,9 +304,9 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
 
     std::byte* data = impl->mapping.data() + impl->data_offset;
     double collapse_seconds = 0;
-    HugeDecision huge = ApplyHugePages(options.huge, PageSourceFor(hugetlbfs, fs.tmpfs_huge),
-                                       impl->mapping.data(),
-                                       impl->mapping.size(), path, &collapse_seconds);
+    HugeDecision huge =
+        ApplyHugePages(options.huge, PageSourceFor(hugetlbfs, fs.tmpfs_huge), impl->mapping.data(),
+                       impl->mapping.size(), path, &collapse_seconds);
     s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
                               platform::Advice::kPopulateWrite, path);
     if (!s.ok()) return fail(s);

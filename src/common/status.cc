@@ -7,17 +7,28 @@ namespace expert_arena {
 
 const char* StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kNotFound: return "not found";
-    case StatusCode::kCorrupt: return "corrupt";
-    case StatusCode::kBusy: return "busy";
-    case StatusCode::kTimedOut: return "timed out";
-    case StatusCode::kNoSpace: return "no space";
-    case StatusCode::kUnsupported: return "unsupported";
-    case StatusCode::kPermission: return "permission denied";
-    case StatusCode::kIoError: return "I/O error";
-    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kNotFound:
+      return "not found";
+    case StatusCode::kCorrupt:
+      return "corrupt";
+    case StatusCode::kBusy:
+      return "busy";
+    case StatusCode::kTimedOut:
+      return "timed out";
+    case StatusCode::kNoSpace:
+      return "no space";
+    case StatusCode::kUnsupported:
+      return "unsupported";
+    case StatusCode::kPermission:
+      return "permission denied";
+    case StatusCode::kIoError:
+      return "I/O error";
+    case StatusCode::kInternal:
+      return "internal error";
   }
   return "unknown";
 }
@@ -35,19 +46,34 @@ Status Status::WithContext(const std::string& context) const {
 Status ErrnoStatus(int err, const std::string& operation, const std::string& path) {
   StatusCode code = StatusCode::kIoError;
   switch (err) {
-    case ENOENT: code = StatusCode::kNotFound; break;
+    case ENOENT:
+      code = StatusCode::kNotFound;
+      break;
     case EACCES:
-    case EPERM: code = StatusCode::kPermission; break;
+    case EPERM:
+      code = StatusCode::kPermission;
+      break;
     case ENOSPC:
     case ENOMEM:
     case EDQUOT:
-    case EFBIG: code = StatusCode::kNoSpace; break;
-    case EWOULDBLOCK: code = StatusCode::kBusy; break;
-    case EINVAL: code = StatusCode::kInvalidArgument; break;
+    case EFBIG:
+      code = StatusCode::kNoSpace;
+      break;
+    case EWOULDBLOCK:
+      code = StatusCode::kBusy;
+      break;
+    case EINVAL:
+      code = StatusCode::kInvalidArgument;
+      break;
     case ENOSYS:
-    case EOPNOTSUPP: code = StatusCode::kUnsupported; break;
-    case ETIMEDOUT: code = StatusCode::kTimedOut; break;
-    default: break;
+    case EOPNOTSUPP:
+      code = StatusCode::kUnsupported;
+      break;
+    case ETIMEDOUT:
+      code = StatusCode::kTimedOut;
+      break;
+    default:
+      break;
   }
   std::string message = operation;
   if (!path.empty()) message += " " + path;

@@ -16,8 +16,8 @@ std::optional<uint64_t> TableBytes(const ArenaTable& table, uint64_t* strings_by
   for (const SourceRecord& s : table.sources) strings += s.path.size();
   for (const TensorRecord& t : table.tensors) strings += t.name.size() + t.dtype.size();
   *strings_bytes = strings;
-  uint64_t entries = table.sources.size() * sizeof(SourceEntry) +
-                     table.tensors.size() * sizeof(TensorEntry);
+  uint64_t entries =
+      table.sources.size() * sizeof(SourceEntry) + table.tensors.size() * sizeof(TensorEntry);
   return sizeof(HeaderFixed) + entries + strings;
 }
 
@@ -130,9 +130,8 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
     entry.checksum = tensor.checksum;
     std::memcpy(base + fixed.tensors_offset + i * sizeof(TensorEntry), &entry, sizeof entry);
   }
-  fixed.table_checksum =
-      Checksum({base + fixed.sources_offset, fixed.strings_offset + strings_bytes -
-                                                 fixed.sources_offset});
+  fixed.table_checksum = Checksum(
+      {base + fixed.sources_offset, fixed.strings_offset + strings_bytes - fixed.sources_offset});
   fixed.header_checksum = 0;
   fixed.header_checksum = XXH3_64bits(&fixed, sizeof fixed);
   std::memcpy(base, &fixed, sizeof fixed);
@@ -208,8 +207,7 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
       !RangeInside(fixed.strings_offset, fixed.strings_bytes, limit) ||
       fixed.strings_offset < fixed.sources_offset) {
     return Corrupt(path + ": tensor table (" + std::to_string(fixed.tensor_count) +
-                   " tensors) points outside the " + std::to_string(limit) +
-                   "-byte header region");
+                   " tensors) points outside the " + std::to_string(limit) + "-byte header region");
   }
   const std::byte* base = region.data();
   uint64_t table_span = fixed.strings_offset + fixed.strings_bytes - fixed.sources_offset;

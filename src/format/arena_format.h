@@ -40,19 +40,19 @@ enum class FileState : uint32_t { kEmpty = 0, kLoading = 1, kPublished = 2 };
 struct HeaderFixed {
   char magic[8];
   uint32_t version;
-  uint32_t fixed_bytes;          // sizeof(HeaderFixed) as written
-  uint64_t header_bytes;         // the header region: a multiple of 2 MiB
-  uint64_t data_bytes;           // the data region
-  uint64_t file_bytes;           // the whole file (>= header_bytes + data_bytes)
-  uint32_t state;                // FileState
+  uint32_t fixed_bytes;   // sizeof(HeaderFixed) as written
+  uint64_t header_bytes;  // the header region: a multiple of 2 MiB
+  uint64_t data_bytes;    // the data region
+  uint64_t file_bytes;    // the whole file (>= header_bytes + data_bytes)
+  uint32_t state;         // FileState
   uint32_t loader_pid;
-  uint64_t loader_start_ticks;   // /proc/<pid>/stat starttime of the loader
+  uint64_t loader_start_ticks;  // /proc/<pid>/stat starttime of the loader
   uint64_t identity_hash;
   char identity_text[kIdentityTextBytes];  // NUL-padded
   uint64_t alignment;
   uint64_t source_count;
   uint64_t tensor_count;
-  uint64_t sources_offset;       // from the file start, inside the header region
+  uint64_t sources_offset;  // from the file start, inside the header region
   uint64_t tensors_offset;
   uint64_t strings_offset;
   uint64_t strings_bytes;
@@ -62,8 +62,8 @@ struct HeaderFixed {
   uint64_t published_unix_ns;
   uint32_t source_entry_bytes;
   uint32_t tensor_entry_bytes;
-  uint64_t table_checksum;       // xxh3-64 of [sources_offset, strings_offset + strings_bytes)
-  uint64_t header_checksum;      // xxh3-64 of this struct with header_checksum = 0
+  uint64_t table_checksum;   // xxh3-64 of [sources_offset, strings_offset + strings_bytes)
+  uint64_t header_checksum;  // xxh3-64 of this struct with header_checksum = 0
   uint8_t reserved[336];
 };
 

@@ -24,20 +24,20 @@ struct SourceRecord {
 
 struct TensorRecord {
   std::string name;
-  std::string dtype;               // "f32", "q8_0", "BF16", ... as the source format names it
-  std::vector<uint64_t> shape;     // at most kMaxDims
-  uint32_t source_index = 0;       // into ArenaTable::sources
-  uint64_t source_offset = 0;      // absolute byte offset in that source file
-  uint64_t arena_offset = 0;       // from the start of the data region
+  std::string dtype;            // "f32", "q8_0", "BF16", ... as the source format names it
+  std::vector<uint64_t> shape;  // at most kMaxDims
+  uint32_t source_index = 0;    // into ArenaTable::sources
+  uint64_t source_offset = 0;   // absolute byte offset in that source file
+  uint64_t arena_offset = 0;    // from the start of the data region
   uint64_t bytes = 0;
-  uint64_t checksum = 0;           // xxh3-64 of the bytes, filled in by the loader
+  uint64_t checksum = 0;  // xxh3-64 of the bytes, filled in by the loader
 };
 
 struct ArenaTable {
   std::vector<SourceRecord> sources;
   std::vector<TensorRecord> tensors;
-  uint64_t alignment = 4096;       // of every arena_offset
-  uint64_t data_bytes = 0;         // the data region: a multiple of 2 MiB
+  uint64_t alignment = 4096;  // of every arena_offset
+  uint64_t data_bytes = 0;    // the data region: a multiple of 2 MiB
   uint64_t identity_hash = 0;
   std::string identity_text;       // human-readable: names the model in messages
   uint64_t model_bytes_total = 0;  // all tensor bytes in the sources, selected or not

@@ -88,8 +88,7 @@ Status ReadFull(const UniqueFd& fd, uint64_t offset, std::span<std::byte> buffer
   EA_ASSIGN_OR_RETURN(size_t got, ReadSome(fd, offset, buffer));
   if (got != buffer.size()) {
     return Corrupt(fd.path() + ": file too short: wanted " + std::to_string(buffer.size()) +
-                   " bytes at offset " + std::to_string(offset) + ", got " +
-                   std::to_string(got));
+                   " bytes at offset " + std::to_string(offset) + ", got " + std::to_string(got));
   }
   return Status::Ok();
 }

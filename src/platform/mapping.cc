@@ -28,8 +28,8 @@ Result<std::byte*> ReserveAligned(uint64_t length, uint64_t alignment, const std
     return InvalidArgument("map " + what + ": length " + std::to_string(length) + " overflows");
   }
   uint64_t reserve = *span + alignment;
-  void* base = ::mmap(nullptr, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                      -1, 0);
+  void* base =
+      ::mmap(nullptr, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) return ErrnoStatus(errno, "reserve address space for", what);
   auto start = reinterpret_cast<uintptr_t>(base);
   uintptr_t aligned = (start + alignment - 1) & ~(static_cast<uintptr_t>(alignment) - 1);
@@ -84,8 +84,8 @@ Result<Mapping> Mapping::MapFile(const UniqueFd& fd, uint64_t length, bool writa
 
 Result<Mapping> Mapping::MapAnonymous(uint64_t length, uint64_t alignment) {
   EA_ASSIGN_OR_RETURN(std::byte * where, ReserveAligned(length, alignment, "anonymous memory"));
-  void* got = ::mmap(where, length, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  void* got =
+      ::mmap(where, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (got == MAP_FAILED) {
     int err = errno;
     ::munmap(where, length);
@@ -103,12 +103,18 @@ Status Mapping::MakeReadOnly() {
 
 const char* AdviceName(Advice advice) {
   switch (advice) {
-    case Advice::kPopulateRead: return "MADV_POPULATE_READ";
-    case Advice::kPopulateWrite: return "MADV_POPULATE_WRITE";
-    case Advice::kHugePage: return "MADV_HUGEPAGE";
-    case Advice::kNoHugePage: return "MADV_NOHUGEPAGE";
-    case Advice::kCollapse: return "MADV_COLLAPSE";
-    case Advice::kDontNeed: return "MADV_DONTNEED";
+    case Advice::kPopulateRead:
+      return "MADV_POPULATE_READ";
+    case Advice::kPopulateWrite:
+      return "MADV_POPULATE_WRITE";
+    case Advice::kHugePage:
+      return "MADV_HUGEPAGE";
+    case Advice::kNoHugePage:
+      return "MADV_NOHUGEPAGE";
+    case Advice::kCollapse:
+      return "MADV_COLLAPSE";
+    case Advice::kDontNeed:
+      return "MADV_DONTNEED";
   }
   return "madvise";
 }
@@ -116,12 +122,24 @@ const char* AdviceName(Advice advice) {
 Status AdviseRange(void* data, uint64_t length, Advice advice, const std::string& what) {
   int flag = 0;
   switch (advice) {
-    case Advice::kPopulateRead: flag = MADV_POPULATE_READ; break;
-    case Advice::kPopulateWrite: flag = MADV_POPULATE_WRITE; break;
-    case Advice::kHugePage: flag = MADV_HUGEPAGE; break;
-    case Advice::kNoHugePage: flag = MADV_NOHUGEPAGE; break;
-    case Advice::kCollapse: flag = MADV_COLLAPSE; break;
-    case Advice::kDontNeed: flag = MADV_DONTNEED; break;
+    case Advice::kPopulateRead:
+      flag = MADV_POPULATE_READ;
+      break;
+    case Advice::kPopulateWrite:
+      flag = MADV_POPULATE_WRITE;
+      break;
+    case Advice::kHugePage:
+      flag = MADV_HUGEPAGE;
+      break;
+    case Advice::kNoHugePage:
+      flag = MADV_NOHUGEPAGE;
+      break;
+    case Advice::kCollapse:
+      flag = MADV_COLLAPSE;
+      break;
+    case Advice::kDontNeed:
+      flag = MADV_DONTNEED;
+      break;
   }
   while (::madvise(data, length, flag) != 0) {
     // MADV_POPULATE_* returns EINTR when a signal arrives mid-way; the rest is still wanted.

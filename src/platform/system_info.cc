@@ -1,8 +1,8 @@
 #include "platform/system_info.h"
 
+#include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
-#include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -27,9 +27,12 @@ namespace expert_arena::platform {
 
 const char* FsKindName(FsKind kind) {
   switch (kind) {
-    case FsKind::kTmpfs: return "tmpfs";
-    case FsKind::kHugetlbfs: return "hugetlbfs";
-    case FsKind::kOther: return "other";
+    case FsKind::kTmpfs:
+      return "tmpfs";
+    case FsKind::kHugetlbfs:
+      return "hugetlbfs";
+    case FsKind::kOther:
+      return "other";
   }
   return "other";
 }
@@ -41,8 +44,7 @@ namespace {
 std::string TmpfsHugeOption(dev_t device) {
   std::ifstream in("/proc/self/mountinfo");
   std::string line;
-  const std::string wanted =
-      std::to_string(major(device)) + ":" + std::to_string(minor(device));
+  const std::string wanted = std::to_string(major(device)) + ":" + std::to_string(minor(device));
   while (std::getline(in, line)) {
     std::istringstream words(line);
     std::string id, parent, dev;

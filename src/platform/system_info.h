@@ -17,7 +17,7 @@ const char* FsKindName(FsKind kind);
 
 struct FilesystemInfo {
   FsKind kind = FsKind::kOther;
-  uint64_t block_bytes = 0;      // f_bsize: the huge page size on hugetlbfs
+  uint64_t block_bytes = 0;  // f_bsize: the huge page size on hugetlbfs
   uint64_t total_bytes = 0;
   uint64_t available_bytes = 0;  // f_bavail * f_frsize
   // tmpfs only: the mount's huge= option ("never" when absent, "always", "within_size",

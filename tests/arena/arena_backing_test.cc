@@ -18,9 +18,12 @@ enum class Backing { kDevShm, kTmpfsHuge, kHugetlbfs };
 
 std::string BackingName(const ::testing::TestParamInfo<Backing>& info) {
   switch (info.param) {
-    case Backing::kDevShm: return "DevShm";
-    case Backing::kTmpfsHuge: return "TmpfsHugeAlways";
-    case Backing::kHugetlbfs: return "Hugetlbfs";
+    case Backing::kDevShm:
+      return "DevShm";
+    case Backing::kTmpfsHuge:
+      return "TmpfsHugeAlways";
+    case Backing::kHugetlbfs:
+      return "Hugetlbfs";
   }
   return "unknown";
 }
@@ -53,8 +56,8 @@ TEST_P(ArenaBackingTest, LoadAndAttachAcrossProcessesOnTwoMiBPages) {
   std::string line = l["line"];
   EXPECT_NE(line.find("on 2 MiB pages"), std::string::npos) << line;
   uint64_t mapping = kModelBytes + 2 * kMiB;  // header page + data
-  bool asked = line.find("2 MiB pages asked for") != std::string::npos ||
-               GetParam() != Backing::kDevShm;
+  bool asked =
+      line.find("2 MiB pages asked for") != std::string::npos || GetParam() != Backing::kDevShm;
   if (!asked) GTEST_SKIP() << "free 2 MiB blocks too few to ask for huge pages: " << line;
   EXPECT_EQ(l["huge"], mapping) << line;
   EXPECT_EQ(a["huge"], mapping) << a["line"];

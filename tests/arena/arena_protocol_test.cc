@@ -1,8 +1,8 @@
 // The shared-arena protocol with real engine processes: load once, wait, attach, restart,
 // replace, refuse, survive a killed loader, and eight engines racing on a fresh file.
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -93,15 +93,16 @@ TEST_F(ArenaProtocolTest, RestartAttachesWithoutReadingTheModel) {
 TEST_F(ArenaProtocolTest, AnotherModelIsRefusedWhileMappedAndReplacedOnceUnused) {
   Child holder = StartEngine("none", /*hold=*/true);
   ASSERT_TRUE(holder.WaitForOutput("HOLDING", 60)) << holder.Output();
-  ScopedDataFile other(kModelBytes, 2);        // same size, another model
-  ScopedDataFile bigger(kModelBytes * 2, 3);   // another size
+  ScopedDataFile other(kModelBytes, 2);       // same size, another model
+  ScopedDataFile bigger(kModelBytes * 2, 3);  // another size
   for (const std::string& path : {other.path(), bigger.path()}) {
     Child rival = StartEngine("none", false, path);
     nlohmann::json r = Finish(rival, 1);
     std::string error = r["error"];
     EXPECT_EQ(r["code"], "busy");
     EXPECT_NE(error.find(arena_.path()), std::string::npos) << error;
-    EXPECT_NE(error.find(model_.path()), std::string::npos) << "names the model in the file: " << error;
+    EXPECT_NE(error.find(model_.path()), std::string::npos)
+        << "names the model in the file: " << error;
     EXPECT_NE(error.find(path), std::string::npos) << "names the wanted model: " << error;
   }
   Release();
@@ -124,8 +125,8 @@ TEST_F(ArenaProtocolTest, LoaderKilledBeforePublishingLeavesTheFileToTheNextEngi
   nlohmann::json rb = Finish(b);
   nlohmann::json rc = Finish(c);
   std::multiset<std::string> roles = {rb["role"], rc["role"]};
-  EXPECT_EQ(roles, (std::multiset<std::string>{"attached", "loaded"}))
-      << rb.dump() << "\n" << rc.dump();
+  EXPECT_EQ(roles, (std::multiset<std::string>{"attached", "loaded"})) << rb.dump() << "\n"
+                                                                       << rc.dump();
   EXPECT_EQ(rb["sum"], FileSum(model_.path()));
   EXPECT_EQ(rc["sum"], rb["sum"]);
   ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(arena_.path()));
@@ -306,9 +307,8 @@ TEST_F(DamagedArenaTest, OffsetsPastTheEnd) {
 }
 
 TEST_F(DamagedArenaTest, CorruptedDataFailsVerifyNamingTheTensor) {
-  PublishThenDamage([](int fd, uint64_t) {
-    WriteThroughMapping(fd, format::kHeaderPageBytes + 12345, "x", 1);
-  });
+  PublishThenDamage(
+      [](int fd, uint64_t) { WriteThroughMapping(fd, format::kHeaderPageBytes + 12345, "x", 1); });
   format::ArenaTable table;
   ASSERT_OK_AND_ASSIGN(int64_t bad, arena::VerifyArenaFile(arena_.path(), &table));
   ASSERT_EQ(bad, 0);

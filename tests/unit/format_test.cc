@@ -14,8 +14,8 @@ ArenaTable MakeTable(size_t tensors, uint64_t bytes_each) {
   table.sources.push_back({"/models/m.gguf", 123456789, 42});
   for (size_t i = 0; i < tensors; ++i) {
     TensorRecord t;
-    t.name = "blk." + std::to_string(i / 128) + ".ffn_up_exps." + std::to_string(i % 128) +
-             ".weight";
+    t.name =
+        "blk." + std::to_string(i / 128) + ".ffn_up_exps." + std::to_string(i % 128) + ".weight";
     t.dtype = "q8_0";
     t.shape = {4096, 1536};
     t.bytes = bytes_each;
@@ -130,8 +130,7 @@ TEST_F(CorruptHeaderTest, FlippedTableByteFailsTheTableChecksum) {
 }
 
 TEST_F(CorruptHeaderTest, TruncatedFile) {
-  EXPECT_NE(DecodeError(layout_.file_bytes - kHugePageBytes).find("file has"),
-            std::string::npos);
+  EXPECT_NE(DecodeError(layout_.file_bytes - kHugePageBytes).find("file has"), std::string::npos);
 }
 
 TEST_F(CorruptHeaderTest, DataRegionPastTheEnd) {
@@ -155,8 +154,8 @@ TEST_F(CorruptHeaderTest, TensorPointsPastTheData) {
   e.arena_offset = f.data_bytes - 10;
   e.bytes = 100;
   std::memcpy(header_.data() + f.tensors_offset, &e, sizeof e);
-  f.table_checksum = Checksum({header_.data() + f.sources_offset,
-                               f.strings_offset + f.strings_bytes - f.sources_offset});
+  f.table_checksum = Checksum(
+      {header_.data() + f.sources_offset, f.strings_offset + f.strings_bytes - f.sources_offset});
   Store(f);
   EXPECT_NE(DecodeError(layout_.file_bytes).find("past the end"), std::string::npos);
 }

@@ -2,6 +2,7 @@
 // at least half of the arena, said either way, with an override; never on pages the
 // filesystem already gives (or reserves) as 2 MiB.
 #include "arena/page_backing.h"
+
 #include "common/units.h"
 #include "test_util.h"
 

@@ -1,4 +1,5 @@
 // expert-arena load: load the arena, or attach when another engine loaded it.
+#include <poll.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -8,7 +9,6 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <poll.h>
 
 #include "commands.h"
 #include "expert_arena/arena.h"
@@ -58,7 +58,7 @@ int RunLoad(const LoadArgs& args) {
   model.alignment = args.alignment;
   ArenaOptions options;
   options.shared_path = args.arena;
-  options.huge = args.huge == "on" ? HugePages::kOn
+  options.huge = args.huge == "on"    ? HugePages::kOn
                  : args.huge == "off" ? HugePages::kOff
                                       : HugePages::kAuto;
   options.wait_timeout_seconds = args.wait_timeout;
@@ -105,8 +105,8 @@ int RunLoad(const LoadArgs& args) {
 
 void RegisterLoad(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<LoadArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "load", "Load the arena, or attach when another engine loaded it");
+  CLI::App* cmd =
+      app.add_subcommand("load", "Load the arena, or attach when another engine loaded it");
   cmd->add_option("--model", args->models, "Model file (repeat for shards)")->required();
   cmd->add_option("--arena", args->arena, "Shared arena file (tmpfs or hugetlbfs)")->required();
   CLI::Option* select =
