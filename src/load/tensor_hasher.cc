@@ -14,7 +14,7 @@ TensorHasher::TensorHasher(const ReadPlan& plan, std::span<const std::byte> data
 
 TensorHasher::~TensorHasher() {
   for (size_t t = 0; t < tensor_count_; ++t) {
-    if (tensors_[t].state != nullptr) XXH3_freeState(tensors_[t].state);
+    if (tensors_[t].state != nullptr) FastXxh3Free(tensors_[t].state);
   }
 }
 
@@ -26,8 +26,8 @@ void TensorHasher::Advance(size_t t) {
   if (end - first <= 1) {
     if (first == end || arrived_[first].load()) {
       const ReadPiece* p = first == end ? nullptr : &plan_.pieces[first];
-      s.checksum = p == nullptr ? XXH3_64bits(nullptr, 0)
-                                : XXH3_64bits(data_.data() + p->arena_offset, p->bytes);
+      s.checksum = p == nullptr ? FastXxh3(nullptr, 0)
+                                : FastXxh3(data_.data() + p->arena_offset, p->bytes);
       s.next = end;
       s.done = true;
     }
@@ -35,16 +35,16 @@ void TensorHasher::Advance(size_t t) {
   }
   while (s.next < end && arrived_[s.next].load()) {
     if (s.next == first) {
-      s.state = XXH3_createState();
-      XXH3_64bits_reset(s.state);
+      s.state = FastXxh3Create();
+      FastXxh3Reset(s.state);
     }
     const ReadPiece& p = plan_.pieces[s.next];
-    XXH3_64bits_update(s.state, data_.data() + p.arena_offset, p.bytes);
+    FastXxh3Update(s.state, data_.data() + p.arena_offset, p.bytes);
     ++s.next;
   }
   if (s.next == end) {
-    s.checksum = XXH3_64bits_digest(s.state);
-    XXH3_freeState(s.state);
+    s.checksum = FastXxh3Digest(s.state);
+    FastXxh3Free(s.state);
     s.state = nullptr;
     s.done = true;
   }

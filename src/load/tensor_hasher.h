@@ -12,8 +12,6 @@
 // stopped.
 #pragma once
 
-#include <xxhash.h>
-
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +20,7 @@
 #include <vector>
 
 #include "expert_arena/status.h"
+#include "load/fast_xxh3.h"
 #include "load/read_plan.h"
 
 namespace expert_arena::load {
@@ -44,7 +43,7 @@ class TensorHasher {
   struct alignas(64) TensorState {
     std::atomic<bool> busy{false};
     size_t next = 0;               // the next piece to hash (guarded by busy)
-    XXH3_state_t* state = nullptr; // for tensors of more than one piece
+    FastXxh3State* state = nullptr;  // for tensors of more than one piece
     uint64_t checksum = 0;
     bool done = false;
   };
