@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
               warm_memcpy, gib / warm_memcpy, warm_memcpy / warm_load);
   std::printf("| warm, parts: 2-thread pread of the same pieces (kernel copy, no checksum) | %.3f | "
               "%.2f | |\n", Median(pread_s), gib / Median(pread_s));
-  std::printf("| warm, parts: 2-thread xxh3 of the tensors in the buffer | %.3f | %.2f | |\n",
+  std::printf("| warm, parts: 2-thread xxh3 (library build) of the tensors in the buffer | %.3f | %.2f | |\n",
               Median(hash_s), gib / Median(hash_s));
 
   if (!skip_cp) {

@@ -5,6 +5,7 @@
 #include <random>
 #include <thread>
 
+#include "load/fast_xxh3.h"
 #include "load/read_plan.h"
 #include "load/tensor_hasher.h"
 #include "test_util.h"
@@ -141,6 +142,28 @@ TEST(TensorHasherTest, AnyArrivalOrderGivesTheOneShotHash) {
                                      table.tensors[t].bytes));
     }
   }
+}
+
+// The loader's xxh3 (AVX2 where the CPU has it) gives the library's values, one-shot and
+// streamed in uneven pieces.
+TEST(TensorHasherTest, FastXxh3MatchesTheLibrary) {
+  std::vector<std::byte> data(3 * 1024 * 1024 + 17);
+  std::mt19937_64 rng(3);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  for (size_t n : {size_t{0}, size_t{1}, size_t{16}, size_t{17}, size_t{128}, size_t{129},
+                   size_t{240}, size_t{241}, size_t{1024}, size_t{100000}, data.size()}) {
+    EXPECT_EQ(FastXxh3(data.data(), n), XXH3_64bits(data.data(), n)) << n;
+    FastXxh3State* s = FastXxh3Create();
+    FastXxh3Reset(s);
+    for (size_t at = 0; at < n;) {
+      size_t step = std::min<size_t>(n - at, 1 + rng() % 70000);
+      FastXxh3Update(s, data.data() + at, step);
+      at += step;
+    }
+    EXPECT_EQ(FastXxh3Digest(s), XXH3_64bits(data.data(), n)) << n;
+    FastXxh3Free(s);
+  }
+  RecordProperty("variant", FastXxh3Variant());
 }
 
 TEST(TensorHasherTest, AMissingPieceIsAnError) {
