@@ -38,7 +38,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -75,11 +77,14 @@ double TimeCommand(const std::string& command) {
 // 4 MiB pieces in order.
 double MemcpyTensors(const format::ArenaTable& table, const std::byte* source, std::byte* arena,
                      unsigned threads) {
-  struct Piece { uint64_t from, to, bytes; };
+  struct Piece {
+    uint64_t from, to, bytes;
+  };
   std::vector<Piece> pieces;
   for (const auto& t : table.tensors) {
     for (uint64_t at = 0; at < t.bytes; at += 4 * kMiB) {
-      pieces.push_back({t.source_offset + at, t.arena_offset + at, std::min(4 * kMiB, t.bytes - at)});
+      pieces.push_back(
+          {t.source_offset + at, t.arena_offset + at, std::min(4 * kMiB, t.bytes - at)});
     }
   }
   std::atomic<size_t> next{0};
@@ -99,11 +104,14 @@ double MemcpyTensors(const format::ArenaTable& table, const std::byte* source, s
 // The same pieces with pread (the kernel's copy from the page cache), no checksums.
 double PreadTensors(const format::ArenaTable& table, const platform::UniqueFd& fd, std::byte* arena,
                     unsigned threads) {
-  struct Piece { uint64_t from, to, bytes; };
+  struct Piece {
+    uint64_t from, to, bytes;
+  };
   std::vector<Piece> pieces;
   for (const auto& t : table.tensors) {
     for (uint64_t at = 0; at < t.bytes; at += 4 * kMiB) {
-      pieces.push_back({t.source_offset + at, t.arena_offset + at, std::min(4 * kMiB, t.bytes - at)});
+      pieces.push_back(
+          {t.source_offset + at, t.arena_offset + at, std::min(4 * kMiB, t.bytes - at)});
     }
   }
   std::atomic<size_t> next{0};
@@ -168,10 +176,13 @@ int main(int argc, char** argv) {
   // The destination: anonymous memory on 2 MiB pages, populated before anything is timed.
   auto buffer = platform::Mapping::MapAnonymous(table.data_bytes, kHugePageBytes);
   Check(buffer.ok() ? Status::Ok() : buffer.status(), "buffer");
-  (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kHugePage, "buffer");
+  (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kHugePage,
+                              "buffer");
   Check(platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kPopulateWrite,
-                              "buffer"), "populate");
-  (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kCollapse, "buffer");
+                              "buffer"),
+        "populate");
+  (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kCollapse,
+                              "buffer");
   auto huge = platform::HugeBytesInRange(buffer->data(), buffer->size());
 
   // Warm the page cache with the model and map it, faulted in, for the memcpy baseline.
@@ -181,7 +192,8 @@ int main(int argc, char** argv) {
   auto source = platform::Mapping::MapFile(*fd, st->size, false, kHugePageBytes);
   Check(source.ok() ? Status::Ok() : source.status(), "map model");
   Check(platform::AdviseRange(source->data(), source->size(), platform::Advice::kPopulateRead,
-                              "model"), "populate model");
+                              "model"),
+        "populate model");
 
   std::vector<double> memcpy_s, load_s, pread_s, hash_s;
   load::LoadResult last;
@@ -202,21 +214,29 @@ int main(int argc, char** argv) {
   }
   source->Reset();
 
-  std::printf("model: %s, %zu tensors, %.2f GiB; buffer %.2f of %.2f GiB on 2 MiB pages; "
-              "reader %s\n\n",
-              model.c_str(), table.tensors.size(), gib,
-              huge.ok() ? static_cast<double>(*huge) / kGiB : -1.0,
-              static_cast<double>(buffer->size()) / kGiB, last.reader.c_str());
-  std::printf("| case | seconds (median of %d) | GiB/s | load vs peer |\n|---|---|---|---|\n", runs);
+  std::printf(
+      "model: %s, %zu tensors, %.2f GiB; buffer %.2f of %.2f GiB on 2 MiB pages; "
+      "reader %s\n\n",
+      model.c_str(), table.tensors.size(), gib,
+      huge.ok() ? static_cast<double>(*huge) / kGiB : -1.0,
+      static_cast<double>(buffer->size()) / kGiB, last.reader.c_str());
+  std::printf("| case | seconds (median of %d) | GiB/s | load vs peer |\n|---|---|---|---|\n",
+              runs);
   const double warm_load = Median(load_s), warm_memcpy = Median(memcpy_s);
-  std::printf("| warm: LoadTensors (%s, xxh3 included) into populated 2 MiB buffer | %.3f | %.2f | |\n",
-              last.reader.c_str(), warm_load, gib / warm_load);
-  std::printf("| warm: 2-thread memcpy from pre-faulted mapping, same buffer | %.3f | %.2f | %.2fx |\n",
-              warm_memcpy, gib / warm_memcpy, warm_memcpy / warm_load);
-  std::printf("| warm, parts: 2-thread pread of the same pieces (kernel copy, no checksum) | %.3f | "
-              "%.2f | |\n", Median(pread_s), gib / Median(pread_s));
-  std::printf("| warm, parts: 2-thread xxh3 (library build) of the tensors in the buffer | %.3f | %.2f | |\n",
-              Median(hash_s), gib / Median(hash_s));
+  std::printf(
+      "| warm: LoadTensors (%s, xxh3 included) into populated 2 MiB buffer | %.3f | %.2f | |\n",
+      last.reader.c_str(), warm_load, gib / warm_load);
+  std::printf(
+      "| warm: 2-thread memcpy from pre-faulted mapping, same buffer | %.3f | %.2f | %.2fx |\n",
+      warm_memcpy, gib / warm_memcpy, warm_memcpy / warm_load);
+  std::printf(
+      "| warm, parts: 2-thread pread of the same pieces (kernel copy, no checksum) | %.3f | "
+      "%.2f | |\n",
+      Median(pread_s), gib / Median(pread_s));
+  std::printf(
+      "| warm, parts: 2-thread xxh3 (library build) of the tensors in the buffer | %.3f | %.2f | "
+      "|\n",
+      Median(hash_s), gib / Median(hash_s));
 
   if (!skip_cp) {
     buffer->Reset();  // keep the footprint at model + one copy
@@ -239,8 +259,10 @@ int main(int argc, char** argv) {
       (void)platform::UnlinkPath(arena);
     }
     const double cp = Median(cp_s), e2e = Median(e2e_s);
-    std::printf("| warm: Arena::Open end to end into /dev/shm (allocate, 2 MiB pages, read, "
-                "publish) | %.3f | %.2f | |\n", e2e, gib / e2e);
+    std::printf(
+        "| warm: Arena::Open end to end into /dev/shm (allocate, 2 MiB pages, read, "
+        "publish) | %.3f | %.2f | |\n",
+        e2e, gib / e2e);
     std::printf("| warm: cp model /dev/shm/x | %.3f | %.2f | %.2fx |\n", cp, gib / cp, cp / e2e);
   }
 
@@ -249,16 +271,19 @@ int main(int argc, char** argv) {
       buffer = platform::Mapping::MapAnonymous(table.data_bytes, kHugePageBytes);
       Check(buffer.ok() ? Status::Ok() : buffer.status(), "buffer");
       (void)platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kHugePage, "b");
-      Check(platform::AdviseRange(buffer->data(), buffer->size(),
-                                  platform::Advice::kPopulateWrite, "buffer"), "populate");
+      Check(platform::AdviseRange(buffer->data(), buffer->size(), platform::Advice::kPopulateWrite,
+                                  "buffer"),
+            "populate");
     }
     std::vector<double> dd_s, cold_s;
     for (int r = 0; r < runs; ++r) {
       if (!DropCaches()) {
-        std::printf("\n(cold runs skipped: /proc/sys/vm/drop_caches is not writable; run as root)\n");
+        std::printf(
+            "\n(cold runs skipped: /proc/sys/vm/drop_caches is not writable; run as root)\n");
         break;
       }
-      dd_s.push_back(TimeCommand("dd if=" + model + " of=/dev/null bs=4M iflag=direct status=none"));
+      dd_s.push_back(
+          TimeCommand("dd if=" + model + " of=/dev/null bs=4M iflag=direct status=none"));
       DropCaches();
       load::LoadRequest request;
       request.data = buffer->bytes();
@@ -275,11 +300,12 @@ int main(int argc, char** argv) {
       // dd reads the whole file; the loader the tensors. Compare rates.
       const double dd = Median(dd_s), cold = Median(cold_s);
       const double file_gib = static_cast<double>(st->size) / kGiB;
-      std::printf("| cold: LoadTensors (%s, %.0f%% O_DIRECT, %.0f%% through bounce buffers) | "
-                  "%.3f | %.2f | %.2fx |\n",
-                  last.reader.c_str(), 100.0 * last.direct_bytes / last.bytes_read,
-                  100.0 * last.bounce_bytes / last.bytes_read, cold, gib / cold,
-                  (gib / cold) / (file_gib / dd));
+      std::printf(
+          "| cold: LoadTensors (%s, %.0f%% O_DIRECT, %.0f%% through bounce buffers) | "
+          "%.3f | %.2f | %.2fx |\n",
+          last.reader.c_str(), 100.0 * last.direct_bytes / last.bytes_read,
+          100.0 * last.bounce_bytes / last.bytes_read, cold, gib / cold,
+          (gib / cold) / (file_gib / dd));
       std::printf("| cold: dd bs=4M iflag=direct | %.3f | %.2f | |\n", dd, file_gib / dd);
     }
   }

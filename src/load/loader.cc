@@ -123,12 +123,12 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   if (request.reader != "auto" && request.reader != "io_uring" && request.reader != "pread") {
     return InvalidArgument("reader must be auto, io_uring or pread, not " + request.reader);
   }
-  const uint64_t chunk_bytes =
-      std::clamp<uint64_t>(request.chunk_bytes ? request.chunk_bytes : kDefaultChunkBytes,
-                           64 * kKiB, 256 * kMiB);
-  const unsigned queue_depth = std::clamp(request.queue_depth ? request.queue_depth
-                                                              : kDefaultQueueDepth, 1u, 256u);
-  const unsigned threads = std::clamp(request.threads ? request.threads : DefaultThreads(), 1u, 64u);
+  const uint64_t chunk_bytes = std::clamp<uint64_t>(
+      request.chunk_bytes ? request.chunk_bytes : kDefaultChunkBytes, 64 * kKiB, 256 * kMiB);
+  const unsigned queue_depth =
+      std::clamp(request.queue_depth ? request.queue_depth : kDefaultQueueDepth, 1u, 256u);
+  const unsigned threads =
+      std::clamp(request.threads ? request.threads : DefaultThreads(), 1u, 64u);
   EA_ASSIGN_OR_RETURN(OpenSources sources, OpenAndCheck(table, request.data, request.direct_io));
   const ReadPlan plan = PlanReads(table, sources.access,
                                   reinterpret_cast<uintptr_t>(request.data.data()), chunk_bytes);

@@ -27,25 +27,25 @@ class logger;
 namespace expert_arena::load {
 
 struct LoadRequest {
-  std::span<std::byte> data;      // the arena's data region, writable
-  std::string reader = "auto";    // "auto", "io_uring", "pread"
-  bool progress = false;          // a progress line on stderr when it is a terminal
+  std::span<std::byte> data;    // the arena's data region, writable
+  std::string reader = "auto";  // "auto", "io_uring", "pread"
+  bool progress = false;        // a progress line on stderr when it is a terminal
   spdlog::logger* logger = nullptr;
   // Tuning (0: the default). Reads of up to chunk_bytes; queue_depth reads in flight per
   // io_uring thread for uncached data; `threads` readers (default: one per CPU, 2 to 8).
   uint64_t chunk_bytes = 0;
   unsigned queue_depth = 0;
   unsigned threads = 0;
-  bool direct_io = true;          // O_DIRECT where the source and alignment allow it
+  bool direct_io = true;  // O_DIRECT where the source and alignment allow it
 };
 
 struct LoadResult {
   uint64_t bytes_read = 0;
-  uint64_t direct_bytes = 0;      // of which read with O_DIRECT
-  uint64_t bounce_bytes = 0;      // of which through bounce buffers (misaligned in the file)
+  uint64_t direct_bytes = 0;  // of which read with O_DIRECT
+  uint64_t bounce_bytes = 0;  // of which through bounce buffers (misaligned in the file)
   double seconds = 0;
-  std::string reader;             // "io_uring" or "pread"
-  std::string note;               // why io_uring was not used, when it was not
+  std::string reader;  // "io_uring" or "pread"
+  std::string note;    // why io_uring was not used, when it was not
 };
 
 // Reads every tensor of `table` from its source into data[arena_offset, +bytes) and sets its

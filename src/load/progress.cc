@@ -38,8 +38,8 @@ void ProgressLine::Run() {
     double rate = static_cast<double>(done) / elapsed;
     double left = rate > 0 ? static_cast<double>(total_ - std::min(done, total_)) / rate : 0;
     std::fprintf(stderr, "\rexpert-arena: loading %.2f / %.2f GiB, %.2f GiB/s, %.0f s left   ",
-                 static_cast<double>(done) / kGiB, static_cast<double>(total_) / kGiB,
-                 rate / kGiB, left);
+                 static_cast<double>(done) / kGiB, static_cast<double>(total_) / kGiB, rate / kGiB,
+                 left);
     std::fflush(stderr);
     drawn = true;
   }

@@ -22,11 +22,11 @@
 namespace expert_arena::load {
 
 struct ReadPiece {
-  uint32_t tensor = 0;        // index into table.tensors
+  uint32_t tensor = 0;  // index into table.tensors
   uint32_t source = 0;
-  bool direct = false;        // through the O_DIRECT descriptor
-  bool bounce = false;        // direct into a bounce buffer, then copied (misaligned)
-  bool cached = false;        // its pages were in the page cache when planned
+  bool direct = false;  // through the O_DIRECT descriptor
+  bool bounce = false;  // direct into a bounce buffer, then copied (misaligned)
+  bool cached = false;  // its pages were in the page cache when planned
   uint64_t source_offset = 0;
   uint64_t arena_offset = 0;  // from the start of the data region
   uint64_t bytes = 0;
@@ -39,11 +39,11 @@ struct SourceAccess {
 };
 
 struct ReadPlan {
-  std::vector<ReadPiece> pieces;        // tensor by tensor, each tensor's pieces in order
-  std::vector<size_t> tensor_first;     // tensor t's pieces: [tensor_first[t], tensor_first[t+1])
+  std::vector<ReadPiece> pieces;     // tensor by tensor, each tensor's pieces in order
+  std::vector<size_t> tensor_first;  // tensor t's pieces: [tensor_first[t], tensor_first[t+1])
   uint64_t total_bytes = 0;
-  uint64_t direct_bytes = 0;     // read with O_DIRECT (bounced ones included)
-  uint64_t bounce_bytes = 0;     // of which through a bounce buffer
+  uint64_t direct_bytes = 0;  // read with O_DIRECT (bounced ones included)
+  uint64_t bounce_bytes = 0;  // of which through a bounce buffer
 };
 
 // The aligned file range a bounced piece reads: [first, first + bytes).

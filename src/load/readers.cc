@@ -218,7 +218,8 @@ void PreadWorker(ReadJob& job) {
 Status RunUringReaders(ReadJob& job, std::vector<platform::IoRing>& rings, unsigned queue_depth) {
   std::vector<std::thread> threads;
   for (size_t i = 1; i < rings.size(); ++i) {
-    threads.emplace_back([&job, &rings, i, queue_depth] { UringWorker(job, rings[i], queue_depth); });
+    threads.emplace_back(
+        [&job, &rings, i, queue_depth] { UringWorker(job, rings[i], queue_depth); });
   }
   UringWorker(job, rings[0], queue_depth);
   for (auto& t : threads) t.join();

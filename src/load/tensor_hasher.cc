@@ -26,8 +26,8 @@ void TensorHasher::Advance(size_t t) {
   if (end - first <= 1) {
     if (first == end || arrived_[first].load()) {
       const ReadPiece* p = first == end ? nullptr : &plan_.pieces[first];
-      s.checksum = p == nullptr ? FastXxh3(nullptr, 0)
-                                : FastXxh3(data_.data() + p->arena_offset, p->bytes);
+      s.checksum =
+          p == nullptr ? FastXxh3(nullptr, 0) : FastXxh3(data_.data() + p->arena_offset, p->bytes);
       s.next = end;
       s.done = true;
     }

@@ -42,7 +42,7 @@ class TensorHasher {
  private:
   struct alignas(64) TensorState {
     std::atomic<bool> busy{false};
-    size_t next = 0;               // the next piece to hash (guarded by busy)
+    size_t next = 0;                 // the next piece to hash (guarded by busy)
     FastXxh3State* state = nullptr;  // for tensors of more than one piece
     uint64_t checksum = 0;
     bool done = false;

@@ -44,8 +44,7 @@ Result<IoRing> IoRing::Create(unsigned entries) {
   return ring;
 }
 
-bool IoRing::QueueRead(int fd, void* buffer, uint32_t bytes, uint64_t offset,
-                       uint64_t user_data) {
+bool IoRing::QueueRead(int fd, void* buffer, uint32_t bytes, uint64_t offset, uint64_t user_data) {
   io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
   if (sqe == nullptr) return false;
   io_uring_prep_read(sqe, fd, buffer, bytes, offset);

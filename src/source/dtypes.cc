@@ -46,10 +46,10 @@ constexpr std::array<GgmlType, 33> kGgmlTypes = {{
 }};
 
 constexpr std::array<SafetensorsDtype, 20> kSafetensorsDtypes = {{
-    {"BOOL", 8},     {"U8", 8},       {"I8", 8},       {"F8_E5M2", 8},  {"F8_E4M3", 8},
-    {"F8_E8M0", 8},  {"I16", 16},     {"U16", 16},     {"F16", 16},     {"BF16", 16},
-    {"I32", 32},     {"U32", 32},     {"F32", 32},     {"F64", 64},     {"I64", 64},
-    {"U64", 64},     {"C64", 64},     {"F4", 4},       {"F6_E2M3", 6},  {"F6_E3M2", 6},
+    {"BOOL", 8},    {"U8", 8},   {"I8", 8},   {"F8_E5M2", 8}, {"F8_E4M3", 8},
+    {"F8_E8M0", 8}, {"I16", 16}, {"U16", 16}, {"F16", 16},    {"BF16", 16},
+    {"I32", 32},    {"U32", 32}, {"F32", 32}, {"F64", 64},    {"I64", 64},
+    {"U64", 64},    {"C64", 64}, {"F4", 4},   {"F6_E2M3", 6}, {"F6_E3M2", 6},
 }};
 
 std::optional<uint64_t> ElementCount(std::span<const uint64_t> shape, std::string* why) {

@@ -15,9 +15,9 @@ namespace expert_arena::source {
 
 struct GgmlType {
   uint32_t id;
-  const char* name;       // lowercase ggml name: "f32", "q8_0", "q4_k", "iq2_xxs", ...
-  uint32_t block_elems;   // elements per block (1 for plain types)
-  uint32_t block_bytes;   // bytes per block
+  const char* name;      // lowercase ggml name: "f32", "q8_0", "q4_k", "iq2_xxs", ...
+  uint32_t block_elems;  // elements per block (1 for plain types)
+  uint32_t block_bytes;  // bytes per block
 };
 
 // The entry for a ggml type id, or null when the id is unknown or removed.

@@ -23,17 +23,22 @@ uint64_t MinValueBytes(GgufValueType type) {
   switch (type) {
     case GgufValueType::kU8:
     case GgufValueType::kI8:
-    case GgufValueType::kBool: return 1;
+    case GgufValueType::kBool:
+      return 1;
     case GgufValueType::kU16:
-    case GgufValueType::kI16: return 2;
+    case GgufValueType::kI16:
+      return 2;
     case GgufValueType::kU32:
     case GgufValueType::kI32:
-    case GgufValueType::kF32: return 4;
+    case GgufValueType::kF32:
+      return 4;
     case GgufValueType::kU64:
     case GgufValueType::kI64:
     case GgufValueType::kF64:
-    case GgufValueType::kString: return 8;
-    case GgufValueType::kArray: return 12;
+    case GgufValueType::kString:
+      return 8;
+    case GgufValueType::kArray:
+      return 12;
   }
   return 1;
 }
@@ -42,8 +47,7 @@ bool KnownValueType(uint32_t t) { return t <= static_cast<uint32_t>(GgufValueTyp
 
 class GgufParser {
  public:
-  GgufParser(const platform::UniqueFd& fd, uint64_t file_size)
-      : fd_(fd), in_(fd, file_size) {}
+  GgufParser(const platform::UniqueFd& fd, uint64_t file_size) : fd_(fd), in_(fd, file_size) {}
 
   Result<GgufFile> Parse();
 
@@ -189,12 +193,11 @@ Result<GgufFile> GgufParser::Parse() {
   }
   if (const GgufValue* alignment = file.Find("general.alignment")) {
     if (alignment->type != GgufValueType::kU32) {
-      return Fail(std::string("general.alignment has type ") +
-                  GgufValueTypeName(alignment->type) + ", expected u32");
+      return Fail(std::string("general.alignment has type ") + GgufValueTypeName(alignment->type) +
+                  ", expected u32");
     }
     if (!IsPowerOfTwo(alignment->u)) {
-      return Fail("general.alignment " + std::to_string(alignment->u) +
-                  " is not a power of two");
+      return Fail("general.alignment " + std::to_string(alignment->u) + " is not a power of two");
     }
     file.alignment = alignment->u;
   }
@@ -236,8 +239,8 @@ Result<GgufFile> GgufParser::Parse() {
 
   auto data_offset = AlignUp(in_.position(), file.alignment);
   if (!data_offset || *data_offset > file.file_size) {
-    return Fail("data section would start at " + std::to_string(in_.position()) +
-                " aligned to " + std::to_string(file.alignment) + ", past the end of the " +
+    return Fail("data section would start at " + std::to_string(in_.position()) + " aligned to " +
+                std::to_string(file.alignment) + ", past the end of the " +
                 std::to_string(file.file_size) + "-byte file");
   }
   file.data_offset = *data_offset;
@@ -257,9 +260,8 @@ Result<GgufFile> GgufParser::Parse() {
   }
   std::vector<size_t> order(file.tensors.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return file.tensors[a].offset < file.tensors[b].offset;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return file.tensors[a].offset < file.tensors[b].offset; });
   for (size_t k = 1; k < order.size(); ++k) {
     const GgufTensorInfo& prev = file.tensors[order[k - 1]];
     const GgufTensorInfo& cur = file.tensors[order[k]];
@@ -277,19 +279,32 @@ Result<GgufFile> GgufParser::Parse() {
 
 const char* GgufValueTypeName(GgufValueType type) {
   switch (type) {
-    case GgufValueType::kU8: return "u8";
-    case GgufValueType::kI8: return "i8";
-    case GgufValueType::kU16: return "u16";
-    case GgufValueType::kI16: return "i16";
-    case GgufValueType::kU32: return "u32";
-    case GgufValueType::kI32: return "i32";
-    case GgufValueType::kF32: return "f32";
-    case GgufValueType::kBool: return "bool";
-    case GgufValueType::kString: return "string";
-    case GgufValueType::kArray: return "array";
-    case GgufValueType::kU64: return "u64";
-    case GgufValueType::kI64: return "i64";
-    case GgufValueType::kF64: return "f64";
+    case GgufValueType::kU8:
+      return "u8";
+    case GgufValueType::kI8:
+      return "i8";
+    case GgufValueType::kU16:
+      return "u16";
+    case GgufValueType::kI16:
+      return "i16";
+    case GgufValueType::kU32:
+      return "u32";
+    case GgufValueType::kI32:
+      return "i32";
+    case GgufValueType::kF32:
+      return "f32";
+    case GgufValueType::kBool:
+      return "bool";
+    case GgufValueType::kString:
+      return "string";
+    case GgufValueType::kArray:
+      return "array";
+    case GgufValueType::kU64:
+      return "u64";
+    case GgufValueType::kI64:
+      return "i64";
+    case GgufValueType::kF64:
+      return "f64";
   }
   return "unknown";
 }

@@ -45,10 +45,10 @@ const char* GgufValueTypeName(GgufValueType type);
 // their count in the file and (up to kMaxKeptArrayElements of) their elements.
 struct GgufValue {
   GgufValueType type = GgufValueType::kU8;
-  uint64_t u = 0;        // kU8..kU64 and kBool
-  int64_t i = 0;         // kI8..kI64
-  double f = 0;          // kF32, kF64
-  std::string str;       // kString
+  uint64_t u = 0;                                   // kU8..kU64 and kBool
+  int64_t i = 0;                                    // kI8..kI64
+  double f = 0;                                     // kF32, kF64
+  std::string str;                                  // kString
   GgufValueType element_type = GgufValueType::kU8;  // kArray
   uint64_t count = 0;                               // kArray: elements in the file
   std::vector<GgufValue> elements;                  // kArray: the first ones kept
@@ -59,9 +59,9 @@ struct GgufTensorInfo {
   std::string name;
   uint32_t type_id = 0;
   const GgmlType* type = nullptr;
-  std::vector<uint64_t> ne;        // ggml order: ne[0] varies fastest
-  uint64_t offset = 0;             // relative to the data section
-  uint64_t absolute_offset = 0;    // in the file
+  std::vector<uint64_t> ne;      // ggml order: ne[0] varies fastest
+  uint64_t offset = 0;           // relative to the data section
+  uint64_t absolute_offset = 0;  // in the file
   uint64_t bytes = 0;
 };
 
@@ -70,7 +70,7 @@ struct GgufFile {
   uint32_t version = 0;
   uint64_t file_size = 0;
   uint64_t alignment = 32;
-  uint64_t data_offset = 0;        // start of the data section
+  uint64_t data_offset = 0;                                 // start of the data section
   std::vector<std::pair<std::string, GgufValue>> metadata;  // in file order
   std::vector<GgufTensorInfo> tensors;                      // in file order
   uint64_t header_bytes_read = 0;

@@ -22,18 +22,42 @@ void PutString(std::vector<std::byte>& out, const std::string& s) {
 
 void PutValue(std::vector<std::byte>& out, const GgufValue& v) {
   switch (v.type) {
-    case GgufValueType::kU8: Put<uint8_t>(out, static_cast<uint8_t>(v.u)); break;
-    case GgufValueType::kI8: Put<int8_t>(out, static_cast<int8_t>(v.i)); break;
-    case GgufValueType::kU16: Put<uint16_t>(out, static_cast<uint16_t>(v.u)); break;
-    case GgufValueType::kI16: Put<int16_t>(out, static_cast<int16_t>(v.i)); break;
-    case GgufValueType::kU32: Put<uint32_t>(out, static_cast<uint32_t>(v.u)); break;
-    case GgufValueType::kI32: Put<int32_t>(out, static_cast<int32_t>(v.i)); break;
-    case GgufValueType::kF32: Put<float>(out, static_cast<float>(v.f)); break;
-    case GgufValueType::kBool: Put<uint8_t>(out, static_cast<uint8_t>(v.u)); break;
-    case GgufValueType::kString: PutString(out, v.str); break;
-    case GgufValueType::kU64: Put<uint64_t>(out, v.u); break;
-    case GgufValueType::kI64: Put<int64_t>(out, v.i); break;
-    case GgufValueType::kF64: Put<double>(out, v.f); break;
+    case GgufValueType::kU8:
+      Put<uint8_t>(out, static_cast<uint8_t>(v.u));
+      break;
+    case GgufValueType::kI8:
+      Put<int8_t>(out, static_cast<int8_t>(v.i));
+      break;
+    case GgufValueType::kU16:
+      Put<uint16_t>(out, static_cast<uint16_t>(v.u));
+      break;
+    case GgufValueType::kI16:
+      Put<int16_t>(out, static_cast<int16_t>(v.i));
+      break;
+    case GgufValueType::kU32:
+      Put<uint32_t>(out, static_cast<uint32_t>(v.u));
+      break;
+    case GgufValueType::kI32:
+      Put<int32_t>(out, static_cast<int32_t>(v.i));
+      break;
+    case GgufValueType::kF32:
+      Put<float>(out, static_cast<float>(v.f));
+      break;
+    case GgufValueType::kBool:
+      Put<uint8_t>(out, static_cast<uint8_t>(v.u));
+      break;
+    case GgufValueType::kString:
+      PutString(out, v.str);
+      break;
+    case GgufValueType::kU64:
+      Put<uint64_t>(out, v.u);
+      break;
+    case GgufValueType::kI64:
+      Put<int64_t>(out, v.i);
+      break;
+    case GgufValueType::kF64:
+      Put<double>(out, v.f);
+      break;
     case GgufValueType::kArray:
       Put<uint32_t>(out, static_cast<uint32_t>(v.element_type));
       Put<uint64_t>(out, v.elements.size());
@@ -154,8 +178,8 @@ Status GgufWriter::WriteFile(const std::string& path, const TensorFiller& fill) 
   std::vector<TensorPlacement> placements;
   placements.reserve(tensors_.size());
   for (const GgufTensorInfo& t : tensors_) {
-    placements.push_back({header.size() + t.offset, t.bytes,
-                          t.type != nullptr ? t.type->block_bytes : 1});
+    placements.push_back(
+        {header.size() + t.offset, t.bytes, t.type != nullptr ? t.type->block_bytes : 1});
   }
   return WriteTensorFile(path, header, placements, header.size() + data_cursor_, fill);
 }

@@ -40,8 +40,8 @@ class GgufWriter {
   Status AddTensor(const std::string& name, const GgmlType& type, std::vector<uint64_t> ne);
   // Appends a tensor info exactly as given (offset relative to the data section, `bytes` used
   // only to place data): for damaged files in tests.
-  void AddTensorInfo(std::string name, uint32_t type_id, std::vector<uint64_t> ne,
-                     uint64_t offset, uint64_t bytes);
+  void AddTensorInfo(std::string name, uint32_t type_id, std::vector<uint64_t> ne, uint64_t offset,
+                     uint64_t bytes);
 
   // Counts written instead of the real ones (damaged files).
   std::optional<uint64_t> tensor_count_override;

@@ -18,10 +18,13 @@ enum class FileKind { kGguf, kSafetensors, kSafetensorsIndex, kRaw };
 
 const char* KindName(FileKind kind) {
   switch (kind) {
-    case FileKind::kGguf: return "GGUF";
+    case FileKind::kGguf:
+      return "GGUF";
     case FileKind::kSafetensors:
-    case FileKind::kSafetensorsIndex: return "safetensors";
-    case FileKind::kRaw: return "raw";
+    case FileKind::kSafetensorsIndex:
+      return "safetensors";
+    case FileKind::kRaw:
+      return "raw";
   }
   return "";
 }
@@ -96,8 +99,8 @@ Status CollectGguf(const std::string& path, Collected& out) {
   out.header_bytes += file.header_bytes_read;
   uint32_t source = AddSource(out, path, file.file_size);
   for (GgufTensorInfo& t : file.tensors) {
-    out.tensors.push_back({std::move(t.name), t.type->name, std::move(t.ne), source,
-                           t.absolute_offset, t.bytes});
+    out.tensors.push_back(
+        {std::move(t.name), t.type->name, std::move(t.ne), source, t.absolute_offset, t.bytes});
   }
   return Status::Ok();
 }

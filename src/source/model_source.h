@@ -16,8 +16,8 @@
 namespace expert_arena::source {
 
 struct ModelPlan {
-  format::ArenaTable table;      // arena offsets assigned, identity computed
-  std::string format;            // "gguf", "safetensors", "raw"
+  format::ArenaTable table;          // arena offsets assigned, identity computed
+  std::string format;                // "gguf", "safetensors", "raw"
   uint64_t metadata_bytes_read = 0;  // header bytes read to build the plan
 };
 

@@ -141,11 +141,10 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
     const SafetensorsTensorInfo& prev = file.tensors[k - 1];
     const SafetensorsTensorInfo& cur = file.tensors[k];
     if (prev.bytes > 0 && cur.bytes > 0 && prev.end > cur.begin) {
-      return Fail(file.path, "tensor " + cur.name + " (data_offsets [" +
-                                 std::to_string(cur.begin) + ", " + std::to_string(cur.end) +
-                                 "]) overlaps tensor " + prev.name + " ([" +
-                                 std::to_string(prev.begin) + ", " + std::to_string(prev.end) +
-                                 "])");
+      return Fail(file.path, "tensor " + cur.name + " (data_offsets [" + std::to_string(cur.begin) +
+                                 ", " + std::to_string(cur.end) + "]) overlaps tensor " +
+                                 prev.name + " ([" + std::to_string(prev.begin) + ", " +
+                                 std::to_string(prev.end) + "])");
     }
   }
   return file;
@@ -166,8 +165,8 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
     return Fail(path, "index of " + std::to_string(st.size) + " bytes exceeds the 64 MiB limit");
   }
   std::string text(static_cast<size_t>(st.size), '\0');
-  EA_RETURN_IF_ERROR(platform::ReadFull(fd, 0, {reinterpret_cast<std::byte*>(text.data()),
-                                                text.size()}));
+  EA_RETURN_IF_ERROR(
+      platform::ReadFull(fd, 0, {reinterpret_cast<std::byte*>(text.data()), text.size()}));
   SafetensorsIndex index;
   index.path = path;
   index.bytes_read = st.size;

@@ -29,19 +29,19 @@ inline constexpr const char* kSafetensorsIndexName = "model.safetensors.index.js
 
 struct SafetensorsTensorInfo {
   std::string name;
-  std::string dtype;               // as written: "F32", "BF16", "F8_E4M3", ...
-  std::vector<uint64_t> shape;     // as written
-  uint64_t begin = 0;              // data_offsets, relative to the data
+  std::string dtype;            // as written: "F32", "BF16", "F8_E4M3", ...
+  std::vector<uint64_t> shape;  // as written
+  uint64_t begin = 0;           // data_offsets, relative to the data
   uint64_t end = 0;
-  uint64_t absolute_offset = 0;    // in the file
+  uint64_t absolute_offset = 0;  // in the file
   uint64_t bytes = 0;
 };
 
 struct SafetensorsFile {
   std::string path;
   uint64_t file_size = 0;
-  uint64_t header_bytes = 0;       // N
-  uint64_t data_offset = 0;        // 8 + N
+  uint64_t header_bytes = 0;  // N
+  uint64_t data_offset = 0;   // 8 + N
   std::map<std::string, std::string> metadata;
   std::vector<SafetensorsTensorInfo> tensors;  // in order of data offset
   uint64_t header_bytes_read = 0;
@@ -56,8 +56,8 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
 
 struct SafetensorsIndex {
   std::string path;
-  std::vector<std::string> shards;                  // absolute or as joined with the index dir
-  std::map<std::string, std::string> weight_map;    // tensor name -> shard path (joined)
+  std::vector<std::string> shards;                // absolute or as joined with the index dir
+  std::map<std::string, std::string> weight_map;  // tensor name -> shard path (joined)
   uint64_t bytes_read = 0;
 };
 

@@ -19,8 +19,7 @@ Status SafetensorsWriter::AddTensor(const std::string& name, const std::string& 
 }
 
 void SafetensorsWriter::AddTensorInfo(std::string name, std::string dtype,
-                                      std::vector<uint64_t> shape, uint64_t begin,
-                                      uint64_t end) {
+                                      std::vector<uint64_t> shape, uint64_t begin, uint64_t end) {
   SafetensorsTensorInfo info;
   info.name = std::move(name);
   info.dtype = std::move(dtype);

@@ -22,8 +22,7 @@ class SafetensorsWriter {
  public:
   void AddMetadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
   // Places a tensor right after the previous one. Fails on an unknown dtype or a bad shape.
-  Status AddTensor(const std::string& name, const std::string& dtype,
-                   std::vector<uint64_t> shape);
+  Status AddTensor(const std::string& name, const std::string& dtype, std::vector<uint64_t> shape);
   // Appends an entry exactly as given (data_offsets [begin, end)): for damaged files in tests.
   void AddTensorInfo(std::string name, std::string dtype, std::vector<uint64_t> shape,
                      uint64_t begin, uint64_t end);

@@ -24,8 +24,8 @@ bool IsGgufRoutedExpert(std::string_view name) {
   size_t dot = name.find('.');
   if (dot == std::string_view::npos || !AllDigits(name.substr(0, dot))) return false;
   name.remove_prefix(dot + 1);
-  for (std::string_view kind : {"ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps.",
-                                "ffn_gate_up_exps."}) {
+  for (std::string_view kind :
+       {"ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps.", "ffn_gate_up_exps."}) {
     if (StartsWith(name, kind)) return true;
   }
   return false;
@@ -33,8 +33,8 @@ bool IsGgufRoutedExpert(std::string_view name) {
 
 // A component "experts" followed by a number and something more, or by a fused projection.
 bool IsSafetensorsRoutedExpert(std::string_view name) {
-  static constexpr std::array<std::string_view, 4> kFused = {"gate_up_proj", "gate_proj",
-                                                             "up_proj", "down_proj"};
+  static constexpr std::array<std::string_view, 4> kFused = {"gate_up_proj", "gate_proj", "up_proj",
+                                                             "down_proj"};
   size_t start = 0;
   while (start <= name.size()) {
     size_t dot = name.find('.', start);
@@ -50,8 +50,8 @@ bool IsSafetensorsRoutedExpert(std::string_view name) {
       }
       std::string_view next = rest.substr(0, next_dot);
       for (std::string_view fused : kFused) {
-        if (next == fused || (StartsWith(next, fused) && next.size() > fused.size() &&
-                              next[fused.size()] == '_')) {
+        if (next == fused ||
+            (StartsWith(next, fused) && next.size() > fused.size() && next[fused.size()] == '_')) {
           return true;
         }
       }
@@ -88,8 +88,10 @@ Result<TensorSelector> TensorSelector::Make(const ModelSpec& spec) {
 
 Result<bool> TensorSelector::Selects(const std::string& name) const {
   switch (mode_) {
-    case Mode::kAll: return true;
-    case Mode::kRoutedExperts: return IsRoutedExpertName(name);
+    case Mode::kAll:
+      return true;
+    case Mode::kRoutedExperts:
+      return IsRoutedExpertName(name);
     case Mode::kRegex:
       try {
         return std::regex_search(name, *regex_);
@@ -103,10 +105,12 @@ Result<bool> TensorSelector::Selects(const std::string& name) const {
 
 std::string TensorSelector::Describe() const {
   switch (mode_) {
-    case Mode::kAll: return "every tensor (--all)";
+    case Mode::kAll:
+      return "every tensor (--all)";
     case Mode::kRoutedExperts:
       return "routed experts (names like blk.N.ffn_*_exps.* or *.experts.N.*)";
-    case Mode::kRegex: return "names matching /" + pattern_ + "/";
+    case Mode::kRegex:
+      return "names matching /" + pattern_ + "/";
   }
   return "";
 }

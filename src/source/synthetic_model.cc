@@ -24,8 +24,8 @@ enum class Role { kEmbedding, kNorm, kRouter, kExpert };
 struct SynthTensor {
   std::string name;
   Role role;
-  std::string dtype;             // f32, f16, bf16, q8_0
-  std::vector<uint64_t> shape;   // GGUF: ne order; safetensors: header order
+  std::string dtype;            // f32, f16, bf16, q8_0
+  std::vector<uint64_t> shape;  // GGUF: ne order; safetensors: header order
   uint64_t seed = 0;
 };
 
@@ -167,7 +167,8 @@ Result<SyntheticModelReport> WriteGguf(const SyntheticModelOptions& o) {
   writer.SetAlignment(32);
   writer.AddU32("synthmoe.block_count", static_cast<uint32_t>(o.layers));
   writer.AddU32("synthmoe.expert_count", static_cast<uint32_t>(o.experts));
-  writer.AddU32("synthmoe.expert_used_count", static_cast<uint32_t>(std::min<uint64_t>(2, o.experts)));
+  writer.AddU32("synthmoe.expert_used_count",
+                static_cast<uint32_t>(std::min<uint64_t>(2, o.experts)));
   writer.AddU32("synthmoe.embedding_length", static_cast<uint32_t>(o.hidden));
   writer.AddU32("synthmoe.expert_feed_forward_length", static_cast<uint32_t>(o.ffn));
   writer.AddU64("synthmoe.seed", o.seed);
@@ -181,10 +182,11 @@ Result<SyntheticModelReport> WriteGguf(const SyntheticModelOptions& o) {
       report.expert_bytes += info.bytes;
     }
   }
-  EA_RETURN_IF_ERROR(writer.WriteFile(o.out, [&](size_t i, uint64_t offset, std::span<std::byte> out) {
-    FillTensor(tensors[i], offset, out);
-    return Status::Ok();
-  }));
+  EA_RETURN_IF_ERROR(
+      writer.WriteFile(o.out, [&](size_t i, uint64_t offset, std::span<std::byte> out) {
+        FillTensor(tensors[i], offset, out);
+        return Status::Ok();
+      }));
   report.files.push_back(o.out);
   report.file_bytes = writer.file_bytes();
   report.tensors = tensors.size();
@@ -220,10 +222,9 @@ Result<SyntheticModelReport> WriteSafetensors(const SyntheticModelOptions& o) {
     unsigned __int128 cumulative = 0;
     size_t prev = 0;
     for (size_t i = 0; i < n; ++i) {
-      size_t want = report.tensor_bytes == 0
-                        ? 0
-                        : static_cast<size_t>(std::min<unsigned __int128>(
-                              k - 1, cumulative * k / report.tensor_bytes));
+      size_t want = report.tensor_bytes == 0 ? 0
+                                             : static_cast<size_t>(std::min<unsigned __int128>(
+                                                   k - 1, cumulative * k / report.tensor_bytes));
       want = std::max(want, k - std::min(k, n - i));
       want = std::min(want, i == 0 ? size_t{0} : prev + 1);
       want = std::max(want, prev);
@@ -255,8 +256,8 @@ Result<SyntheticModelReport> WriteSafetensors(const SyntheticModelOptions& o) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (shard_of[i] != s) continue;
       members.push_back(i);
-      EA_RETURN_IF_ERROR(
-          writer.AddTensor(tensors[i].name, SafetensorsDtypeName(tensors[i].dtype), tensors[i].shape));
+      EA_RETURN_IF_ERROR(writer.AddTensor(tensors[i].name, SafetensorsDtypeName(tensors[i].dtype),
+                                          tensors[i].shape));
       weight_map[tensors[i].name] = std::filesystem::path(shard_paths[s]).filename().string();
     }
     EA_RETURN_IF_ERROR(

@@ -36,14 +36,14 @@
 namespace expert_arena::source {
 
 struct SyntheticModelOptions {
-  std::string format;        // "gguf" or "safetensors"
-  std::string out;           // a file, or a directory for sharded safetensors
+  std::string format;  // "gguf" or "safetensors"
+  std::string out;     // a file, or a directory for sharded safetensors
   uint64_t layers = 0;
   uint64_t experts = 0;
   uint64_t hidden = 0;
   uint64_t ffn = 0;
-  std::string dtype = "f32"; // f32, f16, bf16, q8_0 (GGUF only)
-  uint32_t shards = 1;       // safetensors only
+  std::string dtype = "f32";  // f32, f16, bf16, q8_0 (GGUF only)
+  uint32_t shards = 1;        // safetensors only
   uint64_t seed = 0;
 };
 

@@ -20,7 +20,7 @@ using TensorFiller =
     std::function<Status(size_t tensor, uint64_t offset, std::span<std::byte> out)>;
 
 struct TensorPlacement {
-  uint64_t offset = 0;   // absolute in the file
+  uint64_t offset = 0;  // absolute in the file
   uint64_t bytes = 0;
   uint64_t granule = 1;  // a quantization block or an element
 };

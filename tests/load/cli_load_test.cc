@@ -34,8 +34,8 @@ int Shell(const std::string& command, std::string* out) {
 TEST(CliLoadTest, InfoOffsetsAreAbsoluteAndVerifyNamesTheBadTensor) {
   ScopedDir dir("cli-load");
   const std::string model = dir.File("m.gguf");
-  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "2", "--experts",
-                 "4", "--hidden", "256", "--ffn", "384", "--dtype", "f16"}),
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "2",
+                         "--experts", "4", "--hidden", "256", "--ffn", "384", "--dtype", "f16"}),
             0);
   auto independent = testing::ParseGgufIndependently(model);
   std::vector<std::string> readers = {"pread"};
@@ -44,7 +44,8 @@ TEST(CliLoadTest, InfoOffsetsAreAbsoluteAndVerifyNamesTheBadTensor) {
   for (const std::string& reader : readers) {
     ScopedPath arena("arena-" + reader);
     std::string out;
-    ASSERT_EQ(ExpertArena({"load", "--model", model, "--arena", arena.path(), "--reader", reader, "--json"},
+    ASSERT_EQ(ExpertArena(
+                  {"load", "--model", model, "--arena", arena.path(), "--reader", reader, "--json"},
                   &out),
               0);
     auto load = nlohmann::json::parse(out);
@@ -70,8 +71,8 @@ TEST(CliLoadTest, InfoOffsetsAreAbsoluteAndVerifyNamesTheBadTensor) {
     ASSERT_EQ(ExpertArena({"verify", arena.path()}), 0);
     // Corrupt one byte in the middle of the fourth tensor (no engine maps the file now).
     const auto& victim = info["tensors"][3];
-    const uint64_t at = static_cast<uint64_t>(victim["file_offset"]) +
-                        static_cast<uint64_t>(victim["bytes"]) / 2;
+    const uint64_t at =
+        static_cast<uint64_t>(victim["file_offset"]) + static_cast<uint64_t>(victim["bytes"]) / 2;
     int fd = ::open(arena.path().c_str(), O_RDWR);
     ASSERT_GE(fd, 0);
     char byte;
@@ -92,7 +93,7 @@ TEST(CliLoadTest, SelectAndAllOverrideTheDefault) {
   ScopedDir dir("cli-select");
   const std::string model = dir.File("m");
   ASSERT_EQ(ExpertArena({"gen-model", "--format", "safetensors", "--out", model, "--layers", "2",
-                 "--experts", "2", "--hidden", "32", "--ffn", "32", "--shards", "2"}),
+                         "--experts", "2", "--hidden", "32", "--ffn", "32", "--shards", "2"}),
             0);
   for (auto [flags, tensors] : std::vector<std::pair<std::vector<std::string>, int>>{
            {{}, 12}, {{"--all"}, 17}, {{"--select", "embed_tokens|layernorm"}, 3}}) {

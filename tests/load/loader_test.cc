@@ -1,6 +1,8 @@
 // The loader: both readers fill the arena with the model's bytes at the offsets the formats
 // define, with checksums equal to XXH3_64bits of each tensor; O_DIRECT for cold aligned data;
 // the pread fallback when io_uring is refused (a seccomp filter in a child process).
+#include "load/loader.h"
+
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
@@ -13,7 +15,6 @@
 #include <filesystem>
 
 #include "common/units.h"
-#include "load/loader.h"
 #include "platform/file.h"
 #include "platform/file_cache.h"
 #include "platform/io_ring.h"
@@ -42,7 +43,8 @@ Result<Loaded> LoadInto(const source::ModelPlan& plan, const std::string& reader
                         uint64_t chunk_bytes) {
   Loaded out;
   out.table = plan.table;
-  EA_ASSIGN_OR_RETURN(out.memory, platform::Mapping::MapAnonymous(out.table.data_bytes, kHugePageBytes));
+  EA_ASSIGN_OR_RETURN(out.memory,
+                      platform::Mapping::MapAnonymous(out.table.data_bytes, kHugePageBytes));
   LoadRequest request;
   request.data = out.memory.bytes();
   request.reader = reader;
@@ -75,8 +77,13 @@ TEST_P(LoaderReadersTest, GgufOfEveryDtypeFamily) {
   if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
   for (const char* dtype : {"f32", "f16", "bf16", "q8_0"}) {
     ScopedDir dir("load-gguf");
-    source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 2,
-                                    .experts = 3, .hidden = 96, .ffn = 160, .dtype = dtype};
+    source::SyntheticModelOptions o{.format = "gguf",
+                                    .out = dir.File("m.gguf"),
+                                    .layers = 2,
+                                    .experts = 3,
+                                    .hidden = 96,
+                                    .ffn = 160,
+                                    .dtype = dtype};
     ASSERT_OK(source::WriteSyntheticModel(o));
     ModelSpec spec{.files = {o.out}, .select_all = true};
     ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel(spec));
@@ -90,8 +97,13 @@ TEST_P(LoaderReadersTest, GgufOfEveryDtypeFamily) {
 TEST_P(LoaderReadersTest, ShardedSafetensors) {
   if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
   ScopedDir dir("load-st");
-  source::SyntheticModelOptions o{.format = "safetensors", .out = dir.File("m"), .layers = 2,
-                                  .experts = 4, .hidden = 64, .ffn = 200, .dtype = "bf16",
+  source::SyntheticModelOptions o{.format = "safetensors",
+                                  .out = dir.File("m"),
+                                  .layers = 2,
+                                  .experts = 4,
+                                  .hidden = 64,
+                                  .ffn = 200,
+                                  .dtype = "bf16",
                                   .shards = 3};
   ASSERT_OK_AND_ASSIGN(auto report, source::WriteSyntheticModel(o));
   ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
@@ -110,8 +122,12 @@ INSTANTIATE_TEST_SUITE_P(Readers, LoaderReadersTest, ::testing::Values("io_uring
 TEST(LoaderTest, IoUringAndPreadGiveIdenticalArenas) {
   if (!IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
   ScopedDir dir("load-same");
-  source::SyntheticModelOptions o{.format = "safetensors", .out = dir.File("m.safetensors"),
-                                  .layers = 3, .experts = 4, .hidden = 128, .ffn = 96,
+  source::SyntheticModelOptions o{.format = "safetensors",
+                                  .out = dir.File("m.safetensors"),
+                                  .layers = 3,
+                                  .experts = 4,
+                                  .hidden = 128,
+                                  .ffn = 96,
                                   .dtype = "f16"};
   ASSERT_OK(source::WriteSyntheticModel(o));
   ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
@@ -129,8 +145,13 @@ TEST(LoaderTest, IoUringAndPreadGiveIdenticalArenas) {
 // buffers when not (gen-model's 32-aligned GGUF, safetensors); the bytes are the same.
 TEST(LoaderTest, ColdDataIsReadWithODirect) {
   ScopedDir dir("load-direct");
-  source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 2,
-                                  .experts = 4, .hidden = 256, .ffn = 512, .dtype = "f16"};
+  source::SyntheticModelOptions o{.format = "gguf",
+                                  .out = dir.File("m.gguf"),
+                                  .layers = 2,
+                                  .experts = 4,
+                                  .hidden = 256,
+                                  .ffn = 512,
+                                  .dtype = "f16"};
   ASSERT_OK(source::WriteSyntheticModel(o));
   const std::string aligned = dir.File("aligned.gguf");
   {
@@ -175,8 +196,12 @@ TEST(LoaderTest, ColdDataIsReadWithODirect) {
 
 TEST(LoaderTest, ChangedOrShortSourcesAreErrors) {
   ScopedDir dir("load-changed");
-  source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 1,
-                                  .experts = 2, .hidden = 64, .ffn = 64};
+  source::SyntheticModelOptions o{.format = "gguf",
+                                  .out = dir.File("m.gguf"),
+                                  .layers = 1,
+                                  .experts = 2,
+                                  .hidden = 64,
+                                  .ffn = 64};
   ASSERT_OK(source::WriteSyntheticModel(o));
   ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
   std::filesystem::resize_file(o.out, std::filesystem::file_size(o.out) - 100);
@@ -221,8 +246,12 @@ EA_CHILD_ROLE(seccomp_loader) {
 
 TEST(LoaderTest, FallsBackToPreadWhenSeccompRefusesIoUring) {
   ScopedDir dir("load-seccomp");
-  source::SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 1,
-                                  .experts = 2, .hidden = 64, .ffn = 64};
+  source::SyntheticModelOptions o{.format = "gguf",
+                                  .out = dir.File("m.gguf"),
+                                  .layers = 1,
+                                  .experts = 2,
+                                  .hidden = 64,
+                                  .ffn = 64};
   ASSERT_OK(source::WriteSyntheticModel(o));
   auto child = testing::SpawnRole("seccomp_loader", {o.out});
   EXPECT_EQ(child.Wait(60), 0) << child.Output();

@@ -1,4 +1,6 @@
 // How tensors are cut into reads, and the in-order hashing of pieces that arrive in any order.
+#include "load/read_plan.h"
+
 #include <xxhash.h>
 
 #include <algorithm>
@@ -6,7 +8,6 @@
 #include <thread>
 
 #include "load/fast_xxh3.h"
-#include "load/read_plan.h"
 #include "load/tensor_hasher.h"
 #include "test_util.h"
 
@@ -138,8 +139,8 @@ TEST(TensorHasherTest, AnyArrivalOrderGivesTheOneShotHash) {
     for (auto& t : threads) t.join();
     ASSERT_OK_AND_ASSIGN(auto sums, hasher.Finish(table));
     for (size_t t = 0; t < table.tensors.size(); ++t) {
-      EXPECT_EQ(sums[t], XXH3_64bits(data.data() + table.tensors[t].arena_offset,
-                                     table.tensors[t].bytes));
+      EXPECT_EQ(sums[t],
+                XXH3_64bits(data.data() + table.tensors[t].arena_offset, table.tensors[t].bytes));
     }
   }
 }

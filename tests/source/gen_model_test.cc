@@ -88,9 +88,11 @@ TEST(GenModelTest, SafetensorsNamingContractAndValues) {
   EXPECT_EQ(shapes["model.embed_tokens.weight"], (std::vector<uint64_t>{64, 16}));
   EXPECT_EQ(shapes["model.layers.0.input_layernorm.weight"], (std::vector<uint64_t>{16}));
   EXPECT_EQ(shapes["model.layers.0.mlp.gate.weight"], (std::vector<uint64_t>{2, 16}));
-  EXPECT_EQ(shapes["model.layers.0.mlp.experts.1.gate_proj.weight"], (std::vector<uint64_t>{24, 16}));
+  EXPECT_EQ(shapes["model.layers.0.mlp.experts.1.gate_proj.weight"],
+            (std::vector<uint64_t>{24, 16}));
   EXPECT_EQ(shapes["model.layers.0.mlp.experts.1.up_proj.weight"], (std::vector<uint64_t>{24, 16}));
-  EXPECT_EQ(shapes["model.layers.0.mlp.experts.1.down_proj.weight"], (std::vector<uint64_t>{16, 24}));
+  EXPECT_EQ(shapes["model.layers.0.mlp.experts.1.down_proj.weight"],
+            (std::vector<uint64_t>{16, 24}));
   const auto& up = tensors.at("model.layers.0.mlp.experts.1.up_proj.weight");
   EXPECT_EQ(up.dtype, "F32");
   auto bytes = testing::ReadRange(path, up.offset, 16);
@@ -144,8 +146,14 @@ TEST(GenModelTest, UsageErrorsExitTwo) {
 
 TEST(GenModelTest, ShardsSplitEvenly) {
   ScopedDir dir("gen-shards");
-  SyntheticModelOptions o{.format = "safetensors", .out = dir.File("m"), .layers = 4,
-                          .experts = 4, .hidden = 64, .ffn = 64, .dtype = "f16", .shards = 4};
+  SyntheticModelOptions o{.format = "safetensors",
+                          .out = dir.File("m"),
+                          .layers = 4,
+                          .experts = 4,
+                          .hidden = 64,
+                          .ffn = 64,
+                          .dtype = "f16",
+                          .shards = 4};
   ASSERT_OK_AND_ASSIGN(SyntheticModelReport r, WriteSyntheticModel(o));
   ASSERT_EQ(r.files.size(), 5u);
   EXPECT_EQ(std::filesystem::path(r.files[0]).filename(), "model-00001-of-00004.safetensors");

@@ -27,19 +27,24 @@ Status FillPattern(size_t tensor, uint64_t offset, std::span<std::byte> out) {
 }
 
 TEST(GgmlTypesTest, TableMatchesGgml) {
-  struct Expect { uint32_t id; const char* name; uint32_t elems; uint32_t bytes; };
+  struct Expect {
+    uint32_t id;
+    const char* name;
+    uint32_t elems;
+    uint32_t bytes;
+  };
   const Expect expected[] = {
-      {0, "f32", 1, 4},          {1, "f16", 1, 2},         {2, "q4_0", 32, 18},
-      {3, "q4_1", 32, 20},       {6, "q5_0", 32, 22},      {7, "q5_1", 32, 24},
-      {8, "q8_0", 32, 34},       {9, "q8_1", 32, 36},      {10, "q2_k", 256, 84},
-      {11, "q3_k", 256, 110},    {12, "q4_k", 256, 144},   {13, "q5_k", 256, 176},
-      {14, "q6_k", 256, 210},    {15, "q8_k", 256, 292},   {16, "iq2_xxs", 256, 66},
-      {17, "iq2_xs", 256, 74},   {18, "iq3_xxs", 256, 98}, {19, "iq1_s", 256, 50},
-      {20, "iq4_nl", 32, 18},    {21, "iq3_s", 256, 110},  {22, "iq2_s", 256, 82},
-      {23, "iq4_xs", 256, 136},  {24, "i8", 1, 1},         {25, "i16", 1, 2},
-      {26, "i32", 1, 4},         {27, "i64", 1, 8},        {28, "f64", 1, 8},
-      {29, "iq1_m", 256, 56},    {30, "bf16", 1, 2},       {34, "tq1_0", 256, 54},
-      {35, "tq2_0", 256, 66},    {39, "mxfp4", 32, 17},
+      {0, "f32", 1, 4},         {1, "f16", 1, 2},         {2, "q4_0", 32, 18},
+      {3, "q4_1", 32, 20},      {6, "q5_0", 32, 22},      {7, "q5_1", 32, 24},
+      {8, "q8_0", 32, 34},      {9, "q8_1", 32, 36},      {10, "q2_k", 256, 84},
+      {11, "q3_k", 256, 110},   {12, "q4_k", 256, 144},   {13, "q5_k", 256, 176},
+      {14, "q6_k", 256, 210},   {15, "q8_k", 256, 292},   {16, "iq2_xxs", 256, 66},
+      {17, "iq2_xs", 256, 74},  {18, "iq3_xxs", 256, 98}, {19, "iq1_s", 256, 50},
+      {20, "iq4_nl", 32, 18},   {21, "iq3_s", 256, 110},  {22, "iq2_s", 256, 82},
+      {23, "iq4_xs", 256, 136}, {24, "i8", 1, 1},         {25, "i16", 1, 2},
+      {26, "i32", 1, 4},        {27, "i64", 1, 8},        {28, "f64", 1, 8},
+      {29, "iq1_m", 256, 56},   {30, "bf16", 1, 2},       {34, "tq1_0", 256, 54},
+      {35, "tq2_0", 256, 66},   {39, "mxfp4", 32, 17},
   };
   for (const Expect& e : expected) {
     const GgmlType* t = FindGgmlType(e.id);
@@ -81,9 +86,9 @@ TEST(GgufReaderTest, EveryMetadataTypeRoundTrips) {
     w.Add("strings", GgufWriter::Array(GgufValueType::kString,
                                        {GgufWriter::String("a"), GgufWriter::String(""),
                                         GgufWriter::String("long string")}));
-    w.Add("ints", GgufWriter::Array(GgufValueType::kI32,
-                                    {GgufWriter::Scalar(GgufValueType::kI32, 0, 7),
-                                     GgufWriter::Scalar(GgufValueType::kI32, 0, -7)}));
+    w.Add("ints",
+          GgufWriter::Array(GgufValueType::kI32, {GgufWriter::Scalar(GgufValueType::kI32, 0, 7),
+                                                  GgufWriter::Scalar(GgufValueType::kI32, 0, -7)}));
     w.Add("nested",
           GgufWriter::Array(GgufValueType::kArray,
                             {GgufWriter::Array(GgufValueType::kU8,
@@ -201,7 +206,8 @@ Status PlanBytes(const ScopedDir& dir, const std::vector<std::byte>& bytes,
 void ExpectError(const Status& s, std::initializer_list<const char*> words) {
   ASSERT_FALSE(s.ok());
   for (const char* w : words) {
-    EXPECT_NE(s.message().find(w), std::string::npos) << "missing '" << w << "' in: " << s.message();
+    EXPECT_NE(s.message().find(w), std::string::npos)
+        << "missing '" << w << "' in: " << s.message();
   }
 }
 
@@ -251,7 +257,8 @@ TEST(GgufDamageTest, HugeCountsAndLengths) {
   {
     // An array claiming more elements than the file holds.
     GgufWriter w;
-    w.Add("arr", GgufWriter::Array(GgufValueType::kU64, {GgufWriter::Scalar(GgufValueType::kU64, 1)}));
+    w.Add("arr",
+          GgufWriter::Array(GgufValueType::kU64, {GgufWriter::Scalar(GgufValueType::kU64, 1)}));
     Sample s = MakeSample(w);
     // magic 4 + version 4 + counts 16 + key (8 + 3) + type 4 + element type 4 -> count at 43
     uint64_t count = 1ull << 40;
@@ -308,7 +315,8 @@ TEST(GgufDamageTest, OtherLies) {
   {
     GgufWriter w;
     w.AddTensorInfo("misaligned", 0, {4}, 16, 16);
-    ExpectError(PlanBytes(dir, MakeSample(w).file), {"misaligned", "not a multiple of the alignment"});
+    ExpectError(PlanBytes(dir, MakeSample(w).file),
+                {"misaligned", "not a multiple of the alignment"});
   }
   {
     GgufWriter w;

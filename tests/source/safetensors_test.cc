@@ -26,7 +26,8 @@ Status FillPattern(size_t tensor, uint64_t offset, std::span<std::byte> out) {
 void ExpectError(const Status& s, std::initializer_list<const char*> words) {
   ASSERT_FALSE(s.ok());
   for (const char* w : words) {
-    EXPECT_NE(s.message().find(w), std::string::npos) << "missing '" << w << "' in: " << s.message();
+    EXPECT_NE(s.message().find(w), std::string::npos)
+        << "missing '" << w << "' in: " << s.message();
   }
 }
 
@@ -133,7 +134,8 @@ TEST(SafetensorsTest, IndexErrors) {
               {"missing.safetensors"});
   ExpectError(Plan({write_index(R"({"weight_map": [1, 2]})")}), {"weight_map"});
   ExpectError(Plan({write_index(R"({not json)")}), {"index.json", "not valid JSON"});
-  EXPECT_OK(Plan({write_index(R"({"metadata": {}, "weight_map": {"a.experts.0.w1": "s1.safetensors"}})")}));
+  EXPECT_OK(Plan(
+      {write_index(R"({"metadata": {}, "weight_map": {"a.experts.0.w1": "s1.safetensors"}})")}));
 }
 
 // A file with `json` as its header and `data_bytes` of data.
@@ -169,10 +171,14 @@ TEST(SafetensorsDamageTest, EachLieIsAClearError) {
               {"tensor t", "shape"});
   ExpectError(plan(R"({"t":{"dtype":"Q9","shape":[2],"data_offsets":[0,2]}})", 16),
               {"tensor t", "unknown dtype Q9"});
-  ExpectError(plan(R"({"t":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,0]}})", 16),
-              {"tensor t", "overflow"});
+  ExpectError(
+      plan(
+          R"({"t":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,0]}})",
+          16),
+      {"tensor t", "overflow"});
   ExpectError(plan(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
-                   R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})", 32),
+                   R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                   32),
               {"bad.safetensors", "overlaps", "tensor b", "tensor a"});
   ExpectError(plan(R"({"t":{"dtype":"F32","shape":[2]}})", 16), {"tensor t", "data_offsets"});
   ExpectError(plan(R"([1,2,3])", 16), {"not a JSON object"});
@@ -190,8 +196,12 @@ TEST(SafetensorsDamageTest, EachLieIsAClearError) {
 
 TEST(ModelSourceTest, MixedFormatsAreRefused) {
   ScopedDir dir("mixed");
-  SyntheticModelOptions o{.format = "gguf", .out = dir.File("m.gguf"), .layers = 1, .experts = 2,
-                          .hidden = 32, .ffn = 32};
+  SyntheticModelOptions o{.format = "gguf",
+                          .out = dir.File("m.gguf"),
+                          .layers = 1,
+                          .experts = 2,
+                          .hidden = 32,
+                          .ffn = 32};
   ASSERT_OK(WriteSyntheticModel(o));
   SyntheticModelOptions s = o;
   s.format = "safetensors";

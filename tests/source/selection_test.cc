@@ -1,8 +1,9 @@
 // Which tensors are routed experts, and the --select / --all overrides.
+#include "source/selection.h"
+
 #include "source/gguf_writer.h"
 #include "source/model_source.h"
 #include "source/safetensors_writer.h"
-#include "source/selection.h"
 #include "source_test_util.h"
 #include "test_util.h"
 
@@ -87,7 +88,8 @@ TEST(SelectionTest, OverridesAndCounts) {
   spec.select = "nothing-matches";
   bad = PlanModel(spec);
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("no tensor of"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("no tensor of"), std::string::npos)
+      << bad.status().ToString();
 }
 
 TEST(SelectionTest, ArenaOrderFollowsTheFile) {

@@ -31,7 +31,8 @@ std::vector<std::byte> ReadFileBytes(const std::string& path) {
 
 void WriteFileBytes(const std::string& path, const std::vector<std::byte>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
 }
 
 std::vector<std::byte> ReadRange(const std::string& path, uint64_t offset, uint64_t bytes) {
@@ -46,8 +47,18 @@ std::vector<std::byte> ReadRange(const std::string& path, uint64_t offset, uint6
 std::map<std::string, IndependentTensor> ParseGgufIndependently(const std::string& path) {
   std::vector<std::byte> f = ReadFileBytes(path);
   size_t o = 0;
-  auto u32 = [&] { uint32_t v; std::memcpy(&v, &f.at(o), 4); o += 4; return v; };
-  auto u64 = [&] { uint64_t v; std::memcpy(&v, &f.at(o), 8); o += 8; return v; };
+  auto u32 = [&] {
+    uint32_t v;
+    std::memcpy(&v, &f.at(o), 4);
+    o += 4;
+    return v;
+  };
+  auto u64 = [&] {
+    uint64_t v;
+    std::memcpy(&v, &f.at(o), 8);
+    o += 8;
+    return v;
+  };
   auto str = [&] {
     uint64_t n = u64();
     std::string s(reinterpret_cast<const char*>(&f.at(o)), n);
@@ -80,7 +91,12 @@ std::map<std::string, IndependentTensor> ParseGgufIndependently(const std::strin
       skip_value(skip_value, type);
     }
   }
-  struct Info { std::string name; std::vector<uint64_t> ne; uint32_t type; uint64_t offset; };
+  struct Info {
+    std::string name;
+    std::vector<uint64_t> ne;
+    uint32_t type;
+    uint64_t offset;
+  };
   std::vector<Info> infos;
   for (uint64_t t = 0; t < tensors; ++t) {
     Info info;
@@ -98,10 +114,18 @@ std::map<std::string, IndependentTensor> ParseGgufIndependently(const std::strin
     for (uint64_t d : info.ne) elems *= d;
     uint64_t bytes = 0;
     switch (info.type) {
-      case 0: bytes = elems * 4; break;                      // f32
-      case 1: case 30: bytes = elems * 2; break;            // f16, bf16
-      case 8: bytes = elems / 32 * 34; break;               // q8_0
-      default: throw std::runtime_error("type not in the test parser");
+      case 0:
+        bytes = elems * 4;
+        break;  // f32
+      case 1:
+      case 30:
+        bytes = elems * 2;
+        break;  // f16, bf16
+      case 8:
+        bytes = elems / 32 * 34;
+        break;  // q8_0
+      default:
+        throw std::runtime_error("type not in the test parser");
     }
     out[info.name] = {data + info.offset, bytes, std::to_string(info.type)};
   }

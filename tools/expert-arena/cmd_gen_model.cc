@@ -16,8 +16,7 @@ int RunGenModel(const source::SyntheticModelOptions& options) {
     std::fprintf(stderr, "expert-arena gen-model: %s\n", report.status().message().c_str());
     return report.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
-  double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
       "wrote %s (%s, %llu layers x %llu experts, hidden %llu, ffn %llu, %s): %llu tensors, "
       "%s in %zu file%s; experts %llu tensors, %s; %.2f s\n",
