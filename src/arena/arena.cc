@@ -76,8 +76,11 @@ void MeasureBacking(Arena::Impl& impl) {
   auto huge = platform::HugeBytesInRange(impl.mapping.data(), impl.mapping.size());
   impl.report.mapped_bytes = impl.mapping.size();
   if (huge.ok()) impl.report.huge_bytes = std::min(*huge, impl.mapping.size());
-  auto pinned = platform::PinnedBytes();
-  if (pinned.ok()) impl.report.pinned_bytes = *pinned;
+  // VmPin matters only once something was registered with a GPU.
+  if (impl.report.gpu_registered_bytes > 0) {
+    auto pinned = platform::PinnedBytes();
+    if (pinned.ok()) impl.report.pinned_bytes = *pinned;
+  }
 }
 
 bool MapWritableForGpu(const ArenaOptions& options) {
