@@ -102,7 +102,7 @@ struct ArenaReport {
   uint64_t model_tensors = 0;  // tensors in the model, selected or not
   uint64_t model_tensor_bytes = 0;
   uint64_t mapped_bytes = 0;  // bytes this process maps (header pages + data)
-  uint64_t huge_bytes = 0;    // bytes of this mapping on 2 MiB pages, read from smaps
+  uint64_t huge_bytes = 0;    // bytes of this mapping on 2 MiB pages, read from the page tables
   uint64_t bytes_read = 0;    // model bytes this process read (headers included)
   double seconds = 0;         // from Open() to ready
   double load_seconds = 0;    // reading tensors (loaders only)

@@ -67,7 +67,7 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
     return info;
   }
   info.state = "published";
-  // Page backing: map read-only, fault in (no copy: the pages exist), read smaps.
+  // Page backing: map read-only, fault in (no copy: the pages exist), count 2 MiB entries.
   uint64_t alignment = fs.ok() && fs->kind == platform::FsKind::kHugetlbfs
                            ? std::max(fs->block_bytes, kHugePageBytes)
                            : kHugePageBytes;

@@ -21,7 +21,7 @@ struct ArenaFileInfo {
   bool in_use = false;       // an engine holds USER
   bool loading_now = false;  // an engine holds FILL
   std::string backing;       // tmpfs, hugetlbfs, other
-  uint64_t huge_bytes = 0;   // of a read-only mapping of the file, from smaps
+  uint64_t huge_bytes = 0;   // of a read-only mapping of the file, from the page tables
   uint64_t mapped_bytes = 0;
   format::HeaderSummary summary;
   format::ArenaTable table;  // when published and valid

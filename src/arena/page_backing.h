@@ -1,5 +1,5 @@
 // 2 MiB pages for an arena: whether to ask for them, asking (MADV_HUGEPAGE, MADV_COLLAPSE in
-// parallel), and reading back from smaps how much of the mapping really is on them.
+// parallel), and reading back from the page tables how much of the mapping really is on them.
 //
 // The rule (from the field: per-fault compaction on a fragmented box stalled engines for
 // minutes): on tmpfs and anonymous memory ask only when free 2 MiB blocks could back at least

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "common/units.h"
+#include "platform/page_scan.h"
 #include "platform/process_memory.h"
 
 #ifndef TMPFS_MAGIC
@@ -139,6 +140,12 @@ Result<uint64_t> ReadNumber(const std::string& path) {
 }  // namespace
 
 Result<uint64_t> HugeBytesInRange(const void* start, uint64_t length) {
+  Result<uint64_t> scanned = ScanHugeBytes(start, length);
+  if (scanned.ok() || scanned.status().code() != StatusCode::kUnsupported) return scanned;
+  return HugeBytesInRangeFromSmaps(start, length);
+}
+
+Result<uint64_t> HugeBytesInRangeFromSmaps(const void* start, uint64_t length) {
   EA_ASSIGN_OR_RETURN(MemoryFigures m, MemoryOfMappingsOverlapping(start, length));
   return m.huge;
 }

@@ -6,6 +6,7 @@
 #include "platform/file.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
+#include "platform/page_scan.h"
 #include "platform/system_info.h"
 #include "test_util.h"
 
@@ -103,6 +104,38 @@ TEST(SystemInfoTest, SmapsCountsCollapsedTmpfsPages) {
   ASSERT_OK(AdviseRange(m.data(), bytes, Advice::kPopulateWrite, path.path()));
   ASSERT_OK_AND_ASSIGN(uint64_t huge, HugeBytesInRange(m.data(), bytes));
   EXPECT_EQ(huge, bytes);
+  ASSERT_OK_AND_ASSIGN(uint64_t from_smaps, HugeBytesInRangeFromSmaps(m.data(), bytes));
+  EXPECT_EQ(from_smaps, bytes);
+}
+
+// The page-table scan counts exactly the range asked about: a mapping half on 2 MiB pages
+// reads as half, 4 KiB pages as none, and a sub-range as its own share.
+TEST(SystemInfoTest, PageScanCountsOnlyHugeEntriesOfTheRange) {
+  testing::ScopedPath path("scan");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  const uint64_t bytes = 8 * kHugePageBytes;
+  ASSERT_OK(AllocateFile(fd, bytes));
+  ASSERT_OK_AND_ASSIGN(Mapping m, Mapping::MapFile(fd, bytes, true, kHugePageBytes));
+  Result<uint64_t> scanned = ScanHugeBytes(m.data(), bytes);
+  if (!scanned.ok() && scanned.status().code() == StatusCode::kUnsupported) {
+    GTEST_SKIP() << scanned.status().message();
+  }
+  ASSERT_OK(AdviseRange(m.data(), bytes, Advice::kPopulateWrite, path.path()));
+  ASSERT_OK_AND_ASSIGN(uint64_t none, ScanHugeBytes(m.data(), bytes));
+  if (none != 0) GTEST_SKIP() << "this tmpfs already gives 2 MiB pages (shmem_enabled)";
+  const uint64_t half = bytes / 2;
+  Status collapsed = AdviseRange(m.data(), half, Advice::kCollapse, path.path());
+  if (!collapsed.ok()) GTEST_SKIP() << "MADV_COLLAPSE unavailable: " << collapsed.message();
+  ASSERT_OK(AdviseRange(m.data(), bytes, Advice::kPopulateRead, path.path()));
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, HugeBytesInRange(m.data(), bytes));
+  EXPECT_EQ(huge, half);
+  ASSERT_OK_AND_ASSIGN(uint64_t first_page, ScanHugeBytes(m.data() + kHugePageBytes, 4096));
+  EXPECT_EQ(first_page, 4096u);
+  ASSERT_OK_AND_ASSIGN(uint64_t tail, ScanHugeBytes(m.data() + half, half));
+  EXPECT_EQ(tail, 0u);
+  // smaps can only answer for the whole mapping.
+  ASSERT_OK_AND_ASSIGN(uint64_t from_smaps, HugeBytesInRangeFromSmaps(m.data(), bytes));
+  EXPECT_EQ(from_smaps, half);
 }
 
 TEST(FileTest, AllocateBeyondTheFilesystemNamesTheSizes) {

@@ -1,0 +1,23 @@
+// How much of an address range is mapped with 2 MiB entries, read from the page tables with
+// the PAGEMAP_SCAN ioctl on /proc/self/pagemap (Linux 6.7+).
+//
+// /proc/self/smaps gives the same answer per mapping (ShmemPmdMapped, FilePmdMapped,
+// AnonHugePages, *_Hugetlb) but, for a file folio mapped by several processes, the kernel
+// visits each of its 512 pages to weigh the mapcounts: 12 ms for a 4 GiB tmpfs arena on this
+// VM, most of an attach. PAGEMAP_SCAN reports PMD-mapped THPs and hugetlb pages as one region
+// each without visiting their pages (0.05 ms for the same range). Callers fall back to smaps
+// when the kernel lacks the ioctl.
+#pragma once
+
+#include <cstdint>
+
+#include "expert_arena/status.h"
+
+namespace expert_arena::platform {
+
+// Bytes of [start, start + length) that are present and mapped by 2 MiB (or larger)
+// entries: PMD-mapped transparent huge pages (shmem, file, anonymous) and hugetlb pages.
+// kUnsupported when this kernel has no PAGEMAP_SCAN; other failures name the operation.
+Result<uint64_t> ScanHugeBytes(const void* start, uint64_t length);
+
+}  // namespace expert_arena::platform
