@@ -277,10 +277,11 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
   }
   dir_ = tmpl;
   uint64_t mib = (bytes + (1 << 20) - 1) >> 20;
-  if (kind == Kind::kTmpfsHuge) {
-    std::string opts = "size=" + std::to_string(mib) + "m,huge=always,mode=0700";
+  if (kind != Kind::kHugetlbfs) {
+    const char* huge = kind == Kind::kTmpfsHuge ? "always" : "never";
+    std::string opts = "size=" + std::to_string(mib) + "m,huge=" + huge + ",mode=0700";
     if (mount("tmpfs", dir_.c_str(), "tmpfs", 0, opts.c_str()) != 0) {
-      skip_reason_ = std::string("mount tmpfs huge=always: ") + std::strerror(errno);
+      skip_reason_ = std::string("mount tmpfs huge=") + huge + ": " + std::strerror(errno);
       return;
     }
   } else {

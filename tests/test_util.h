@@ -111,12 +111,12 @@ Child SpawnProgram(const std::string& program, const std::vector<std::string>& a
 std::string BinDir();
 
 // ---- system settings --------------------------------------------------------------------
-// A tmpfs (huge=always) or hugetlbfs mount in a fresh directory, made as root and undone on
+// A tmpfs (4 KiB pages, or huge=always) or hugetlbfs mount in a fresh directory, made as root and undone on
 // destruction (nr_hugepages restored too). Tests that use one hold a machine-wide lock so two
 // test processes never change these settings at once. skip_reason() says why none was made.
 class ScopedMount {
  public:
-  enum class Kind { kTmpfsHuge, kHugetlbfs };
+  enum class Kind { kTmpfs, kTmpfsHuge, kHugetlbfs };
   ScopedMount(Kind kind, uint64_t bytes);
   ~ScopedMount();
   bool ok() const { return skip_reason_.empty(); }

@@ -58,7 +58,8 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
 }
 
 Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,
-                                bool populate_first, unsigned threads) {
+                                bool populate_first, unsigned threads,
+                                const platform::UniqueFd* allocate) {
   auto start = std::chrono::steady_clock::now();
   constexpr uint64_t kPiece = 64 * kMiB;
   size_t pieces = (bytes + kPiece - 1) / kPiece;
@@ -75,7 +76,15 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
         uint64_t offset = i * kPiece;
         uint64_t length = std::min(kPiece, bytes - offset);
         Status s = Status::Ok();
-        if (populate_first) {
+        if (allocate != nullptr) {
+          // One small page per 2 MiB (the one holding its first byte) is enough: the
+          // collapse fills the holes with zeroes while it builds the 2 MiB page, ten times
+          // faster here than copying 512 freshly allocated 4 KiB pages (bench/collapse_bench).
+          for (uint64_t at = offset; s.ok() && at < offset + length; at += kHugePageBytes) {
+            s = platform::AllocateRange(*allocate, at, 1);
+          }
+        }
+        if (s.ok() && populate_first) {
           s = platform::AdviseRange(data + offset, length, platform::Advice::kPopulateWrite, what);
         }
         if (s.ok()) {
@@ -101,7 +110,8 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
 }
 
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
-                            const std::string& what, double* collapse_seconds) {
+                            const std::string& what, double* collapse_seconds,
+                            const platform::UniqueFd* allocate) {
   uint64_t free_blocks = 0;
   auto blocks = platform::FreeHugeBlocks();
   if (blocks.ok()) free_blocks = *blocks;
@@ -114,9 +124,9 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   // same workers). MADV_COLLAPSE refuses (EINVAL) a file range not allocated yet; then fault
   // in and collapse again (that copies, so it is the second choice).
   const bool anonymous = source == PageSource::kAnonymous;
-  auto collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/anonymous);
+  auto collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/anonymous, 0, allocate);
   if (!collapsed.ok() && !anonymous && collapsed.status().code() == StatusCode::kInvalidArgument) {
-    collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/true);
+    collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/true, 0, allocate);
   }
   if (collapsed.ok()) {
     *collapse_seconds = *collapsed;

@@ -12,6 +12,7 @@
 
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
+#include "platform/file.h"
 
 namespace expert_arena::arena {
 
@@ -37,16 +38,25 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
 
 // MADV_COLLAPSE of [data, data+bytes) (2 MiB-aligned) split into 64 MiB pieces across
 // `threads` workers (0: up to 8, one per core). With populate_first each worker faults its
-// piece in (MADV_POPULATE_WRITE) before collapsing it: measured faster on this kernel than
-// collapsing the fallocated-but-unfaulted range (bench/collapse_bench). Returns the seconds it
-// took; a failure names the first range that could not be collapsed.
+// piece in (MADV_POPULATE_WRITE) before collapsing it (anonymous memory has nothing to
+// collapse until then). With `allocate` (the file mapped at `data` from offset 0, sized but
+// not yet allocated) each worker allocates one small page per 2 MiB of its piece just before
+// collapsing it; the collapse fills the rest with zeroes, which is much cheaper than copying
+// a fully allocated range (bench/collapse_bench compares). The range is fully allocated
+// where the collapse succeeded; the caller allocates the whole file afterwards anyway.
+// Returns the seconds it took; a failure names the first range that could not be allocated
+// or collapsed. Every piece is attempted whatever happened to the others.
 Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,
-                                bool populate_first, unsigned threads = 0);
+                                bool populate_first, unsigned threads = 0,
+                                const platform::UniqueFd* allocate = nullptr);
 
 // Reads the decision's inputs, asks for 2 MiB pages when the decision says so, and returns the
 // decision with collapse timing added to its note. Never fatal: a collapse that fails is
 // reported in the note (the arena works on 4 KiB pages too).
+// `allocate`: see CollapseParallel; the caller still allocates the whole file afterwards
+// (pieces are left unallocated when 2 MiB pages are not asked for or a piece fails).
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
-                            const std::string& what, double* collapse_seconds);
+                            const std::string& what, double* collapse_seconds,
+                            const platform::UniqueFd* allocate = nullptr);
 
 }  // namespace expert_arena::arena

@@ -107,8 +107,10 @@ Status WriteFull(const UniqueFd& fd, uint64_t offset, std::span<const std::byte>
   return Status::Ok();
 }
 
-Status AllocateFile(const UniqueFd& fd, uint64_t bytes) {
-  int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
+Status AllocateFile(const UniqueFd& fd, uint64_t bytes) { return AllocateRange(fd, 0, bytes); }
+
+Status AllocateRange(const UniqueFd& fd, uint64_t offset, uint64_t bytes) {
+  int err = ::posix_fallocate(fd.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
   if (err == 0) return Status::Ok();
   if (err == ENOSPC || err == EFBIG) {
     struct statvfs vfs {};
@@ -116,11 +118,26 @@ Status AllocateFile(const UniqueFd& fd, uint64_t bytes) {
     if (::fstatvfs(fd.get(), &vfs) == 0) {
       available = FormatBytes(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize);
     }
-    return NoSpace("allocate " + fd.path() + ": needs " + FormatBytes(bytes) + " (" +
-                   std::to_string(bytes) + " bytes) but its filesystem has " + available +
-                   " available");
+    std::string range = offset == 0 ? std::string()
+                                    : " (bytes " + std::to_string(offset) + "+" +
+                                          std::to_string(bytes) + ")";
+    return NoSpace("allocate " + fd.path() + range + ": needs " + FormatBytes(offset + bytes) +
+                   " (" + std::to_string(offset + bytes) + " bytes) but its filesystem has " +
+                   available + " available");
   }
   return ErrnoStatus(err, "posix_fallocate", fd.path());
+}
+
+Status ExtendFile(const UniqueFd& fd, uint64_t bytes) {
+  EA_ASSIGN_OR_RETURN(FileStat st, StatFd(fd));
+  if (st.size > bytes) {
+    return InvalidArgument("extend " + fd.path() + " to " + std::to_string(bytes) +
+                           " bytes: it already has " + std::to_string(st.size));
+  }
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
+    return ErrnoStatus(errno, "ftruncate", fd.path());
+  }
+  return Status::Ok();
 }
 
 Status UnlinkPath(const std::string& path) {

@@ -76,6 +76,11 @@ Status WriteFull(const UniqueFd& fd, uint64_t offset, std::span<const std::byte>
 // posix_fallocate(3) of [0, bytes). ENOSPC becomes kNoSpace naming the bytes needed and
 // what the filesystem has available.
 Status AllocateFile(const UniqueFd& fd, uint64_t bytes);
+// posix_fallocate(3) of [offset, offset + bytes), same errors.
+Status AllocateRange(const UniqueFd& fd, uint64_t offset, uint64_t bytes);
+// Sets the size of a file this process just created to `bytes` without allocating (ftruncate).
+// It only grows: a smaller size is refused, so a file somebody maps is never cut short.
+Status ExtendFile(const UniqueFd& fd, uint64_t bytes);
 
 Status UnlinkPath(const std::string& path);
 Status FsyncFd(const UniqueFd& fd);

@@ -68,8 +68,12 @@ INSTANTIATE_TEST_SUITE_P(Backings, ArenaBackingTest,
                                            Backing::kHugetlbfs),
                          BackingName);
 
-TEST(ArenaSpaceTest, TmpfsTooSmallIsAnErrorNamingTheSizesAndLeavesNoFile) {
-  ScopedMount mount(ScopedMount::Kind::kTmpfsHuge, 16 * kMiB);
+// Both tmpfs kinds: huge=always allocates the whole file up front; on 4 KiB tmpfs the
+// arena allocates piece by piece while collapsing, and must still fail cleanly.
+class ArenaSpaceTest : public ::testing::TestWithParam<ScopedMount::Kind> {};
+
+TEST_P(ArenaSpaceTest, TmpfsTooSmallIsAnErrorNamingTheSizesAndLeavesNoFile) {
+  ScopedMount mount(GetParam(), 16 * kMiB);
   if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
   ScopedDataFile model(kModelBytes, 8);
   ScopedPath arena("arena", mount.dir());
@@ -87,7 +91,14 @@ TEST(ArenaSpaceTest, TmpfsTooSmallIsAnErrorNamingTheSizesAndLeavesNoFile) {
   EXPECT_NE(stat(arena.path().c_str(), &st), 0) << "the failed load removed its file";
 }
 
-TEST(ArenaSpaceTest, TooFewHugePagesSaysWhatToSet) {
+INSTANTIATE_TEST_SUITE_P(Tmpfs, ArenaSpaceTest,
+                         ::testing::Values(ScopedMount::Kind::kTmpfs,
+                                           ScopedMount::Kind::kTmpfsHuge),
+                         [](const ::testing::TestParamInfo<ScopedMount::Kind>& info) {
+                           return info.param == ScopedMount::Kind::kTmpfs ? "FourKiB" : "Huge";
+                         });
+
+TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
   ScopedMount mount(ScopedMount::Kind::kHugetlbfs, 8 * kMiB);
   if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
   ScopedDataFile model(kModelBytes, 9);
