@@ -19,6 +19,7 @@
 #include "platform/file_cache.h"
 #include "platform/io_ring.h"
 #include "platform/mapping.h"
+#include "platform/page_cache_stat.h"
 
 namespace expert_arena::load {
 namespace {
@@ -42,14 +43,44 @@ void ParallelFor(size_t n, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
+constexpr uint64_t kDefaultHotBlockBytes = 32 * kKiB;
+// Page-cache residency is asked per granule of this size when cachestat works.
+constexpr uint64_t kResidencyGranule = 2 * kMiB;
+
+// Fills access.resident (and page_bytes) for the file: one entry per 2 MiB granule, set when
+// at least half of it is cached, by cachestat; else one per page by mincore; empty if neither
+// works.
+void FillResidency(const platform::UniqueFd& fd, uint64_t size, SourceAccess& access) {
+  std::vector<uint8_t> granules((size + kResidencyGranule - 1) / kResidencyGranule, 0);
+  bool stat_works = true;
+  for (uint64_t g = 0; g < granules.size() && stat_works; ++g) {
+    const uint64_t offset = g * kResidencyGranule;
+    const uint64_t bytes = std::min(kResidencyGranule, size - offset);
+    auto pages = platform::CachedPages(fd, offset, bytes);
+    if (!pages.ok()) {
+      stat_works = false;
+      break;
+    }
+    granules[g] = *pages * access.page_bytes * 2 >= bytes ? 1 : 0;
+  }
+  if (stat_works) {
+    access.resident = std::move(granules);
+    access.page_bytes = kResidencyGranule;
+    return;
+  }
+  auto resident = platform::PageCacheResidency(fd, size);
+  if (resident.ok()) access.resident = std::move(*resident);
+}
+
 struct OpenSources {
   std::vector<platform::UniqueFd> buffered;
   std::vector<platform::UniqueFd> direct;  // invalid where O_DIRECT is not possible
   std::vector<SourceAccess> access;
+  std::vector<platform::Mapping> mapped;  // read-only, for hot copies; empty where none
 };
 
 Result<OpenSources> OpenAndCheck(const format::ArenaTable& table, std::span<std::byte> data,
-                                 bool direct_io) {
+                                 bool direct_io, bool hot_copy) {
   OpenSources out;
   for (const format::SourceRecord& source : table.sources) {
     // Followed: model caches link to their blobs.
@@ -70,11 +101,16 @@ Result<OpenSources> OpenAndCheck(const format::ArenaTable& table, std::span<std:
         if (access.direct.memory != 0) direct = std::move(*opened);
       }
     }
-    if (direct.valid()) {
-      auto resident = platform::PageCacheResidency(fd, st.size);
-      if (resident.ok()) access.resident = std::move(*resident);
+    platform::Mapping mapped;
+    if (hot_copy && st.size > 0) {
+      // 2 MiB-aligned, so that large page-cache folios can be mapped whole. No mapping, no
+      // hot copies of this source: its cached pieces are read.
+      auto mapping = platform::Mapping::MapFile(fd, st.size, false, kHugePageBytes);
+      if (mapping.ok()) mapped = std::move(*mapping);
     }
+    if (direct.valid() || mapped.data() != nullptr) FillResidency(fd, st.size, access);
     out.buffered.push_back(std::move(fd));
+    out.mapped.push_back(std::move(mapped));
     out.direct.push_back(std::move(direct));
     out.access.push_back(std::move(access));
   }
@@ -129,7 +165,8 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
       std::clamp(request.queue_depth ? request.queue_depth : kDefaultQueueDepth, 1u, 256u);
   const unsigned threads =
       std::clamp(request.threads ? request.threads : DefaultThreads(), 1u, 64u);
-  EA_ASSIGN_OR_RETURN(OpenSources sources, OpenAndCheck(table, request.data, request.direct_io));
+  EA_ASSIGN_OR_RETURN(OpenSources sources,
+                      OpenAndCheck(table, request.data, request.direct_io, request.hot_copy));
   const ReadPlan plan = PlanReads(table, sources.access,
                                   reinterpret_cast<uintptr_t>(request.data.data()), chunk_bytes);
 
@@ -143,8 +180,10 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
         if (request.reader == "io_uring") {
           return Unsupported("reader io_uring: " + ring.status().message());
         }
-        result.note = ring.status().message() + "; reading with a pread thread pool";
-        if (request.logger != nullptr) request.logger->info("expert-arena: {}", result.note);
+        result.note = ring.status().message();
+        if (request.logger != nullptr) {
+          request.logger->info("expert-arena: {}; reading with a pread thread pool", result.note);
+        }
         rings.clear();
         break;
       }
@@ -157,14 +196,22 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   job.plan = &plan;
   job.data = request.data;
   job.hasher = &hasher;
+  job.hot_block_bytes = std::clamp<uint64_t>(
+      request.hot_block_bytes ? request.hot_block_bytes : kDefaultHotBlockBytes, 4 * kKiB,
+      chunk_bytes);
   uint32_t widest_alignment = 0;
   for (size_t s = 0; s < table.sources.size(); ++s) {
+    job.mapped.push_back(sources.mapped[s].data());
     job.buffered.push_back(&sources.buffered[s]);
     job.direct.push_back(sources.direct[s].valid() ? &sources.direct[s] : nullptr);
     job.direct_alignment.push_back(sources.access[s].direct.offset);
     widest_alignment = std::max(widest_alignment, sources.access[s].direct.offset);
   }
   if (plan.bounce_bytes > 0) job.bounce_buffer_bytes = chunk_bytes + 2ull * widest_alignment;
+  job.Prepare();
+  for (size_t i = 0; i < plan.pieces.size(); ++i) {
+    if (job.Hot(i)) result.hot_bytes += plan.pieces[i].bytes;
+  }
   Status read;
   {
     ProgressLine progress(request.progress, plan.total_bytes, &job.bytes_done);
@@ -180,6 +227,7 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   EA_ASSIGN_OR_RETURN(std::vector<uint64_t> checksums, hasher.Finish(table));
   for (size_t t = 0; t < table.tensors.size(); ++t) table.tensors[t].checksum = checksums[t];
 
+  sources.mapped.clear();  // unmapped inside the timing
   result.bytes_read = plan.total_bytes;
   result.direct_bytes = plan.direct_bytes;
   result.bounce_bytes = plan.bounce_bytes;
@@ -187,10 +235,11 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   if (request.logger != nullptr) {
     request.logger->debug(
         "expert-arena: read {} in {:.2f} s with {} ({} threads, {} with O_DIRECT of which {} "
-        "through bounce buffers, {} direct reads redone buffered)",
+        "through bounce buffers, {} direct reads redone buffered, {} copied from the page "
+        "cache and hashed while hot)",
         FormatBytes(result.bytes_read), result.seconds, result.reader, threads,
         FormatBytes(result.direct_bytes), FormatBytes(plan.bounce_bytes),
-        job.direct_fallbacks.load());
+        job.direct_fallbacks.load(), FormatBytes(result.hot_bytes));
   }
   return result;
 }

@@ -5,8 +5,14 @@
 // "auto" picks io_uring and falls back (logging why), "io_uring" or "pread" force one. Both
 // read the same plan (read_plan.h): pieces of up to chunk_bytes straight into the arena, with
 // O_DIRECT for pieces not in the page cache (through a bounce buffer when the file offset is
-// misaligned for the device), buffered for cached pieces and where O_DIRECT is unavailable. Each
-// tensor's xxh3-64 is computed by the reader threads as its pieces arrive (tensor_hasher.h).
+// misaligned for the device), buffered where O_DIRECT is unavailable. Pieces already in the
+// page cache are copied by the reader threads from a read-only mapping of the source, and
+// hashed block by block as they are copied (hot_copy). Each tensor's xxh3-64 is computed by
+// the reader threads as its pieces arrive (tensor_hasher.h).
+//
+// The mapping's price: a source truncated by someone else while it is being loaded raises
+// SIGBUS in the process (a read would have returned short), as with any mapped file; the
+// arena's own shared file carries the same risk. hot_copy = false avoids the mapping.
 //
 // Thread-safety: LoadTensors runs its own worker threads and returns when every byte is in
 // place (or on the first error, after the workers stopped).
@@ -37,15 +43,21 @@ struct LoadRequest {
   unsigned queue_depth = 0;
   unsigned threads = 0;
   bool direct_io = true;  // O_DIRECT where the source and alignment allow it
+  // Pieces in the page cache are copied from a read-only mapping of the source in blocks of
+  // hot_block_bytes (0: 32 KiB), each hashed right after it is copied, while it is in L1/L2
+  // (readers.h). false: they are read with the reader and hashed afterwards.
+  bool hot_copy = true;
+  uint64_t hot_block_bytes = 0;
 };
 
 struct LoadResult {
   uint64_t bytes_read = 0;
   uint64_t direct_bytes = 0;  // of which read with O_DIRECT
   uint64_t bounce_bytes = 0;  // of which through bounce buffers (misaligned in the file)
+  uint64_t hot_bytes = 0;     // copied from a mapping of the page cache, hashed while hot
   double seconds = 0;
   std::string reader;  // "io_uring" or "pread"
-  std::string note;    // why io_uring was not used, when it was not
+  std::string note;    // why io_uring was not used, when "auto" fell back to pread
 };
 
 // Reads every tensor of `table` from its source into data[arena_offset, +bytes) and sets its

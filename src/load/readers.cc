@@ -10,6 +10,71 @@
 
 namespace expert_arena::load {
 
+void ReadJob::Prepare() {
+  claimed.reset(new std::atomic<uint8_t>[plan->pieces.size()]);
+  for (size_t i = 0; i < plan->pieces.size(); ++i) claimed[i].store(0, std::memory_order_relaxed);
+}
+
+bool ReadJob::Hot(size_t index) const {
+  const ReadPiece& piece = plan->pieces[index];
+  return piece.cached && !piece.direct && mapped[piece.source] != nullptr;
+}
+
+size_t ReadJob::TakePiece(size_t& run_next) {
+  const size_t n = plan->pieces.size();
+  if (run_next != kNone) {
+    const size_t own = run_next;
+    run_next = kNone;
+    if (claimed[own].exchange(1) == 0) return own;
+  }
+  for (;;) {
+    const size_t index = next_piece.fetch_add(1);
+    if (index >= n) break;
+    if (claimed[index].exchange(1) != 0) continue;  // taken by the worker whose run it is
+    if (Hot(index)) {
+      // A run of hot pieces starts here: move next_piece past it, so that the other workers
+      // start other tensors instead of taking this tensor's pieces (which they could not hash
+      // while hot: a tensor's hash is sequential).
+      const uint32_t tensor = plan->pieces[index].tensor;
+      size_t end = index + 1;
+      while (end < n && plan->pieces[end].tensor == tensor && Hot(end)) ++end;
+      size_t at = next_piece.load();
+      while (at < end && !next_piece.compare_exchange_weak(at, end)) {
+      }
+    }
+    return index;
+  }
+  // Nothing left in plan order: steal from the back of the runs still being read.
+  for (size_t index = n; index-- > 0;) {
+    if (claimed[index].load(std::memory_order_relaxed) == 0 && claimed[index].exchange(1) == 0) {
+      return index;
+    }
+  }
+  return kNone;
+}
+
+void ReadJob::CopyHot(size_t index, size_t& run_next) {
+  const ReadPiece& piece = plan->pieces[index];
+  const std::byte* from = mapped[piece.source] + piece.source_offset;
+  std::byte* to = data.data() + piece.arena_offset;
+  if (hasher->BeginPiece(index)) {
+    for (uint64_t at = 0; at < piece.bytes; at += hot_block_bytes) {
+      const size_t bytes = std::min(hot_block_bytes, piece.bytes - at);
+      std::memcpy(to + at, from + at, bytes);
+      hasher->HashBlock(index, to + at, bytes);
+    }
+    bytes_done.fetch_add(piece.bytes, std::memory_order_relaxed);
+    hasher->EndPiece(index);
+  } else {
+    std::memcpy(to, from, piece.bytes);
+    PieceDone(index);
+  }
+  const size_t next = index + 1;
+  if (next < plan->pieces.size() && plan->pieces[next].tensor == piece.tensor && Hot(next)) {
+    run_next = next;
+  }
+}
+
 void ReadJob::Fail(const Status& s) {
   std::lock_guard lock(mu);
   if (first_error.ok()) first_error = s;
@@ -55,8 +120,7 @@ Status ReadJob::Complete(size_t index, int64_t result, const std::byte* bounce) 
 
 namespace {
 
-// A cached piece is copied by the kernel during submit: keeping few in flight leaves the
-// copied bytes in the CPU cache for the hash. Uncached pieces wait on the device: many.
+// Buffered reads of cached pieces in flight per ring (where the source is not mapped).
 constexpr unsigned kCachedInFlight = 2;
 // Bounced pieces hold a buffer each while in flight.
 constexpr unsigned kBouncedInFlight = 8;
@@ -95,24 +159,23 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
   std::vector<std::pair<size_t, std::byte*>> bounced;  // in flight: piece -> buffer
   unsigned in_flight = 0;
   bool exhausted = false;
+  size_t run_next = ReadJob::kNone;
   for (;;) {
     bool queued = false;
     while (!exhausted && !job.failed.load(std::memory_order_relaxed)) {
-      size_t next = job.next_piece.load(std::memory_order_relaxed);
-      if (next >= plan.pieces.size()) {
-        exhausted = true;
-        break;
-      }
-      const ReadPiece& peek = plan.pieces[next];
-      unsigned limit = peek.cached ? kCachedInFlight : queue_depth;
-      if (in_flight >= limit) break;
-      if (peek.bounce && bounced.size() >= kBouncedInFlight) break;
-      size_t index = job.next_piece.fetch_add(1);
-      if (index >= plan.pieces.size()) {
+      if (in_flight >= queue_depth || bounced.size() >= kBouncedInFlight) break;
+      const size_t index = job.TakePiece(run_next);
+      if (index == ReadJob::kNone) {
         exhausted = true;
         break;
       }
       const ReadPiece& piece = plan.pieces[index];
+      if (job.Hot(index)) {
+        job.CopyHot(index, run_next);
+        // Let reads in flight complete between hot pieces.
+        if (in_flight > 0) break;
+        continue;
+      }
       std::byte* buffer = job.data.data() + piece.arena_offset;
       uint64_t offset = piece.source_offset;
       uint64_t bytes = piece.bytes;
@@ -120,8 +183,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
       if (bounce) {
         std::byte* b = bounces.Take();
         if (b == nullptr) {
-          // No bounce buffer (all busy after another thread took our peeked piece, or no
-          // memory): read this one here, buffered.
+          // No bounce buffer (no memory): read this one here, buffered.
           Status s = job.FinishPiece(piece, 0);
           if (!s.ok()) return job.Fail(s);
           job.PieceDone(index);
@@ -148,6 +210,9 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
       }
       ++in_flight;
       queued = true;
+      // A buffered read of cached data is copied by the kernel during submit: keeping few in
+      // flight leaves the copy in the CPU cache for the hash.
+      if (piece.cached && in_flight >= kCachedInFlight) break;
     }
     if (queued) {
       Status s = ring.Submit();
@@ -177,12 +242,17 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
 void PreadWorker(ReadJob& job) {
   const ReadPlan& plan = *job.plan;
   BouncePool bounces(job.bounce_buffer_bytes, 1);
+  size_t run_next = ReadJob::kNone;
   for (;;) {
     if (job.failed.load(std::memory_order_relaxed)) return;
-    size_t index = job.next_piece.fetch_add(1);
-    if (index >= plan.pieces.size()) return;
+    const size_t index = job.TakePiece(run_next);
+    if (index == ReadJob::kNone) return;
     const ReadPiece& piece = plan.pieces[index];
     Status s;
+    if (job.Hot(index)) {
+      job.CopyHot(index, run_next);
+      continue;
+    }
     if (piece.direct) {
       std::byte* buffer = job.data.data() + piece.arena_offset;
       uint64_t offset = piece.source_offset;

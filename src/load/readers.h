@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -17,7 +18,17 @@
 namespace expert_arena::load {
 
 // One run of a reader: the plan, where bytes go, the descriptors, and the shared progress.
-// Workers take pieces in plan order from next_piece; the first error stops them all.
+// Workers take pieces in plan order from next_piece (each piece is claimed exactly once
+// through its `claimed` flag); the first error stops them all.
+//
+// Hot pieces (in the page cache, of a source that is mapped) are copied by the CPU from the
+// mapping in blocks of hot_block_bytes, each block hashed right after it is copied while it
+// is still in L1/L2 (TensorHasher::BeginPiece): copy and hash cost about what the copy alone
+// costs, where a read followed by a hash of the piece reads every byte from memory twice.
+// Since a tensor's hash is sequential, a worker that starts a tensor's run of hot pieces
+// moves next_piece past it and keeps the run for itself; the other workers take other
+// tensors, and only when nothing is left do they take (steal) unclaimed pieces of runs in
+// progress, which are then hashed after the copy like any read.
 struct ReadJob {
   const ReadPlan* plan = nullptr;
   std::span<std::byte> data;
@@ -26,12 +37,30 @@ struct ReadJob {
   std::vector<uint32_t> direct_alignment;           // per source: O_DIRECT offset alignment
   uint64_t bounce_buffer_bytes = 0;                 // enough for any bounced piece
   TensorHasher* hasher = nullptr;
+  std::vector<const std::byte*> mapped;  // per source: its whole file mapped; null: none
+  uint64_t hot_block_bytes = 32 * 1024;
+  std::unique_ptr<std::atomic<uint8_t>[]> claimed;  // per piece
   std::atomic<size_t> next_piece{0};
   std::atomic<uint64_t> bytes_done{0};
   std::atomic<uint64_t> direct_fallbacks{0};
   std::atomic<bool> failed{false};
   std::mutex mu;
   Status first_error;
+
+  static constexpr size_t kNone = ~size_t{0};
+
+  // Sizes `claimed` for the plan; call once before the workers start.
+  void Prepare();
+  // Whether piece `index` is copied from the source's mapping.
+  bool Hot(size_t index) const;
+  // The next piece for a worker: `run_next` (the next piece of the worker's own run of hot
+  // pieces, kNone if none) when still unclaimed, else the next in plan order, else a piece
+  // stolen from another worker's run; kNone when every piece is claimed.
+  size_t TakePiece(size_t& run_next);
+  // Copies hot piece `index` from the mapping, hashing it on the way when its tensor's hash
+  // has reached it, and marks it done; sets run_next to the tensor's following piece when
+  // that one is hot too.
+  void CopyHot(size_t index, size_t& run_next);
 
   void Fail(const Status& s);
   // Reads what a read left undone ([done, bytes) of the piece) with pread on the buffered

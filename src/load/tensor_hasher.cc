@@ -54,17 +54,60 @@ void TensorHasher::PieceArrived(size_t piece) {
   arrived_[piece].store(1);
   const size_t t = plan_.pieces[piece].tensor;
   TensorState& s = tensors_[t];
+  bool expected = false;
+  // Strong CAS (no spurious failure): if it fails, another thread holds the tensor and
+  // re-checks our piece after it lets go (seq_cst orders our store before its re-check).
+  if (!s.busy.compare_exchange_strong(expected, true)) return;
+  Advance(t);
+  Release(t);
+}
+
+void TensorHasher::Release(size_t t) {
+  TensorState& s = tensors_[t];
+  const size_t end = plan_.tensor_first[t + 1];
   for (;;) {
-    bool expected = false;
-    // Strong CAS (no spurious failure): if it fails, another thread holds the tensor and
-    // re-checks our piece after it lets go (seq_cst orders our store before its re-check).
-    if (!s.busy.compare_exchange_strong(expected, true)) return;
-    Advance(t);
     const size_t next = s.next;
-    const size_t end = plan_.tensor_first[t + 1];
     s.busy.store(false);
     if (next >= end || !arrived_[next].load()) return;
+    bool expected = false;
+    if (!s.busy.compare_exchange_strong(expected, true)) return;
+    Advance(t);
   }
+}
+
+bool TensorHasher::BeginPiece(size_t piece) {
+  const size_t t = plan_.pieces[piece].tensor;
+  TensorState& s = tensors_[t];
+  bool expected = false;
+  if (!s.busy.compare_exchange_strong(expected, true)) return false;
+  if (s.next != piece) {
+    // An earlier piece is not hashed yet (still being read): this one is hashed after it.
+    Release(t);
+    return false;
+  }
+  if (piece == plan_.tensor_first[t]) {
+    s.state = FastXxh3Create();
+    FastXxh3Reset(s.state);
+  }
+  return true;
+}
+
+void TensorHasher::HashBlock(size_t piece, const std::byte* block, size_t bytes) {
+  FastXxh3Update(tensors_[plan_.pieces[piece].tensor].state, block, bytes);
+}
+
+void TensorHasher::EndPiece(size_t piece) {
+  const size_t t = plan_.pieces[piece].tensor;
+  TensorState& s = tensors_[t];
+  arrived_[piece].store(1);
+  s.next = piece + 1;
+  if (s.next == plan_.tensor_first[t + 1]) {
+    s.checksum = FastXxh3Digest(s.state);
+    FastXxh3Free(s.state);
+    s.state = nullptr;
+    s.done = true;
+  }
+  Release(t);
 }
 
 Result<std::vector<uint64_t>> TensorHasher::Finish(const format::ArenaTable& table) {

@@ -8,6 +8,12 @@
 // the thread that hashes its predecessor. The hand-off needs no thread to block: a thread that
 // finds the tensor busy leaves, and the busy thread re-checks after it lets go.
 //
+// Hot hashing: a thread about to copy a piece from the page cache asks BeginPiece; when the
+// tensor's hash has reached exactly that piece, the thread owns the tensor's state, hashes
+// each small block right after copying it (while it is in L1/L2, instead of re-reading the
+// piece from memory later) and hands the tensor back with EndPiece. Otherwise it copies the
+// piece and calls PieceArrived as for any other read.
+//
 // Thread-safety: PieceArrived from any number of threads; Finish from one, after the readers
 // stopped.
 #pragma once
@@ -35,6 +41,14 @@ class TensorHasher {
   // Piece `piece` of the plan is in place in `data`.
   void PieceArrived(size_t piece);
 
+  // Hot hashing of piece `piece` (see above). BeginPiece: true when the caller now owns the
+  // tensor's hash, which stands at the start of this piece; it must then feed the piece's
+  // bytes in order with HashBlock and call EndPiece once they are all in place. false: copy
+  // the piece and call PieceArrived.
+  bool BeginPiece(size_t piece);
+  void HashBlock(size_t piece, const std::byte* block, size_t bytes);
+  void EndPiece(size_t piece);
+
   // Completes every hash (all pieces must have arrived) and returns one checksum per tensor;
   // kInternal naming the tensor if a piece never arrived.
   Result<std::vector<uint64_t>> Finish(const format::ArenaTable& table);
@@ -50,6 +64,8 @@ class TensorHasher {
 
   // Hashes tensor t's arrived pieces in order; the caller holds its busy flag.
   void Advance(size_t t);
+  // Lets go of tensor t's busy flag, taking it again to hash pieces that arrived meanwhile.
+  void Release(size_t t);
 
   const ReadPlan& plan_;
   std::span<const std::byte> data_;

@@ -3,6 +3,7 @@
 // the pread fallback when io_uring is refused (a seccomp filter in a child process).
 #include "load/loader.h"
 
+#include <fcntl.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
@@ -15,10 +16,12 @@
 #include <filesystem>
 
 #include "common/units.h"
+#include "expert_arena/arena.h"
 #include "platform/file.h"
 #include "platform/file_cache.h"
 #include "platform/io_ring.h"
 #include "platform/mapping.h"
+#include "platform/page_cache_stat.h"
 #include "source/dtypes.h"
 #include "source/gguf_writer.h"
 #include "source/model_source.h"
@@ -39,18 +42,23 @@ struct Loaded {
   LoadResult result;
 };
 
-Result<Loaded> LoadInto(const source::ModelPlan& plan, const std::string& reader,
-                        uint64_t chunk_bytes) {
+// `request` without its data: the arena memory is made here.
+Result<Loaded> LoadWith(const source::ModelPlan& plan, LoadRequest request) {
   Loaded out;
   out.table = plan.table;
   EA_ASSIGN_OR_RETURN(out.memory,
                       platform::Mapping::MapAnonymous(out.table.data_bytes, kHugePageBytes));
-  LoadRequest request;
   request.data = out.memory.bytes();
-  request.reader = reader;
-  request.chunk_bytes = chunk_bytes;
   EA_ASSIGN_OR_RETURN(out.result, LoadTensors(request, out.table));
   return out;
+}
+
+Result<Loaded> LoadInto(const source::ModelPlan& plan, const std::string& reader,
+                        uint64_t chunk_bytes) {
+  LoadRequest request;
+  request.reader = reader;
+  request.chunk_bytes = chunk_bytes;
+  return LoadWith(plan, request);
 }
 
 // Every tensor: the bytes equal the file's at the offset computed by the test's own parser, and
@@ -118,6 +126,102 @@ TEST_P(LoaderReadersTest, ShardedSafetensors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Readers, LoaderReadersTest, ::testing::Values("io_uring", "pread"));
+
+// A GGUF of i8 tensors of odd sizes (16 MiB in all): tiny ones, and ones that straddle many
+// 64 KiB pieces.
+std::string WriteOddSizedGguf(const ScopedDir& dir) {
+  const std::string path = dir.File("odd.gguf");
+  const std::vector<uint64_t> sizes = {1,       777,   64 * 1024 + 1, 300001,       3,
+                                       1048573, 65535, 131073,        5 * kMiB + 3, 9 * kMiB + 1};
+  source::GgufWriter w;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    EXPECT_OK(w.AddTensor("blk." + std::to_string(t) + ".ffn_up_exps.weight",
+                          *source::FindGgmlTypeByName("i8"), {sizes[t]}));
+  }
+  EXPECT_OK(w.WriteFile(path, [](size_t t, uint64_t offset, std::span<std::byte> out) {
+    for (size_t k = 0; k < out.size(); ++k) {
+      out[k] = std::byte(((offset + k) * 2654435761u >> 13) + t);
+    }
+    return Status::Ok();
+  }));
+  return path;
+}
+
+// Cached pieces copied from the source's mapping and hashed block by block while hot give the
+// same arena and the same checksums (XXH3_64bits of each tensor) as reading them and hashing
+// afterwards, whatever the block size, the piece size and the number of threads (1: the
+// worker takes every piece itself; 2-4: runs of pieces and steals from other runs).
+TEST_P(LoaderReadersTest, HotCopyGivesTheSameArenaAsReads) {
+  if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  ScopedDir dir("load-hot");
+  const std::string path = WriteOddSizedGguf(dir);
+  (void)testing::ReadRange(path, 0, std::filesystem::file_size(path));  // in the page cache
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {path}}));
+  const auto independent = testing::ParseGgufIndependently(path);
+  LoadRequest plain;
+  plain.reader = GetParam();
+  plain.chunk_bytes = 64 * kKiB;
+  plain.hot_copy = false;
+  ASSERT_OK_AND_ASSIGN(Loaded reference, LoadWith(plan, plain));
+  ExpectMatchesSources(reference, independent, path);
+  EXPECT_EQ(reference.result.hot_bytes, 0u);
+  for (unsigned threads : {1u, 2u, 3u, 4u}) {
+    for (uint64_t block : {uint64_t{4096}, uint64_t{5000}, 32 * kKiB, 64 * kKiB}) {
+      LoadRequest hot = plain;
+      hot.hot_copy = true;
+      hot.hot_block_bytes = block;
+      hot.threads = threads;
+      ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadWith(plan, hot));
+      SCOPED_TRACE(std::to_string(threads) + " threads, block " + std::to_string(block));
+      EXPECT_EQ(loaded.result.hot_bytes, loaded.result.bytes_read);
+      ASSERT_EQ(loaded.memory.size(), reference.memory.size());
+      EXPECT_EQ(std::memcmp(loaded.memory.data(), reference.memory.data(), loaded.memory.size()),
+                0);
+      for (size_t t = 0; t < loaded.table.tensors.size(); ++t) {
+        EXPECT_EQ(loaded.table.tensors[t].checksum, reference.table.tensors[t].checksum) << t;
+      }
+    }
+  }
+}
+
+// Half of the file in the page cache: hot copies, direct reads (straight and bounced) and
+// buffered reads meet inside the same tensors; every byte and checksum is still right.
+TEST_P(LoaderReadersTest, PartlyCachedFileMixesHotCopiesAndReads) {
+  if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  ScopedDir dir("load-mixed");
+  const std::string path = WriteOddSizedGguf(dir);
+  const uint64_t size = std::filesystem::file_size(path);
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {path}}));
+  const auto independent = testing::ParseGgufIndependently(path);  // reads the whole file
+  for (unsigned threads : {1u, 2u, 3u}) {
+    {
+      // Evicted, then every other 2 MiB (the residency granule) back in the cache, with no
+      // readahead past them.
+      ASSERT_OK_AND_ASSIGN(auto fd, platform::OpenFile(path, {}));
+      ASSERT_OK(platform::EvictFromPageCache(fd));
+      auto cached = platform::CachedPages(fd, 0, size);
+      if (cached.ok() && *cached > 0) GTEST_SKIP() << "the page cache of /tmp cannot be evicted";
+      ASSERT_EQ(::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_RANDOM), 0);
+      std::vector<std::byte> buffer(2 * kMiB);
+      for (uint64_t at = 0; at < size; at += 4 * kMiB) {
+        const uint64_t bytes = std::min<uint64_t>(2 * kMiB, size - at);
+        ASSERT_OK(platform::ReadFull(fd, at, {buffer.data(), bytes}));
+      }
+      if (cached.ok()) {
+        ASSERT_OK_AND_ASSIGN(uint64_t now, platform::CachedPages(fd, 0, 2 * kMiB));
+        EXPECT_EQ(now, 2 * kMiB / platform::BasePageSize());
+      }
+    }
+    LoadRequest request;
+    request.reader = GetParam();
+    request.chunk_bytes = 64 * kKiB;
+    request.threads = threads;
+    ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadWith(plan, request));
+    EXPECT_GT(loaded.result.hot_bytes, 0u) << threads;
+    EXPECT_LT(loaded.result.hot_bytes, loaded.result.bytes_read) << threads;
+    ExpectMatchesSources(loaded, independent, path);
+  }
+}
 
 TEST(LoaderTest, IoUringAndPreadGiveIdenticalArenas) {
   if (!IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
@@ -236,6 +340,14 @@ EA_CHILD_ROLE(seccomp_loader) {
   if (!plan.ok()) return 11;
   auto loaded = LoadInto(*plan, "auto", 64 * kKiB);
   if (!loaded.ok() || loaded->result.reader != "pread") return 12;
+  // The start line names the reader and why io_uring was not used.
+  auto arena = Arena::Open({.files = {args.at(0)}}, ArenaOptions{});
+  if (!arena.ok()) return 16;
+  const std::string line = arena->report().StartLine();
+  if (line.find("pread") == std::string::npos || line.find("EPERM") == std::string::npos) {
+    std::printf("start line: %s\n", line.c_str());
+    return 17;
+  }
   if (loaded->result.note.find("EPERM") == std::string::npos) return 13;
   auto forced = LoadInto(*plan, "io_uring", 64 * kKiB);
   if (forced.ok() || forced.status().code() != StatusCode::kUnsupported) return 14;

@@ -124,6 +124,9 @@ std::map<std::string, IndependentTensor> ParseGgufIndependently(const std::strin
       case 8:
         bytes = elems / 32 * 34;
         break;  // q8_0
+      case 24:
+        bytes = elems;
+        break;  // i8
       default:
         throw std::runtime_error("type not in the test parser");
     }
