@@ -108,9 +108,10 @@ struct ArenaReport {
   double load_seconds = 0;    // reading tensors (loaders only)
   double wait_seconds = 0;    // waiting for another engine's load
   double collapse_seconds = 0;
-  std::string reader;     // "io_uring", "pread", or "" when nothing was read
-  std::string huge_note;  // why 2 MiB pages were or were not asked for
-  std::string gpu_note;   // the registration outcome
+  std::string reader;       // "io_uring", "pread", or "" when nothing was read
+  std::string reader_note;  // why io_uring was not used, when "auto" fell back to pread
+  std::string huge_note;    // why 2 MiB pages were or were not asked for
+  std::string gpu_note;     // the registration outcome
   uint64_t gpu_registered_bytes = 0;
   double gpu_seconds = 0;
   uint64_t pinned_bytes = 0;  // VmPin after registration

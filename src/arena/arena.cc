@@ -39,7 +39,8 @@ std::string ArenaReport::StartLine() const {
           role == ArenaRole::kLoaded ? "loaded" : "private arena,",
           role == ArenaRole::kLoaded ? path.c_str() : "loaded", backing.c_str(),
           static_cast<unsigned long long>(tensors), static_cast<unsigned long long>(model_tensors),
-          gib(tensor_bytes), seconds, rate, reader.c_str());
+          gib(tensor_bytes), seconds, rate,
+          (reader_note.empty() ? reader : reader + " (" + reader_note + ")").c_str());
       line += buf;
       break;
     }

@@ -36,6 +36,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
   impl->report.collapse_seconds = collapse_seconds;
   impl->report.load_seconds = loaded.seconds;
   impl->report.reader = loaded.reader;
+  impl->report.reader_note = loaded.note;
   impl->report.bytes_read = loaded.bytes_read + plan.metadata_bytes_read;
   return impl;
 }

@@ -358,6 +358,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     impl->report.collapse_seconds = collapse_seconds;
     impl->report.load_seconds = loaded->seconds;
     impl->report.reader = loaded->reader;
+    impl->report.reader_note = loaded->note;
     impl->report.bytes_read = loaded->bytes_read + plan->metadata_bytes_read;
     impl->report.wait_seconds =
         said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;

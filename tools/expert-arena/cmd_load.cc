@@ -87,6 +87,7 @@ int RunLoad(const LoadArgs& args) {
     j["collapse_seconds"] = r.collapse_seconds;
     j["bytes_read"] = r.bytes_read;
     j["reader"] = r.reader;
+    j["reader_note"] = r.reader_note;
     j["identity"] = r.identity;
     char hash[32];
     std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(r.identity_hash));
