@@ -1,7 +1,8 @@
 // One GPU runtime's calls (CUDA or HIP) behind one interface, so that chunked registration,
 // the pin budget and the copy helpers are written once. Each backend lives in its own
 // translation unit (cuda_runtime.cc, hip_runtime.cc), compiled only when CMake enables it:
-// the CUDA and HIP headers never meet in one file.
+// the CUDA and HIP headers never meet in one file. Both instantiate one implementation,
+// RuntimeImpl<Api> (runtime_impl.h).
 //
 // Every call returns a Status whose message names the runtime call and the runtime's error
 // name, number and text ("cudaHostRegister: cudaErrorInvalidValue (1): invalid argument").
