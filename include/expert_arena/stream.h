@@ -101,6 +101,19 @@ struct StreamOptions {
   // Put() copies tensors of 8 MiB and more with up to this many threads (0: a quarter of the
   // cores, 1 to 4); one thread is latency-bound below the memory bus on large hosts.
   uint32_t copy_threads = 0;
+  // Put() copies tensors of at least this many bytes with non-temporal (streaming) stores,
+  // which skip reading the destination into the cache: the bytes are read next by another
+  // process or a device, and a tensor this large would only evict the cache. 0: a quarter of
+  // the last-level cache (8 MiB when sysfs does not say); UINT64_MAX: never (plain memcpy).
+  uint64_t non_temporal_copy_from = 0;
+  // Grow ahead: when a reserve leaves less free than a quarter of a segment plus that
+  // reserve's size, and the cap allows another segment, a background thread creates it
+  // (fallocate, 2 MiB pages, populate), so the reserve that needs it waits for what is left of
+  // that work instead of all of it. Existing mappings never move either way.
+  bool grow_ahead = true;
+  // The fragmentation warning is logged for the first failure, then at most once per this
+  // many seconds with the number of failures since the last one; Stats() counts every one.
+  double warning_interval_seconds = 10.0;
   // Remove segments of dead owners in directory and spill_directory at creation.
   bool sweep_at_start = true;
   // Logger for the start line, growth, fragmentation and spill notes; null: "expert_arena".
@@ -131,6 +144,7 @@ struct StreamStats {
   uint64_t fragmentation_failures = 0;  // reserves that failed while free bytes covered them
   uint64_t reclaimed_blocks = 0;
   uint64_t dead_readers_cleared = 0;
+  uint64_t segments_grown_ahead = 0;  // created by the grow-ahead thread
 };
 
 class StreamProducer;

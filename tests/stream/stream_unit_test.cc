@@ -6,12 +6,17 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <sstream>
 #include <thread>
 
 #include "expert_arena/stream.h"
+#include "platform/file.h"
+#include "platform/memory_copy.h"
+#include "platform/system_info.h"
 #include "stream/block_allocator.h"
 #include "stream_test_util.h"
 #include "test_util.h"
@@ -223,6 +228,195 @@ TEST(StreamProducer, WarnsWhenFragmentationFailsAReserve) {
   StreamStats after = producer.Stats();
   EXPECT_EQ(after.fragmentation_failures, 1u);
   EXPECT_EQ(after.spills, 1u);
+}
+
+// Counts the lines of `text` that contain `what`.
+size_t CountLines(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) n += line.find(what) != std::string::npos;
+  return n;
+}
+
+TEST(StreamProducer, FragmentationWarningIsRateLimitedAndTheCounterCountsEvery) {
+  StreamDirs dirs;
+  std::ostringstream logged;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(logged);
+  auto logger = std::make_shared<spdlog::logger>("stream-frag-rate-test", sink);
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 1;
+  o.logger = logger;
+  o.warning_interval_seconds = 0.5;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<Reservation> held;
+  for (int i = 0; i < 32; ++i) {
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k" + std::to_string(i), 64 << 10));
+    held.push_back(std::move(r));
+  }
+  std::vector<Reservation> kept;
+  for (int i = 0; i < 32; ++i) {
+    if (i % 2 == 1) kept.push_back(std::move(held[i]));
+  }
+  held.clear();  // 1 MiB free in 64 KiB pieces: every 256 KiB reserve fails and spills
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 50; ++i) {
+    ASSERT_OK_AND_ASSIGN(auto big, producer.Reserve("big" + std::to_string(i), 256 << 10));
+    EXPECT_TRUE(big.spilled());
+  }
+  logger->flush();
+  const std::string first = logged.str();
+  EXPECT_EQ(producer.Stats().fragmentation_failures, 50u);
+  if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(400)) {
+    // All 50 within the interval: one line, for the first.
+    EXPECT_EQ(CountLines(first, "fragmentation"), 1u) << first;
+    EXPECT_NE(first.find("fragmentation (1 so far)"), std::string::npos) << first;
+  } else {
+    // A very slow machine: at most one line per interval anyway.
+    EXPECT_LE(CountLines(first, "fragmentation"), 3u) << first;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  ASSERT_OK_AND_ASSIGN(auto last, producer.Reserve("last", 256 << 10));
+  logger->flush();
+  const std::string all = logged.str();
+  EXPECT_EQ(CountLines(all, "fragmentation"), CountLines(first, "fragmentation") + 1) << all;
+  EXPECT_NE(all.find("fragmentation (51 so far"), std::string::npos) << all;
+  EXPECT_NE(all.find("more since the last warning"), std::string::npos) << all;
+  StreamStats stats = producer.Stats();
+  EXPECT_EQ(stats.fragmentation_failures, 51u);
+  EXPECT_EQ(stats.spills, 51u);
+}
+
+TEST(StreamProducer, GrowsAheadInTheBackgroundAndWaitsForItInsteadOfGrowingTwice) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 8 << 20;
+  o.max_segments = 3;
+  o.grow_ahead = true;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<Reservation> held;
+  // 4 MiB leaves 4 MiB free, less than a quarter segment + 4 MiB: the grower starts.
+  ASSERT_OK_AND_ASSIGN(auto a, producer.Reserve("a", 4 << 20));
+  ASSERT_OK_AND_ASSIGN(auto b, producer.Reserve("b", 4 << 20));  // fills segment 0
+  // Needs a new segment now: it waits for the grower's (or takes it when it is there).
+  ASSERT_OK_AND_ASSIGN(auto c, producer.Reserve("c", 4 << 20));
+  EXPECT_FALSE(c.spilled());
+  StreamStats s = producer.Stats();
+  EXPECT_EQ(s.segments, 2u);
+  EXPECT_EQ(s.segments_grown_ahead, 1u);
+  held.push_back(std::move(a));
+  held.push_back(std::move(b));
+  held.push_back(std::move(c));
+  // Fill up to the cap: never more than max_segments, then a spill.
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("d" + std::to_string(i), 4 << 20));
+    EXPECT_FALSE(r.spilled()) << i;
+    held.push_back(std::move(r));
+  }
+  ASSERT_OK_AND_ASSIGN(auto e, producer.Reserve("e", 4 << 20));
+  EXPECT_TRUE(e.spilled());
+  s = producer.Stats();
+  EXPECT_EQ(s.segments, 3u);
+  EXPECT_EQ(s.spills, 1u);
+  EXPECT_GE(s.segments_grown_ahead, 1u);
+}
+
+TEST(StreamProducer, WithoutGrowAheadGrowsOnlyWhenAReserveNeedsIt) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 8 << 20;
+  o.max_segments = 3;
+  o.grow_ahead = false;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  ASSERT_OK_AND_ASSIGN(auto a, producer.Reserve("a", 6 << 20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(producer.Stats().segments, 1u);
+  ASSERT_OK_AND_ASSIGN(auto b, producer.Reserve("b", 6 << 20));
+  StreamStats s = producer.Stats();
+  EXPECT_EQ(s.segments, 2u);
+  EXPECT_EQ(s.segments_grown_ahead, 0u);
+}
+
+TEST(StreamProducer, DestroyedWhileGrowingAheadLeavesNoFiles) {
+  StreamDirs dirs;
+  for (int i = 0; i < 5; ++i) {
+    StreamOptions o = dirs.Producer();
+    o.segment_bytes = 32 << 20;
+    o.max_segments = 2;
+    ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("a", 30 << 20));  // starts the grower
+  }  // the producer goes at once, the grower perhaps still making its segment
+  EXPECT_TRUE(dirs.remaining().empty());
+}
+
+TEST(StreamProducer, SegmentsOnTwoMiBPagesCarryTheBytesToOtherMappings) {
+  // Plain tmpfs: the segment is a sparse file collapsed to 2 MiB pages (see segment_file.cc).
+  // What one mapping writes must be what another mapping and read(2) see.
+  StreamDirs dirs;
+  std::ostringstream logged;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(logged);
+  auto logger = std::make_shared<spdlog::logger>("stream-huge-test", sink);
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 16 << 20;
+  o.max_segments = 2;
+  o.huge = HugePages::kOn;
+  o.logger = logger;
+  o.non_temporal_copy_from = 1 << 20;  // the streaming-store copy too
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::string> descriptors;
+  for (uint64_t size : {uint64_t{1}, uint64_t{4097}, uint64_t{3 << 20} + 77, uint64_t{10 << 20}}) {
+    std::vector<std::byte> bytes(size);
+    const std::string key = "huge" + std::to_string(size);
+    testing::FillPattern(bytes, key);
+    ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, bytes, {"u8", {size}}));
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+    EXPECT_TRUE(testing::CheckPattern(t.bytes(), key)) << size;
+    ASSERT_OK_AND_ASSIGN(auto desc, TensorDescriptor::Decode(d));
+    ASSERT_OK_AND_ASSIGN(auto fd, platform::OpenFile(dirs.shm() + "/" + desc.segment, {}));
+    std::vector<std::byte> read_back(size);
+    ASSERT_OK(platform::ReadFull(fd, desc.offset, read_back));
+    EXPECT_TRUE(testing::CheckPattern(read_back, key)) << size;
+    if (size == (10 << 20)) {
+      auto fs = platform::StatFilesystem(dirs.shm());
+      auto blocks = platform::FreeHugeBlocks();
+      logger->flush();
+      if (fs.ok() && fs->kind == platform::FsKind::kTmpfs && fs->tmpfs_huge == "never" &&
+          platform::ShmemHugeSetting() != "force" && platform::ShmemHugeSetting() != "deny" &&
+          blocks.ok() && *blocks * (2 << 20) >= (36u << 20)) {
+        EXPECT_NE(logged.str().find("MADV_COLLAPSE of the sparse file"), std::string::npos)
+            << logged.str();
+        auto huge = platform::HugeBytesInRange(t.bytes().data(), t.bytes().size());
+        ASSERT_OK(huge.status());
+        EXPECT_GT(*huge, 0u) << "the consumer's mapping of a collapsed segment is on 4 KiB pages";
+      } else {
+        std::printf("2 MiB page check skipped: not plain tmpfs, or too few free 2 MiB blocks\n");
+      }
+    }
+    t.Release();
+  }
+}
+
+TEST(CopyNonTemporal, CopiesEveryAlignmentAndSize) {
+  std::vector<std::byte> from(1 << 20), to(1 << 20);
+  testing::FillPattern(from, "nt");
+  std::mt19937 rng(5);
+  for (int i = 0; i < 300; ++i) {
+    size_t src = rng() % 200, dst = rng() % 200;
+    size_t n = i < 100 ? static_cast<size_t>(i) : rng() % ((1 << 20) - 400);
+    std::memset(to.data(), 0x5a, to.size());
+    platform::CopyNonTemporal(to.data() + dst, from.data() + src, n);
+    ASSERT_EQ(std::memcmp(to.data() + dst, from.data() + src, n), 0) << n;
+    for (size_t k = 0; k < dst; ++k) ASSERT_EQ(to[k], std::byte{0x5a});
+    ASSERT_EQ(to[dst + n], std::byte{0x5a}) << n;
+  }
+}
+
+TEST(LastLevelCacheBytes, IsACacheSizeOrUnknown) {
+  uint64_t bytes = platform::LastLevelCacheBytes();
+  if (bytes == 0) GTEST_SKIP() << "sysfs gives no cache sizes here";
+  EXPECT_GE(bytes, 64u << 10);
+  EXPECT_LE(bytes, 4ull << 30);
 }
 
 TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
