@@ -8,13 +8,22 @@
 // its name; the consumer opens, reads, closes and unlinks it. Both use the same FIFOs, so the
 // channel's cost is in both. Reported: the median round per shape and the ratio.
 //
-// Raw memcpy: the arena round makes exactly two copies of the bytes (in, then out), so its
-// ceiling is two memcpys of the same size; "vs memcpy" is that ceiling's time / the round's.
+// Raw memcpy: the stream round makes one copy of the bytes (the put) and "+ copy out" a second
+// one, so "stream vs memcpy" is one memcpy's time / the round's and "stream + copy vs 2
+// memcpy" two memcpys' / the copy-out round's. "put alone" is the round's puts (and an Abort
+// that frees them) without channel or consumer.
 //
 // Allocator: with 10k live blocks of 4-64 KiB held, the median of Reserve + drop (free) of one
 // more block, timed pair by pair.
 //
+// Growth: the stall a producer sees when the stream needs a new segment (fallocate, 2 MiB
+// pages, populate), with grow-ahead off and on: 8 MiB puts into 128 MiB segments until six
+// segments exist, back to back and with 2 ms of "engine work" between puts.
+//
 // Usage: flock /tmp/expert-arena-bench.lock build/bin/stream_bench [--dir /dev/shm] [--rounds N]
+//            [--copy-threads N] [--non-temporal-from BYTES|never] [--skip-growth | --only-growth]
+//   --copy-threads and --non-temporal-from set the producer's StreamOptions of the same names
+//   (default 0: the library's automatic choice).
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -23,13 +32,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "arena/page_backing.h"
+#include "common/units.h"
 #include "expert_arena/stream.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "platform/system_info.h"
 
 extern char** environ;
 
@@ -179,12 +195,115 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// One segment-sized file on 2 MiB pages made the way CreateSegment made it before (fallocate
+// every 4 KiB page, then MADV_COLLAPSE copies them into 2 MiB pages) or the way it does now
+// (one byte per 2 MiB page, MADV_COLLAPSE fills the holes, then fallocate). Returns seconds,
+// and the share on 2 MiB pages in *huge_share; -1 on an error.
+double MakeHugeFile(const std::string& dir, uint64_t bytes, bool sparse, double* huge_share) {
+  using namespace expert_arena;
+  std::string path = dir + "/ea-bench-grow-" + std::to_string(getpid());
+  auto t0 = Clock::now();
+  auto fd = platform::OpenFile(path, {.write = true, .create = true, .exclusive = true});
+  if (!fd.ok()) return -1;
+  (void)platform::UnlinkPath(path);
+  if (sparse) {
+    const std::byte zero{0};
+    for (uint64_t at = kHugePageBytes - 1; at < bytes; at += kHugePageBytes) {
+      if (!platform::WriteFull(*fd, at, std::span(&zero, 1)).ok()) return -1;
+    }
+  } else if (!platform::AllocateFile(*fd, bytes).ok()) {
+    return -1;
+  }
+  auto m = platform::Mapping::MapFile(*fd, bytes, true, kHugePageBytes);
+  if (!m.ok()) return -1;
+  (void)platform::AdviseRange(m->data(), bytes, platform::Advice::kHugePage, path);
+  if (!arena::CollapseParallel(m->data(), bytes, path, false).ok()) return -1;
+  if (sparse && !platform::AllocateFile(*fd, bytes).ok()) return -1;
+  (void)platform::AdviseRange(m->data(), bytes, platform::Advice::kPopulateWrite, path);
+  double seconds = Seconds(t0, Clock::now());
+  auto huge = platform::HugeBytesInRange(m->data(), bytes);
+  *huge_share = huge.ok() ? static_cast<double>(*huge) / static_cast<double>(bytes) : 0;
+  return seconds;
+}
+
 struct Shape {
   const char* name;
   int count;
   uint64_t bytes;
   int rounds;
 };
+
+// The growth sections (see the file comment); `o` is the main producer's options.
+int RunGrowth(const std::string& dir, const StreamOptions& o,
+              const std::vector<std::byte>& source) {
+  uint64_t seq = 0;
+  // Making one 130 MiB segment file on 2 MiB pages, both ways, alternating (plain tmpfs only:
+  // elsewhere the filesystem gives the pages and nothing is collapsed).
+  std::vector<double> dense_t, sparse_t;
+  double dense_huge = 0, sparse_huge = 0;
+  for (int r = 0; r < 10; ++r) {
+    bool sparse_first = r % 2 == 0;
+    for (bool sparse : {sparse_first, !sparse_first}) {
+      double share = 0;
+      double t = MakeHugeFile(dir, 130ull << 20, sparse, &share);
+      if (t < 0) break;
+      (sparse ? sparse_t : dense_t).push_back(t);
+      (sparse ? sparse_huge : dense_huge) = share;
+    }
+  }
+  if (!dense_t.empty() && !sparse_t.empty()) {
+    std::printf(
+        "\nmaking a 130 MiB segment file on 2 MiB pages (10 each, alternating): fallocate + "
+        "collapse median %.1f ms (max %.1f, %.0f%% on 2 MiB pages); sparse + collapse + "
+        "fallocate median %.1f ms (max %.1f, %.0f%%)\n",
+        Median(dense_t) * 1e3, *std::max_element(dense_t.begin(), dense_t.end()) * 1e3,
+        dense_huge * 100, Median(sparse_t) * 1e3,
+        *std::max_element(sparse_t.begin(), sparse_t.end()) * 1e3, sparse_huge * 100);
+  }
+  // The growth stall: 8 MiB puts (held, so the stream must grow) into 128 MiB segments up to
+  // six segments, timed put by put. "Growing puts" are the puts that waited for a segment.
+  std::printf(
+      "\ngrowth (8 MiB puts into 128 MiB segments until 6 exist; put = reserve + copy + "
+      "publish):\n\n| grow ahead | work between puts | segments made | puts | "
+      "median put | slowest put | sum of puts over 5 ms |\n|---|---|---|---|---|---|---|\n");
+  for (int gap_ms : {0, 2}) {
+    for (bool ahead : {false, true}) {
+      StreamOptions g = o;
+      g.logical_name = "benchgrow";
+      g.segment_bytes = 128ull << 20;
+      g.max_segments = 6;
+      g.grow_ahead = ahead;
+      g.logger = nullptr;
+      auto p = StreamProducer::Create(g);
+      if (!p.ok()) {
+        std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
+        return 1;
+      }
+      std::vector<double> t;
+      std::vector<std::string> held;
+      const uint64_t n = 8ull << 20;
+      while (true) {
+        auto st = p->Stats();
+        if (st.segments >= 6 && st.free_bytes < n) break;
+        auto t0 = Clock::now();
+        auto d = p->Put("g" + std::to_string(seq++), std::span(source.data(), n), {"u8", {n}});
+        t.push_back(Seconds(t0, Clock::now()));
+        if (!d.ok()) return 1;
+        held.push_back(std::move(d).value());
+        if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
+      }
+      auto st = p->Stats();
+      double slow = 0;
+      for (double x : t) slow += x > 5e-3 ? x : 0;
+      double worst = *std::max_element(t.begin(), t.end());
+      std::printf("| %s | %d ms | %llu (%llu ahead) | %zu | %.2f ms | %.1f ms | %.1f ms |\n",
+                  ahead ? "on" : "off", gap_ms, static_cast<unsigned long long>(st.segments - 1),
+                  static_cast<unsigned long long>(st.segments_grown_ahead), t.size(),
+                  Median(t) * 1e3, worst * 1e3, slow * 1e3);
+    }
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -194,10 +313,27 @@ int main(int argc, char** argv) {
   }
   std::string dir = "/dev/shm";
   int rounds_scale = 1;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--dir") dir = argv[i + 1];
-    if (std::string(argv[i]) == "--rounds") rounds_scale = std::max(1, std::atoi(argv[i + 1]));
+  uint32_t copy_threads = 0;
+  uint64_t non_temporal_from = 0;
+  bool growth = true;
+  bool only_growth = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--skip-growth") growth = false;
+    if (a == "--only-growth") only_growth = true;
+    if (i + 1 >= argc) continue;
+    if (a == "--dir") dir = argv[i + 1];
+    if (a == "--rounds") rounds_scale = std::max(1, std::atoi(argv[i + 1]));
+    if (a == "--copy-threads") copy_threads = static_cast<uint32_t>(std::atoi(argv[i + 1]));
+    if (a == "--non-temporal-from") {
+      non_temporal_from = std::string(argv[i + 1]) == "never"
+                              ? UINT64_MAX
+                              : std::strtoull(argv[i + 1], nullptr, 10);
+    }
   }
+  std::printf(
+      "stream_bench: copy_threads %u, non_temporal_copy_from %s (0: automatic)\n\n", copy_threads,
+      non_temporal_from == UINT64_MAX ? "never" : std::to_string(non_temporal_from).c_str());
   std::vector<Shape> shapes = {{"32 x 64 KiB", 32, 64 << 10, 300 * rounds_scale},
                                {"4 x 2 MiB", 4, 2 << 20, 200 * rounds_scale},
                                {"1 x 64 MiB", 1, 64 << 20, 40 * rounds_scale}};
@@ -214,11 +350,26 @@ int main(int argc, char** argv) {
   o.logical_name = "bench";
   o.segment_bytes = 128ull << 20;
   o.max_segments = 2;
+  o.copy_threads = copy_threads;
+  o.non_temporal_copy_from = non_temporal_from;
   auto producer = StreamProducer::Create(o);
   if (!producer.ok()) {
     std::fprintf(stderr, "%s\n", producer.status().ToString().c_str());
     return 1;
   }
+  // The same rounds with the put's copy done differently (same consumer, same source):
+  // ordinary stores (a plain memcpy, what Put did before streaming stores), and two copy
+  // threads. Interleaved with the rounds above, so the machine's noise hits all alike.
+  StreamOptions plain_o = o;
+  plain_o.logical_name = "benchplain";
+  plain_o.non_temporal_copy_from = UINT64_MAX;
+  StreamOptions two_o = o;
+  two_o.logical_name = "benchtwo";
+  two_o.copy_threads = 2;
+  auto plain_producer = StreamProducer::Create(plain_o);
+  auto two_producer = StreamProducer::Create(two_o);
+  if (!plain_producer.ok() || !two_producer.ok()) return 1;
+  if (only_growth) return RunGrowth(dir, o, source);
   Peer view_peer = SpawnConsumer("view", dir, "view");
   Peer copy_peer = SpawnConsumer("copy", dir, "copy");
   Peer file_peer = SpawnConsumer("file", dir, "file");
@@ -231,11 +382,12 @@ int main(int argc, char** argv) {
   uint64_t seq = 0;
   char ack;
   double channel_us = 0;
-  auto stream_round = [&](const Shape& shape, Peer& peer) -> bool {
+  auto stream_round = [&](const Shape& shape, Peer& peer, StreamProducer* with = nullptr) -> bool {
+    StreamProducer* put_to = with != nullptr ? with : &*producer;
     std::vector<std::string> batch;
     for (int t = 0; t < shape.count; ++t) {
       std::string key = "k" + std::to_string(seq++);
-      auto d = producer->Put(key, std::span(source.data(), shape.bytes), {"u8", {shape.bytes}});
+      auto d = put_to->Put(key, std::span(source.data(), shape.bytes), {"u8", {shape.bytes}});
       if (!d.ok()) {
         std::fprintf(stderr, "%s\n", d.status().ToString().c_str());
         return false;
@@ -256,8 +408,9 @@ int main(int argc, char** argv) {
     }
     channel_us = Median(t) * 1e6;
   }
+  std::vector<std::string> variant_rows;
   for (const Shape& shape : shapes) {
-    std::vector<double> view_t, copy_t, file_t, memcpy_t, put_t;
+    std::vector<double> view_t, copy_t, file_t, memcpy_t, put_t, plain_t, two_t;
     std::vector<std::byte> dest(shape.bytes * shape.count);
     std::memset(dest.data(), 0, dest.size());
     for (int r = 0; r < shape.rounds + 3; ++r) {
@@ -265,7 +418,15 @@ int main(int argc, char** argv) {
       if (!stream_round(shape, view_peer)) return 1;
       auto t1 = Clock::now();
       if (!stream_round(shape, copy_peer)) return 1;
+      auto t1b = Clock::now();
+      if (!stream_round(shape, view_peer, &*plain_producer)) return 1;
+      auto tp = Clock::now();
+      if (!stream_round(shape, view_peer, &*two_producer)) return 1;
       auto t2 = Clock::now();
+      if (r >= 3) {
+        plain_t.push_back(Seconds(t1b, tp));
+        two_t.push_back(Seconds(tp, t2));
+      }
       std::vector<std::string> batch;
       for (int t = 0; t < shape.count; ++t) {
         std::string final_path =
@@ -285,33 +446,42 @@ int main(int argc, char** argv) {
         std::memcpy(dest.data() + t * shape.bytes, source.data(), shape.bytes);
       }
       auto t4 = Clock::now();
-      // The producer's copies into a segment alone: reserve every block of the round, memcpy
-      // into each, then drop them all (no publish, no consumer).
+      // The producer's puts alone (the library's copy into a segment and the publish), then an
+      // Abort of their key that frees them (no channel, no consumer).
       {
-        std::vector<expert_arena::Reservation> held;
         for (int t = 0; t < shape.count; ++t) {
-          auto res = producer->Reserve("put-only", shape.bytes);
-          if (!res.ok()) return 1;
-          std::memcpy(res->bytes().data(), source.data(), shape.bytes);
-          held.push_back(std::move(res).value());
+          auto d = producer->Put("put-only", std::span(source.data(), shape.bytes),
+                                 {"u8", {shape.bytes}});
+          if (!d.ok()) return 1;
         }
+        if (!producer->Abort("put-only").ok()) return 1;
       }
       auto t5 = Clock::now();
       if (r < 3) continue;  // warm-up
       put_t.push_back(Seconds(t4, t5));
       view_t.push_back(Seconds(t0, t1));
-      copy_t.push_back(Seconds(t1, t2));
+      copy_t.push_back(Seconds(t1, t1b));
       file_t.push_back(Seconds(t2, t3));
       memcpy_t.push_back(Seconds(t3, t4));
     }
     double v = Median(view_t), c = Median(copy_t), f = Median(file_t), m = Median(memcpy_t);
     double pu = Median(put_t);
+    char row[256];
+    std::snprintf(row, sizeof row, "| %s | %.0f us, %.1fx | %.0f us, %.1fx | %.0f us, %.1fx |",
+                  shape.name, v * 1e6, f / v, Median(plain_t) * 1e6, f / Median(plain_t),
+                  Median(two_t) * 1e6, f / Median(two_t));
+    variant_rows.push_back(row);
     std::printf(
         "| %s | %.0f us | %.0f us | %.0f us | %.1fx | %.1fx | %.0f us | %.0f us | %.2fx | %.2fx "
         "|\n",
         shape.name, v * 1e6, c * 1e6, f * 1e6, f / v, f / c, m * 1e6, pu * 1e6, m / v, 2 * m / c);
   }
 
+  std::printf(
+      "\nThe zero-copy view round by how Put copies (same rounds; ratio = file transport / "
+      "round):\n\n| shape | this run's options | ordinary stores (non_temporal_copy_from "
+      "never) | copy_threads 2 |\n|---|---|---|---|\n");
+  for (const auto& row : variant_rows) std::printf("%s\n", row.c_str());
   std::printf("\nchannel round trip (FIFO, empty batch, in every round above): median %.0f us\n",
               channel_us);
 
@@ -411,5 +581,6 @@ int main(int argc, char** argv) {
   Stop(view_peer);
   Stop(copy_peer);
   Stop(file_peer);
-  return 0;
+
+  return growth ? RunGrowth(dir, o, source) : 0;
 }
