@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <span>
 
 #include "arena/page_backing.h"
 #include "platform/ofd_lock.h"
@@ -42,64 +41,36 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
     (void)platform::UnlinkPath(seg.path);
     return status;
   };
-  // Where the pages come from, and whether to ask for 2 MiB pages (the arena's rule).
+  // Where the pages come from; 2 MiB pages per the arena's rule (arena/page_backing.h).
   auto fs = platform::StatFilesystem(p.directory);
   auto source = arena::PageSourceFor(fs.ok() && fs->kind == platform::FsKind::kHugetlbfs,
                                      fs.ok() ? fs->tmpfs_huge : "never");
-  arena::HugeDecision decision;
-  if (p.huge != HugePages::kOff && source == arena::PageSource::kTmpfs) {
-    auto blocks = platform::FreeHugeBlocks();
-    decision = arena::DecideHugePages(p.huge, source, file_bytes, blocks.ok() ? *blocks : 0);
-  }
-  // Plain tmpfs and 2 MiB pages asked for: collapse a sparse file. posix_fallocate would give
-  // every 4 KiB page first (zeroed), which MADV_COLLAPSE then copies into 2 MiB pages and
-  // frees: measured 75-90 ms for a 130 MiB segment on this VM. Instead one byte is written in
-  // each 2 MiB page (the collapse refuses a range with no page at all), the collapse fills
-  // the holes with zeroed 2 MiB pages: 10-15 ms. posix_fallocate runs after it either way, so
-  // whatever the collapse left is allocated before use (a full tmpfs is kNoSpace here, never
-  // SIGBUS later).
-  const bool sparse_collapse = decision.ask;
-  if (sparse_collapse) {
-    const std::byte zero{0};
-    for (uint64_t at = kHugePageBytes - 1; at < file_bytes; at += kHugePageBytes) {
-      Status seeded = platform::WriteFull(seg.fd, at, std::span(&zero, 1));
-      if (!seeded.ok()) return fail(seeded);
-    }
-  } else {
-    Status allocated = platform::AllocateFile(seg.fd, file_bytes);
-    if (!allocated.ok()) return fail(allocated);
-  }
+  // Plain tmpfs: posix_fallocate would give every 4 KiB page first (zeroed), which
+  // MADV_COLLAPSE then copies into 2 MiB pages and frees (75-135 ms for a 130 MiB segment on
+  // this VM). Instead the file is only sized, the collapse allocates one small page per 2 MiB
+  // and fills the rest with zeroed 2 MiB pages (10-20 ms), like the arena. posix_fallocate of
+  // the whole file runs after it either way: nothing left to do, or it allocates what the
+  // collapse did not (2 MiB pages not asked for, a piece failed), so a full tmpfs is kNoSpace
+  // here, never SIGBUS later.
+  const bool allocate_in_pieces = p.huge != HugePages::kOff &&
+                                  source == arena::PageSource::kTmpfs && fs.ok() &&
+                                  fs->available_bytes >= file_bytes;
+  Status sized = allocate_in_pieces ? platform::ExtendFile(seg.fd, file_bytes)
+                                    : platform::AllocateFile(seg.fd, file_bytes);
+  if (!sized.ok()) return fail(sized);
   auto mapping = platform::Mapping::MapFile(seg.fd, file_bytes, true, kHugePageBytes);
   if (!mapping.ok()) return fail(mapping.status());
   seg.mapping = std::move(mapping).value();
   std::string note;
-  if (sparse_collapse) {
-    note = decision.note;
-    Status advise = platform::AdviseRange(seg.mapping.data(), file_bytes,
-                                          platform::Advice::kHugePage, seg.path);
-    auto collapsed = advise.ok() ? arena::CollapseParallel(seg.mapping.data(), file_bytes, seg.path,
-                                                           /*populate_first=*/false)
-                                 : Result<double>(advise);
+  if (p.huge != HugePages::kOff) {
+    double seconds = 0;
+    note = arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path, &seconds,
+                                 allocate_in_pieces ? &seg.fd : nullptr)
+               .note;
+  }
+  if (allocate_in_pieces) {
     Status allocated = platform::AllocateFile(seg.fd, file_bytes);
     if (!allocated.ok()) return fail(allocated);
-    if (collapsed.ok()) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE of the sparse file %.3f s", *collapsed);
-      note += buf;
-    } else {
-      // This kernel would not fill holes: the file is allocated now, so collapse it the
-      // arena's way (copying its 4 KiB pages).
-      double seconds = 0;
-      note =
-          arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path, &seconds)
-              .note +
-          " (the sparse collapse failed: " + collapsed.status().message() + ")";
-    }
-  } else if (p.huge != HugePages::kOff) {
-    // hugetlbfs, tmpfs huge=always, or 2 MiB pages not asked for: the arena's rule and note.
-    double seconds = 0;
-    note = arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path, &seconds)
-               .note;
   }
   if (huge_note != nullptr) *huge_note = note;
   if (p.populate) {
