@@ -241,40 +241,46 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
       "\ngrowth (8 MiB puts into 128 MiB segments until 6 exist; put = reserve + copy + "
       "publish):\n\n| grow ahead | work between puts | segments made | puts | "
       "median put | slowest put | sum of puts over 5 ms |\n|---|---|---|---|---|---|---|\n");
-  for (int gap_ms : {0, 2}) {
-    for (bool ahead : {false, true}) {
-      StreamOptions g = o;
-      g.logical_name = "benchgrow";
-      g.segment_bytes = 128ull << 20;
-      g.max_segments = 6;
-      g.grow_ahead = ahead;
-      g.logger = nullptr;
-      auto p = StreamProducer::Create(g);
-      if (!p.ok()) {
-        std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
-        return 1;
-      }
-      std::vector<double> t;
-      std::vector<std::string> held;
-      const uint64_t n = 8ull << 20;
-      while (true) {
+  // The first producer of the process grew slowly in every run (collapses of 0.2-0.3 s instead
+  // of 0.01-0.03 s, whatever its settings), so a first pass is made and not reported.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int gap_ms : {0, 2}) {
+      for (bool ahead : {false, true}) {
+        if (pass == 0 && (gap_ms != 0 || ahead)) continue;
+        StreamOptions g = o;
+        g.logical_name = "benchgrow";
+        g.segment_bytes = 128ull << 20;
+        g.max_segments = 6;
+        g.grow_ahead = ahead;
+        g.logger = nullptr;
+        auto p = StreamProducer::Create(g);
+        if (!p.ok()) {
+          std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
+          return 1;
+        }
+        std::vector<double> t;
+        std::vector<std::string> held;
+        const uint64_t n = 8ull << 20;
+        while (true) {
+          auto st = p->Stats();
+          if (st.segments >= 6 && st.free_bytes < n) break;
+          auto t0 = Clock::now();
+          auto d = p->Put("g" + std::to_string(seq++), std::span(source.data(), n), {"u8", {n}});
+          t.push_back(Seconds(t0, Clock::now()));
+          if (!d.ok()) return 1;
+          held.push_back(std::move(d).value());
+          if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
+        }
         auto st = p->Stats();
-        if (st.segments >= 6 && st.free_bytes < n) break;
-        auto t0 = Clock::now();
-        auto d = p->Put("g" + std::to_string(seq++), std::span(source.data(), n), {"u8", {n}});
-        t.push_back(Seconds(t0, Clock::now()));
-        if (!d.ok()) return 1;
-        held.push_back(std::move(d).value());
-        if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
+        double slow = 0;
+        for (double x : t) slow += x > 5e-3 ? x : 0;
+        double worst = *std::max_element(t.begin(), t.end());
+        if (pass == 0) continue;
+        std::printf("| %s | %d ms | %llu (%llu ahead) | %zu | %.2f ms | %.1f ms | %.1f ms |\n",
+                    ahead ? "on" : "off", gap_ms, static_cast<unsigned long long>(st.segments - 1),
+                    static_cast<unsigned long long>(st.segments_grown_ahead), t.size(),
+                    Median(t) * 1e3, worst * 1e3, slow * 1e3);
       }
-      auto st = p->Stats();
-      double slow = 0;
-      for (double x : t) slow += x > 5e-3 ? x : 0;
-      double worst = *std::max_element(t.begin(), t.end());
-      std::printf("| %s | %d ms | %llu (%llu ahead) | %zu | %.2f ms | %.1f ms | %.1f ms |\n",
-                  ahead ? "on" : "off", gap_ms, static_cast<unsigned long long>(st.segments - 1),
-                  static_cast<unsigned long long>(st.segments_grown_ahead), t.size(),
-                  Median(t) * 1e3, worst * 1e3, slow * 1e3);
     }
   }
   // Making one 130 MiB segment file on 2 MiB pages, both ways, alternating (plain tmpfs only:
