@@ -8,7 +8,8 @@
 //   pread-S+h     pread S bytes, hash them at once while in L1/L2 (S = --blocks)
 //   mmap-S+hd     memcpy S bytes from the pre-faulted mapping, hash the destination block
 //   mmap-S+hs     the same, hashing the source block
-// with the AVX2 and (where the CPU has it) the AVX-512 build of the library's XXH3.
+// with the loader's XXH3 (FastXxh3: the library's code built for AVX-512 or AVX2, whichever
+// the CPU has) and, where the CPU has it, the AVX-512 build.
 //
 //   hot_hash_bench --file PATH [--runs N] [--threads N] [--unit-mib N]
 #include <sys/mman.h>
@@ -53,7 +54,7 @@ struct Hasher {
 };
 
 Hasher Avx2Hasher() {
-  return {"avx2",
+  return {load::FastXxh3Variant(),
           [] { return static_cast<void*>(load::FastXxh3Create()); },
           [](void* s) { load::FastXxh3Free(static_cast<load::FastXxh3State*>(s)); },
           [](void* s) { load::FastXxh3Reset(static_cast<load::FastXxh3State*>(s)); },

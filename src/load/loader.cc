@@ -43,7 +43,7 @@ void ParallelFor(size_t n, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
-constexpr uint64_t kDefaultHotBlockBytes = 32 * kKiB;
+constexpr uint64_t kDefaultHotBlockBytes = 128 * kKiB;
 // Page-cache residency is asked per granule of this size when cachestat works.
 constexpr uint64_t kResidencyGranule = 2 * kMiB;
 

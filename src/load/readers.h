@@ -38,7 +38,7 @@ struct ReadJob {
   uint64_t bounce_buffer_bytes = 0;                 // enough for any bounced piece
   TensorHasher* hasher = nullptr;
   std::vector<const std::byte*> mapped;  // per source: its whole file mapped; null: none
-  uint64_t hot_block_bytes = 32 * 1024;
+  uint64_t hot_block_bytes = 128 * 1024;
   std::unique_ptr<std::atomic<uint8_t>[]> claimed;  // per piece
   std::atomic<size_t> next_piece{0};
   std::atomic<uint64_t> bytes_done{0};
