@@ -9,6 +9,7 @@
 // the machine-wide benchmark lock).
 //
 //   load_bench --model PATH [--runs N] [--reader auto|io_uring|pread] [--chunk-mib N]
+//              [--direct-chunk-mib N]
 //              [--qd N] [--threads N] [--no-hot-copy] [--hot-block-kib N] [--skip-cold]
 //              [--skip-cp]
 #include <unistd.h>
@@ -154,7 +155,7 @@ int main(int argc, char** argv) {
   CLI::App app{"expert-arena loader benchmark"};
   std::string model, reader = "auto";
   int runs = 3;
-  uint64_t chunk_mib = 0;
+  uint64_t chunk_mib = 0, direct_chunk_mib = 0;
   unsigned qd = 0, threads = 0;
   bool skip_cold = false, skip_cp = false, no_hot_copy = false;
   uint64_t hot_block_kib = 0;
@@ -162,6 +163,7 @@ int main(int argc, char** argv) {
   app.add_option("--runs", runs);
   app.add_option("--reader", reader);
   app.add_option("--chunk-mib", chunk_mib);
+  app.add_option("--direct-chunk-mib", direct_chunk_mib);
   app.add_option("--qd", qd);
   app.add_option("--threads", threads);
   app.add_flag("--no-hot-copy", no_hot_copy, "read cached pieces, hash them afterwards");
@@ -209,6 +211,7 @@ int main(int argc, char** argv) {
     request.data = buffer->bytes();
     request.reader = reader;
     request.chunk_bytes = chunk_mib * kMiB;
+    request.direct_chunk_bytes = direct_chunk_mib * kMiB;
     request.queue_depth = qd;
     request.threads = threads;
     request.hot_copy = !no_hot_copy;
@@ -296,6 +299,7 @@ int main(int argc, char** argv) {
       request.data = buffer->bytes();
       request.reader = reader;
       request.chunk_bytes = chunk_mib * kMiB;
+      request.direct_chunk_bytes = direct_chunk_mib * kMiB;
       request.queue_depth = qd;
       request.threads = threads;
       request.hot_copy = !no_hot_copy;

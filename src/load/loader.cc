@@ -25,6 +25,7 @@ namespace expert_arena::load {
 namespace {
 
 constexpr uint64_t kDefaultChunkBytes = 4 * kMiB;
+constexpr uint64_t kDefaultDirectChunkBytes = 16 * kMiB;
 constexpr unsigned kDefaultQueueDepth = 16;
 
 unsigned DefaultThreads() { return std::clamp(std::thread::hardware_concurrency(), 2u, 8u); }
@@ -167,8 +168,12 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
       std::clamp(request.threads ? request.threads : DefaultThreads(), 1u, 64u);
   EA_ASSIGN_OR_RETURN(OpenSources sources,
                       OpenAndCheck(table, request.data, request.direct_io, request.hot_copy));
-  const ReadPlan plan = PlanReads(table, sources.access,
-                                  reinterpret_cast<uintptr_t>(request.data.data()), chunk_bytes);
+  const uint64_t direct_chunk_bytes = std::clamp<uint64_t>(
+      request.direct_chunk_bytes ? request.direct_chunk_bytes : kDefaultDirectChunkBytes,
+      chunk_bytes, 256 * kMiB);
+  const ReadPlan plan =
+      PlanReads(table, sources.access, reinterpret_cast<uintptr_t>(request.data.data()),
+                chunk_bytes, direct_chunk_bytes);
 
   LoadResult result;
   // Rings are made before any read, so a refusal falls back to pread with nothing half done.
@@ -207,7 +212,9 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
     job.direct_alignment.push_back(sources.access[s].direct.offset);
     widest_alignment = std::max(widest_alignment, sources.access[s].direct.offset);
   }
-  if (plan.bounce_bytes > 0) job.bounce_buffer_bytes = chunk_bytes + 2ull * widest_alignment;
+  if (plan.bounce_bytes > 0) {
+    job.bounce_buffer_bytes = plan.largest_piece + 2ull * widest_alignment;
+  }
   job.Prepare();
   for (size_t i = 0; i < plan.pieces.size(); ++i) {
     if (job.Hot(i)) result.hot_bytes += plan.pieces[i].bytes;

@@ -37,9 +37,11 @@ struct LoadRequest {
   std::string reader = "auto";  // "auto", "io_uring", "pread"
   bool progress = false;        // a progress line on stderr when it is a terminal
   spdlog::logger* logger = nullptr;
-  // Tuning (0: the default). Reads of up to chunk_bytes; queue_depth reads in flight per
-  // io_uring thread for uncached data; `threads` readers (default: one per CPU, 2 to 8).
+  // Tuning (0: the default). Reads of up to chunk_bytes (4 MiB), direct_chunk_bytes (16 MiB)
+  // for uncached ranges read with O_DIRECT; queue_depth reads in flight per io_uring thread
+  // for uncached data; `threads` readers (default: one per CPU, 2 to 8).
   uint64_t chunk_bytes = 0;
+  uint64_t direct_chunk_bytes = 0;
   unsigned queue_depth = 0;
   unsigned threads = 0;
   bool direct_io = true;  // O_DIRECT where the source and alignment allow it

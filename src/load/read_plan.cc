@@ -20,7 +20,8 @@ bool MostlyCached(const SourceAccess& access, uint64_t offset, uint64_t bytes) {
 }  // namespace
 
 ReadPlan PlanReads(const format::ArenaTable& table, std::span<const SourceAccess> sources,
-                   uintptr_t arena_base, uint64_t chunk_bytes) {
+                   uintptr_t arena_base, uint64_t chunk_bytes, uint64_t direct_chunk_bytes) {
+  direct_chunk_bytes = std::max(direct_chunk_bytes, chunk_bytes);
   ReadPlan plan;
   plan.tensor_first.reserve(table.tensors.size() + 1);
   auto add = [&](uint32_t t, const format::TensorRecord& tensor, const SourceAccess& access,
@@ -28,16 +29,23 @@ ReadPlan PlanReads(const format::ArenaTable& table, std::span<const SourceAccess
     // [from, to) are offsets inside the tensor.
     for (uint64_t at = from; at < to;) {
       uint64_t bytes = std::min(chunk_bytes, to - at);
+      bool cached = MostlyCached(access, tensor.source_offset + at, bytes);
+      if (may_direct && !cached && direct_chunk_bytes > bytes) {
+        // Reads from the device go in larger pieces: see direct_chunk_bytes in read_plan.h.
+        uint64_t wide = std::min(direct_chunk_bytes, to - at);
+        if (!MostlyCached(access, tensor.source_offset + at, wide)) bytes = wide;
+      }
       ReadPiece piece;
       piece.tensor = t;
       piece.source = tensor.source_index;
       piece.source_offset = tensor.source_offset + at;
       piece.arena_offset = tensor.arena_offset + at;
       piece.bytes = bytes;
-      piece.cached = MostlyCached(access, piece.source_offset, bytes);
+      piece.cached = cached;
       piece.direct = may_direct && !piece.cached;
       piece.bounce = piece.direct && bounce;
       plan.total_bytes += bytes;
+      plan.largest_piece = std::max(plan.largest_piece, bytes);
       if (piece.direct) plan.direct_bytes += bytes;
       if (piece.bounce) plan.bounce_bytes += bytes;
       plan.pieces.push_back(piece);
@@ -64,12 +72,14 @@ ReadPlan PlanReads(const format::ArenaTable& table, std::span<const SourceAccess
       continue;
     }
     // Direct chunks stay multiples of the alignment.
-    uint64_t saved_chunk = chunk_bytes;
+    const uint64_t saved_chunk = chunk_bytes, saved_direct = direct_chunk_bytes;
     chunk_bytes = std::max<uint64_t>(chunk_bytes / align * align, align);
+    direct_chunk_bytes = std::max<uint64_t>(direct_chunk_bytes / align * align, align);
     add(t, tensor, access, 0, body_from, false);
     add(t, tensor, access, body_from, body_to, true);
     add(t, tensor, access, body_to, n, false);
     chunk_bytes = saved_chunk;
+    direct_chunk_bytes = saved_direct;
   }
   plan.tensor_first.push_back(plan.pieces.size());
   return plan;

@@ -1,6 +1,7 @@
 // How the loader cuts the selected tensors into reads.
 //
-// Every tensor becomes pieces of at most chunk_bytes, in arena order. A piece is read with
+// Every tensor becomes pieces of at most chunk_bytes (direct_chunk_bytes for uncached ranges
+// read with O_DIRECT), in arena order. A piece is read with
 // O_DIRECT (straight from the device into the arena) when the source allows direct I/O, the
 // piece's file offset, length and arena address meet its alignment, and its pages are not
 // already in the page cache (a copy from the cache is faster than the disk). Everything else
@@ -44,6 +45,7 @@ struct ReadPlan {
   uint64_t total_bytes = 0;
   uint64_t direct_bytes = 0;  // read with O_DIRECT (bounced ones included)
   uint64_t bounce_bytes = 0;  // of which through a bounce buffer
+  uint64_t largest_piece = 0;
 };
 
 // The aligned file range a bounced piece reads: [first, first + bytes).
@@ -54,7 +56,11 @@ struct BounceRange {
 BounceRange BounceRangeOf(const ReadPiece& piece, uint32_t offset_alignment);
 
 // `arena_base` is the address of the data region (direct reads need aligned buffers).
+// `direct_chunk_bytes` (at least chunk_bytes): pieces read from the device with O_DIRECT are
+// larger than those copied from the page cache. On this project's virtio disk 4 MiB direct
+// reads from two threads, interleaved, made 1.0-1.7 GiB/s and 16 MiB ones 2.1-2.25 GiB/s,
+// where dd bs=4M on one thread made 1.1-2.3 GB/s (DETAILS.md, "Model sources and loader").
 ReadPlan PlanReads(const format::ArenaTable& table, std::span<const SourceAccess> sources,
-                   uintptr_t arena_base, uint64_t chunk_bytes);
+                   uintptr_t arena_base, uint64_t chunk_bytes, uint64_t direct_chunk_bytes = 0);
 
 }  // namespace expert_arena::load

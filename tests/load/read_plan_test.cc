@@ -93,6 +93,38 @@ TEST(ReadPlanTest, CachedPagesAndNoDirectAreBuffered) {
   EXPECT_EQ(plan.bounce_bytes, 8u * 4096);
 }
 
+// Reads from the device go in larger pieces than copies from the page cache: an uncached
+// range is cut at direct_chunk_bytes (a multiple of the alignment), a cached one at
+// chunk_bytes, and buffered reads of a source without O_DIRECT stay at chunk_bytes.
+TEST(ReadPlanTest, UncachedDirectRangesTakeLargerPieces) {
+  auto table = OneTensor(0, 16 * 4096);
+  SourceAccess access = Direct(512, 512);
+  access.resident.assign(17, 0);
+  for (int p = 0; p < 4; ++p) access.resident[p] = 1;  // the first 16 KiB are cached
+  ReadPlan plan = PlanReads(table, {&access, 1}, 0x200000, 4096 * 4, 4096 * 8);
+  ASSERT_EQ(plan.pieces.size(), 3u);  // 16 KiB cached, then 32 KiB + 16 KiB direct
+  EXPECT_TRUE(plan.pieces[0].cached);
+  EXPECT_FALSE(plan.pieces[0].direct);
+  EXPECT_EQ(plan.pieces[0].bytes, 4096u * 4);
+  EXPECT_TRUE(plan.pieces[1].direct);
+  EXPECT_EQ(plan.pieces[1].bytes, 4096u * 8);
+  EXPECT_TRUE(plan.pieces[2].direct);
+  EXPECT_EQ(plan.pieces[2].bytes, 4096u * 4);
+  EXPECT_EQ(plan.largest_piece, 4096u * 8);
+  // A direct chunk that is not a multiple of the alignment is rounded down to one.
+  SourceAccess cold = Direct(512, 8192);
+  cold.resident.assign(17, 0);
+  plan = PlanReads(table, {&cold, 1}, 0x200000, 4096 * 2, 4096 * 7);
+  EXPECT_EQ(plan.largest_piece, 4096u * 6);
+  for (const ReadPiece& p : plan.pieces) {
+    EXPECT_TRUE(p.direct);
+    EXPECT_EQ(p.bytes % 8192, 0u) << p.bytes;
+  }
+  SourceAccess none;
+  plan = PlanReads(table, {&none, 1}, 0x200000, 4096 * 4, 4096 * 8);
+  EXPECT_EQ(plan.largest_piece, 4096u * 4);
+}
+
 TEST(ReadPlanTest, EmptyTensorsHaveNoPieces) {
   auto table = OneTensor(0, 0);
   SourceAccess none;
