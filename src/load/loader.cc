@@ -174,6 +174,7 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   const ReadPlan plan =
       PlanReads(table, sources.access, reinterpret_cast<uintptr_t>(request.data.data()),
                 chunk_bytes, direct_chunk_bytes);
+  if (request.after_plan_for_testing) request.after_plan_for_testing();
 
   LoadResult result;
   // Rings are made before any read, so a refusal falls back to pread with nothing half done.

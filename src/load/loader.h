@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -50,6 +51,9 @@ struct LoadRequest {
   // (readers.h). false: they are read with the reader and hashed afterwards.
   bool hot_copy = true;
   uint64_t hot_block_bytes = 0;
+  // Tests only: runs once after the sources are opened and the reads planned, before any
+  // read (e.g. to truncate a source under the loader).
+  std::function<void()> after_plan_for_testing;
 };
 
 struct LoadResult {

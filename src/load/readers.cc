@@ -57,6 +57,20 @@ void ReadJob::CopyHot(size_t index, size_t& run_next) {
   const ReadPiece& piece = plan->pieces[index];
   const std::byte* from = mapped[piece.source] + piece.source_offset;
   std::byte* to = data.data() + piece.arena_offset;
+  // Fault the piece's source pages in first: if the file was truncated since it was planned
+  // the populate fails (EFAULT) where the copy would raise SIGBUS, and a read then reports
+  // the short file by name. What remains is a truncation during this one piece's copy.
+  const uintptr_t page = platform::BasePageSize();
+  const uintptr_t first = reinterpret_cast<uintptr_t>(from) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(from) + piece.bytes;
+  if (!platform::AdviseRange(reinterpret_cast<void*>(first), end - first,
+                             platform::Advice::kPopulateRead, buffered[piece.source]->path())
+           .ok()) {
+    Status s = FinishPiece(piece, 0);
+    if (!s.ok()) return Fail(s);
+    PieceDone(index);
+    return;
+  }
   if (hasher->BeginPiece(index)) {
     for (uint64_t at = 0; at < piece.bytes; at += hot_block_bytes) {
       const size_t bytes = std::min(hot_block_bytes, piece.bytes - at);

@@ -317,6 +317,28 @@ TEST(LoaderTest, ChangedOrShortSourcesAreErrors) {
   ASSERT_FALSE(bad.ok());
 }
 
+// A source truncated under the loader, after planning, while its pages are copied from a
+// mapping (hot copy): an error naming the file, not a SIGBUS.
+TEST(LoaderTest, SourceTruncatedDuringTheLoadIsAnError) {
+  ScopedDir dir("load-truncated");
+  source::SyntheticModelOptions o{.format = "gguf",
+                                  .out = dir.File("m.gguf"),
+                                  .layers = 2,
+                                  .experts = 4,
+                                  .hidden = 256,
+                                  .ffn = 256};
+  ASSERT_OK(source::WriteSyntheticModel(o));
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {o.out}}));
+  const uint64_t size = std::filesystem::file_size(o.out);
+  LoadRequest request;
+  request.chunk_bytes = 64 * kKiB;
+  request.after_plan_for_testing = [&] { std::filesystem::resize_file(o.out, size / 3); };
+  auto loaded = LoadWith(plan, request);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.status().message().find("m.gguf"), std::string::npos)
+      << loaded.status().ToString();
+}
+
 // Refuses io_uring_setup with EPERM in this process (and its future threads), as a container's
 // seccomp profile does.
 bool RefuseIoUringSetup() {
