@@ -9,7 +9,7 @@
 //   mmap-S+hd     memcpy S bytes from the pre-faulted mapping, hash the destination block
 //   mmap-S+hs     the same, hashing the source block
 // with the loader's XXH3 (FastXxh3: the library's code built for AVX-512 or AVX2, whichever
-// the CPU has) and, where the CPU has AVX-512 and FastXxh3 does not use it, the AVX-512 build.
+// the CPU has).
 //
 //   hot_hash_bench --file PATH [--runs N] [--threads N] [--unit-mib N]
 #include <sys/mman.h>
@@ -31,13 +31,6 @@
 #include "platform/file.h"
 #include "platform/mapping.h"
 
-namespace hot_hash_bench::avx512 {
-void* Create();
-void Free(void* s);
-void Reset(void* s);
-void Update(void* s, const void* data, size_t bytes);
-unsigned long long Digest(const void* s);
-}  // namespace hot_hash_bench::avx512
 
 using namespace expert_arena;
 using Clock = std::chrono::steady_clock;
@@ -53,7 +46,7 @@ struct Hasher {
   unsigned long long (*digest)(const void*);
 };
 
-Hasher Avx2Hasher() {
+Hasher LibraryHasher() {
   return {load::FastXxh3Variant(),
           [] { return static_cast<void*>(load::FastXxh3Create()); },
           [](void* s) { load::FastXxh3Free(static_cast<load::FastXxh3State*>(s)); },
@@ -64,11 +57,6 @@ Hasher Avx2Hasher() {
           [](const void* s) -> unsigned long long {
             return load::FastXxh3Digest(static_cast<const load::FastXxh3State*>(s));
           }};
-}
-
-Hasher Avx512Hasher() {
-  namespace x = hot_hash_bench::avx512;
-  return {"avx512", x::Create, x::Free, x::Reset, x::Update, x::Digest};
 }
 
 double Since(Clock::time_point t) {
@@ -127,10 +115,7 @@ int main(int argc, char** argv) {
   const double map_s = Since(map_start);
   const std::byte* src = source->data();
 
-  std::vector<Hasher> hashers = {Avx2Hasher()};
-  if (__builtin_cpu_supports("avx512f") && std::string(load::FastXxh3Variant()) != "avx512") {
-    hashers.push_back(Avx512Hasher());
-  }
+  std::vector<Hasher> hashers = {LibraryHasher()};
 
   struct Case {
     std::string name;
