@@ -28,36 +28,17 @@
 
 #include "common/units.h"
 #include "load/fast_xxh3.h"
+#include "load/fast_xxh3_build.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
-
 
 using namespace expert_arena;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Hasher {
-  const char* name;
-  void* (*create)();
-  void (*free)(void*);
-  void (*reset)(void*);
-  void (*update)(void*, const void*, size_t);
-  unsigned long long (*digest)(const void*);
-};
-
-Hasher LibraryHasher() {
-  return {load::FastXxh3Variant(),
-          [] { return static_cast<void*>(load::FastXxh3Create()); },
-          [](void* s) { load::FastXxh3Free(static_cast<load::FastXxh3State*>(s)); },
-          [](void* s) { load::FastXxh3Reset(static_cast<load::FastXxh3State*>(s)); },
-          [](void* s, const void* d, size_t n) {
-            load::FastXxh3Update(static_cast<load::FastXxh3State*>(s), d, n);
-          },
-          [](const void* s) -> unsigned long long {
-            return load::FastXxh3Digest(static_cast<const load::FastXxh3State*>(s));
-          }};
-}
+// The loader's XXH3 build for this CPU.
+using Hasher = load::Xxh3Build;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -115,7 +96,7 @@ int main(int argc, char** argv) {
   const double map_s = Since(map_start);
   const std::byte* src = source->data();
 
-  std::vector<Hasher> hashers = {LibraryHasher()};
+  std::vector<Hasher> hashers = {load::ChosenXxh3Build()};
 
   struct Case {
     std::string name;

@@ -4,10 +4,7 @@
 
 namespace expert_arena::load {
 
-namespace {
-
-// The build for this CPU, chosen once.
-const Xxh3Build& Chosen() {
+const Xxh3Build& ChosenXxh3Build() {
   static const Xxh3Build& build = []() -> const Xxh3Build& {
 #if defined(EXPERT_ARENA_XXH3_X86_BUILDS)
     if (__builtin_cpu_supports("avx512f")) return Xxh3Avx512Build();
@@ -18,22 +15,22 @@ const Xxh3Build& Chosen() {
   return build;
 }
 
-}  // namespace
+FastXxh3State* FastXxh3Create() { return static_cast<FastXxh3State*>(ChosenXxh3Build().create()); }
 
-FastXxh3State* FastXxh3Create() { return static_cast<FastXxh3State*>(Chosen().create()); }
+void FastXxh3Free(FastXxh3State* state) { ChosenXxh3Build().free(state); }
 
-void FastXxh3Free(FastXxh3State* state) { Chosen().free(state); }
-
-void FastXxh3Reset(FastXxh3State* state) { Chosen().reset(state); }
+void FastXxh3Reset(FastXxh3State* state) { ChosenXxh3Build().reset(state); }
 
 void FastXxh3Update(FastXxh3State* state, const void* data, size_t bytes) {
-  Chosen().update(state, data, bytes);
+  ChosenXxh3Build().update(state, data, bytes);
 }
 
-uint64_t FastXxh3Digest(const FastXxh3State* state) { return Chosen().digest(state); }
+uint64_t FastXxh3Digest(const FastXxh3State* state) { return ChosenXxh3Build().digest(state); }
 
-uint64_t FastXxh3(const void* data, size_t bytes) { return Chosen().one_shot(data, bytes); }
+uint64_t FastXxh3(const void* data, size_t bytes) {
+  return ChosenXxh3Build().one_shot(data, bytes);
+}
 
-const char* FastXxh3Variant() { return Chosen().name; }
+const char* FastXxh3Variant() { return ChosenXxh3Build().name; }
 
 }  // namespace expert_arena::load

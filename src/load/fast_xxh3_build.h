@@ -18,6 +18,9 @@ struct Xxh3Build {
   unsigned long long (*one_shot)(const void*, size_t);
 };
 
+// The build FastXxh3* run on this CPU (fast_xxh3.h), chosen once.
+const Xxh3Build& ChosenXxh3Build();
+
 // libxxhash as Debian builds it (SSE2 on x86-64), called through its shared library.
 const Xxh3Build& Xxh3LibraryBuild();
 // x86-64 only (built and called where EXPERT_ARENA_XXH3_X86_BUILDS is defined).

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "load/fast_xxh3.h"
+#include "load/fast_xxh3_build.h"
 #include "load/tensor_hasher.h"
 #include "test_util.h"
 
@@ -177,25 +178,35 @@ TEST(TensorHasherTest, AnyArrivalOrderGivesTheOneShotHash) {
   }
 }
 
-// The loader's xxh3 (AVX2 where the CPU has it) gives the library's values, one-shot and
-// streamed in uneven pieces.
+// Every XXH3 build this CPU can run (the library's, AVX2, AVX-512) gives the library's
+// values, one-shot and streamed in uneven pieces; FastXxh3 runs the chosen one.
 TEST(TensorHasherTest, FastXxh3MatchesTheLibrary) {
   std::vector<std::byte> data(3 * 1024 * 1024 + 17);
   std::mt19937_64 rng(3);
   for (auto& b : data) b = static_cast<std::byte>(rng());
-  for (size_t n : {size_t{0}, size_t{1}, size_t{16}, size_t{17}, size_t{128}, size_t{129},
-                   size_t{240}, size_t{241}, size_t{1024}, size_t{100000}, data.size()}) {
-    EXPECT_EQ(FastXxh3(data.data(), n), XXH3_64bits(data.data(), n)) << n;
-    FastXxh3State* s = FastXxh3Create();
-    FastXxh3Reset(s);
-    for (size_t at = 0; at < n;) {
-      size_t step = std::min<size_t>(n - at, 1 + rng() % 70000);
-      FastXxh3Update(s, data.data() + at, step);
-      at += step;
+  std::vector<const Xxh3Build*> builds = {&Xxh3LibraryBuild(), &ChosenXxh3Build()};
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) builds.push_back(&Xxh3Avx2Build());
+  if (__builtin_cpu_supports("avx512f")) builds.push_back(&Xxh3Avx512Build());
+#endif
+  EXPECT_STREQ(ChosenXxh3Build().name, FastXxh3Variant());
+  for (const Xxh3Build* build : builds) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{16}, size_t{17}, size_t{128}, size_t{129},
+                     size_t{240}, size_t{241}, size_t{1024}, size_t{100000}, data.size()}) {
+      EXPECT_EQ(build->one_shot(data.data(), n), XXH3_64bits(data.data(), n))
+          << build->name << " " << n;
+      void* s = build->create();
+      build->reset(s);
+      for (size_t at = 0; at < n;) {
+        size_t step = std::min<size_t>(n - at, 1 + rng() % 70000);
+        build->update(s, data.data() + at, step);
+        at += step;
+      }
+      EXPECT_EQ(build->digest(s), XXH3_64bits(data.data(), n)) << build->name << " " << n;
+      build->free(s);
     }
-    EXPECT_EQ(FastXxh3Digest(s), XXH3_64bits(data.data(), n)) << n;
-    FastXxh3Free(s);
   }
+  EXPECT_EQ(FastXxh3(data.data(), data.size()), XXH3_64bits(data.data(), data.size()));
   RecordProperty("variant", FastXxh3Variant());
 }
 

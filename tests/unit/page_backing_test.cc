@@ -5,6 +5,8 @@
 
 #include <sys/stat.h>
 
+#include <optional>
+
 #include "common/units.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
@@ -49,51 +51,67 @@ TEST(HugeDecisionTest, PageSourceFollowsTheMountOption) {
   EXPECT_EQ(PageSourceFor(false, "within_size"), PageSource::kTmpfsHuge);
 }
 
-// Allocating piece by piece while collapsing (the shared arena on 4 KiB tmpfs): every piece
-// ends allocated and on 2 MiB pages when the filesystem has room...
+// A sized, unallocated file of `bytes` on a fresh plain tmpfs of `mount_bytes`, mapped, and
+// CollapseParallel over it allocating piece by piece (what the shared arena does on 4 KiB
+// tmpfs). ok() is false (with skip_reason()) when the mount cannot be made.
+class PiecesFixture {
+ public:
+  PiecesFixture(uint64_t mount_bytes, uint64_t bytes)
+      : mount_(testing::ScopedMount::Kind::kTmpfs, mount_bytes), bytes_(bytes) {}
+  bool ok() const { return mount_.ok(); }
+  const std::string& skip_reason() const { return mount_.skip_reason(); }
+
+  Result<double> Collapse() {
+    path_.emplace("pieces", mount_.dir());
+    platform::OpenOptions rw;
+    rw.write = true;
+    rw.create = true;
+    EA_ASSIGN_OR_RETURN(fd_, platform::OpenFile(path_->path(), rw));
+    EA_RETURN_IF_ERROR(platform::ExtendFile(fd_, bytes_));
+    EA_ASSIGN_OR_RETURN(mapping_, platform::Mapping::MapFile(fd_, bytes_, true, kHugePageBytes));
+    return CollapseParallel(mapping_.data(), bytes_, path_->path(), false, 2, &fd_);
+  }
+  const platform::UniqueFd& fd() const { return fd_; }
+  const platform::Mapping& mapping() const { return mapping_; }
+  const std::string& path() const { return path_->path(); }
+
+ private:
+  testing::ScopedMount mount_;
+  uint64_t bytes_;
+  std::optional<testing::ScopedPath> path_;
+  platform::UniqueFd fd_;
+  platform::Mapping mapping_;
+};
+
+// Allocating piece by piece while collapsing: every piece ends allocated and on 2 MiB pages
+// when the filesystem has room...
 TEST(CollapseInPiecesTest, AllocatesEveryPieceAndCollapsesIt) {
-  testing::ScopedMount mount(testing::ScopedMount::Kind::kTmpfs, 256 * kMiB);
-  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
-  testing::ScopedPath path("pieces", mount.dir());
-  platform::OpenOptions rw;
-  rw.write = true;
-  rw.create = true;
-  ASSERT_OK_AND_ASSIGN(platform::UniqueFd fd, platform::OpenFile(path.path(), rw));
   const uint64_t bytes = 130 * kMiB;  // two whole 64 MiB pieces and a short one
-  ASSERT_OK(platform::ExtendFile(fd, bytes));
-  ASSERT_OK_AND_ASSIGN(platform::Mapping m,
-                       platform::Mapping::MapFile(fd, bytes, true, kHugePageBytes));
-  auto seconds = CollapseParallel(m.data(), bytes, path.path(), false, 2, &fd);
+  PiecesFixture f(256 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  auto seconds = f.Collapse();
   ASSERT_TRUE(seconds.ok()) << seconds.status().ToString();
   struct stat st;
-  ASSERT_EQ(fstat(fd.get(), &st), 0);
+  ASSERT_EQ(fstat(f.fd().get(), &st), 0);
   EXPECT_EQ(static_cast<uint64_t>(st.st_blocks) * 512, bytes) << "every piece allocated";
-  ASSERT_OK(platform::AdviseRange(m.data(), bytes, platform::Advice::kPopulateRead, "test"));
-  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(m.data(), bytes));
+  std::byte* data = f.mapping().data();
+  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test"));
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
   EXPECT_EQ(huge, bytes);
-  EXPECT_FALSE(platform::ExtendFile(fd, bytes - kMiB).ok()) << "a file is never cut short";
+  EXPECT_FALSE(platform::ExtendFile(f.fd(), bytes - kMiB).ok()) << "a file is never cut short";
 }
 
 // ...and on a filesystem too small the collapses fail without a signal, and allocating the
 // whole file (what the shared arena does next, before writing) is a kNoSpace naming it.
 TEST(CollapseInPiecesTest, FilesystemTooSmallFailsCleanly) {
-  testing::ScopedMount mount(testing::ScopedMount::Kind::kTmpfs, 96 * kMiB);
-  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
-  testing::ScopedPath path("pieces", mount.dir());
-  platform::OpenOptions rw;
-  rw.write = true;
-  rw.create = true;
-  ASSERT_OK_AND_ASSIGN(platform::UniqueFd fd, platform::OpenFile(path.path(), rw));
   const uint64_t bytes = 256 * kMiB;
-  ASSERT_OK(platform::ExtendFile(fd, bytes));
-  ASSERT_OK_AND_ASSIGN(platform::Mapping m,
-                       platform::Mapping::MapFile(fd, bytes, true, kHugePageBytes));
-  auto seconds = CollapseParallel(m.data(), bytes, path.path(), false, 2, &fd);
-  ASSERT_FALSE(seconds.ok()) << "256 MiB cannot all be collapsed on a 96 MiB tmpfs";
-  Status whole = platform::AllocateFile(fd, bytes);
+  PiecesFixture f(96 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_FALSE(f.Collapse().ok()) << "256 MiB cannot all be collapsed on a 96 MiB tmpfs";
+  Status whole = platform::AllocateFile(f.fd(), bytes);
   ASSERT_FALSE(whole.ok());
   EXPECT_EQ(whole.code(), StatusCode::kNoSpace) << whole.ToString();
-  EXPECT_NE(whole.message().find(path.path()), std::string::npos) << whole.message();
+  EXPECT_NE(whole.message().find(f.path()), std::string::npos) << whole.message();
   EXPECT_NE(whole.message().find("256.0 MiB"), std::string::npos) << whole.message();
   EXPECT_NE(whole.message().find("available"), std::string::npos) << whole.message();
 }
