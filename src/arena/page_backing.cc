@@ -109,6 +109,22 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+std::string SlowCollapseHint(double seconds, uint64_t bytes) {
+  // 0.05-0.1 s/GiB is the cost with free 2 MiB blocks at hand (bench/collapse_bench). Far
+  // more means the kernel had to compact, or, in a VM, that the host had taken the free
+  // blocks back (free page reporting) and faults them in again: an operator can avoid both
+  // with a hugetlbfs pool, which stays reserved.
+  constexpr double kSlowSecondsPerGiB = 0.5;
+  const double per_gib = seconds / (static_cast<double>(bytes) / kGiB);
+  if (bytes < kGiB || per_gib < kSlowSecondsPerGiB) return "";
+  char buf[224];
+  std::snprintf(buf, sizeof buf,
+                " (%.2f s/GiB: slow; free memory was fragmented or handed back to a "
+                "hypervisor; an arena on hugetlbfs keeps reserved 2 MiB pages)",
+                per_gib);
+  return buf;
+}
+
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
                             const std::string& what, double* collapse_seconds,
                             const platform::UniqueFd* allocate) {
@@ -133,6 +149,7 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
     char buf[96];
     std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE %.2f s", *collapsed);
     d.note += buf;
+    d.note += SlowCollapseHint(*collapsed, bytes);
   } else {
     d.note +=
         "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " + collapsed.status().message();

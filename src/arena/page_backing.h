@@ -50,6 +50,10 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
                                 bool populate_first, unsigned threads = 0,
                                 const platform::UniqueFd* allocate = nullptr);
 
+// "" or, when making 2 MiB pages for `bytes` took `seconds` at a rate far above what free
+// 2 MiB blocks allow, a note for the start line saying why that may be and what avoids it.
+std::string SlowCollapseHint(double seconds, uint64_t bytes);
+
 // Reads the decision's inputs, asks for 2 MiB pages when the decision says so, and returns the
 // decision with collapse timing added to its note. Never fatal: a collapse that fails is
 // reported in the note (the arena works on 4 KiB pages too).

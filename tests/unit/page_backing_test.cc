@@ -51,6 +51,14 @@ TEST(HugeDecisionTest, PageSourceFollowsTheMountOption) {
   EXPECT_EQ(PageSourceFor(false, "within_size"), PageSource::kTmpfsHuge);
 }
 
+TEST(HugeDecisionTest, SlowCollapseIsExplainedOnlyWhenSlow) {
+  EXPECT_EQ(SlowCollapseHint(0.2, 4 * kGiB), "");
+  EXPECT_EQ(SlowCollapseHint(0.9, 512 * kMiB), "") << "too small to judge";
+  const std::string hint = SlowCollapseHint(6.0, 4 * kGiB);
+  EXPECT_NE(hint.find("1.50 s/GiB"), std::string::npos) << hint;
+  EXPECT_NE(hint.find("hugetlbfs"), std::string::npos) << hint;
+}
+
 // A sized, unallocated file of `bytes` on a fresh plain tmpfs of `mount_bytes`, mapped, and
 // CollapseParallel over it allocating piece by piece (what the shared arena does on 4 KiB
 // tmpfs). ok() is false (with skip_reason()) when the mount cannot be made.
