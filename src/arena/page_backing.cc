@@ -157,4 +157,21 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   return d;
 }
 
+Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
+                                  HugePages mode, PageSource source, uint64_t available_bytes,
+                                  const std::string& what) {
+  const bool allocate_in_pieces =
+      source == PageSource::kTmpfs && mode != HugePages::kOff && available_bytes >= bytes;
+  EA_RETURN_IF_ERROR(allocate_in_pieces ? platform::ExtendFile(fd, bytes)
+                                        : platform::AllocateFile(fd, bytes));
+  BackedFile file;
+  EA_ASSIGN_OR_RETURN(file.mapping, platform::Mapping::MapFile(fd, bytes, true, alignment));
+  file.huge = ApplyHugePages(mode, source, file.mapping.data(), bytes, what, &file.collapse_seconds,
+                             allocate_in_pieces ? &fd : nullptr);
+  // A no-op where the collapse allocated; 4 KiB pages where it did not (not asked for, or a
+  // piece failed). Before any byte is written through the mapping.
+  if (allocate_in_pieces) EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
+  return file;
+}
+
 }  // namespace expert_arena::arena

@@ -13,6 +13,7 @@
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
 #include "platform/file.h"
+#include "platform/mapping.h"
 
 namespace expert_arena::arena {
 
@@ -62,5 +63,24 @@ std::string SlowCollapseHint(double seconds, uint64_t bytes);
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
                             const std::string& what, double* collapse_seconds,
                             const platform::UniqueFd* allocate = nullptr);
+
+// A shared file allocated, mapped writable and, per the rule above, on 2 MiB pages.
+struct BackedFile {
+  platform::Mapping mapping;
+  HugeDecision huge;            // its note goes into the start line
+  double collapse_seconds = 0;  // 0 when nothing was collapsed
+};
+
+// Allocates the empty file behind `fd` to `bytes`, maps it writable (`alignment`: 2 MiB, or
+// the hugetlbfs page size), and makes its pages 2 MiB per DecideHugePages. Every byte is
+// allocated when it returns: a filesystem too small is posix_fallocate's kNoSpace naming the
+// sizes, never a SIGBUS later. On 4 KiB tmpfs with room for the file, the file is only sized
+// first and each collapse worker allocates one page per 2 MiB (CollapseParallel): allocating
+// the whole file first would make 4 KiB pages that the collapse then copies (25x the time,
+// bench/collapse_bench). `available_bytes`: the filesystem's free space (statfs). The caller
+// removes the file on failure.
+Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
+                                  HugePages mode, PageSource source, uint64_t available_bytes,
+                                  const std::string& what);
 
 }  // namespace expert_arena::arena

@@ -293,33 +293,16 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
         (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
       }
     }
-    const PageSource source = PageSourceFor(hugetlbfs, fs.tmpfs_huge);
-    // On 4 KiB tmpfs, MADV_COLLAPSE makes the 2 MiB pages. Fallocating the whole file first
-    // would allocate all its 4 KiB pages before the first collapse and hold them while the
-    // collapses look for free 2 MiB blocks (1.8 s/GiB inside a 4 GiB load here). Instead the
-    // file only gets its size, each collapse worker fallocates its 64 MiB piece just before
-    // collapsing it, and the whole file is fallocated again (a no-op where already done)
-    // before any byte is written through the mapping: a full filesystem is still an error,
-    // never a SIGBUS. One that cannot hold the file is told by its free space, before any work.
-    const bool allocate_in_pieces =
-        source == PageSource::kTmpfs && fs.available_bytes >= layout->file_bytes;
-    Status allocated = allocate_in_pieces ? platform::ExtendFile(fd, layout->file_bytes)
-                                          : platform::AllocateFile(fd, layout->file_bytes);
-    if (!allocated.ok()) return fail(NoSpaceMessage(allocated, fs, layout->file_bytes, path));
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
-    auto mapping = platform::Mapping::MapFile(fd, layout->file_bytes, true, alignment);
-    if (!mapping.ok()) return fail(mapping.status());
-    impl->mapping = std::move(*mapping);
-    impl->data_offset = layout->header_bytes;
-
-    double collapse_seconds = 0;
-    HugeDecision huge =
-        ApplyHugePages(options.huge, source, impl->mapping.data(), impl->mapping.size(), path,
-                       &collapse_seconds, allocate_in_pieces ? &fd : nullptr);
-    if (allocate_in_pieces) {
-      allocated = platform::AllocateFile(fd, layout->file_bytes);
-      if (!allocated.ok()) return fail(NoSpaceMessage(allocated, fs, layout->file_bytes, path));
+    auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
+                                 PageSourceFor(hugetlbfs, fs.tmpfs_huge), fs.available_bytes, path);
+    if (!backed.ok()) {
+      return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
     }
+    impl->mapping = std::move(backed->mapping);
+    impl->data_offset = layout->header_bytes;
+    const HugeDecision& huge = backed->huge;
+    const double collapse_seconds = backed->collapse_seconds;
 
     std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
     Status s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,

@@ -41,38 +41,15 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
     (void)platform::UnlinkPath(seg.path);
     return status;
   };
-  // Where the pages come from; 2 MiB pages per the arena's rule (arena/page_backing.h).
+  // 2 MiB pages per the arena's rule (arena/page_backing.h), every byte allocated.
   auto fs = platform::StatFilesystem(p.directory);
   auto source = arena::PageSourceFor(fs.ok() && fs->kind == platform::FsKind::kHugetlbfs,
                                      fs.ok() ? fs->tmpfs_huge : "never");
-  // Plain tmpfs: posix_fallocate would give every 4 KiB page first (zeroed), which
-  // MADV_COLLAPSE then copies into 2 MiB pages and frees (75-135 ms for a 130 MiB segment on
-  // this VM). Instead the file is only sized, the collapse allocates one small page per 2 MiB
-  // and fills the rest with zeroed 2 MiB pages (10-20 ms), like the arena. posix_fallocate of
-  // the whole file runs after it either way: nothing left to do, or it allocates what the
-  // collapse did not (2 MiB pages not asked for, a piece failed), so a full tmpfs is kNoSpace
-  // here, never SIGBUS later.
-  const bool allocate_in_pieces = p.huge != HugePages::kOff &&
-                                  source == arena::PageSource::kTmpfs && fs.ok() &&
-                                  fs->available_bytes >= file_bytes;
-  Status sized = allocate_in_pieces ? platform::ExtendFile(seg.fd, file_bytes)
-                                    : platform::AllocateFile(seg.fd, file_bytes);
-  if (!sized.ok()) return fail(sized);
-  auto mapping = platform::Mapping::MapFile(seg.fd, file_bytes, true, kHugePageBytes);
-  if (!mapping.ok()) return fail(mapping.status());
-  seg.mapping = std::move(mapping).value();
-  std::string note;
-  if (p.huge != HugePages::kOff) {
-    double seconds = 0;
-    note = arena::ApplyHugePages(p.huge, source, seg.mapping.data(), file_bytes, seg.path, &seconds,
-                                 allocate_in_pieces ? &seg.fd : nullptr)
-               .note;
-  }
-  if (allocate_in_pieces) {
-    Status allocated = platform::AllocateFile(seg.fd, file_bytes);
-    if (!allocated.ok()) return fail(allocated);
-  }
-  if (huge_note != nullptr) *huge_note = note;
+  auto backed = arena::AllocateAndMap(seg.fd, file_bytes, kHugePageBytes, p.huge, source,
+                                      fs.ok() ? fs->available_bytes : 0, seg.path);
+  if (!backed.ok()) return fail(backed.status());
+  seg.mapping = std::move(backed->mapping);
+  if (huge_note != nullptr && p.huge != HugePages::kOff) *huge_note = backed->huge.note;
   if (p.populate) {
     Status s = platform::AdviseRange(seg.mapping.data(), file_bytes,
                                      platform::Advice::kPopulateWrite, seg.path);
