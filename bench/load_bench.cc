@@ -11,6 +11,7 @@
 //   load_bench --model PATH [--runs N] [--reader auto|io_uring|pread] [--chunk-mib N]
 //              [--direct-chunk-mib N]
 //              [--qd N] [--threads N] [--no-hot-copy] [--hot-block-kib N] [--skip-cold]
+//              [--no-direct] (buffered reads only, as on a filesystem without O_DIRECT)
 //              [--skip-cp]
 #include <unistd.h>
 
@@ -157,7 +158,7 @@ int main(int argc, char** argv) {
   int runs = 3;
   uint64_t chunk_mib = 0, direct_chunk_mib = 0;
   unsigned qd = 0, threads = 0;
-  bool skip_cold = false, skip_cp = false, no_hot_copy = false;
+  bool skip_cold = false, skip_cp = false, no_hot_copy = false, no_direct = false;
   uint64_t hot_block_kib = 0;
   app.add_option("--model", model)->required();
   app.add_option("--runs", runs);
@@ -167,6 +168,7 @@ int main(int argc, char** argv) {
   app.add_option("--qd", qd);
   app.add_option("--threads", threads);
   app.add_flag("--no-hot-copy", no_hot_copy, "read cached pieces, hash them afterwards");
+  app.add_flag("--no-direct", no_direct, "no O_DIRECT: buffered reads of uncached data");
   app.add_option("--hot-block-kib", hot_block_kib);
   app.add_flag("--skip-cold", skip_cold);
   app.add_flag("--skip-cp", skip_cp);
@@ -215,6 +217,7 @@ int main(int argc, char** argv) {
     request.queue_depth = qd;
     request.threads = threads;
     request.hot_copy = !no_hot_copy;
+    request.direct_io = !no_direct;
     request.hot_block_bytes = hot_block_kib * kKiB;
     auto loaded = load::LoadTensors(request, table);
     Check(loaded.ok() ? Status::Ok() : loaded.status(), "load");
@@ -316,6 +319,7 @@ int main(int argc, char** argv) {
       request.queue_depth = qd;
       request.threads = threads;
       request.hot_copy = !no_hot_copy;
+      request.direct_io = !no_direct;
       request.hot_block_bytes = hot_block_kib * kKiB;
       auto loaded = load::LoadTensors(request, table);
       Check(loaded.ok() ? Status::Ok() : loaded.status(), "cold load");
