@@ -172,6 +172,8 @@ class EXPERT_ARENA_EXPORT Reservation {
  private:
   friend class StreamProducer;
   explicit Reservation(std::unique_ptr<State> state);
+  // Gives the space back when the reservation was neither published nor used.
+  void GiveBack() noexcept;
   std::unique_ptr<State> state_;
 };
 
@@ -277,6 +279,8 @@ class EXPERT_ARENA_EXPORT StreamConsumer {
 
  private:
   explicit StreamConsumer(std::shared_ptr<Impl> impl);
+  // What the destructor does: waits for deferred releases, then releases what is held.
+  void Drain() noexcept;
   std::shared_ptr<Impl> impl_;
 };
 

@@ -249,13 +249,15 @@ StreamConsumer::StreamConsumer(std::shared_ptr<Impl> impl) : impl_(std::move(imp
 StreamConsumer::StreamConsumer(StreamConsumer&&) noexcept = default;
 StreamConsumer& StreamConsumer::operator=(StreamConsumer&& other) noexcept {
   if (this != &other) {
-    this->~StreamConsumer();
-    new (this) StreamConsumer(std::move(other));
+    Drain();
+    impl_ = std::move(other.impl_);
   }
   return *this;
 }
 
-StreamConsumer::~StreamConsumer() {
+StreamConsumer::~StreamConsumer() { Drain(); }
+
+void StreamConsumer::Drain() noexcept {
   if (!impl_) return;
   // Deferred releases wait for their device copies; a copy that never finishes must not keep
   // the process from exiting forever, so after a bound the holds are given back regardless.

@@ -770,13 +770,15 @@ Reservation::Reservation(std::unique_ptr<State> state) : state_(std::move(state)
 Reservation::Reservation(Reservation&&) noexcept = default;
 Reservation& Reservation::operator=(Reservation&& other) noexcept {
   if (this != &other) {
-    this->~Reservation();
-    new (this) Reservation(std::move(other));
+    GiveBack();
+    state_ = std::move(other.state_);
   }
   return *this;
 }
 
-Reservation::~Reservation() {
+Reservation::~Reservation() { GiveBack(); }
+
+void Reservation::GiveBack() noexcept {
   if (!state_ || state_->done) return;
   auto& p = *state_->producer;
   std::lock_guard lock(p.mu);

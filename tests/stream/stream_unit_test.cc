@@ -434,6 +434,24 @@ TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
   EXPECT_EQ(producer.Stats().live_blocks, 1u);
 }
 
+// Assigning over an unpublished reservation gives its space back at once and keeps the one
+// moved in (an engine that re-reserves into the same variable must not leak the first block).
+TEST(StreamProducer, MoveAssigningAReservationGivesTheOldSpaceBack) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto first, producer.Reserve("first", 4096));
+  ASSERT_OK_AND_ASSIGN(auto second, producer.Reserve("second", 8192));
+  EXPECT_EQ(producer.Stats().live_blocks, 2u);
+  first = std::move(second);
+  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+  EXPECT_EQ(first.bytes().size(), 8192u);
+  ASSERT_OK(first.Publish({}));
+  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("second"));
+  EXPECT_EQ(marked, 1u);
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
 // Writers on several threads put tensors of their own keys while another thread aborts keys
 // of one writer: the other writers' tensors are never touched, and everything comes back.
 TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
