@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "arena/arena_locks.h"
+#include "arena/test_hooks.h"
 #include "common/units.h"
 #include "load/loader.h"
 #include "platform/file.h"
@@ -110,12 +111,19 @@ Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* tab
 
 Status RemoveArenaFile(const std::string& path) {
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
+  EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
+  test_hooks::RunAfterRemoveOpened();
   EA_ASSIGN_OR_RETURN(bool fill,
                       platform::TryLockByte(fd, kFillByte, platform::LockMode::kExclusive));
   if (!fill) return Busy(path + ": an engine is loading it; not removed");
   EA_ASSIGN_OR_RETURN(bool user,
                       platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
   if (!user) return Busy(path + ": in use by at least one engine; not removed");
+  // The locks are on the file we opened; unlinking the path is only right while it still names
+  // that file, not one an engine created in its place meanwhile (and is loading or using).
+  if (!PathNamesFile(path, st)) {
+    return Busy(path + ": replaced by an engine while rm looked at it; not removed (run rm again)");
+  }
   return platform::UnlinkPath(path);
 }
 

@@ -56,11 +56,6 @@ format::HeaderSummary PeekHeader(const platform::UniqueFd& fd) {
   return format::SummarizeHeader(buf);
 }
 
-bool PathNamesFile(const std::string& path, const platform::FileStat& st) {
-  auto now = platform::StatPath(path);
-  return now.ok() && now->device == st.device && now->inode == st.inode;
-}
-
 // Why a present file cannot be used as it is, or "" when it can.
 std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& decoded,
                            const source::ModelPlan* plan, uint64_t file_size) {

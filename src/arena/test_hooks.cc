@@ -6,11 +6,20 @@ std::function<void()>& BeforePublish() {
   static std::function<void()> hook;
   return hook;
 }
+std::function<void()>& AfterRemoveOpened() {
+  static std::function<void()> hook;
+  return hook;
+}
 }  // namespace
 
 void SetBeforePublish(std::function<void()> hook) { BeforePublish() = std::move(hook); }
 void RunBeforePublish() {
   if (BeforePublish()) BeforePublish()();
+}
+
+void SetAfterRemoveOpened(std::function<void()> hook) { AfterRemoveOpened() = std::move(hook); }
+void RunAfterRemoveOpened() {
+  if (AfterRemoveOpened()) AfterRemoveOpened()();
 }
 
 }  // namespace expert_arena::arena::test_hooks

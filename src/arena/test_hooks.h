@@ -12,4 +12,9 @@ namespace expert_arena::arena::test_hooks {
 void SetBeforePublish(std::function<void()> hook);
 void RunBeforePublish();
 
+// Runs in RemoveArenaFile after it opened the file, before it takes the locks (where an
+// engine may replace the file under it).
+void SetAfterRemoveOpened(std::function<void()> hook);
+void RunAfterRemoveOpened();
+
 }  // namespace expert_arena::arena::test_hooks

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "arena/arena_file.h"
+#include "arena/test_hooks.h"
 #include "common/units.h"
 #include "engine_role.h"
 #include "format/arena_format.h"
@@ -174,6 +175,27 @@ TEST_F(ArenaProtocolTest, RmRefusesWhileInUseAndRemovesOnceUnused) {
   ASSERT_OK(arena::RemoveArenaFile(arena_.path()));
   struct stat st;
   EXPECT_NE(stat(arena_.path().c_str(), &st), 0);
+}
+
+// An engine replaces the file (unlink, create anew) between rm's open and its locks: rm must
+// not unlink the new file, which that engine is loading or using.
+TEST_F(ArenaProtocolTest, RmLeavesAFileThatReplacedTheOneItOpened) {
+  Child loader = StartEngine();
+  Finish(loader);
+  std::string replaced_by;
+  arena::test_hooks::SetAfterRemoveOpened([&] {
+    ASSERT_EQ(unlink(arena_.path().c_str()), 0);
+    Child again = StartEngine();  // finds no file: loads a new one at the path
+    replaced_by = Finish(again).value("role", "");
+  });
+  Status s = arena::RemoveArenaFile(arena_.path());
+  arena::test_hooks::SetAfterRemoveOpened(nullptr);
+  EXPECT_EQ(replaced_by, "loaded");
+  EXPECT_EQ(s.code(), StatusCode::kBusy) << s.ToString();
+  EXPECT_NE(s.message().find("replaced"), std::string::npos) << s.ToString();
+  ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(arena_.path()));
+  EXPECT_EQ(info.state, "published");
+  ASSERT_OK(arena::RemoveArenaFile(arena_.path()));  // and rm again removes it
 }
 
 TEST_F(ArenaProtocolTest, PrivateArenaHasTheSameViews) {
