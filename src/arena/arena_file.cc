@@ -5,6 +5,7 @@
 
 #include "arena/arena_locks.h"
 #include "arena/test_hooks.h"
+#include "platform/directory.h"
 #include "common/units.h"
 #include "load/loader.h"
 #include "platform/file.h"
@@ -109,7 +110,12 @@ Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* tab
   return load::FirstBadChecksum(mapping.bytes().subspan(header_bytes, table->data_bytes), *table);
 }
 
-Status RemoveArenaFile(const std::string& path) {
+namespace {
+
+// Opens the file `path` names and takes FILL and USER exclusively, as an engine replacing it
+// would: kBusy when an engine loads or maps it. While both are held no engine can replace
+// the file, so the path is checked to still name it once they are taken.
+Result<platform::UniqueFd> LockForRemoval(const std::string& path) {
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
   test_hooks::RunAfterRemoveOpened();
@@ -124,7 +130,72 @@ Status RemoveArenaFile(const std::string& path) {
   if (!PathNamesFile(path, st)) {
     return Busy(path + ": replaced by an engine while rm looked at it; not removed (run rm again)");
   }
+  return fd;
+}
+
+Result<format::HeaderSummary> ReadSummary(const platform::UniqueFd& fd, uint64_t file_bytes) {
+  std::vector<std::byte> fixed(std::min<uint64_t>(file_bytes, sizeof(format::HeaderFixed)));
+  EA_RETURN_IF_ERROR(platform::ReadFull(fd, 0, fixed));
+  return format::SummarizeHeader(fixed);
+}
+
+}  // namespace
+
+Status RemoveArenaFile(const std::string& path) {
+  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, LockForRemoval(path));
   return platform::UnlinkPath(path);
+}
+
+Result<ArenaSweepReport> SweepArenaFiles(const std::string& directory) {
+  EA_ASSIGN_OR_RETURN(std::vector<std::string> names, platform::ListDirectory(directory));
+  ArenaSweepReport report;
+  const uint32_t me = platform::EffectiveUid();
+  for (const auto& name : names) {
+    const std::string path = directory + "/" + name;
+    auto st = platform::StatPath(path);
+    if (!st.ok() || !st->regular || st->owner_uid != me) continue;
+    if (st->size < sizeof(format::HeaderFixed)) continue;  // no header: not ours to judge
+    auto fd = platform::OpenFile(path, {.no_follow = true});
+    if (!fd.ok()) continue;
+    auto summary = ReadSummary(*fd, st->size);
+    if (!summary.ok() || !summary->our_magic) continue;
+    const std::string size = FormatBytes(st->size);
+    if (summary->state == format::FileState::kPublished) {
+      auto in_use = platform::ByteIsLocked(*fd, kUserByte, platform::LockMode::kExclusive);
+      report.kept.push_back(path);
+      report.notes.push_back(
+          path + ": published arena, " + size +
+          (in_use.ok() && *in_use ? ", in use; left alone"
+                                  : ", not in use; kept for the next engine "
+                                    "(`expert-arena rm " + path + "` frees it)"));
+      continue;
+    }
+    // Unpublished: a loader is at work (FILL held) or died. Decide under the locks, reading
+    // the state again there: a load may have been published since the read above.
+    auto locked = LockForRemoval(path);
+    if (!locked.ok()) {
+      report.kept.push_back(path);
+      report.notes.push_back(locked.status().message());
+      continue;
+    }
+    auto again = platform::StatFd(*locked);
+    auto now = again.ok() ? ReadSummary(*locked, again->size) : again.status();
+    if (!now.ok() || now->state == format::FileState::kPublished) {
+      report.kept.push_back(path);
+      report.notes.push_back(path + ": published while the sweep looked at it; left alone");
+      continue;
+    }
+    Status removed = platform::UnlinkPath(path);
+    if (!removed.ok()) {
+      report.notes.push_back(removed.message());
+      continue;
+    }
+    report.removed.push_back(path);
+    report.removed_bytes += again->size;
+    report.notes.push_back(path + ": arena left unfinished by a loader that is gone, " + size +
+                           "; removed");
+  }
+  return report;
 }
 
 }  // namespace expert_arena::arena

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "expert_arena/status.h"
 #include "format/arena_format.h"
@@ -35,5 +36,21 @@ Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* tab
 
 // Unlinks the file when no engine maps or loads it; kBusy with a message otherwise.
 Status RemoveArenaFile(const std::string& path);
+
+// What SweepArenaFiles found in a directory, one line per arena file for the operator.
+struct ArenaSweepReport {
+  std::vector<std::string> removed;  // unfinished arenas whose loader is gone, unlinked
+  uint64_t removed_bytes = 0;
+  std::vector<std::string> kept;     // published arenas (a restart attaches), and arenas
+                                     // being loaded or mapped right now
+  std::vector<std::string> notes;    // one line per arena file: what it is, what was done
+};
+
+// The arena files (files with the arena magic) of this user in `directory`: removes the ones a
+// loader left unpublished when it died (no engine loads or maps them; the next engine would
+// replace them anyway, and until then they hold their whole size of RAM); lists the others.
+// A published arena is never removed here, in use or not (`expert-arena rm` does that).
+// Files of other users and files that are not arenas are not touched.
+Result<ArenaSweepReport> SweepArenaFiles(const std::string& directory);
 
 }  // namespace expert_arena::arena

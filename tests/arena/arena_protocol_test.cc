@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -196,6 +197,58 @@ TEST_F(ArenaProtocolTest, RmLeavesAFileThatReplacedTheOneItOpened) {
   ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(arena_.path()));
   EXPECT_EQ(info.state, "published");
   ASSERT_OK(arena::RemoveArenaFile(arena_.path()));  // and rm again removes it
+}
+
+// `expert-arena sweep` on an arena directory: the file a killed loader left unpublished is
+// removed; a published arena (a restart attaches to it), one being loaded right now and a file
+// that is not an arena are left alone.
+TEST_F(ArenaProtocolTest, SweepRemovesOnlyArenasALoaderLeftUnfinished) {
+  std::string dir = ArenaTestDir() + "/ea-test-sweep-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr) << std::strerror(errno);
+  struct RemovedAtEnd {  // declared first: goes after the files
+    std::string dir;
+    ~RemovedAtEnd() { std::filesystem::remove_all(dir); }
+  } remove_dir{dir};
+  ScopedPath published("published", dir), unfinished("unfinished", dir),
+      loading("loading", dir), other("other", dir);
+  auto engine = [&](const ScopedPath& at, const std::string& hook) {
+    return SpawnRole("engine", {at.path(), model_.path(), hook, "-"});
+  };
+  Child a = engine(published, "none");
+  Finish(a);
+  Child dead = engine(unfinished, "hang");
+  ASSERT_TRUE(dead.WaitForOutput("LOADING", 60)) << dead.Output();
+  dead.Kill(SIGKILL);
+  dead.Wait(30);
+  Child busy = engine(loading, "hang");
+  ASSERT_TRUE(busy.WaitForOutput("LOADING", 60)) << busy.Output();
+  std::string not_arena(8192, 'x');
+  std::ofstream(other.path()) << not_arena;
+
+  ASSERT_OK_AND_ASSIGN(auto report, arena::SweepArenaFiles(dir));
+  EXPECT_EQ(report.removed, std::vector<std::string>{unfinished.path()});
+  EXPECT_GE(report.removed_bytes, kModelBytes);
+  EXPECT_EQ(std::set<std::string>(report.kept.begin(), report.kept.end()),
+            (std::set<std::string>{published.path(), loading.path()}));
+  struct stat st;
+  EXPECT_NE(stat(unfinished.path().c_str(), &st), 0);
+  EXPECT_EQ(stat(published.path().c_str(), &st), 0);
+  EXPECT_EQ(stat(loading.path().c_str(), &st), 0);
+  EXPECT_EQ(stat(other.path().c_str(), &st), 0);
+  ASSERT_OK_AND_ASSIGN(auto info, arena::InspectArenaFile(published.path()));
+  EXPECT_EQ(info.state, "published");
+
+  busy.Kill(SIGKILL);
+  busy.Wait(30);
+  // The CLI says the same, and a second sweep finds the killed loader's file too.
+  Child cli = SpawnProgram(BinDir() + "/expert-arena", {"sweep", dir});
+  EXPECT_EQ(cli.Wait(60), 0) << cli.Output();
+  EXPECT_NE(cli.Output().find(loading.path() + ": arena left unfinished by a loader that is gone"),
+            std::string::npos)
+      << cli.Output();
+  EXPECT_NE(cli.Output().find("removed 1 unfinished arenas"), std::string::npos) << cli.Output();
+  EXPECT_NE(stat(loading.path().c_str(), &st), 0);
+  EXPECT_EQ(stat(published.path().c_str(), &st), 0);
 }
 
 TEST_F(ArenaProtocolTest, PrivateArenaHasTheSameViews) {

@@ -1,9 +1,11 @@
-// expert-arena sweep [DIR]: remove stream segments whose owner process is gone, and
-// the `info` view of one stream segment (cmd_file.cc calls RunSegmentInfo when PATH is one).
+// expert-arena sweep [DIR]: remove stream segments whose owner process is gone and arena
+// files a dead loader left unfinished (published arenas are listed, never removed), and the
+// `info` view of one stream segment (cmd_file.cc calls RunSegmentInfo when PATH is one).
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "arena/arena_file.h"
 #include "commands.h"
 #include "common/units.h"
 #include "expert_arena/stream.h"
@@ -17,18 +19,31 @@ int RunSweep(const std::string& dir, bool json) {
     std::fprintf(stderr, "expert-arena sweep: %s\n", report.status().message().c_str());
     return 1;
   }
+  auto arenas = arena::SweepArenaFiles(dir);
+  if (!arenas.ok()) {
+    std::fprintf(stderr, "expert-arena sweep: %s\n", arenas.status().message().c_str());
+    return 1;
+  }
   if (json) {
     nlohmann::json j;
     j["directory"] = dir;
     j["removed"] = report->removed;
     j["live"] = report->live;
     j["notes"] = report->notes;
+    j["arenas_removed"] = arenas->removed;
+    j["arenas_removed_bytes"] = arenas->removed_bytes;
+    j["arenas_kept"] = arenas->kept;
+    j["arena_notes"] = arenas->notes;
     std::cout << j.dump(1) << std::endl;
     return 0;
   }
   for (const auto& note : report->notes) std::printf("%s\n", note.c_str());
-  std::printf("%s: removed %zu segments of dead owners; %zu of live owners left alone\n",
-              dir.c_str(), report->removed.size(), report->live.size());
+  for (const auto& note : arenas->notes) std::printf("%s\n", note.c_str());
+  std::printf(
+      "%s: removed %zu segments of dead owners; %zu of live owners left alone; removed %zu "
+      "unfinished arenas (%s); %zu arenas kept\n",
+      dir.c_str(), report->removed.size(), report->live.size(), arenas->removed.size(),
+      FormatBytes(arenas->removed_bytes).c_str(), arenas->kept.size());
   return 0;
 }
 
@@ -86,8 +101,10 @@ int RunSegmentInfo(const std::string& path, bool json) {
 void RegisterSweep(CLI::App& app, int& exit_code) {
   auto dir = std::make_shared<std::string>("/dev/shm");
   auto json = std::make_shared<bool>(false);
-  CLI::App* sweep = app.add_subcommand("sweep", "Remove stream segments whose owner is gone");
-  sweep->add_option("dir", *dir, "Stream (or spill) directory")->capture_default_str();
+  CLI::App* sweep = app.add_subcommand(
+      "sweep",
+      "Remove stream segments whose owner is gone and arenas a dead loader left unfinished");
+  sweep->add_option("dir", *dir, "Stream, spill or arena directory")->capture_default_str();
   sweep->add_flag("--json", *json, "Print one JSON object");
   sweep->callback([dir, json, &exit_code] { exit_code = RunSweep(*dir, *json); });
 }
