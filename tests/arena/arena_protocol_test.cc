@@ -241,7 +241,9 @@ TEST_F(ArenaProtocolTest, SweepRemovesOnlyArenasALoaderLeftUnfinished) {
   busy.Kill(SIGKILL);
   busy.Wait(30);
   // The CLI says the same, and a second sweep finds the killed loader's file too.
-  Child cli = SpawnProgram(BinDir() + "/expert-arena", {"sweep", dir});
+  const std::string tool = BinDir() + "/expert-arena";
+  if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built: CLI part not run";
+  Child cli = SpawnProgram(tool, {"sweep", dir});
   EXPECT_EQ(cli.Wait(60), 0) << cli.Output();
   EXPECT_NE(cli.Output().find(loading.path() + ": arena left unfinished by a loader that is gone"),
             std::string::npos)
