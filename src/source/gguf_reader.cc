@@ -262,14 +262,18 @@ Result<GgufFile> GgufParser::Parse() {
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return file.tensors[a].offset < file.tensors[b].offset; });
-  for (size_t k = 1; k < order.size(); ++k) {
-    const GgufTensorInfo& prev = file.tensors[order[k - 1]];
-    const GgufTensorInfo& cur = file.tensors[order[k]];
-    if (prev.bytes > 0 && cur.bytes > 0 && prev.offset + prev.bytes > cur.offset) {
+  // Compare each tensor with the last non-empty one before it, not with its neighbour in
+  // the order: an empty tensor between two overlapping ones must not hide the overlap.
+  const GgufTensorInfo* prev = nullptr;
+  for (size_t k : order) {
+    const GgufTensorInfo& cur = file.tensors[k];
+    if (cur.bytes == 0) continue;
+    if (prev != nullptr && prev->offset + prev->bytes > cur.offset) {
       return Fail("tensor " + cur.name + " (data offset " + std::to_string(cur.offset) +
-                  ") overlaps tensor " + prev.name + " (data offset " +
-                  std::to_string(prev.offset) + ", " + std::to_string(prev.bytes) + " bytes)");
+                  ") overlaps tensor " + prev->name + " (data offset " +
+                  std::to_string(prev->offset) + ", " + std::to_string(prev->bytes) + " bytes)");
     }
+    prev = &cur;
   }
   file.header_bytes_read = in_.bytes_read();
   return file;

@@ -137,15 +137,18 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
             [](const SafetensorsTensorInfo& a, const SafetensorsTensorInfo& b) {
               return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
             });
-  for (size_t k = 1; k < file.tensors.size(); ++k) {
-    const SafetensorsTensorInfo& prev = file.tensors[k - 1];
-    const SafetensorsTensorInfo& cur = file.tensors[k];
-    if (prev.bytes > 0 && cur.bytes > 0 && prev.end > cur.begin) {
+  // Compare each tensor with the last non-empty one before it, not with its neighbour in
+  // the order: an empty tensor between two overlapping ones must not hide the overlap.
+  const SafetensorsTensorInfo* prev = nullptr;
+  for (const SafetensorsTensorInfo& cur : file.tensors) {
+    if (cur.bytes == 0) continue;
+    if (prev != nullptr && prev->end > cur.begin) {
       return Fail(file.path, "tensor " + cur.name + " (data_offsets [" + std::to_string(cur.begin) +
                                  ", " + std::to_string(cur.end) + "]) overlaps tensor " +
-                                 prev.name + " ([" + std::to_string(prev.begin) + ", " +
-                                 std::to_string(prev.end) + "])");
+                                 prev->name + " ([" + std::to_string(prev->begin) + ", " +
+                                 std::to_string(prev->end) + "])");
     }
+    prev = &cur;
   }
   return file;
 }

@@ -293,6 +293,17 @@ TEST(GgufDamageTest, OverlappingTensors) {
   ExpectError(PlanBytes(dir, s.file), {"bad.gguf", "overlaps", "tensor b", "tensor a"});
 }
 
+// Found by fuzz_gguf: an empty tensor sorted between two overlapping ones hid the overlap.
+TEST(GgufDamageTest, EmptyTensorDoesNotHideAnOverlap) {
+  ScopedDir dir("gguf-overlap-empty");
+  GgufWriter w;
+  w.AddTensorInfo("a", 0, {64}, 0, 256);
+  w.AddTensorInfo("empty", 0, {0}, 64, 0);
+  w.AddTensorInfo("b", 0, {64}, 128, 256);
+  Sample s = MakeSample(w);
+  ExpectError(PlanBytes(dir, s.file), {"bad.gguf", "overlaps", "tensor b", "tensor a"});
+}
+
 TEST(GgufDamageTest, UnknownTypeNamesIdFileAndTensor) {
   ScopedDir dir("gguf-type");
   for (uint32_t id : {4u, 99u}) {

@@ -180,6 +180,13 @@ TEST(SafetensorsDamageTest, EachLieIsAClearError) {
                    R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
                    32),
               {"bad.safetensors", "overlaps", "tensor b", "tensor a"});
+  // Found by fuzz_safetensors' sibling fuzz_gguf: an empty tensor sorted between two
+  // overlapping ones hid the overlap.
+  ExpectError(plan(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                   R"("e":{"dtype":"F32","shape":[0],"data_offsets":[8,8]},)"
+                   R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                   32),
+              {"bad.safetensors", "overlaps", "tensor b", "tensor a"});
   ExpectError(plan(R"({"t":{"dtype":"F32","shape":[2]}})", 16), {"tensor t", "data_offsets"});
   ExpectError(plan(R"([1,2,3])", 16), {"not a JSON object"});
   ExpectError(plan(R"({"t": )", 16), {"not valid JSON"});
