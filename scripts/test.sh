@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds expert-arena and runs its tests, from a fresh machine: installs what is missing
 # (Debian packages), configures with both GPU backends (compiled and linked even without a
-# GPU), builds, and runs the unit and multi-process tests, then the AddressSanitizer build's
-# tests, the ThreadSanitizer build's threaded and multi-process tests, and a bounded soak. Exit status 0 only when everything passed.
+# GPU), builds, and runs the unit and multi-process tests, then a bounded libFuzzer run of
+# every fuzz target (tests/fuzz/run_fuzz.sh), the AddressSanitizer build's tests, the
+# ThreadSanitizer build's threaded and multi-process tests, and a bounded soak. Exit status 0
+# only when everything passed.
 #
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    the default build's tests only
@@ -33,6 +35,10 @@ echo "== tests"
 ctest --preset default
 
 if ((quick)); then exit 0; fi
+
+echo "== fuzzing (libFuzzer, ${EA_FUZZ_SECONDS:-20} s per target)"
+# Bounded: each target starts from its seed corpus; any crash fails the run and names the input.
+EXPERT_ARENA_JOBS=$jobs tests/fuzz/run_fuzz.sh "${EA_FUZZ_SECONDS:-20}"
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
 cmake --preset asan "${gpu_flags[@]}" >/dev/null

@@ -1,0 +1,320 @@
+// Writes the seed corpus of the fuzz targets with the project's own writers (GgufWriter,
+// SafetensorsWriter, EncodeHeader, TensorDescriptor::Encode): small valid inputs plus the
+// damaged cases of the unit tests. Its output is checked in under tests/fuzz/corpus/;
+// regenerate with
+//   build/bin/fuzz_make_seeds tests/fuzz/corpus
+// Minimized crash inputs found by fuzzing live next to these as crash-* files and are kept.
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "expert_arena/stream.h"
+#include "format/arena_format.h"
+#include "source/dtypes.h"
+#include "source/gguf_writer.h"
+#include "source/safetensors_writer.h"
+#include "stream/segment_format.h"
+
+using namespace expert_arena;
+using source::GgufValueType;
+using source::GgufWriter;
+using source::SafetensorsWriter;
+
+namespace {
+
+std::filesystem::path g_out;
+
+void Write(const std::string& target, const std::string& name, const void* data, size_t size) {
+  std::filesystem::create_directories(g_out / target);
+  std::ofstream out(g_out / target / ("seed-" + name), std::ios::binary | std::ios::trunc);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
+  if (!out) {
+    std::fprintf(stderr, "cannot write %s/%s\n", target.c_str(), name.c_str());
+    std::exit(1);
+  }
+}
+void Write(const std::string& target, const std::string& name, const std::vector<std::byte>& b) {
+  Write(target, name, b.data(), b.size());
+}
+void Write(const std::string& target, const std::string& name, const std::string& s) {
+  Write(target, name, s.data(), s.size());
+}
+
+void Check(const Status& status) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s\n", status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// The header followed by the data section, tensor bytes a simple pattern.
+std::vector<std::byte> GgufBytes(const GgufWriter& w) {
+  std::vector<std::byte> file = w.EncodeHeader();
+  uint64_t end = w.file_bytes();
+  for (uint64_t i = file.size(); i < end; ++i) file.push_back(std::byte(i * 7));
+  return file;
+}
+
+void GgufSeeds() {
+  const std::string t = "gguf";
+  const source::GgmlType& f32 = *source::FindGgmlTypeByName("f32");
+  const source::GgmlType& q8 = *source::FindGgmlTypeByName("q8_0");
+  GgufWriter w;
+  w.AddString("general.architecture", "synthmoe");
+  w.AddU32("synthmoe.block_count", 1);
+  w.AddU64("u64", 7);
+  w.AddI32("i32", -3);
+  w.AddF32("f32", 1.5f);
+  w.AddBool("flag", true);
+  w.Add("arr",
+        GgufWriter::Array(GgufValueType::kU32, {GgufWriter::Scalar(GgufValueType::kU32, 1),
+                                                GgufWriter::Scalar(GgufValueType::kU32, 2)}));
+  w.Add("strs", GgufWriter::Array(GgufValueType::kString, {GgufWriter::String("a")}));
+  Check(w.AddTensor("token_embd.weight", f32, {4, 2}));
+  Check(w.AddTensor("blk.0.ffn_up_exps.weight", q8, {32, 2, 2}));
+  Check(w.AddTensor("blk.0.ffn_down_exps.weight", f32, {2, 4, 2}));
+  std::vector<std::byte> valid = GgufBytes(w);
+  Write(t, "valid-v3", valid);
+  GgufWriter v2(2);
+  v2.SetAlignment(64);
+  Check(v2.AddTensor("blk.1.ffn_gate_exps.weight", f32, {8, 2}));
+  Write(t, "valid-v2-align64", GgufBytes(v2));
+  // The damaged cases of tests/source/gguf_test.cc.
+  Write(t, "truncated-data", std::vector<std::byte>(valid.begin(), valid.end() - 10));
+  Write(t, "truncated-infos",
+        std::vector<std::byte>(valid.begin(), valid.begin() + w.EncodeHeader().size() - 40));
+  Write(t, "magic-only", std::vector<std::byte>(valid.begin(), valid.begin() + 6));
+  {
+    GgufWriter d = w;
+    d.tensor_count_override = 1ull << 60;
+    Write(t, "huge-tensor-count", GgufBytes(d));
+  }
+  {
+    GgufWriter d = w;
+    d.kv_count_override = UINT64_MAX;
+    Write(t, "huge-kv-count", GgufBytes(d));
+  }
+  {
+    GgufWriter d;
+    d.AddTensorInfo("blk.0.ffn_down_exps.weight", 0, {8}, UINT64_MAX - 31, 32);
+    std::vector<std::byte> file = d.EncodeHeader();
+    file.resize(file.size() + 64);
+    Write(t, "offset-overflow", file);
+  }
+  {
+    GgufWriter d;
+    d.AddTensorInfo("big", 0, {1ull << 40, 1ull << 40}, 0, 0);
+    Write(t, "size-overflow", d.EncodeHeader());
+  }
+  {
+    GgufWriter d;
+    d.AddTensorInfo("a", 0, {64}, 0, 256);
+    d.AddTensorInfo("b", 0, {64}, 128, 256);
+    Write(t, "overlap", GgufBytes(d));
+    // Found by fuzzing: an empty tensor sorted between the two hid the overlap.
+    GgufWriter e;
+    e.AddTensorInfo("a", 0, {64}, 0, 256);
+    e.AddTensorInfo("empty", 0, {0}, 64, 0);
+    e.AddTensorInfo("b", 0, {64}, 128, 256);
+    Write(t, "overlap-hidden-by-empty", GgufBytes(e));
+  }
+  {
+    GgufWriter d;
+    d.AddTensorInfo("blk.3.ffn_up_exps.weight", 99, {32}, 0, 32);
+    Write(t, "unknown-type", GgufBytes(d));
+  }
+  {
+    GgufWriter d;
+    d.AddTensorInfo("dup", 0, {8}, 0, 32);
+    d.AddTensorInfo("dup", 0, {8}, 32, 32);
+    Write(t, "duplicate-name", GgufBytes(d));
+  }
+  {
+    GgufWriter d;
+    d.AddU32("general.alignment", 48);
+    Write(t, "alignment-48", GgufBytes(d));
+  }
+  {
+    GgufWriter d;
+    d.Add("weird", GgufWriter::Scalar(static_cast<GgufValueType>(77), 0));
+    Write(t, "unknown-value-type", GgufBytes(d));
+  }
+}
+
+std::vector<std::byte> SafetensorsBytes(const SafetensorsWriter& w) {
+  std::vector<std::byte> file = w.EncodeHeader();
+  uint64_t end = w.file_bytes();
+  for (uint64_t i = file.size(); i < end; ++i) file.push_back(std::byte(i * 5));
+  return file;
+}
+
+std::vector<std::byte> RawSafetensors(const std::string& json, uint64_t data_bytes) {
+  std::vector<std::byte> bytes(8 + json.size() + data_bytes, std::byte{1});
+  uint64_t n = json.size();
+  std::memcpy(bytes.data(), &n, 8);
+  std::memcpy(bytes.data() + 8, json.data(), json.size());
+  return bytes;
+}
+
+void SafetensorsSeeds() {
+  const std::string t = "safetensors";
+  SafetensorsWriter w;
+  w.AddMetadata("format", "pt");
+  Check(w.AddTensor("model.embed_tokens.weight", "F32", {2, 4}));
+  Check(w.AddTensor("model.layers.0.mlp.experts.0.up_proj.weight", "BF16", {4, 4}));
+  Check(w.AddTensor("model.layers.0.mlp.experts.1.up_proj.weight", "F8_E4M3", {4, 4}));
+  Check(w.AddTensor("empty", "I64", {0}));
+  Write(t, "valid", SafetensorsBytes(w));
+  // The damaged cases of tests/source/safetensors_test.cc.
+  const std::string shape = R"("shape":[2,2])";
+  Write(t, "span-mismatch",
+        RawSafetensors(R"({"t":{"dtype":"F32",)" + shape + R"(,"data_offsets":[0,12]}})", 16));
+  Write(t, "backwards",
+        RawSafetensors(R"({"t":{"dtype":"F32",)" + shape + R"(,"data_offsets":[16,0]}})", 16));
+  Write(t, "past-end",
+        RawSafetensors(R"({"t":{"dtype":"F32",)" + shape + R"(,"data_offsets":[0,16]}})", 8));
+  Write(t, "unknown-dtype",
+        RawSafetensors(R"({"t":{"dtype":"Q9","shape":[2],"data_offsets":[0,2]}})", 16));
+  Write(t, "shape-overflow",
+        RawSafetensors(R"({"t":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],)"
+                       R"("data_offsets":[0,0]}})",
+                       16));
+  Write(t, "overlap",
+        RawSafetensors(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                       R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                       32));
+  Write(t, "overlap-hidden-by-empty",
+        RawSafetensors(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                       R"("e":{"dtype":"F32","shape":[0],"data_offsets":[8,8]},)"
+                       R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                       32));
+  Write(t, "bad-metadata", RawSafetensors(R"({"__metadata__":{"k":1}})", 0));
+  Write(t, "not-object", RawSafetensors("[1,2,3]", 16));
+  {
+    SafetensorsWriter d = w;
+    d.header_length_override = 1ull << 40;
+    Write(t, "huge-header-length", SafetensorsBytes(d));
+  }
+
+  const std::string i = "safetensors_index";
+  Write(i, "valid",
+        std::string(R"({"metadata": {"total_size": 64}, "weight_map": )"
+                    R"({"a.experts.0.w1": "s1.safetensors", "b": "s2.safetensors"}})"));
+  Write(i, "dotdot", std::string(R"({"weight_map": {"a.experts.0.w1": "../etc/passwd"}})"));
+  Write(i, "not-map", std::string(R"({"weight_map": [1, 2]})"));
+  Write(i, "not-json", std::string(R"({not json)"));
+  Write(i, "not-string", std::string(R"({"weight_map": {"a": 3}})"));
+}
+
+void ArenaHeaderSeeds() {
+  format::ArenaTable table;
+  table.sources.push_back({"/models/m.gguf", 4096, 1234});
+  table.tensors.push_back({.name = "blk.0.ffn_up_exps.weight",
+                           .dtype = "q8_0",
+                           .shape = {32, 2, 2},
+                           .source_index = 0,
+                           .source_offset = 512,
+                           .bytes = 136,
+                           .checksum = 99});
+  table.tensors.push_back({.name = "blk.0.ffn_down_exps.weight",
+                           .dtype = "f32",
+                           .shape = {2, 4, 2},
+                           .source_index = 0,
+                           .source_offset = 1024,
+                           .bytes = 64});
+  table.model_bytes_total = 200;
+  table.model_tensors_total = 3;
+  Check(format::AssignArenaOffsets(table));
+  format::ComputeIdentity(table);
+  auto layout = format::ComputeLayout(table, format::kHeaderPageBytes);
+  Check(layout.status());
+  std::vector<std::byte> region(layout->header_bytes);
+  for (auto state : {format::FileState::kPublished, format::FileState::kLoading}) {
+    Check(format::EncodeHeader(table, *layout, state, 42, 43, 44, 45, region));
+    // Only the bytes up to the end of the strings: the target zero-extends the rest.
+    format::HeaderFixed fixed;
+    std::memcpy(&fixed, region.data(), sizeof fixed);
+    uint64_t used = fixed.strings_offset + fixed.strings_bytes;
+    for (uint8_t flags : {0, 1, 2}) {
+      std::vector<std::byte> input(9 + used);
+      input[0] = std::byte{flags};
+      std::memcpy(input.data() + 1, &layout->file_bytes, 8);
+      std::memcpy(input.data() + 9, region.data(), used);
+      Write("arena_header",
+            std::string(state == format::FileState::kPublished ? "published" : "loading") +
+                "-flags" + std::to_string(flags),
+            input);
+    }
+  }
+}
+
+void StreamSeeds() {
+  TensorDescriptor d;
+  d.segment = "ea-stream-prefill-123-456-abcdef-1";
+  d.slot = 3;
+  d.generation = 9;
+  d.offset = 2 << 20;
+  d.length = 4096;
+  d.dtype = "bf16";
+  d.shape = {4, 512};
+  d.key = "req-17";
+  std::string valid = std::string(1, '\0') + d.Encode();
+  Write("descriptor", "valid", valid);
+  d.spilled = true;
+  d.shape = {};
+  Write("descriptor", "spilled-scalar", std::string(1, '\0') + d.Encode());
+  TensorDescriptor bad = d;
+  bad.segment = "../etc/passwd";
+  Write("descriptor", "bad-name-fixed", std::string(1, '\1') + bad.Encode());
+  bad = d;
+  bad.offset = UINT64_MAX;
+  Write("descriptor", "offset-overflow-fixed", std::string(1, '\1') + bad.Encode());
+  Write("descriptor", "truncated", valid.substr(0, valid.size() - 9));
+
+  // A regular segment of 4 MiB of data, as CreateSegment writes its header.
+  stream::SegmentHeader h{};
+  std::memcpy(h.magic, stream::kSegmentMagic, sizeof h.magic);
+  h.version = stream::kSegmentVersion;
+  h.header_struct_bytes = sizeof h;
+  h.data_offset = stream::kHeaderRegionBytes;
+  h.data_bytes = 4 << 20;
+  h.file_bytes = h.data_offset + h.data_bytes;
+  h.readers_offset = stream::kReadersOffset;
+  h.slots_offset = stream::kSlotsOffset;
+  h.reader_entries = stream::kMaxReaders;
+  h.reader_entry_bytes = sizeof(stream::ReaderEntry);
+  h.slot_count = 64;
+  h.slot_bytes = sizeof(stream::BlockSlot);
+  h.kind = static_cast<uint32_t>(stream::SegmentKind::kRegular);
+  h.owner_pid = 123;
+  std::strncpy(h.logical_name, "prefill", sizeof h.logical_name - 1);
+  for (uint32_t slots : {1u, 64u, stream::kMaxSlots}) {
+    h.slot_count = slots;
+    std::string input(8 + sizeof h, '\0');
+    std::memcpy(input.data(), &h.file_bytes, 8);
+    std::memcpy(input.data() + 8, &h, sizeof h);
+    Write("segment_header", "slots-" + std::to_string(slots), input);
+  }
+  h.slot_count = stream::kMaxSlots + 1;
+  std::string input(8 + sizeof h, '\0');
+  std::memcpy(input.data(), &h.file_bytes, 8);
+  std::memcpy(input.data() + 8, &h, sizeof h);
+  Write("segment_header", "too-many-slots", input);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s OUT_DIR\n", argv[0]);
+    return 2;
+  }
+  g_out = argv[1];
+  GgufSeeds();
+  SafetensorsSeeds();
+  ArenaHeaderSeeds();
+  StreamSeeds();
+  return 0;
+}

@@ -1,0 +1,66 @@
+// Runs the rest of planning on a model file a reader accepted, the way `expert-arena load`
+// does (PlanModel: detection, selection, arena offsets, identity), and checks what the loader
+// and the arena header then trust: every tensor lies inside its source file and inside the
+// data region, and the table survives the arena header's encode/decode unchanged.
+#pragma once
+
+#include <vector>
+
+#include "format/arena_format.h"
+#include "fuzz_util.h"
+#include "source/model_source.h"
+
+namespace expert_arena::fuzz {
+
+// Headers of more tensors than this are not round-tripped: the region would take several
+// 2 MiB pages per run and slow the fuzzer down for no new code.
+inline constexpr size_t kMaxRoundTripTensors = 2000;
+
+inline void CheckPlan(const std::string& path, uint64_t file_size) {
+  ModelSpec spec;
+  spec.files = {path};
+  spec.select_all = true;
+  auto plan = source::PlanModel(spec);
+  if (!plan.ok()) {
+    CheckRefusal(plan.status());
+    return;
+  }
+  const format::ArenaTable& table = plan->table;
+  FUZZ_CHECK(table.sources.size() == 1);
+  FUZZ_CHECK(table.sources[0].size == file_size);
+  FUZZ_CHECK(table.data_bytes % format::kHeaderPageBytes == 0);
+  for (const format::TensorRecord& t : table.tensors) {
+    FUZZ_CHECK(t.source_index < table.sources.size());
+    FUZZ_CHECK(t.source_offset <= file_size && t.bytes <= file_size - t.source_offset);
+    FUZZ_CHECK(t.arena_offset % table.alignment == 0);
+    FUZZ_CHECK(t.arena_offset <= table.data_bytes && t.bytes <= table.data_bytes - t.arena_offset);
+    FUZZ_CHECK(t.shape.size() <= format::kMaxDims);
+  }
+  if (table.tensors.size() > kMaxRoundTripTensors) return;
+  auto layout = format::ComputeLayout(table, format::kHeaderPageBytes);
+  if (!layout.ok()) {
+    CheckRefusal(layout.status());
+    return;
+  }
+  std::vector<std::byte> region(layout->header_bytes);
+  Status encoded =
+      format::EncodeHeader(table, *layout, format::FileState::kPublished, 1, 2, 3, 4, region);
+  FUZZ_CHECK(encoded.ok());
+  format::ArenaTable decoded;
+  format::HeaderSummary summary;
+  Status status =
+      format::DecodeHeader(region, layout->file_bytes, "fuzz-arena", &decoded, &summary);
+  if (!status.ok()) std::fprintf(stderr, "%s\n", status.ToString().c_str());
+  FUZZ_CHECK(status.ok());
+  FUZZ_CHECK(decoded.tensors.size() == table.tensors.size());
+  FUZZ_CHECK(decoded.identity_hash == table.identity_hash);
+  for (size_t i = 0; i < table.tensors.size(); ++i) {
+    const format::TensorRecord& a = table.tensors[i];
+    const format::TensorRecord& b = decoded.tensors[i];
+    FUZZ_CHECK(a.name == b.name && a.dtype == b.dtype && a.shape == b.shape);
+    FUZZ_CHECK(a.source_offset == b.source_offset && a.arena_offset == b.arena_offset &&
+               a.bytes == b.bytes);
+  }
+}
+
+}  // namespace expert_arena::fuzz

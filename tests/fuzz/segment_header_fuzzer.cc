@@ -1,0 +1,54 @@
+// Fuzz target: the stream segment header check (stream::ValidateHeader in
+// src/stream/segment_format.cc), which consumers (OpenSegment), `expert-arena info` and sweeps
+// (InspectSegment) apply to a segment file that another process wrote.
+//
+// Input: u64 file size | the file's first bytes (the SegmentHeader, zero-extended).
+//
+// Checks: for an accepted header, everything those readers then compute from it stays inside
+// the file: the reader table and block table they read, and the data region, which starts
+// after the block table.
+#include <algorithm>
+#include <cstring>
+
+#include "fuzz_util.h"
+#include "stream/segment_format.h"
+
+using namespace expert_arena;
+using stream::SegmentHeader;
+
+namespace {
+
+bool Inside(uint64_t offset, uint64_t length, uint64_t limit) {
+  return offset <= limit && length <= limit - offset;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 8) return 0;
+  uint64_t file_bytes = 0;
+  std::memcpy(&file_bytes, data, 8);
+  SegmentHeader header{};
+  std::memcpy(&header, data + 8, std::min(size - 8, sizeof header));
+  std::string why = stream::ValidateHeader(header, file_bytes);
+  if (!why.empty()) {
+    fuzz::CheckRefusal(Corrupt(why));
+    return 0;
+  }
+  FUZZ_CHECK(header.file_bytes == file_bytes);
+  // InspectSegment reads kMaxReaders entries at readers_offset and slot_count slots at
+  // slots_offset; SegmentView::Of points into the mapping there.
+  FUZZ_CHECK(Inside(header.readers_offset,
+                    uint64_t{stream::kMaxReaders} * sizeof(stream::ReaderEntry), file_bytes));
+  FUZZ_CHECK(header.slot_count >= 1 && header.slot_count <= stream::kMaxSlots);
+  const uint64_t slots_bytes = uint64_t{header.slot_count} * sizeof(stream::BlockSlot);
+  FUZZ_CHECK(Inside(header.slots_offset, slots_bytes, file_bytes));
+  // The tables lie in the header region, before the data.
+  FUZZ_CHECK(header.readers_offset + stream::kMaxReaders * sizeof(stream::ReaderEntry) <=
+             header.slots_offset);
+  FUZZ_CHECK(header.slots_offset + slots_bytes <= header.data_offset);
+  FUZZ_CHECK(header.data_offset % kHugePageBytes == 0);
+  FUZZ_CHECK(Inside(header.data_offset, header.data_bytes, file_bytes));
+  FUZZ_CHECK(header.kind <= static_cast<uint32_t>(stream::SegmentKind::kSpill));
+  return 0;
+}
