@@ -3,7 +3,8 @@
 // damaged cases of the unit tests. Its output is checked in under tests/fuzz/corpus/;
 // regenerate with
 //   build/bin/fuzz_make_seeds tests/fuzz/corpus
-// Minimized crash inputs found by fuzzing live next to these as crash-* files and are kept.
+// Next to these: crash-* (minimized inputs of bugs found by fuzzing) and fuzz-* (corpus
+// entries that a long run reached, kept by libFuzzer -merge=1 so a short CI run starts there).
 #include <cstring>
 #include <filesystem>
 #include <fstream>
