@@ -282,17 +282,10 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
   const auto& h = seg->file.header();
   const std::string where = seg->file.path + " block " + std::to_string(d.slot);
-  if (d.slot >= seg->file.view.slot_count) {
-    return InvalidArgument("tensor descriptor refused: block " + std::to_string(d.slot) +
-                           " past the " + std::to_string(seg->file.view.slot_count) +
-                           " blocks of " + seg->file.path);
-  }
-  if (d.offset < h.data_offset || d.offset > seg->file.file_bytes() ||
-      d.length > seg->file.file_bytes() - d.offset) {
-    return InvalidArgument("tensor descriptor refused: bytes [" + std::to_string(d.offset) + ", +" +
-                           std::to_string(d.length) + ") outside the data region [" +
-                           std::to_string(h.data_offset) + ", " +
-                           std::to_string(seg->file.file_bytes()) + ") of " + seg->file.path);
+  std::string bad = stream::ValidateBlockReference(
+      d.slot, d.offset, d.length, seg->file.view.slot_count, h.data_offset, seg->file.file_bytes());
+  if (!bad.empty()) {
+    return InvalidArgument("tensor descriptor refused: " + bad + " of " + seg->file.path);
   }
   BlockSlot& s = seg->file.view.slots[d.slot];
   uint32_t& local = seg->held[d.slot];

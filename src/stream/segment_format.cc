@@ -36,6 +36,19 @@ std::string ValidateHeader(const SegmentHeader& h, uint64_t file_bytes) {
   return "";
 }
 
+std::string ValidateBlockReference(uint64_t slot, uint64_t offset, uint64_t length,
+                                   uint32_t slot_count, uint64_t data_offset, uint64_t file_bytes) {
+  if (slot >= slot_count) {
+    return "block " + std::to_string(slot) + " past the " + std::to_string(slot_count) + " blocks";
+  }
+  if (offset < data_offset || offset > file_bytes || length > file_bytes - offset) {
+    return "bytes [" + std::to_string(offset) + ", +" + std::to_string(length) +
+           ") outside the data region [" + std::to_string(data_offset) + ", " +
+           std::to_string(file_bytes) + ")";
+  }
+  return "";
+}
+
 static bool IsNameChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
          c == '.' || c == '-';

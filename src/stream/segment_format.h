@@ -158,6 +158,13 @@ struct SegmentView {
 // use, or "" when it is. Every size and offset is checked against the real file size.
 std::string ValidateHeader(const SegmentHeader& header, uint64_t file_bytes);
 
+// Why a descriptor's block (slot, [offset, offset + length)) cannot be read from a segment
+// with `slot_count` block slots, data from `data_offset` and a mapping of `file_bytes`, or ""
+// when it can: the slot is in the block table and the bytes lie in [data_offset, file_bytes).
+// The consumer applies it to every descriptor a peer sends before it touches the block.
+std::string ValidateBlockReference(uint64_t slot, uint64_t offset, uint64_t length,
+                                   uint32_t slot_count, uint64_t data_offset, uint64_t file_bytes);
+
 // Segment names: "ea-stream-<logical>-<pid>-<starttime>-<random>-<seq>". A valid name is a
 // single path component of [A-Za-z0-9_.-], starting with the prefix and at most 200 bytes.
 bool IsValidSegmentName(std::string_view name);

@@ -298,6 +298,16 @@ void StreamSeeds() {
     std::memcpy(input.data() + 8, &h, sizeof h);
     Write("segment_header", "slots-" + std::to_string(slots), input);
   }
+  // With a block reference (slot, offset, length): the last block of the data region, then
+  // one byte past it.
+  for (uint64_t extra : {0, 1}) {
+    uint64_t reference[3] = {h.slot_count - 1, h.file_bytes - 4096, 4096 + extra};
+    std::string input(8 + sizeof h + sizeof reference, '\0');
+    std::memcpy(input.data(), &h.file_bytes, 8);
+    std::memcpy(input.data() + 8, &h, sizeof h);
+    std::memcpy(input.data() + 8 + sizeof h, reference, sizeof reference);
+    Write("segment_header", extra == 0 ? "reference" : "reference-past-end", input);
+  }
   h.slot_count = stream::kMaxSlots + 1;
   std::string input(8 + sizeof h, '\0');
   std::memcpy(input.data(), &h.file_bytes, 8);

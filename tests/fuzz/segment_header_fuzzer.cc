@@ -2,11 +2,16 @@
 // src/stream/segment_format.cc), which consumers (OpenSegment), `expert-arena info` and sweeps
 // (InspectSegment) apply to a segment file that another process wrote.
 //
-// Input: u64 file size | the file's first bytes (the SegmentHeader, zero-extended).
+// Then, on an accepted header, the check a consumer applies to a peer's descriptor before it
+// touches the block (stream::ValidateBlockReference, in StreamConsumer::Open).
+//
+// Input: u64 file size | SegmentHeader (256 bytes) | u64 slot | u64 offset | u64 length, each
+// part zero-extended when the input is shorter.
 //
 // Checks: for an accepted header, everything those readers then compute from it stays inside
 // the file: the reader table and block table they read, and the data region, which starts
-// after the block table.
+// after the block table; an accepted block reference names a slot of the table and bytes of
+// the data region.
 #include <algorithm>
 #include <cstring>
 
@@ -50,5 +55,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(header.data_offset % kHugePageBytes == 0);
   FUZZ_CHECK(Inside(header.data_offset, header.data_bytes, file_bytes));
   FUZZ_CHECK(header.kind <= static_cast<uint32_t>(stream::SegmentKind::kSpill));
+
+  uint64_t reference[3] = {};  // slot, offset, length
+  const size_t at = 8 + sizeof header;
+  if (size > at) std::memcpy(reference, data + at, std::min(size - at, sizeof reference));
+  const auto [slot, offset, length] = reference;
+  why = stream::ValidateBlockReference(slot, offset, length, header.slot_count, header.data_offset,
+                                       file_bytes);
+  if (!why.empty()) {
+    fuzz::CheckRefusal(InvalidArgument(why));
+    return 0;
+  }
+  FUZZ_CHECK(slot < header.slot_count);
+  FUZZ_CHECK(offset >= header.data_offset && Inside(offset, length, file_bytes));
   return 0;
 }
