@@ -246,6 +246,9 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
         !get_string(entry.dtype_offset, entry.dtype_bytes, &tensor.dtype)) {
       return Corrupt(path + ": tensor " + std::to_string(i) + " name points past the strings");
     }
+    if (std::string problem = TensorNameProblem(tensor.name); !problem.empty()) {
+      return Corrupt(path + ": tensor " + std::to_string(i) + ": " + problem);
+    }
     if (entry.n_dims > kMaxDims) {
       return Corrupt(path + ": tensor " + tensor.name + " has " + std::to_string(entry.n_dims) +
                      " dimensions");

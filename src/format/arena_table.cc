@@ -8,6 +8,20 @@
 
 namespace expert_arena::format {
 
+std::string TensorNameProblem(std::string_view name) {
+  if (name.empty()) return "the name is empty";
+  for (size_t i = 0; i < name.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(name[i]);
+    if (byte < 0x20 || byte == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "0x%02x", byte);
+      return "the name holds the control byte " + std::string(hex) + " at byte " +
+             std::to_string(i) + " of " + std::to_string(name.size());
+    }
+  }
+  return "";
+}
+
 Status AssignArenaOffsets(ArenaTable& table) {
   if (!IsPowerOfTwo(table.alignment) || table.alignment > kHugePageBytes) {
     return InvalidArgument("tensor alignment must be a power of two up to 2 MiB, got " +

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "expert_arena/status.h"
@@ -43,6 +44,12 @@ struct ArenaTable {
   uint64_t model_bytes_total = 0;  // all tensor bytes in the sources, selected or not
   uint64_t model_tensors_total = 0;
 };
+
+// Why `name` cannot name a tensor, or "" when it can: it must not be empty (Find() looks
+// tensors up by name) nor hold a control byte (below 0x20, or 0x7f), because every message
+// and `info` line that names a tensor prints it, and a name read from a hostile model or
+// arena file must not drive the operator's terminal. The problem never quotes the name.
+std::string TensorNameProblem(std::string_view name);
 
 // Gives every tensor an arena offset aligned to table.alignment, in table order, and sets
 // data_bytes (rounded up to 2 MiB). Fails on overflow or a bad alignment.

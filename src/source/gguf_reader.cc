@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "common/units.h"
+#include "format/arena_table.h"
 #include "source/header_reader.h"
 
 namespace expert_arena::source {
@@ -208,6 +209,9 @@ Result<GgufFile> GgufParser::Parse() {
     GgufTensorInfo info;
     EA_ASSIGN_OR_RETURN(info.name,
                         in_.String(kMaxNameBytes, "the name of tensor " + std::to_string(t)));
+    if (std::string problem = format::TensorNameProblem(info.name); !problem.empty()) {
+      return Fail("tensor " + std::to_string(t) + ": " + problem);
+    }
     const std::string what = "tensor " + info.name;
     EA_ASSIGN_OR_RETURN(uint32_t n_dims, in_.Scalar<uint32_t>("the dimension count of " + what));
     if (n_dims > kMaxGgufDims) {

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "format/arena_table.h"
 #include "source/header_reader.h"
 
 namespace expert_arena::source {
@@ -38,6 +39,9 @@ bool ReadU64Array(const Json& value, std::vector<uint64_t>* out) {
 
 Status ParseTensor(const std::string& path, const std::string& name, const Json& entry,
                    uint64_t data_bytes, SafetensorsTensorInfo* out) {
+  if (std::string problem = format::TensorNameProblem(name); !problem.empty()) {
+    return Fail(path, "a tensor key: " + problem);
+  }
   const std::string what = "tensor " + name;
   if (!entry.is_object()) return Fail(path, what + ": entry is not an object");
   auto dtype = entry.find("dtype");

@@ -304,6 +304,18 @@ TEST(GgufDamageTest, EmptyTensorDoesNotHideAnOverlap) {
   ExpectError(PlanBytes(dir, s.file), {"bad.gguf", "overlaps", "tensor b", "tensor a"});
 }
 
+// A name that would drive the terminal of whoever reads the message or `info` is refused
+// before any message prints it.
+TEST(GgufDamageTest, ControlByteInATensorNameIsRefused) {
+  ScopedDir dir("gguf-name");
+  GgufWriter w;
+  w.AddTensorInfo("blk.0\x1b[2J", 0, {64}, 0, 256);
+  Sample s = MakeSample(w);
+  Status st = PlanBytes(dir, s.file);
+  ExpectError(st, {"bad.gguf", "tensor 0: the name holds the control byte 0x1b at byte 5"});
+  EXPECT_EQ(st.message().find('\x1b'), std::string::npos) << st.message();
+}
+
 TEST(GgufDamageTest, UnknownTypeNamesIdFileAndTensor) {
   ScopedDir dir("gguf-type");
   for (uint32_t id : {4u, 99u}) {

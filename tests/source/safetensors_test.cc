@@ -188,6 +188,8 @@ TEST(SafetensorsDamageTest, EachLieIsAClearError) {
                    32),
               {"bad.safetensors", "overlaps", "tensor b", "tensor a"});
   ExpectError(plan(R"({"t":{"dtype":"F32","shape":[2]}})", 16), {"tensor t", "data_offsets"});
+  ExpectError(plan("{\"t\\u001b[2J\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", 16),
+              {"bad.safetensors", "a tensor key: the name holds the control byte 0x1b at byte 1"});
   ExpectError(plan(R"([1,2,3])", 16), {"not a JSON object"});
   ExpectError(plan(R"({"t": )", 16), {"not valid JSON"});
   ExpectError(plan(R"({"__metadata__":{"k":1}})", 0), {"__metadata__"});

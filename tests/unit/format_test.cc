@@ -160,6 +160,33 @@ TEST_F(CorruptHeaderTest, TensorPointsPastTheData) {
   EXPECT_NE(DecodeError(layout_.file_bytes).find("past the end"), std::string::npos);
 }
 
+// A tensor name with a control byte (an escape sequence for the terminal of whoever runs
+// `expert-arena info`) is refused, and the message does not quote it.
+TEST_F(CorruptHeaderTest, ControlByteInATensorName) {
+  HeaderFixed f = Fixed();
+  TensorEntry e;
+  std::memcpy(&e, header_.data() + f.tensors_offset, sizeof e);
+  header_[f.strings_offset + e.name_offset + 1] = std::byte{0x1b};
+  f.table_checksum = Checksum(
+      {header_.data() + f.sources_offset, f.strings_offset + f.strings_bytes - f.sources_offset});
+  Store(f);
+  std::string error = DecodeError(layout_.file_bytes);
+  EXPECT_NE(error.find("tensor 0: the name holds the control byte 0x1b at byte 1"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(error.find('\x1b'), std::string::npos);
+}
+
+TEST(TensorNameTest, EmptyAndControlBytesAreRefusedPrintableUtf8IsNot) {
+  EXPECT_EQ(TensorNameProblem("blk.0.ffn_up_exps.weight"), "");
+  EXPECT_EQ(TensorNameProblem("model.layers.0.mlp.experts.\xc3\xa9"), "");  // UTF-8
+  EXPECT_EQ(TensorNameProblem(""), "the name is empty");
+  EXPECT_EQ(TensorNameProblem(std::string("a\0b", 3)),
+            "the name holds the control byte 0x00 at byte 1 of 3");
+  EXPECT_EQ(TensorNameProblem("a\x7f"), "the name holds the control byte 0x7f at byte 1 of 2");
+  EXPECT_EQ(TensorNameProblem("tab\there"), "the name holds the control byte 0x09 at byte 3 of 8");
+}
+
 TEST_F(CorruptHeaderTest, ShortHeader) {
   ArenaTable out;
   Status s = DecodeHeader(std::span<const std::byte>(header_).first(100), 100, "f", &out, nullptr);
