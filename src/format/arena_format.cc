@@ -259,7 +259,7 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
                      " bytes) lies past the end of the " + std::to_string(fixed.data_bytes) +
                      "-byte data region");
     }
-    if (entry.source_index >= std::max<uint64_t>(fixed.source_count, 1)) {
+    if (entry.source_index >= fixed.source_count) {
       return Corrupt(path + ": tensor " + tensor.name + " names source " +
                      std::to_string(entry.source_index) + " of " +
                      std::to_string(fixed.source_count));

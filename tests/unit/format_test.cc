@@ -177,6 +177,15 @@ TEST_F(CorruptHeaderTest, ControlByteInATensorName) {
   EXPECT_EQ(error.find('\x1b'), std::string::npos);
 }
 
+// Tensors but no source file: every tensor names a source that is not there.
+TEST_F(CorruptHeaderTest, TensorsWithoutSources) {
+  HeaderFixed f = Fixed();
+  f.source_count = 0;
+  Store(f);
+  std::string error = DecodeError(layout_.file_bytes);
+  EXPECT_NE(error.find("names source 0 of 0"), std::string::npos) << error;
+}
+
 TEST(TensorNameTest, EmptyAndControlBytesAreRefusedPrintableUtf8IsNot) {
   EXPECT_EQ(TensorNameProblem("blk.0.ffn_up_exps.weight"), "");
   EXPECT_EQ(TensorNameProblem("model.layers.0.mlp.experts.\xc3\xa9"), "");  // UTF-8
