@@ -238,7 +238,7 @@ class RuntimeImplTest : public ::testing::Test {
   }
 
   FakeState fake_;
-  const FakeRuntime runtime_;
+  const FakeRuntime runtime_{};
 };
 
 // "what: fakeErrorX (N): text", as ErrorStatus writes it for both runtimes.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -80,7 +81,13 @@ __attribute__((target("avx,f16c"))) void DecodeHalvesF16c(const std::byte* p, ui
 }
 
 bool HaveF16c() {
-  static const bool have = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  // F16C is CPUID.1:ECX bit 29, read directly: __builtin_cpu_supports("f16c") is GCC-only
+  // (clang 14 refuses the name). "avx" also checks that the OS saves the YMM registers.
+  static const bool have = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) != 0 &&
+           (c & bit_F16C) != 0;
+  }();
   return have;
 }
 #endif
