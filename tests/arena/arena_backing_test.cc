@@ -3,6 +3,7 @@
 // errors a too-small filesystem or huge page pool must give.
 #include <sys/stat.h>
 
+#include "arena/arena_file.h"
 #include "common/units.h"
 #include "engine_role.h"
 #include "platform/system_info.h"
@@ -114,6 +115,30 @@ TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
       << result.status().message();
   struct stat st;
   EXPECT_NE(stat(arena.path().c_str(), &st), 0);
+}
+
+// Seed 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
+// (and not before: a published file keeps them for a restart to attach).
+TEST(ArenaHugetlbSpaceTest, RemovingTheArenaGivesItsHugePagesBack) {
+  ScopedMount mount(ScopedMount::Kind::kHugetlbfs, kModelBytes + 8 * kMiB);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  ScopedDataFile model(kModelBytes, 10);
+  ScopedPath arena("arena", mount.dir());
+  ModelSpec spec;
+  spec.files = {model.path()};
+  ArenaOptions options;
+  options.shared_path = arena.path();
+  ASSERT_OK_AND_ASSIGN(auto before, platform::ReadHugetlbPool());
+  {
+    ASSERT_OK_AND_ASSIGN(Arena a, Arena::Open(spec, options));
+    ASSERT_EQ(a.role(), ArenaRole::kLoaded);
+  }
+  ASSERT_OK_AND_ASSIGN(auto published, platform::ReadHugetlbPool());
+  const uint64_t file_pages = (kModelBytes + 2 * kMiB) / (2 * kMiB);
+  EXPECT_EQ(before.free - published.free, file_pages) << "the unmapped file keeps its pages";
+  ASSERT_OK(arena::RemoveArenaFile(arena.path()));
+  ASSERT_OK_AND_ASSIGN(auto after, platform::ReadHugetlbPool());
+  EXPECT_EQ(after.free, before.free);
 }
 
 }  // namespace

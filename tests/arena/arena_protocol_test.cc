@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -113,6 +114,86 @@ TEST_F(ArenaProtocolTest, AnotherModelIsRefusedWhileMappedAndReplacedOnceUnused)
   nlohmann::json r = Finish(replacer);
   EXPECT_EQ(r["role"], "loaded");
   EXPECT_EQ(r["sum"], FileSum(bigger.path()));
+}
+
+// Seed 002: a stale file is replaced by unlinking it, never by truncating it under a mapping:
+// an old engine that maps the file without taking our locks (the seed's V1 engine) counts as
+// no user, and must keep reading the bytes it mapped instead of taking a SIGBUS or seeing the
+// new model. Two rounds: a file of an older format version (same model), then another model.
+TEST_F(ArenaProtocolTest, ReplacementUnlinksAndNeverTruncatesUnderALocklessMapping) {
+  ArenaOptions options;
+  options.shared_path = arena_.path();
+  ModelSpec spec;
+  spec.files = {model_.path()};
+  {
+    ASSERT_OK_AND_ASSIGN(Arena a, Arena::Open(spec, options));
+    ASSERT_EQ(a.role(), ArenaRole::kLoaded);
+  }
+  // Maps the file at the path as an old engine would: no locks, read only.
+  struct OldEngineMapping {
+    int fd = -1;
+    void* base = MAP_FAILED;
+    size_t size = 0;
+    ino_t inode = 0;
+    ~OldEngineMapping() {
+      if (base != MAP_FAILED) munmap(base, size);
+      if (fd >= 0) close(fd);
+    }
+    std::span<const std::byte> data() const {
+      return {static_cast<const std::byte*>(base) + format::kHeaderPageBytes, kModelBytes};
+    }
+    uint32_t version() const {
+      uint32_t v = 0;
+      std::memcpy(&v, static_cast<const char*>(base) + offsetof(format::HeaderFixed, version),
+                  sizeof v);
+      return v;
+    }
+  };
+  auto map_old = [&](OldEngineMapping& m) {
+    m.fd = open(arena_.path().c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_GE(m.fd, 0) << std::strerror(errno);
+    struct stat st;
+    ASSERT_EQ(fstat(m.fd, &st), 0);
+    m.size = static_cast<size_t>(st.st_size);
+    m.inode = st.st_ino;
+    m.base = mmap(nullptr, m.size, PROT_READ, MAP_SHARED, m.fd, 0);
+    ASSERT_NE(m.base, MAP_FAILED) << std::strerror(errno);
+  };
+  struct stat now;
+
+  // Round 1: the file says format version 1.
+  OldEngineMapping v1;
+  map_old(v1);
+  const uint32_t old_version = 1;
+  ASSERT_EQ(pwrite(v1.fd, &old_version, sizeof old_version, offsetof(format::HeaderFixed, version)),
+            static_cast<ssize_t>(sizeof old_version));
+  const std::string model_sum = FileSum(model_.path());
+  ASSERT_EQ(HexSum(v1.data()), model_sum);
+  {
+    ASSERT_OK_AND_ASSIGN(Arena b, Arena::Open(spec, options));
+    EXPECT_EQ(b.role(), ArenaRole::kLoaded) << "a version 1 file must not be attached";
+    EXPECT_EQ(HexSum(b.tensor(0).bytes), model_sum);
+  }
+  ASSERT_EQ(stat(arena_.path().c_str(), &now), 0);
+  EXPECT_NE(now.st_ino, v1.inode) << "replaced in place, not unlinked";
+  EXPECT_EQ(v1.version(), old_version) << "the old engine's mapping now shows the new file";
+  EXPECT_EQ(HexSum(v1.data()), model_sum);
+
+  // Round 2: another model replaces the (unused) file of this one.
+  OldEngineMapping current;
+  map_old(current);
+  ScopedDataFile other(kModelBytes, 2);
+  ModelSpec other_spec;
+  other_spec.files = {other.path()};
+  {
+    ASSERT_OK_AND_ASSIGN(Arena c, Arena::Open(other_spec, options));
+    EXPECT_EQ(c.role(), ArenaRole::kLoaded);
+    EXPECT_EQ(HexSum(c.tensor(0).bytes), FileSum(other.path()));
+  }
+  ASSERT_EQ(stat(arena_.path().c_str(), &now), 0);
+  EXPECT_NE(now.st_ino, current.inode);
+  EXPECT_EQ(HexSum(current.data()), model_sum) << "the old mapping lost the bytes it mapped";
+  EXPECT_EQ(HexSum(v1.data()), model_sum);
 }
 
 TEST_F(ArenaProtocolTest, LoaderKilledBeforePublishingLeavesTheFileToTheNextEngine) {

@@ -449,5 +449,113 @@ TEST(StreamProcess, CliInfoAndSweep) {
   EXPECT_FALSE(std::filesystem::exists(seg));
 }
 
+// Seed 000: fixed segment names let a second server with the same entity name truncate the
+// first one's live segments (8 MiB of wrong bytes, no error). A producer process started with
+// the same logical name while the first one's tensors are unread leaves every byte of them
+// alone, and both sets of files coexist.
+TEST(StreamProcess, ASecondInstanceOfALogicalNameLeavesTheFirstsBytesAlone) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  StreamOptions o = dirs.Producer("same");
+  o.segment_bytes = 8ull << 20;
+  o.max_segments = 4;
+  ASSERT_OK_AND_ASSIGN(auto first, StreamProducer::Create(o));
+  std::vector<std::string> descs;
+  for (int i = 0; i < 10; ++i) {
+    std::string key = "first-" + std::to_string(i);
+    std::vector<std::byte> data(5000 + i * 100000);
+    FillPattern(data, key);
+    ASSERT_OK_AND_ASSIGN(auto d, first.Put(key, data, {}));
+    descs.push_back(d);
+  }
+  std::vector<std::string> first_paths = first.SegmentPaths();
+  Child second = SpawnRole("stream_produce", {dirs.shm(), dirs.spill(), "same", base + "desc", "40",
+                                              base + "ready", base + "stop"});
+  ASSERT_TRUE(WaitForFile(base + "ready", 60)) << second.Output();
+  ASSERT_OK_AND_ASSIGN(auto theirs, TensorDescriptor::Decode(ReadMessages(base + "desc").at(0)));
+  for (const auto& path : first_paths) {
+    EXPECT_TRUE(std::filesystem::exists(path)) << path;
+    EXPECT_NE(std::filesystem::path(path).filename().string(), theirs.segment);
+  }
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  for (const auto& d : descs) {
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+    EXPECT_TRUE(CheckPattern(t.bytes(), t.descriptor().key)) << t.descriptor().key;
+  }
+  // The second instance's tensors are intact too (it checks all of them came back at exit).
+  Child reader = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "desc"});
+  ASSERT_EQ(reader.Wait(60), 0);
+  Child reader2 = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "desc"});
+  ASSERT_EQ(reader2.Wait(60), 0);
+  EXPECT_EQ(CountLines(reader.Output(), "ok "), 40) << reader.Output();
+  TouchFile(base + "stop");
+  EXPECT_EQ(second.Wait(60), 0) << second.Output();
+}
+
+// Seed 003: a slot is reused only once EVERY reader has released it. With two readers, the
+// first reader's release leaves the block in place for the second; a third Open is refused.
+TEST(StreamProcess, ABlockStaysUntilItsLastReaderReleases) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(300000);
+  FillPattern(data, "two");
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("two", data, {}, /*readers=*/2));
+  WriteMessages(base + "d", {d});
+  Child a = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d"});
+  ASSERT_EQ(a.Wait(60), 0);
+  EXPECT_EQ(CountLines(a.Output(), "ok "), 1) << a.Output();
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 1u);  // the second reader has not read it yet
+  // Space pressure must not take it either: fill the rest of the segment and more.
+  std::vector<std::byte> filler(1 << 20);
+  for (int i = 0; i < 3; ++i) ASSERT_OK(producer.Put("filler" + std::to_string(i), filler, {}));
+  Child b = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d"});
+  ASSERT_EQ(b.Wait(60), 0);
+  EXPECT_EQ(CountLines(b.Output(), "ok "), 1) << b.Output();
+  ASSERT_OK(producer.Abort("filler0"));
+  ASSERT_OK(producer.Abort("filler1"));
+  ASSERT_OK(producer.Abort("filler2"));
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  Child late = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "d"});
+  ASSERT_EQ(late.Wait(60), 0);
+  EXPECT_EQ(CountLines(late.Output(), "refused "), 1) << late.Output();
+}
+
+// Seed 000: backpressure waited for acknowledgements that only the blocked thread could
+// process, so strict mode always ran into its timeout. Here the release state lives in the
+// segment: a single-threaded producer waiting at the cap gets the space back the moment a
+// consumer process releases, with nothing relayed through the producer.
+TEST(StreamProcess, StrictWaitEndsWhenAnotherProcessReleases) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 1;
+  o.strict = true;
+  o.strict_wait_seconds = 120;  // far beyond the test: reaching it is the failure
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<std::byte> data(2 << 20);
+  FillPattern(data, "fill");
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("fill", data, {}));
+  WriteMessages(base + "d", {d});
+  Child holder = SpawnRole("stream_consume",
+                           {dirs.shm(), dirs.spill(), base + "d", base + "holding", base + "gate"});
+  ASSERT_TRUE(WaitForFile(base + "holding", 60));
+  // The gate opens from another thread, a little later, so that the reserve below is most
+  // likely already waiting; either order must succeed.
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    TouchFile(base + "gate");
+  });
+  auto r = producer.Reserve("more", 1 << 20);
+  opener.join();
+  ASSERT_OK(r.status());
+  EXPECT_FALSE(r->spilled());
+  EXPECT_EQ(producer.Stats().spills, 0u);
+  ASSERT_EQ(holder.Wait(60), 0);
+}
+
 }  // namespace
 }  // namespace expert_arena

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -623,6 +624,152 @@ TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {
   if (producer.Stats().pinned_bytes == 0) {
     EXPECT_EQ(consumer.Stats().pinned_bytes, 0u);
   }
+}
+
+// Seed 004: cleanup("0") swept chunk 0 of every request (suffix match) and cleanup("abc")
+// swept abc_1_2's chunks (prefix match). Abort owns keys exactly: no suffix, no infix, no
+// prefix, and a second abort of the same key marks nothing.
+TEST(StreamProducer, AbortMatchesNoSuffixNoInfixAndIsIdempotent) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  const std::vector<std::string> keys = {"0", "abc_1_2_0_0", "x_0", "abc", "abc_1_2", "1_2", "ab"};
+  std::map<std::string, std::string> descs;
+  for (const auto& key : keys) {
+    std::vector<std::byte> data(20000);
+    testing::FillPattern(data, key);
+    ASSERT_OK_AND_ASSIGN(descs[key], producer.Put(key, data, {}));
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t zero, producer.Abort("0"));
+  EXPECT_EQ(zero, 1u);
+  ASSERT_OK_AND_ASSIGN(uint64_t again, producer.Abort("0"));
+  EXPECT_EQ(again, 0u);
+  ASSERT_OK_AND_ASSIGN(uint64_t infix, producer.Abort("1_2"));
+  EXPECT_EQ(infix, 1u);
+  for (const char* absent : {"", "a", "abc_1", "abc_1_2_0", "_0", "2_0_0"}) {
+    ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort(absent));
+    EXPECT_EQ(marked, 0u) << "'" << absent << "'";
+  }
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, keys.size() - 2);
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  for (const auto& [key, desc] : descs) {
+    auto t = consumer.Open(desc);
+    if (key == "0" || key == "1_2") {
+      EXPECT_FALSE(t.ok()) << key;
+      continue;
+    }
+    ASSERT_OK(t.status());
+    EXPECT_TRUE(testing::CheckPattern(t->bytes(), key)) << key;
+  }
+}
+
+// Seed 004: a second cleanup of a request id could cancel a new request that reused the id.
+// An abort marks the blocks the key owns now; a later Put of the same key is a new block that
+// the earlier abort (and the release of the aborted block) leaves alone.
+TEST(StreamProducer, AKeyReusedAfterItsAbortIsANewRequest) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(30000);
+  testing::FillPattern(data, "r");
+  ASSERT_OK_AND_ASSIGN(auto first, producer.Put("r", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto held, consumer.Open(first));  // keeps the aborted block alive
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("r"));
+  EXPECT_EQ(marked, 1u);
+  ASSERT_OK_AND_ASSIGN(auto second, producer.Put("r", data, {}));
+  held.Release();
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 1u);  // the aborted block went, the new one stays
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(second));
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "r"));
+  t.Release();
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
+// Seed 004: per-request bookkeeping on the sender grew on the success path and a stale entry
+// is a hazard. Once a key's blocks are all released its entry is gone: an abort of that
+// finished key marks nothing, even when another key's block took over the same slot and bytes.
+TEST(StreamProducer, AbortOfAFinishedKeyNeverTakesTheBlockThatReusedItsSlot) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(40000);
+  testing::FillPattern(data, "old");
+  ASSERT_OK_AND_ASSIGN(auto old_desc, producer.Put("old", data, {}));
+  {
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(old_desc));
+  }  // released: the request finished normally
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  testing::FillPattern(data, "new");
+  ASSERT_OK_AND_ASSIGN(auto new_desc, producer.Put("new", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto o, TensorDescriptor::Decode(old_desc));
+  ASSERT_OK_AND_ASSIGN(auto n, TensorDescriptor::Decode(new_desc));
+  // The case that matters: the new block sits where the old one was.
+  EXPECT_EQ(n.segment, o.segment);
+  EXPECT_EQ(n.slot, o.slot);
+  EXPECT_EQ(n.offset, o.offset);
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("old"));
+  EXPECT_EQ(marked, 0u);
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(new_desc));
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "new"));
+}
+
+// Seed 000: growth is by whole segments so that existing mappings (device registrations,
+// consumers' open views, a half-written reservation) never move. A reservation and a view taken
+// in the first segment stay valid while the producer grows to its cap.
+TEST(StreamProducer, GrowthNeverMovesALiveReservationOrView) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 4;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(512 << 10);
+  testing::FillPattern(data, "viewed");
+  ASSERT_OK_AND_ASSIGN(auto viewed_desc, producer.Put("viewed", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto view, consumer.Open(viewed_desc));
+  ASSERT_OK_AND_ASSIGN(auto writing, producer.Reserve("writing", 512 << 10));
+  std::span<std::byte> before = writing.bytes();
+  const std::byte* view_before = view.bytes().data();
+  std::vector<std::string> more;
+  for (int i = 0; i < 10; ++i) {  // 5 MiB more: three segments
+    std::string key = "grow" + std::to_string(i);
+    testing::FillPattern(data, key);
+    ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));
+    more.push_back(d);
+  }
+  EXPECT_GE(producer.Stats().segments, 3u);
+  EXPECT_EQ(writing.bytes().data(), before.data());
+  EXPECT_EQ(view.bytes().data(), view_before);
+  testing::FillPattern(before, "writing");  // through the pointer taken before the growth
+  ASSERT_OK_AND_ASSIGN(auto written_desc, writing.Publish({}));
+  ASSERT_OK_AND_ASSIGN(auto written, consumer.Open(written_desc));
+  EXPECT_TRUE(testing::CheckPattern(written.bytes(), "writing"));
+  EXPECT_TRUE(testing::CheckPattern(view.bytes(), "viewed"));
+  for (size_t i = 0; i < more.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(more[i]));
+    EXPECT_TRUE(testing::CheckPattern(t.bytes(), "grow" + std::to_string(i)));
+  }
+}
+
+// Seed 000: in spill mode every tensor at the cap paid the whole backpressure grace as dead
+// time (the acknowledgements could not arrive meanwhile). Without strict mode the producer
+// spills at once: a strict bound of an hour here would turn a wait into a test timeout.
+TEST(StreamProducer, AtTheCapSpillsWithoutWaitingOutTheStrictBound) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 1;
+  o.strict = false;
+  o.strict_wait_seconds = 3600;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<std::byte> data(2 << 20);
+  ASSERT_OK(producer.Put("fill", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("more", 1 << 20));
+  EXPECT_TRUE(r.spilled());
+  EXPECT_EQ(producer.Stats().spills, 1u);
 }
 
 }  // namespace
