@@ -108,6 +108,28 @@ TEST(SystemInfoTest, SmapsCountsCollapsedTmpfsPages) {
   EXPECT_EQ(from_smaps, bytes);
 }
 
+// Seed 002: hugetlb pages are listed in smaps as Shared_Hugetlb / Private_Hugetlb, not in Rss
+// or the *PmdMapped fields, so a report that read only those said "0 of 55.44 GiB on 2 MiB
+// pages" for a hugetlbfs arena. Both readers (page-table scan and the smaps fallback) count them.
+TEST(SystemInfoTest, HugetlbPagesCountInEveryReader) {
+  testing::ScopedMount mount(testing::ScopedMount::Kind::kHugetlbfs, 8 * kHugePageBytes);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  testing::ScopedPath path("hugetlb", mount.dir());
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  const uint64_t bytes = 4 * kHugePageBytes;
+  ASSERT_OK(AllocateFile(fd, bytes));
+  ASSERT_OK_AND_ASSIGN(Mapping m, Mapping::MapFile(fd, bytes, true, kHugePageBytes));
+  ASSERT_OK(AdviseRange(m.data(), bytes, Advice::kPopulateWrite, path.path()));
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, HugeBytesInRange(m.data(), bytes));
+  EXPECT_EQ(huge, bytes);
+  ASSERT_OK_AND_ASSIGN(uint64_t from_smaps, HugeBytesInRangeFromSmaps(m.data(), bytes));
+  EXPECT_EQ(from_smaps, bytes);
+  Result<uint64_t> scanned = ScanHugeBytes(m.data(), bytes);
+  if (scanned.ok()) {
+    EXPECT_EQ(*scanned, bytes);
+  }
+}
+
 // The page-table scan counts exactly the range asked about: a mapping half on 2 MiB pages
 // reads as half, 4 KiB pages as none, and a sub-range as its own share.
 TEST(SystemInfoTest, PageScanCountsOnlyHugeEntriesOfTheRange) {
