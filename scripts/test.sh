@@ -51,7 +51,7 @@ echo "== ThreadSanitizer build: the threaded and multi-process parts"
 # reader threads and the arena protocol's engines (children are the same instrumented
 # binary), plus the CLI that their tests drive. Run directly: the rest of the tsan tree is
 # not built, so ctest would list the other tests as missing.
-tsan_tests=(stream_unit_test stream_process_test loader_test arena_protocol_test)
+tsan_tests=(stream_unit_test stream_process_test loader_test arena_protocol_test host_device_test)
 cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j"$jobs" --target "${tsan_tests[@]}" expert-arena
 for t in "${tsan_tests[@]}"; do

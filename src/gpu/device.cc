@@ -1,4 +1,6 @@
 // Device names ("cuda:1"), which backends this build has, and whether a device is usable.
+#include <array>
+#include <atomic>
 #include <charconv>
 #include <string>
 
@@ -70,7 +72,19 @@ Result<int> GpuDeviceCount(GpuBackend backend) {
 
 namespace gpu {
 
+namespace {
+std::array<std::atomic<const Runtime*>, 3> runtime_for_testing{};  // by GpuBackend
+}  // namespace
+
+void SetRuntimeForTesting(GpuBackend backend, const Runtime* runtime) {
+  runtime_for_testing.at(static_cast<size_t>(backend)).store(runtime, std::memory_order_release);
+}
+
 const Runtime* RuntimeFor(GpuBackend backend) {
+  if (const Runtime* r =
+          runtime_for_testing.at(static_cast<size_t>(backend)).load(std::memory_order_acquire)) {
+    return r;
+  }
   switch (backend) {
     case GpuBackend::kCuda:
 #if defined(EXPERT_ARENA_WITH_CUDA)

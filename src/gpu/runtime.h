@@ -67,6 +67,13 @@ class Runtime {
 // The runtime of `backend`, or null when the backend is not built in (or kNone).
 const Runtime* RuntimeFor(GpuBackend backend);
 
+// Tests only: makes RuntimeFor(backend) return `runtime` (null: the built-in one again), so
+// that everything above the runtime — the arena's and the stream's registration, copies,
+// events, deferred releases — runs against a runtime whose "device" is host memory on
+// machines without a GPU (tests/host_device_runtime.h). Not for production: set it before
+// anything uses the backend and clear it after everything that did is gone.
+void SetRuntimeForTesting(GpuBackend backend, const Runtime* runtime);
+
 #if defined(EXPERT_ARENA_WITH_CUDA)
 const Runtime& CudaRuntime();  // cuda_runtime.cc
 #endif
