@@ -5,6 +5,10 @@
 // - HostRegister refuses a range that overlaps one already registered (cudaHostRegister
 //   does), HostUnregister refuses a pointer that does not start a registration, and the
 //   destructor of ScopedHostDevice fails the test when a registration is left behind;
+// - HostRegister counts the pages of the range this process has not mapped yet (the present
+//   bit of /proc/self/pagemap): a real driver faults them in itself while pinning, one 4 KiB
+//   page at a time, so the library populates ranges before registering them (DESIGN.md), and
+//   a test checks that none were left;
 // - copies are done at once (memcpy), and each records whether its source lay inside a
 //   registered range (what would be DMA from pinned pages on a real device);
 // - events can be held back (hold_events) to stand for a copy still running, and released
@@ -13,7 +17,9 @@
 // Thread-safety: every method may be called from any thread (one mutex).
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +27,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "gpu/runtime.h"
 
@@ -51,6 +58,7 @@ class HostDeviceRuntime final : public gpu::Runtime {
     registered_[begin] = bytes;
     registered_bytes_ += bytes;
     ++register_calls_;
+    unpopulated_pages_ += NotPresentPages(begin, bytes);
     return Status::Ok();
   }
   Status HostUnregister(int device, void* data) const override {
@@ -156,6 +164,11 @@ class HostDeviceRuntime final : public gpu::Runtime {
     std::lock_guard lock(mu_);
     return registered_.size();
   }
+  // Pages that were not resident when their range was registered (should stay 0).
+  uint64_t unpopulated_pages() const {
+    std::lock_guard lock(mu_);
+    return unpopulated_pages_;
+  }
   int register_calls() const {
     std::lock_guard lock(mu_);
     return register_calls_;
@@ -178,6 +191,23 @@ class HostDeviceRuntime final : public gpu::Runtime {
 
  private:
   static std::string Index(int device) { return std::to_string(device); }
+  // Pages of [begin, begin + bytes) without a present page-table entry in this process
+  // (bit 63 of each 8-byte /proc/self/pagemap entry; readable without privileges).
+  static uint64_t NotPresentPages(uintptr_t begin, size_t bytes) {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t first = begin / page, count = (bytes + page - 1) / page;
+    std::vector<uint64_t> entries(count);
+    int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    const auto want = static_cast<ssize_t>(count * sizeof(uint64_t));
+    ssize_t got = pread(fd, entries.data(), static_cast<size_t>(want),
+                        static_cast<off_t>(first * sizeof(uint64_t)));
+    close(fd);
+    if (got != want) return 0;
+    uint64_t missing = 0;
+    for (uint64_t e : entries) missing += (e >> 63) == 0;
+    return missing;
+  }
   Status CheckDevice(int device) const {
     if (device == 0) return Status::Ok();
     return Status(StatusCode::kNotFound, "host device: no device " + Index(device));
@@ -194,6 +224,7 @@ class HostDeviceRuntime final : public gpu::Runtime {
   mutable std::map<uintptr_t, size_t> registered_;
   mutable uint64_t registered_bytes_ = 0;
   mutable int register_calls_ = 0;
+  mutable uint64_t unpopulated_pages_ = 0;
   mutable int copies_ = 0;
   mutable int copies_from_registered_ = 0;
   mutable std::set<void*> allocations_;

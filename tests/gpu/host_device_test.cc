@@ -48,6 +48,7 @@ TEST(HostDeviceTest, SharedArenaRegistersItsMappingAndCopiesFromIt) {
     const ArenaReport& r = arena.report();
     EXPECT_GE(r.gpu_registered_bytes, r.data_bytes) << r.gpu_note;
     EXPECT_EQ(device.runtime().registered_bytes(), r.gpu_registered_bytes);
+    EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);  // populated before registering
     EXPECT_NE(r.StartLine().find("gpu: cuda:0"), std::string::npos) << r.StartLine();
     TensorView t = arena.tensor(0);
     std::vector<std::byte> back = CopyThroughTheDevice(t.bytes);
@@ -108,6 +109,7 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
     EXPECT_GE(s.pinned_bytes, o.segment_bytes);
     const uint64_t pinned_one = s.pinned_bytes;
     EXPECT_EQ(device.runtime().registered_bytes(), pinned_one);
+    EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);  // populated before registering
     ASSERT_OK_AND_ASSIGN(std::string d_large, producer.Put("large", large, {"u8", {large.size()}}));
     s = producer.Stats();
     EXPECT_EQ(s.dedicated_segments, 1u);
@@ -127,6 +129,7 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
     }
     // The producer's and the consumer's mappings of the one regular segment: two ranges.
     EXPECT_EQ(device.runtime().registrations(), 2u);
+    EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);
   }
   EXPECT_EQ(device.runtime().registrations(), 0u);
 }
