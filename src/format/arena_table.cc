@@ -4,20 +4,15 @@
 
 #include <cstdio>
 
+#include "common/escape.h"
 #include "common/units.h"
 
 namespace expert_arena::format {
 
 std::string TensorNameProblem(std::string_view name) {
   if (name.empty()) return "the name is empty";
-  for (size_t i = 0; i < name.size(); ++i) {
-    const auto byte = static_cast<unsigned char>(name[i]);
-    if (byte < 0x20 || byte == 0x7f) {
-      char hex[8];
-      std::snprintf(hex, sizeof hex, "0x%02x", byte);
-      return "the name holds the control byte " + std::string(hex) + " at byte " +
-             std::to_string(i) + " of " + std::to_string(name.size());
-    }
+  if (std::string problem = ControlByteProblem(name); !problem.empty()) {
+    return "the name holds " + problem;
   }
   return "";
 }
