@@ -51,7 +51,9 @@ namespace expert_arena {
 
 // Where a tensor is: the small byte string a producer hands to consumers. Encode() gives the
 // wire form (magic "EATD", a version, then the fields, then an xxh3 checksum); Decode()
-// validates everything a peer could get wrong or forge before anything is mapped.
+// validates everything a peer could get wrong or forge before anything is mapped, and refuses
+// a key that is empty or, like the dtype, holds a control byte, so the strings of a decoded
+// descriptor are safe to print.
 struct EXPERT_ARENA_EXPORT TensorDescriptor {
   std::string segment;      // a file name (never a path) in the stream or spill directory
   bool spilled = false;     // in the spill directory rather than the stream directory
@@ -164,7 +166,9 @@ class EXPERT_ARENA_EXPORT Reservation {
   bool spilled() const;
   // Makes the block readable by `readers` releases (each consumer that will Open it releases
   // once) and returns the encoded descriptor. Fails with kBusy naming the key when the key
-  // was aborted while the bytes were written (the space is then given back).
+  // was aborted while the bytes were written (the space is then given back). Refuses, with
+  // kInvalidArgument and the block still unpublished, a dtype with a control byte or longer
+  // than 1024 bytes, or more than 16 dimensions (what a descriptor carries).
   Result<std::string> Publish(const TensorInfo& info, uint32_t readers = 1);
 
   struct State;
@@ -194,9 +198,12 @@ class EXPERT_ARENA_EXPORT StreamProducer {
 
   // Space for `bytes` owned by `key`: in a segment, a new segment (up to the cap), a dedicated
   // segment for a tensor larger than a segment, or a spill file at the cap (strict mode: a
-  // bounded wait, then kNoSpace).
+  // bounded wait, then kNoSpace). A key is any non-empty string of at most 1024 bytes
+  // without control bytes (below 0x20, or 0x7f; consumers print keys): others are refused
+  // with kInvalidArgument before anything is reserved.
   Result<Reservation> Reserve(std::string_view key, uint64_t bytes);
-  // Reserve + copy + Publish.
+  // Reserve + copy + Publish. The key and `info` (a dtype without control bytes of at most
+  // 1024 bytes, at most 16 dimensions) are checked before anything is reserved.
   Result<std::string> Put(std::string_view key, std::span<const std::byte> bytes,
                           const TensorInfo& info, uint32_t readers = 1);
   // Frees exactly the blocks `key` owns (exact match), each once the readers holding it now

@@ -10,7 +10,9 @@
 // (ReleaseWhen) waits in a list until its predicate says the device copy finished; the
 // consumer's own calls poll that list. A segment whose file was unlinked (its owner exited
 // or was swept) is unmapped once its views are released; one-shot segments (dedicated,
-// spill) are unmapped as soon as their only block is released.
+// spill) are unmapped as soon as their only block is released. Every message that names a
+// peer's string (the key) quotes it escaped (common/escape.h); the segment path is ours plus a
+// name Decode checked against [A-Za-z0-9_.-].
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -20,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/escape.h"
 #include "common/logging.h"
 #include "expert_arena/stream.h"
 #include "platform/mapping.h"
@@ -294,7 +297,7 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   std::string refusal;
   BlockState st = ControlWord::State(c);
   if (st == BlockState::kAborted) {
-    refusal = "its key " + d.key + " was aborted";
+    refusal = "its key " + QuoteForMessage(d.key) + " was aborted";
   } else if (st != BlockState::kPublished) {
     refusal = std::string("the block is ") + stream::BlockStateName(st) +
               " (released by every reader, or never published)";
@@ -314,7 +317,7 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
     }
     bool unused = seg->views == 0 && seg->one_shot();
     if (unused) impl_->DropLocked(impl_->segments.find({seg->spill, seg->file.name}));
-    return Busy("stream open " + where + " for key " + d.key + ": " + refusal);
+    return Busy("stream open " + where + " for key " + QuoteForMessage(d.key) + ": " + refusal);
   }
   ++local;
   ++seg->views;

@@ -5,11 +5,14 @@
 //   u64 xxh3 of everything before it
 // Decode checks every length against the bytes it got and the name against what a segment
 // name may be (one path component, no ".."), so a peer cannot make a consumer open a file
-// outside its directory; offsets are checked against the segment when it is opened.
+// outside its directory; offsets are checked against the segment when it is opened. The key
+// must be non-empty and, like the dtype, hold no control byte (stream::StreamKeyProblem), and
+// every refusal quotes a peer's string escaped (common/escape.h), never raw.
 #include <xxhash.h>
 
 #include <cstring>
 
+#include "common/escape.h"
 #include "expert_arena/stream.h"
 #include "stream/segment_format.h"
 
@@ -20,8 +23,8 @@ constexpr char kMagic[4] = {'E', 'A', 'T', 'D'};
 constexpr uint16_t kVersion = 1;
 constexpr uint16_t kFlagSpilled = 1;
 constexpr size_t kMaxDescriptorBytes = 4096;
-constexpr size_t kMaxDims = 16;
-constexpr size_t kMaxText = 1024;
+constexpr size_t kMaxDims = stream::kMaxDescriptorDims;
+constexpr size_t kMaxText = stream::kMaxDescriptorText;
 
 template <typename T>
 void Put(std::string& out, T v) {
@@ -127,9 +130,17 @@ Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
   }
   if (body.pos() != bytes.size() - 20) return Refuse("trailing bytes after the fields");
   if (!stream::IsValidSegmentName(d.segment)) {
-    return Refuse("segment name \"" + d.segment +
-                  "\" is not a stream segment name in the directory (one component, "
+    return Refuse("segment name " + QuoteForMessage(d.segment) +
+                  " is not a stream segment name in the directory (one component, "
                   "\"ea-stream-\" prefix, no \"/\" or \"..\")");
+  }
+  // The consumer prints the key in its messages, and the application may print the key and
+  // the dtype: neither may hold a control byte. Refusals quote them escaped, never raw.
+  if (std::string problem = stream::StreamKeyProblem(d.key); !problem.empty()) {
+    return Refuse("key " + QuoteForMessage(d.key) + " " + problem);
+  }
+  if (std::string problem = stream::DtypeProblem(d.dtype); !problem.empty()) {
+    return Refuse("dtype " + QuoteForMessage(d.dtype) + " " + problem);
   }
   if (d.offset > UINT64_MAX - d.length) return Refuse("offset + length overflows");
   return d;

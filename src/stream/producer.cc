@@ -10,7 +10,9 @@
 // process. Growth is one segment at a time up to the cap; a mapping never moves. A tensor
 // larger than a segment gets a dedicated one-shot segment (never pinned); at the cap a tensor
 // spills to a one-shot segment in the spill directory (same format, so consumers read it with
-// the same Open), or, in strict mode, waits a bounded time and fails.
+// the same Open), or, in strict mode, waits a bounded time and fails. Keys, dtypes and shapes
+// a consumer's Decode would refuse (an empty key, control bytes, too long) are refused before
+// anything is reserved, so every descriptor we hand out decodes.
 //
 // Grow ahead: making a segment costs tens of milliseconds to a second (fallocate, MADV_COLLAPSE
 // to 2 MiB pages, populate), so when free space gets low one background thread (`grower`)
@@ -31,6 +33,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/escape.h"
 #include "common/logging.h"
 #include "expert_arena/stream.h"
 #include "platform/file.h"
@@ -80,6 +83,30 @@ struct BlockRef {
 
 std::atomic_ref<uint64_t> Control(BlockSlot& s) { return stream::AtomicWord(s.control); }
 std::atomic_ref<uint64_t> Holders(BlockSlot& s) { return stream::AtomicWord(s.holders); }
+
+// Refuses what a consumer's Decode would refuse, before anything is reserved: a key that is
+// empty, holds a control byte or is too long (stream::StreamKeyProblem). `what` names the call
+// ("stream put"); the message quotes the key escaped.
+Status CheckKey(std::string_view what, std::string_view key) {
+  if (std::string problem = stream::StreamKeyProblem(key); !problem.empty()) {
+    return InvalidArgument(std::string(what) + ": key " + QuoteForMessage(key) + " " + problem);
+  }
+  return Status::Ok();
+}
+
+// Likewise a dtype (stream::DtypeProblem) or a shape a descriptor cannot carry.
+Status CheckInfo(std::string_view what, std::string_view key, const TensorInfo& info) {
+  if (std::string problem = stream::DtypeProblem(info.dtype); !problem.empty()) {
+    return InvalidArgument(std::string(what) + " of key " + QuoteForMessage(key) + ": dtype " +
+                           QuoteForMessage(info.dtype) + " " + problem);
+  }
+  if (info.shape.size() > stream::kMaxDescriptorDims) {
+    return InvalidArgument(std::string(what) + " of key " + QuoteForMessage(key) + ": " +
+                           std::to_string(info.shape.size()) + " dimensions, more than the " +
+                           std::to_string(stream::kMaxDescriptorDims) + " a descriptor carries");
+  }
+  return Status::Ok();
+}
 
 std::string RandomHex() {
   std::random_device rd;
@@ -668,6 +695,7 @@ StreamProducer& StreamProducer::operator=(StreamProducer&&) noexcept = default;
 StreamProducer::~StreamProducer() = default;
 
 Result<Reservation> StreamProducer::Reserve(std::string_view key, uint64_t bytes) {
+  EA_RETURN_IF_ERROR(CheckKey("stream reserve", key));
   std::unique_lock lock(impl_->mu);
   return impl_->ReserveLocked(lock, key, bytes);
 }
@@ -707,6 +735,8 @@ void CopyParallel(std::byte* to, const std::byte* from, uint64_t bytes, uint32_t
 
 Result<std::string> StreamProducer::Put(std::string_view key, std::span<const std::byte> bytes,
                                         const TensorInfo& info, uint32_t readers) {
+  EA_RETURN_IF_ERROR(CheckKey("stream put", key));
+  EA_RETURN_IF_ERROR(CheckInfo("stream put", key, info));
   EA_ASSIGN_OR_RETURN(Reservation r, Reserve(key, bytes.size()));
   if (!bytes.empty()) {
     CopyParallel(r.bytes().data(), bytes.data(), bytes.size(), impl_->copy_threads,
@@ -797,6 +827,8 @@ Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t reader
     return InvalidArgument("stream publish: readers " + std::to_string(readers) + " outside 1.." +
                            std::to_string(stream::kMaxPending));
   }
+  // Before the block is published: the caller may fix `info` and publish again.
+  EA_RETURN_IF_ERROR(CheckInfo("stream publish", state_->key, info));
   auto& p = *state_->producer;
   TensorDescriptor d;
   {

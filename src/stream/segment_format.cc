@@ -1,5 +1,7 @@
 #include "stream/segment_format.h"
 
+#include "common/escape.h"
+
 namespace expert_arena::stream {
 
 std::string ValidateHeader(const SegmentHeader& h, uint64_t file_bytes) {
@@ -33,6 +35,14 @@ std::string ValidateHeader(const SegmentHeader& h, uint64_t file_bytes) {
            ") outside the file of " + std::to_string(file_bytes) + " bytes";
   }
   if (h.kind > static_cast<uint32_t>(SegmentKind::kSpill)) return "unknown segment kind";
+  // The logical name is printed by `expert-arena info` and sweeps: a NUL-terminated string
+  // without control bytes, as every producer writes it (1-48 of [A-Za-z0-9_.]).
+  const size_t name_bytes = strnlen(h.logical_name, sizeof h.logical_name);
+  if (name_bytes == sizeof h.logical_name) return "logical name not NUL-terminated";
+  const std::string_view name(h.logical_name, name_bytes);
+  if (std::string problem = ControlByteProblem(name); !problem.empty()) {
+    return "logical name " + QuoteForMessage(name) + " holds " + problem;
+  }
   return "";
 }
 
@@ -48,6 +58,22 @@ std::string ValidateBlockReference(uint64_t slot, uint64_t offset, uint64_t leng
   }
   return "";
 }
+
+static std::string TextProblem(std::string_view text) {
+  if (std::string problem = ControlByteProblem(text); !problem.empty()) return "holds " + problem;
+  if (text.size() > kMaxDescriptorText) {
+    return "is " + std::to_string(text.size()) + " bytes, more than the " +
+           std::to_string(kMaxDescriptorText) + " a descriptor carries";
+  }
+  return "";
+}
+
+std::string StreamKeyProblem(std::string_view key) {
+  if (key.empty()) return "is empty";
+  return TextProblem(key);
+}
+
+std::string DtypeProblem(std::string_view dtype) { return TextProblem(dtype); }
 
 static bool IsNameChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||

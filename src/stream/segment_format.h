@@ -165,6 +165,22 @@ std::string ValidateHeader(const SegmentHeader& header, uint64_t file_bytes);
 std::string ValidateBlockReference(uint64_t slot, uint64_t offset, uint64_t length,
                                    uint32_t slot_count, uint64_t data_offset, uint64_t file_bytes);
 
+// What a descriptor carries at most (descriptor.cc): bytes of each text field (segment name,
+// dtype, key) and dimensions of the shape. The producer refuses more before it reserves.
+inline constexpr size_t kMaxDescriptorText = 1024;
+inline constexpr size_t kMaxDescriptorDims = 16;
+
+// Why `key` cannot own stream blocks, or "": it must not be empty (the producer finds a key's
+// blocks by exact match, and the empty key would be the one a caller forgot to set), hold a
+// control byte (below 0x20, or 0x7f: consumers print keys in their messages and a peer's key
+// must not drive the operator's terminal), nor be longer than a descriptor carries. Any other
+// bytes are the caller's: keys are matched exactly, never by prefix or suffix. The problem
+// never quotes the key; callers quote it with QuoteForMessage (common/escape.h).
+std::string StreamKeyProblem(std::string_view key);
+// Why `dtype` cannot travel in a descriptor, or "": a control byte, or too long. The library
+// does not interpret dtypes, so any other string (the empty one included) is fine.
+std::string DtypeProblem(std::string_view dtype);
+
 // Segment names: "ea-stream-<logical>-<pid>-<starttime>-<random>-<seq>". A valid name is a
 // single path component of [A-Za-z0-9_.-], starting with the prefix and at most 200 bytes.
 bool IsValidSegmentName(std::string_view name);

@@ -4,12 +4,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 
+#include "platform/file.h"
+#include "stream/segment_format.h"
 #include "test_util.h"
 
 namespace expert_arena::testing {
@@ -122,5 +126,23 @@ bool WaitForFile(const std::string& path, double seconds) {
 }
 
 void TouchFile(const std::string& path) { std::ofstream(path) << "x"; }
+
+bool PrintableAscii(std::string_view text, bool allow_newlines) {
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\n' && allow_newlines) continue;
+    if (byte < 0x20 || byte > 0x7e) return false;
+  }
+  return true;
+}
+
+void WriteLogicalName(const std::string& path, const std::string& name) {
+  char field[sizeof(stream::SegmentHeader::logical_name)] = {};
+  std::memcpy(field, name.data(), std::min(name.size(), sizeof field));
+  auto fd = platform::OpenFile(path, {.write = true, .no_follow = true});
+  ASSERT_OK(fd.status());
+  ASSERT_OK(platform::WriteFull(*fd, offsetof(stream::SegmentHeader, logical_name),
+                                std::as_bytes(std::span(field))));
+}
 
 }  // namespace expert_arena::testing

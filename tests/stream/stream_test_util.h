@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "expert_arena/stream.h"
@@ -39,5 +40,13 @@ std::vector<std::string> ReadMessages(const std::string& path);
 // Waits until `path` exists (true) or the timeout passes (false).
 bool WaitForFile(const std::string& path, double seconds);
 void TouchFile(const std::string& path);
+
+// True when `text` is printable ASCII (0x20..0x7e), newlines too with `allow_newlines`: what
+// a message or a tool's output that quotes a peer's string must be.
+bool PrintableAscii(std::string_view text, bool allow_newlines = false);
+
+// Overwrites the logical name field of the header of the segment file at `path` with `name`
+// (NUL-padded to the field's 64 bytes, or cut to them), as a hostile or buggy peer could.
+void WriteLogicalName(const std::string& path, const std::string& name);
 
 }  // namespace expert_arena::testing

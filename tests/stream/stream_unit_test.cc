@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/escape.h"
 #include "expert_arena/stream.h"
 #include "platform/file.h"
 #include "platform/memory_copy.h"
@@ -27,6 +28,7 @@ namespace {
 
 using stream::Block;
 using stream::BlockAllocator;
+using testing::PrintableAscii;
 using testing::StreamDirs;
 
 TEST(BlockAllocator, CoalescesNeighboursBackToOneBlock) {
@@ -770,6 +772,209 @@ TEST(StreamProducer, AtTheCapSpillsWithoutWaitingOutTheStrictBound) {
   ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("more", 1 << 20));
   EXPECT_TRUE(r.spilled());
   EXPECT_EQ(producer.Stats().spills, 1u);
+}
+
+// ---- peers' strings in messages --------------------------------------------------------------
+
+TEST(EscapeForMessage, WritesEveryByteAPeerChoseAsPrintableAscii) {
+  EXPECT_EQ(EscapeForMessage("abc_1_2 req/17:0"), "abc_1_2 req/17:0");
+  EXPECT_EQ(EscapeForMessage("a\x1b[31m"), "a\\x1b[31m");
+  EXPECT_EQ(EscapeForMessage(std::string("n\0l", 3)), "n\\x00l");
+  EXPECT_EQ(EscapeForMessage("line\nforged\r"), "line\\x0aforged\\x0d");
+  EXPECT_EQ(EscapeForMessage("del\x7f"), "del\\x7f");
+  // UTF-8 and the 8-bit CSI (0x9b) alike: bytes of 0x80 and up are written as \xNN.
+  EXPECT_EQ(EscapeForMessage("caf\xc3\xa9\x9b"), "caf\\xc3\\xa9\\x9b");
+  // Quotes and backslashes are escaped, so the quoted form is unambiguous.
+  EXPECT_EQ(EscapeForMessage("say \"hi\\\""), "say \\\"hi\\\\\\\"");
+  EXPECT_EQ(QuoteForMessage("k"), "\"k\"");
+  EXPECT_EQ(QuoteForMessage(std::string(200, 'k'), 4), "\"kkkk\"...");
+  EXPECT_EQ(ControlByteProblem("fine \xc3\xa9"), "");
+  EXPECT_EQ(ControlByteProblem("tab\there"), "the control byte 0x09 at byte 3 of 8");
+}
+
+// A key is what consumers' messages print. The producer refuses, before it reserves anything,
+// a key that is empty, holds a control byte or is longer than a descriptor carries (which no
+// consumer could decode), and its message quotes the key escaped, never raw.
+TEST(StreamProducer, RefusesEmptyKeysAndKeysWithControlBytesBeforeReserving) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  const std::vector<std::string> segments = producer.SegmentPaths();
+  std::vector<std::byte> data(5000);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"", "key \"\" is empty"},
+      {"req\x1b[31m", "key \"req\\x1b[31m\" holds the control byte 0x1b at byte 3 of 8"},
+      {std::string("a\0b", 3), "key \"a\\x00b\" holds the control byte 0x00 at byte 1 of 3"},
+      {"req-1\nWARN forged", "holds the control byte 0x0a at byte 5 of 17"},
+      {"del\x7f", "holds the control byte 0x7f at byte 3 of 4"},
+      {std::string(1025, 'k'), "is 1025 bytes, more than the 1024 a descriptor carries"},
+  };
+  for (const auto& [key, words] : bad) {
+    for (bool put : {true, false}) {
+      Status s = put ? producer.Put(key, data, {}).status() : producer.Reserve(key, 5000).status();
+      ASSERT_FALSE(s.ok()) << EscapeForMessage(key);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+      EXPECT_EQ(s.message().rfind(put ? "stream put: key " : "stream reserve: key ", 0), 0u)
+          << s.message();
+      EXPECT_NE(s.message().find(words), std::string::npos) << EscapeForMessage(s.message());
+      EXPECT_TRUE(PrintableAscii(s.message())) << EscapeForMessage(s.message());
+    }
+  }
+  StreamStats stats = producer.Stats();
+  EXPECT_EQ(stats.live_blocks, 0u);
+  EXPECT_EQ(stats.spills, 0u);
+  EXPECT_EQ(producer.SegmentPaths(), segments);
+
+  // Every other key works and is owned exactly: spaces, slashes, quotes, UTF-8, the longest.
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  for (const std::string& key :
+       {std::string("abc"), std::string("abc_1_2"), std::string("req 17/chunk:0"),
+        std::string("caf\xc3\xa9"), std::string("quote\"back\\slash"), std::string(1024, 'k')}) {
+    testing::FillPattern(data, key);
+    ASSERT_OK_AND_ASSIGN(auto encoded, producer.Put(key, data, {}));
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(encoded));
+    EXPECT_EQ(t.descriptor().key, key);
+    EXPECT_TRUE(testing::CheckPattern(t.bytes(), key)) << EscapeForMessage(key);
+  }
+}
+
+// The dtype and shape travel in the descriptor too: refused by Put before it reserves, and by
+// Publish with the reservation still unpublished, so the caller can publish it fixed.
+TEST(StreamProducer, RefusesADtypeOrShapeNoDescriptorCarries) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(5000);
+  auto put = producer.Put("k", data, {.dtype = "bf16\x1b[2J"});
+  ASSERT_FALSE(put.ok());
+  EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(put.status().message().find(
+                "stream put of key \"k\": dtype \"bf16\\x1b[2J\" holds the control byte 0x1b"),
+            std::string::npos)
+      << EscapeForMessage(put.status().message());
+  EXPECT_TRUE(PrintableAscii(put.status().message()));
+  put = producer.Put("k", data, {.dtype = "f32", .shape = std::vector<uint64_t>(17, 1)});
+  ASSERT_FALSE(put.ok());
+  EXPECT_NE(put.status().message().find("17 dimensions"), std::string::npos)
+      << put.status().message();
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+
+  ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k", data.size()));
+  testing::FillPattern(r.bytes(), "k");
+  auto published = r.Publish({.dtype = std::string(1025, 'd')});
+  ASSERT_FALSE(published.ok());
+  EXPECT_NE(published.status().message().find("stream publish of key \"k\": dtype"),
+            std::string::npos)
+      << published.status().message();
+  ASSERT_OK_AND_ASSIGN(auto encoded, r.Publish({.dtype = "bf16", .shape = {2500}}));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(encoded));
+  EXPECT_EQ(t.descriptor().dtype, "bf16");
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "k"));
+}
+
+// A hostile peer's descriptor whose strings hold control bytes (an escape sequence that would
+// drive the operator's terminal, a newline that would forge a log line) is refused by Decode,
+// so by Open before anything is mapped, and the refusal quotes the string escaped, never raw.
+TEST(TensorDescriptor, RefusesControlBytesInPeerStringsAndQuotesThemEscaped) {
+  auto refused = [](const TensorDescriptor& d, const std::string& words) {
+    auto r = TensorDescriptor::Decode(d.Encode());
+    ASSERT_FALSE(r.ok()) << words;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(words), std::string::npos)
+        << EscapeForMessage(r.status().message());
+    EXPECT_TRUE(PrintableAscii(r.status().message())) << EscapeForMessage(r.status().message());
+  };
+  TensorDescriptor d = SampleDescriptor();
+  d.key = "req\x1b]0;owned\x07";
+  refused(d, "key \"req\\x1b]0;owned\\x07\" holds the control byte 0x1b at byte 3 of 13");
+  d.key = "req-1\nWARN forged";
+  refused(d, "key \"req-1\\x0aWARN forged\" holds the control byte 0x0a at byte 5 of 17");
+  d.key = "";
+  refused(d, "key \"\" is empty");
+  d = SampleDescriptor();
+  d.dtype = "bf16\x1b[2J";
+  refused(d, "dtype \"bf16\\x1b[2J\" holds the control byte 0x1b at byte 4 of 8");
+  d = SampleDescriptor();
+  d.segment = "ea-stream-\x1b[2J";
+  refused(d, "segment name \"ea-stream-\\x1b[2J\" is not");
+  d.segment = "ea-stream-caf\xc3\xa9";
+  refused(d, "segment name \"ea-stream-caf\\xc3\\xa9\" is not");
+  // Bytes of 0x80 and up are no control bytes: a UTF-8 key and dtype decode as they are.
+  d = SampleDescriptor();
+  d.key = "caf\xc3\xa9";
+  d.dtype = "\xce\xbc-float";
+  ASSERT_OK_AND_ASSIGN(auto back, TensorDescriptor::Decode(d.Encode()));
+  EXPECT_EQ(back.key, d.key);
+  EXPECT_EQ(back.dtype, d.dtype);
+}
+
+// The same through a consumer: a hostile key is refused before the segment is mapped, and the
+// messages of Open that name a (valid) key quote it escaped.
+TEST(StreamConsumer, RefusesAKeyWithAnEscapeByteAndQuotesKeysEscaped) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(5000);
+  const std::string key = "caf\xc3\xa9";
+  testing::FillPattern(data, key);
+  ASSERT_OK_AND_ASSIGN(auto encoded, producer.Put(key, data, {}));
+  ASSERT_OK_AND_ASSIGN(auto hostile, TensorDescriptor::Decode(encoded));
+  hostile.key = "k\x1b[2J\x1b[H";
+  auto r = consumer.Open(hostile.Encode());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("key \"k\\x1b[2J\\x1b[H\" holds the control byte 0x1b"),
+            std::string::npos)
+      << EscapeForMessage(r.status().message());
+  EXPECT_EQ(r.status().message().find('\x1b'), std::string::npos);
+  EXPECT_TRUE(PrintableAscii(r.status().message()));
+  EXPECT_EQ(consumer.Stats().mapped_segments, 0u);  // refused before anything was mapped
+
+  ASSERT_OK_AND_ASSIGN(auto held, consumer.Open(encoded));  // keeps the aborted block
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort(key));
+  EXPECT_EQ(marked, 1u);
+  auto aborted = consumer.Open(encoded);
+  ASSERT_FALSE(aborted.ok());
+  EXPECT_NE(aborted.status().message().find("for key \"caf\\xc3\\xa9\": its key "
+                                            "\"caf\\xc3\\xa9\" was aborted"),
+            std::string::npos)
+      << EscapeForMessage(aborted.status().message());
+  EXPECT_TRUE(PrintableAscii(aborted.status().message()));
+}
+
+// A segment header is another process's bytes too: a logical name with a control byte (or
+// none NUL-terminated) makes the file no segment this build reads (for `info`, sweeps and
+// consumers), and the problem quotes the name escaped. Bytes of 0x80 and up are left to the
+// tools, which escape them.
+TEST(StreamSegment, RefusesAHeaderWhoseLogicalNameHoldsAControlByte) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(5000);
+  ASSERT_OK_AND_ASSIGN(auto encoded, producer.Put("k", data, {}));
+  const std::string path = producer.SegmentPaths().at(0);
+  testing::WriteLogicalName(path, "x\x1b[2J");
+  ASSERT_OK_AND_ASSIGN(SegmentInfo info, InspectSegment(path));
+  EXPECT_FALSE(info.ours);
+  EXPECT_NE(info.problem.find("logical name \"x\\x1b[2J\" holds the control byte 0x1b at byte 1 "
+                              "of 5"),
+            std::string::npos)
+      << EscapeForMessage(info.problem);
+  EXPECT_TRUE(PrintableAscii(info.problem));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  auto r = consumer.Open(encoded);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt);
+  EXPECT_TRUE(PrintableAscii(r.status().message())) << EscapeForMessage(r.status().message());
+
+  testing::WriteLogicalName(path, std::string(64, 'n'));
+  ASSERT_OK_AND_ASSIGN(info, InspectSegment(path));
+  EXPECT_FALSE(info.ours);
+  EXPECT_NE(info.problem.find("not NUL-terminated"), std::string::npos) << info.problem;
+
+  testing::WriteLogicalName(path, "caf\xc3\xa9");
+  ASSERT_OK_AND_ASSIGN(info, InspectSegment(path));
+  EXPECT_TRUE(info.ours) << info.problem;
+  EXPECT_EQ(info.logical_name, "caf\xc3\xa9");
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(encoded));
 }
 
 }  // namespace
