@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "common/escape.h"
 #include "expert_arena/stream.h"
 #include "stream_test_util.h"
 #include "test_util.h"
@@ -447,6 +448,34 @@ TEST(StreamProcess, CliInfoAndSweep) {
   ASSERT_EQ(sweep.Wait(30), 0);
   EXPECT_NE(sweep.Output().find("removed 1"), std::string::npos) << sweep.Output();
   EXPECT_FALSE(std::filesystem::exists(seg));
+}
+
+// `info` prints a segment's logical name, which another process wrote, escaped: bytes of 0x80
+// and up (the 8-bit CSI 0x9b among them) come out as \xNN in the text and the JSON, which then
+// stays valid UTF-8 (it used to throw out of the JSON dump), and a name with a control byte is
+// refused with the name escaped (on stderr, exit 1).
+TEST(StreamProcess, CliInfoPrintsALogicalNameEscaped) {
+  StreamDirs dirs;
+  const std::string tool = testing::BinDir() + "/expert-arena";
+  if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  const std::string seg = producer.SegmentPaths().at(0);
+  testing::WriteLogicalName(seg, "caf\xc3\xa9\x9b[2J");
+  Child info = testing::SpawnProgram(tool, {"info", seg});
+  ASSERT_EQ(info.Wait(30), 0);
+  EXPECT_NE(info.Output().find("of \"caf\\xc3\\xa9\\x9b[2J\""), std::string::npos)
+      << EscapeForMessage(info.Output());
+  EXPECT_TRUE(testing::PrintableAscii(info.Output(), true));
+  Child json = testing::SpawnProgram(tool, {"info", seg, "--json"});
+  ASSERT_EQ(json.Wait(30), 0);
+  EXPECT_NE(json.Output().find("\"logical_name\": \"caf\\\\xc3\\\\xa9\\\\x9b[2J\""),
+            std::string::npos)
+      << EscapeForMessage(json.Output());
+  EXPECT_TRUE(testing::PrintableAscii(json.Output(), true));
+  testing::WriteLogicalName(seg, "x\x1b[2J");
+  Child refused = testing::SpawnProgram(tool, {"info", seg});
+  EXPECT_EQ(refused.Wait(30), 1);
+  EXPECT_TRUE(testing::PrintableAscii(refused.Output(), true));
 }
 
 // Seed 000: fixed segment names let a second server with the same entity name truncate the

@@ -7,6 +7,7 @@
 
 #include "arena/arena_file.h"
 #include "commands.h"
+#include "common/escape.h"
 #include "common/units.h"
 #include "expert_arena/stream.h"
 
@@ -34,7 +35,8 @@ int RunSweep(const std::string& dir, bool json) {
     j["arenas_removed_bytes"] = arenas->removed_bytes;
     j["arenas_kept"] = arenas->kept;
     j["arena_notes"] = arenas->notes;
-    std::cout << j.dump(1) << std::endl;
+    // A path or note with bytes that are not UTF-8 must not throw out of dump().
+    std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
     return 0;
   }
   for (const auto& note : report->notes) std::printf("%s\n", note.c_str());
@@ -57,16 +59,21 @@ int RunSegmentInfo(const std::string& path, bool json) {
   }
   const auto& i = *info;
   if (!i.ours) {
-    std::fprintf(stderr, "expert-arena info: %s: %s\n", path.c_str(), i.problem.c_str());
+    std::fprintf(stderr, "expert-arena info: %s: %s\n", EscapeForMessage(path).c_str(),
+                 i.problem.c_str());
     return 1;
   }
   const char* kind = i.spill ? "spill" : i.dedicated ? "dedicated" : "regular";
+  // The logical name comes from the file (a header whose name holds a control byte is refused
+  // by ValidateHeader; bytes of 0x80 and up still come out as \xNN here), and the path may be a
+  // name a peer chose.
+  const std::string logical_name = EscapeForMessage(i.logical_name);
   if (json) {
     nlohmann::json j;
-    j["path"] = i.path;
+    j["path"] = i.path;  // raw: JSON escapes control bytes itself
     j["type"] = "stream segment";
     j["kind"] = kind;
-    j["logical_name"] = i.logical_name;
+    j["logical_name"] = logical_name;
     j["owner_pid"] = i.owner_pid;
     j["owner_start_time"] = i.owner_start_time;
     j["owner_uid"] = i.owner_uid;
@@ -79,11 +86,12 @@ int RunSegmentInfo(const std::string& path, bool json) {
     j["published_blocks"] = i.published_blocks;
     j["aborted_blocks"] = i.aborted_blocks;
     j["readers"] = i.readers;
-    std::cout << j.dump(1) << std::endl;
+    // A path or note with bytes that are not UTF-8 must not throw out of dump().
+    std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
     return 0;
   }
-  std::printf("path:      %s\n", i.path.c_str());
-  std::printf("type:      stream segment (%s) of \"%s\"\n", kind, i.logical_name.c_str());
+  std::printf("path:      %s\n", EscapeForMessage(i.path).c_str());
+  std::printf("type:      stream segment (%s) of \"%s\"\n", kind, logical_name.c_str());
   std::printf(
       "owner:     pid %u (start tick %llu), uid %u: %s\n", i.owner_pid,
       static_cast<unsigned long long>(i.owner_start_time), i.owner_uid,
