@@ -4,13 +4,17 @@
 // Input: u8 flags | the descriptor bytes. Flag 1 patches the total-length field and the
 // trailing xxh3 so they match, as a hostile peer would, so the fuzzer reaches the field checks.
 //
-// Checks: an accepted descriptor names a plain segment file name, its offset + length does
-// not overflow, and it is canonical: Encode() gives back exactly the bytes that were decoded.
+// Checks: an accepted descriptor names a plain segment file name, its key is not empty, its
+// key, dtype and segment name hold no control byte (consumers and applications print them),
+// its offset + length does not overflow, and it is canonical: Encode() gives back exactly the
+// bytes that were decoded. A refusal's message holds no control byte either: it quotes the
+// peer's strings escaped.
 #include <xxhash.h>
 
 #include <cstring>
 #include <string>
 
+#include "common/escape.h"
 #include "expert_arena/stream.h"
 #include "fuzz_util.h"
 #include "stream/segment_format.h"
@@ -30,10 +34,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto decoded = TensorDescriptor::Decode(bytes);
   if (!decoded.ok()) {
     fuzz::CheckRefusal(decoded.status());
+    FUZZ_CHECK(ControlByteProblem(decoded.status().message()).empty());
     return 0;
   }
   const TensorDescriptor& d = *decoded;
   FUZZ_CHECK(stream::IsValidSegmentName(d.segment));
+  FUZZ_CHECK(!d.key.empty());
+  FUZZ_CHECK(ControlByteProblem(d.key).empty() && ControlByteProblem(d.dtype).empty() &&
+             ControlByteProblem(d.segment).empty());
   FUZZ_CHECK(d.segment.find('/') == std::string::npos && d.segment.find("..") == std::string::npos);
   FUZZ_CHECK(d.offset <= UINT64_MAX - d.length);
   FUZZ_CHECK(d.Encode() == bytes);

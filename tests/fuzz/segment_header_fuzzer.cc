@@ -10,11 +10,14 @@
 //
 // Checks: for an accepted header, everything those readers then compute from it stays inside
 // the file: the reader table and block table they read, and the data region, which starts
-// after the block table; an accepted block reference names a slot of the table and bytes of
-// the data region.
+// after the block table; its logical name (printed by `info` and sweeps) is NUL-terminated
+// and holds no control byte, and a refusal's message holds none either; an accepted block
+// reference names a slot of the table and bytes of the data region.
 #include <algorithm>
 #include <cstring>
+#include <string_view>
 
+#include "common/escape.h"
 #include "fuzz_util.h"
 #include "stream/segment_format.h"
 
@@ -38,9 +41,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string why = stream::ValidateHeader(header, file_bytes);
   if (!why.empty()) {
     fuzz::CheckRefusal(Corrupt(why));
+    FUZZ_CHECK(ControlByteProblem(why).empty());
     return 0;
   }
   FUZZ_CHECK(header.file_bytes == file_bytes);
+  const size_t name_bytes = strnlen(header.logical_name, sizeof header.logical_name);
+  FUZZ_CHECK(name_bytes < sizeof header.logical_name);
+  FUZZ_CHECK(ControlByteProblem(std::string_view(header.logical_name, name_bytes)).empty());
   // InspectSegment reads kMaxReaders entries at readers_offset and slot_count slots at
   // slots_offset; SegmentView::Of points into the mapping there.
   FUZZ_CHECK(Inside(header.readers_offset,
