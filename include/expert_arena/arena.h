@@ -70,6 +70,10 @@ struct ArenaOptions {
   uint64_t pin_budget_bytes = 0;
   // "auto", "io_uring" or "pread".
   std::string reader = "auto";
+  // On a 4 KiB tmpfs (plain /dev/shm), make the file's 2 MiB pages in the background, front to
+  // back, while the loader fills the pieces already made; false: all pages first, then the
+  // load (what load_bench compares).
+  bool pages_alongside_load = true;
   // Print a progress line on a terminal during long loads.
   bool progress = true;
   // The logger for the start line and notes; null uses the "expert_arena" logger.

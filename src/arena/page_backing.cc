@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "arena/test_hooks.h"
 #include "common/units.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
@@ -157,15 +158,145 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   return d;
 }
 
+namespace {
+constexpr uint64_t kBackgroundPiece = 64 * kMiB;
+}  // namespace
+
+BackgroundPages::BackgroundPages(const platform::UniqueFd& fd, std::byte* data, uint64_t bytes,
+                                 std::string what, bool collapse, unsigned threads)
+    : fd_(fd),
+      data_(data),
+      bytes_(bytes),
+      what_(std::move(what)),
+      collapse_(collapse),
+      start_(std::chrono::steady_clock::now()) {
+  const size_t pieces = (bytes + kBackgroundPiece - 1) / kBackgroundPiece;
+  done_.assign(pieces, 0);
+  unsigned count =
+      threads != 0 ? threads : std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8);
+  count = std::min<size_t>(count, std::max<size_t>(pieces, 1));
+  if (pieces == 0) {
+    front_.Advance(bytes_);
+    return;
+  }
+  for (unsigned w = 0; w < count; ++w) workers_.emplace_back([this] { Work(); });
+}
+
+BackgroundPages::~BackgroundPages() {
+  stop_.store(true);
+  for (auto& t : workers_) t.join();
+  front_.Fail(Internal(what_ + ": making its pages was stopped"));
+}
+
+Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
+  if (collapse_) {
+    Status s = Status::Ok();
+    // One small page per 2 MiB: see CollapseParallel.
+    for (uint64_t at = offset; s.ok() && at < offset + length; at += kHugePageBytes) {
+      s = platform::AllocateRange(fd_, at, 1);
+    }
+    if (!s.ok()) return s;  // fatal: the filesystem is full or failing
+    Status c = platform::AdviseRange(data_ + offset, length, platform::Advice::kCollapse, what_);
+    if (!c.ok() && (c.code() == StatusCode::kBusy || c.code() == StatusCode::kInvalidArgument)) {
+      // EAGAIN: one retry. EINVAL: fault the piece in and collapse it (that copies).
+      if (c.code() == StatusCode::kInvalidArgument) {
+        EA_RETURN_IF_ERROR(platform::AllocateRange(fd_, offset, length));
+        EA_RETURN_IF_ERROR(platform::AdviseRange(data_ + offset, length,
+                                                 platform::Advice::kPopulateWrite, what_));
+      }
+      c = platform::AdviseRange(data_ + offset, length, platform::Advice::kCollapse, what_);
+    }
+    if (!c.ok()) {
+      std::lock_guard lock(mu_);
+      if (collapse_problem_.ok()) {
+        collapse_problem_ =
+            c.WithContext("bytes " + std::to_string(offset) + "+" + std::to_string(length));
+      }
+    }
+  }
+  // Every byte of the piece is allocated before any is written through the mapping.
+  EA_RETURN_IF_ERROR(platform::AllocateRange(fd_, offset, length));
+  return platform::AdviseRange(data_ + offset, length, platform::Advice::kPopulateWrite, what_);
+}
+
+void BackgroundPages::Work() {
+  for (size_t i; !stop_.load() && (i = next_.fetch_add(1)) < done_.size();) {
+    const uint64_t offset = i * kBackgroundPiece;
+    const uint64_t length = std::min(kBackgroundPiece, bytes_ - offset);
+    test_hooks::RunBeforePagePiece(i);
+    Status s = MakePiece(offset, length);
+    std::lock_guard lock(mu_);
+    if (!s.ok()) {
+      if (fatal_.ok()) {
+        fatal_ = s.WithContext("bytes " + std::to_string(offset) + "+" + std::to_string(length));
+      }
+      front_.Fail(fatal_);
+      stop_.store(true);
+      return;
+    }
+    done_[i] = 1;
+    while (done_prefix_ < done_.size() && done_[done_prefix_] != 0) ++done_prefix_;
+    if (done_prefix_ == done_.size()) {
+      seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    }
+    front_.Advance(std::min(bytes_, done_prefix_ * kBackgroundPiece));
+  }
+}
+
+Status BackgroundPages::Finish() {
+  for (auto& t : workers_) t.join();
+  workers_.clear();
+  std::lock_guard lock(mu_);
+  if (!fatal_.ok()) return fatal_;
+  if (done_prefix_ != done_.size()) return Internal(what_ + ": making its pages was stopped");
+  return Status::Ok();
+}
+
+Status BackedFile::FinishPages(double load_wait_seconds) {
+  if (pages == nullptr) return Status::Ok();
+  Status s = pages->Finish();
+  if (!s.ok()) return s;
+  collapse_seconds = pages->seconds();
+  const uint64_t bytes = pages->bytes();
+  char buf[128];
+  if (pages->collapse_problem().ok()) {
+    std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE %.2f s alongside the load (its readers waited %.2f s in all)",
+                  collapse_seconds, load_wait_seconds);
+    huge.note += buf;
+    huge.note += SlowCollapseHint(collapse_seconds, bytes);
+  } else {
+    huge.note += "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " +
+                 pages->collapse_problem().message();
+  }
+  pages.reset();
+  return Status::Ok();
+}
+
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
-                                  const std::string& what) {
+                                  const std::string& what, bool pages_in_background) {
   const bool allocate_in_pieces =
       source == PageSource::kTmpfs && mode != HugePages::kOff && available_bytes >= bytes;
   EA_RETURN_IF_ERROR(allocate_in_pieces ? platform::ExtendFile(fd, bytes)
                                         : platform::AllocateFile(fd, bytes));
   BackedFile file;
   EA_ASSIGN_OR_RETURN(file.mapping, platform::Mapping::MapFile(fd, bytes, true, alignment));
+  if (allocate_in_pieces && pages_in_background) {
+    uint64_t free_blocks = 0;
+    auto blocks = platform::FreeHugeBlocks();
+    if (blocks.ok()) free_blocks = *blocks;
+    file.huge = DecideHugePages(mode, source, bytes, free_blocks);
+    if (file.huge.ask) {
+      Status advise =
+          platform::AdviseRange(file.mapping.data(), bytes, platform::Advice::kHugePage, what);
+      if (!advise.ok()) file.huge.note += "; " + advise.message();
+      file.pages = std::make_unique<BackgroundPages>(fd, file.mapping.data(), bytes, what,
+                                                     /*collapse=*/true);
+      return file;
+    }
+    EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
+    return file;
+  }
   file.huge = ApplyHugePages(mode, source, file.mapping.data(), bytes, what, &file.collapse_seconds,
                              allocate_in_pieces ? &fd : nullptr);
   // A no-op where the collapse allocated; 4 KiB pages where it did not (not asked for, or a

@@ -7,8 +7,16 @@
 // reserved by the filesystem at fallocate time, so nothing is asked there.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include "common/ready_front.h"
 
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
@@ -64,11 +72,73 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
                             const std::string& what, double* collapse_seconds,
                             const platform::UniqueFd* allocate = nullptr);
 
+// Makes the pages of a file that is sized but not allocated, mapped at `data` from offset 0,
+// on background threads, in 64 MiB pieces taken front to back: one small page per 2 MiB, then
+// MADV_COLLAPSE (when `collapse`), then the whole piece allocated (a no-op where the collapse
+// succeeded, 4 KiB pages where it did not) and populated (MADV_POPULATE_WRITE). front() moves
+// past each piece once it and every piece before it are done, so a loader can write the first
+// pieces while the later ones are still being made: on a VM whose free memory the host took
+// back, making the 2 MiB pages costs 1-2 s/GiB, as much as reading the model from disk, and
+// the two now overlap. No byte of a piece is written before the piece is allocated, so a
+// filesystem that fills up meanwhile is an error (the front fails with it), never a SIGBUS.
+//
+// Thread-safety: front() may be waited on from any thread; Finish and the destructor from the
+// owner only. The destructor stops the pieces not started yet and joins.
+class BackgroundPages {
+ public:
+  BackgroundPages(const platform::UniqueFd& fd, std::byte* data, uint64_t bytes, std::string what,
+                  bool collapse, unsigned threads = 0);
+  ~BackgroundPages();
+  BackgroundPages(const BackgroundPages&) = delete;
+  BackgroundPages& operator=(const BackgroundPages&) = delete;
+
+  const ReadyFront& front() const { return front_; }
+  // Waits for every piece. The error of the first piece that could not be allocated or
+  // populated (fatal: the file is not whole); collapse failures are not (see
+  // collapse_problem).
+  Status Finish();
+  // After Finish: seconds from the start to the last piece, and the first collapse failure
+  // (OK when every piece is on 2 MiB pages or none was asked for).
+  double seconds() const { return seconds_; }
+  uint64_t bytes() const { return bytes_; }
+  const Status& collapse_problem() const { return collapse_problem_; }
+
+ private:
+  void Work();
+  Status MakePiece(uint64_t offset, uint64_t length);
+
+  const platform::UniqueFd& fd_;
+  std::byte* data_;
+  uint64_t bytes_;
+  std::string what_;
+  bool collapse_;
+  std::chrono::steady_clock::time_point start_;
+  ReadyFront front_;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<uint8_t> done_;  // per piece, guarded by mu_
+  size_t done_prefix_ = 0;     // pieces done front to back, guarded by mu_
+  Status fatal_;               // guarded by mu_
+  Status collapse_problem_;    // guarded by mu_
+  double seconds_ = 0;
+  std::vector<std::thread> workers_;
+};
+
 // A shared file allocated, mapped writable and, per the rule above, on 2 MiB pages.
 struct BackedFile {
   platform::Mapping mapping;
   HugeDecision huge;            // its note goes into the start line
   double collapse_seconds = 0;  // 0 when nothing was collapsed
+  // Set when AllocateAndMap was asked to make the pages in the background and did: bytes are
+  // written only where pages->front() says they are ready, and FinishPages is called before
+  // the file is published.
+  std::unique_ptr<BackgroundPages> pages;
+
+  // Waits for the background pages (if any) and completes `huge.note` and collapse_seconds;
+  // the first piece that could not be allocated or populated. `load_wait_seconds`: how long
+  // the load waited for pages, for the note.
+  Status FinishPages(double load_wait_seconds);
 };
 
 // Allocates the empty file behind `fd` to `bytes`, maps it writable (`alignment`: 2 MiB, or
@@ -79,8 +149,11 @@ struct BackedFile {
 // the whole file first would make 4 KiB pages that the collapse then copies (25x the time,
 // bench/collapse_bench). `available_bytes`: the filesystem's free space (statfs). The caller
 // removes the file on failure.
+// `pages_in_background`: on 4 KiB tmpfs with room for the file and 2 MiB pages asked for,
+// return as soon as the file is sized and mapped, with the pages made by BackgroundPages
+// (BackedFile::pages); elsewhere it changes nothing. `fd` must outlive the BackedFile.
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
-                                  const std::string& what);
+                                  const std::string& what, bool pages_in_background = false);
 
 }  // namespace expert_arena::arena

@@ -290,31 +290,50 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     }
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
     auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
-                                 PageSourceFor(hugetlbfs, fs.tmpfs_huge), fs.available_bytes, path);
+                                 PageSourceFor(hugetlbfs, fs.tmpfs_huge), fs.available_bytes, path,
+                                 options.pages_alongside_load);
     if (!backed.ok()) {
       return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
     }
+    // The background pages (if any) write into this mapping: they are stopped and joined
+    // (backed->pages) before it is unmapped, on every path out of here.
     impl->mapping = std::move(backed->mapping);
     impl->data_offset = layout->header_bytes;
-    const HugeDecision& huge = backed->huge;
-    const double collapse_seconds = backed->collapse_seconds;
+    BackgroundPages* pages = backed->pages.get();
+    auto stop_pages = [&](Status s) {
+      backed->pages.reset();
+      return fail(s);
+    };
 
     std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
-    Status s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
-                                    created, 0, header);
-    if (!s.ok()) return fail(s);
+    Status s = pages != nullptr ? pages->front().WaitFor(layout->header_bytes) : Status::Ok();
+    if (!s.ok()) return stop_pages(s);
+    s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
+                             created, 0, header);
+    if (!s.ok()) return stop_pages(s);
     std::byte* data = impl->mapping.data() + impl->data_offset;
-    s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
-                              platform::Advice::kPopulateWrite, path);
-    if (!s.ok()) return fail(s);
+    if (pages == nullptr) {
+      s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
+                                platform::Advice::kPopulateWrite, path);
+      if (!s.ok()) return fail(s);
+    }
 
     load::LoadRequest request;
     request.data = {data, impl->table.data_bytes};
     request.reader = options.reader;
     request.progress = options.progress;
     request.logger = &log;
+    if (pages != nullptr) {
+      request.ready_front = &pages->front();
+      request.ready_base = impl->data_offset;
+    }
     auto loaded = load::LoadTensors(request, impl->table);
+    // The pages' own error first: a load stopped by a full filesystem reports that.
+    s = backed->FinishPages(loaded.ok() ? loaded->ready_wait_seconds : 0);
+    if (!s.ok()) return stop_pages(s);
     if (!loaded.ok()) return fail(loaded.status().WithContext("loading " + path));
+    const HugeDecision& huge = backed->huge;
+    const double collapse_seconds = backed->collapse_seconds;
 
     s = CheckWritesReachedTheFile(fd, impl->mapping, impl->data_offset, impl->table.data_bytes);
     if (!s.ok()) return fail(s);

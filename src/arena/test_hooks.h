@@ -4,6 +4,7 @@
 // exactly that point.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 
 namespace expert_arena::arena::test_hooks {
@@ -16,5 +17,10 @@ void RunBeforePublish();
 // engine may replace the file under it).
 void SetAfterRemoveOpened(std::function<void()> hook);
 void RunAfterRemoveOpened();
+
+// Runs in a BackgroundPages worker before it makes piece `piece` (from several threads at
+// once: the hook must be thread-safe).
+void SetBeforePagePiece(std::function<void(size_t piece)> hook);
+void RunBeforePagePiece(size_t piece);
 
 }  // namespace expert_arena::arena::test_hooks

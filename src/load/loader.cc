@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/ready_front.h"
 #include "common/units.h"
 #include "format/arena_format.h"
 #include "load/progress.h"
@@ -202,6 +203,8 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   job.plan = &plan;
   job.data = request.data;
   job.hasher = &hasher;
+  job.ready_front = request.ready_front;
+  job.ready_base = request.ready_base;
   job.hot_block_bytes = std::clamp<uint64_t>(
       request.hot_block_bytes ? request.hot_block_bytes : kDefaultHotBlockBytes, 4 * kKiB,
       chunk_bytes);
@@ -231,6 +234,7 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
       read = RunPreadReaders(job, threads);
     }
   }
+  result.ready_wait_seconds = static_cast<double>(job.ready_wait_nanos.load()) / 1e9;
   if (!read.ok()) return read;
   EA_ASSIGN_OR_RETURN(std::vector<uint64_t> checksums, hasher.Finish(table));
   for (size_t t = 0; t < table.tensors.size(); ++t) table.tensors[t].checksum = checksums[t];

@@ -31,6 +31,10 @@ namespace spdlog {
 class logger;
 }
 
+namespace expert_arena {
+class ReadyFront;
+}
+
 namespace expert_arena::load {
 
 struct LoadRequest {
@@ -51,6 +55,13 @@ struct LoadRequest {
   // (readers.h). false: they are read with the reader and hashed afterwards.
   bool hot_copy = true;
   uint64_t hot_block_bytes = 0;
+  // When set, the data region's pages are still being made (allocated, put on 2 MiB pages,
+  // populated) front to back while the load runs: a piece is written (read into, copied
+  // into) only once the front covers ready_base + its end. ready_base is the data region's
+  // offset in the front's coordinates (the arena file's header bytes). A front that fails
+  // fails the load with its error.
+  const ReadyFront* ready_front = nullptr;
+  uint64_t ready_base = 0;
   // Tests only: runs once after the sources are opened and the reads planned, before any
   // read (e.g. to truncate a source under the loader).
   std::function<void()> after_plan_for_testing;
@@ -62,6 +73,7 @@ struct LoadResult {
   uint64_t bounce_bytes = 0;  // of which through bounce buffers (misaligned in the file)
   uint64_t hot_bytes = 0;     // copied from a mapping of the page cache, hashed while hot
   double seconds = 0;
+  double ready_wait_seconds = 0;  // summed over the readers: waiting for ready_front
   std::string reader;  // "io_uring" or "pread"
   std::string note;    // why io_uring was not used, when "auto" fell back to pread
 };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -21,6 +22,23 @@ bool ReadJob::Hot(size_t index) const {
 }
 
 size_t ReadJob::TakePiece(size_t& run_next) {
+  const size_t index = ClaimPiece(run_next);
+  if (index == kNone || ready_front == nullptr) return index;
+  const ReadPiece& piece = plan->pieces[index];
+  const uint64_t end = ready_base + piece.arena_offset + piece.bytes;
+  if (ready_front->ready() >= end) return index;
+  const auto start = std::chrono::steady_clock::now();
+  Status ready = ready_front->WaitFor(end);
+  ready_wait_nanos.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 std::chrono::steady_clock::now() - start)
+                                 .count(),
+                             std::memory_order_relaxed);
+  if (ready.ok()) return index;
+  Fail(ready);
+  return kNone;
+}
+
+size_t ReadJob::ClaimPiece(size_t& run_next) {
   const size_t n = plan->pieces.size();
   if (run_next != kNone) {
     const size_t own = run_next;

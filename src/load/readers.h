@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/ready_front.h"
 #include "expert_arena/status.h"
 #include "load/read_plan.h"
 #include "load/tensor_hasher.h"
@@ -39,6 +40,11 @@ struct ReadJob {
   TensorHasher* hasher = nullptr;
   std::vector<const std::byte*> mapped;  // per source: its whole file mapped; null: none
   uint64_t hot_block_bytes = 128 * 1024;
+  // Pages still being made front to back (null: all ready): a piece is written only once the
+  // front covers ready_base + its end (loader.h).
+  const ReadyFront* ready_front = nullptr;
+  uint64_t ready_base = 0;
+  std::atomic<uint64_t> ready_wait_nanos{0};  // summed over the workers
   std::unique_ptr<std::atomic<uint8_t>[]> claimed;  // per piece
   std::atomic<size_t> next_piece{0};
   std::atomic<uint64_t> bytes_done{0};
@@ -55,8 +61,11 @@ struct ReadJob {
   bool Hot(size_t index) const;
   // The next piece for a worker: `run_next` (the next piece of the worker's own run of hot
   // pieces, kNone if none) when still unclaimed, else the next in plan order, else a piece
-  // stolen from another worker's run; kNone when every piece is claimed.
+  // stolen from another worker's run; kNone when every piece is claimed. Returns only when the
+  // piece's pages are ready (ready_front); kNone after failing the job when they never will be.
   size_t TakePiece(size_t& run_next);
+  // TakePiece without waiting for the pages.
+  size_t ClaimPiece(size_t& run_next);
   // Copies hot piece `index` from the mapping, hashing it on the way when its tensor's hash
   // has reached it, and marks it done; sets run_next to the tensor's following piece when
   // that one is hot too.

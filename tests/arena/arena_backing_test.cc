@@ -1,9 +1,13 @@
 // The arena on its three backings (plain /dev/shm with MADV_COLLAPSE, tmpfs huge=always,
 // hugetlbfs): loaded by one process, attached by another, whole on 2 MiB pages; and the
 // errors a too-small filesystem or huge page pool must give.
+#include <fcntl.h>
 #include <sys/stat.h>
 
+#include <mutex>
+
 #include "arena/arena_file.h"
+#include "arena/test_hooks.h"
 #include "common/units.h"
 #include "engine_role.h"
 #include "platform/system_info.h"
@@ -139,6 +143,82 @@ TEST(ArenaHugetlbSpaceTest, RemovingTheArenaGivesItsHugePagesBack) {
   ASSERT_OK(arena::RemoveArenaFile(arena.path()));
   ASSERT_OK_AND_ASSIGN(auto after, platform::ReadHugetlbPool());
   EXPECT_EQ(after.free, before.free);
+}
+
+// On plain tmpfs the 2 MiB pages are made in the background while the load fills the pieces
+// already made (ArenaOptions::pages_alongside_load, the default) or all before the load: the
+// same bytes, the whole mapping on 2 MiB pages, and the start line says which.
+TEST(ArenaPagesAlongsideTest, BothOrdersGiveTheSameArenaOnTwoMiBPages) {
+  const uint64_t model_bytes = 200 * kMiB + 12345;  // four 64 MiB pieces, the last one short
+  ScopedDataFile model(model_bytes, 11);
+  const std::string want = FileSum(model.path());
+  for (const bool alongside : {true, false}) {
+    ScopedPath arena("arena", ArenaTestDir());
+    ModelSpec spec;
+    spec.files = {model.path()};
+    ArenaOptions options;
+    options.shared_path = arena.path();
+    options.progress = false;
+    options.pages_alongside_load = alongside;
+    ASSERT_OK_AND_ASSIGN(Arena a, Arena::Open(spec, options));
+    ASSERT_EQ(a.role(), ArenaRole::kLoaded);
+    ASSERT_EQ(a.tensor_count(), 1u);
+    EXPECT_EQ(HexSum(a.tensor(0).bytes), want) << alongside;
+    const ArenaReport& r = a.report();
+    if (r.huge_note.find("2 MiB pages asked for") == std::string::npos) {
+      GTEST_SKIP() << "free 2 MiB blocks too few to ask for huge pages: " << r.huge_note;
+    }
+    EXPECT_EQ(r.huge_bytes, r.mapped_bytes) << r.huge_note;
+    EXPECT_EQ(r.huge_note.find("alongside the load") != std::string::npos, alongside)
+        << r.huge_note;
+    EXPECT_GT(r.collapse_seconds, 0.0);
+    format::ArenaTable table;
+    ASSERT_OK_AND_ASSIGN(int64_t bad, arena::VerifyArenaFile(arena.path(), &table));
+    EXPECT_EQ(bad, -1);
+  }
+}
+
+// The filesystem fills up while the pages are made alongside the load (another process
+// takes the space after the check of free space at the start): the load fails with kNoSpace
+// naming the file, never a SIGBUS, and removes its file.
+TEST(ArenaPagesAlongsideTest, FilesystemFilledDuringTheLoadIsAnErrorAndLeavesNoFile) {
+  const uint64_t model_bytes = 200 * kMiB;
+  ScopedMount mount(ScopedMount::Kind::kTmpfs, model_bytes + 16 * kMiB);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  ScopedDataFile model(model_bytes, 12);
+  ScopedPath arena("arena", mount.dir());
+  ScopedPath hog("hog", mount.dir());
+  std::once_flag once;
+  arena::test_hooks::SetBeforePagePiece([&](size_t piece) {
+    if (piece != 1) return;
+    std::call_once(once, [&] {
+      // Take every free byte of the mount, the way a rival process would.
+      const int fd = ::open(hog.path().c_str(), O_RDWR | O_CREAT, 0600);
+      ASSERT_GE(fd, 0);
+      for (uint64_t chunk = 256 * kMiB; chunk >= 4096; chunk /= 2) {
+        struct stat st;
+        ASSERT_EQ(::fstat(fd, &st), 0);
+        while (::posix_fallocate(fd, st.st_size, chunk) == 0) {
+          ASSERT_EQ(::fstat(fd, &st), 0);
+        }
+      }
+      ::close(fd);
+    });
+  });
+  ModelSpec spec;
+  spec.files = {model.path()};
+  ArenaOptions options;
+  options.shared_path = arena.path();
+  options.progress = false;
+  options.huge = HugePages::kOn;
+  auto result = Arena::Open(spec, options);
+  arena::test_hooks::SetBeforePagePiece(nullptr);
+  ASSERT_FALSE(result.ok()) << "the hog took the space the arena needed";
+  EXPECT_EQ(result.status().code(), StatusCode::kNoSpace) << result.status().ToString();
+  EXPECT_NE(result.status().message().find(arena.path()), std::string::npos)
+      << result.status().message();
+  struct stat st;
+  EXPECT_NE(stat(arena.path().c_str(), &st), 0) << "the failed load removed its file";
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <xxhash.h>
@@ -14,7 +15,9 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
+#include "common/ready_front.h"
 #include "common/units.h"
 #include "expert_arena/arena.h"
 #include "platform/file.h"
@@ -221,6 +224,123 @@ TEST_P(LoaderReadersTest, PartlyCachedFileMixesHotCopiesAndReads) {
     EXPECT_LT(loaded.result.hot_bytes, loaded.result.bytes_read) << threads;
     ExpectMatchesSources(loaded, independent, path);
   }
+}
+
+// Memory that becomes writable only as a ReadyFront moves over it, like an arena whose pages
+// are still being made: bytes past the front are PROT_NONE, so a loader that wrote there
+// before the front covered them would die of SIGSEGV (hot copies, bounce copies) or see
+// EFAULT (reads straight into it). The front's coordinates start at `base`, like an arena
+// file's header bytes before its data region.
+class GatedMemory {
+ public:
+  static constexpr uint64_t kBase = 3 * 4096 + 17;
+
+  explicit GatedMemory(uint64_t bytes) : bytes_(bytes) {
+    auto m = platform::Mapping::MapAnonymous(bytes, kHugePageBytes);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    memory_ = std::move(*m);
+    EXPECT_EQ(::mprotect(memory_.data(), memory_.size(), PROT_NONE), 0);
+  }
+  ~GatedMemory() { Join(); }
+  // Waits until the mover is done (the loader may finish before it reaches the data region's
+  // padding at the end).
+  void Join() {
+    if (mover_.joinable()) mover_.join();
+  }
+  std::span<std::byte> data() { return {memory_.data(), bytes_}; }
+  const ReadyFront& front() const { return front_; }
+
+  // Opens the memory in steps of `step` (page-aligned) from another thread, a little later
+  // each time; with stop_at below the size the front fails there with `error` instead.
+  void StartMoving(uint64_t step, uint64_t stop_at = ~uint64_t{0}, Status error = Status::Ok()) {
+    mover_ = std::thread([this, step, stop_at, error] {
+      for (uint64_t ready = step;; ready += step) {
+        if (ready >= stop_at) {
+          front_.Fail(error);
+          return;
+        }
+        const uint64_t open = std::min(ready, memory_.size());
+        EXPECT_EQ(::mprotect(memory_.data(), open, PROT_READ | PROT_WRITE), 0);
+        front_.Advance(kBase + std::min(ready, bytes_));
+        if (ready >= bytes_) return;
+        std::this_thread::sleep_for(std::chrono::microseconds(300));
+      }
+    });
+  }
+
+ private:
+  uint64_t bytes_;
+  platform::Mapping memory_;
+  ReadyFront front_;
+  std::thread mover_;
+};
+
+// The loader writes a piece only once the front covers it, with every kind of piece (hot
+// copies from the page cache, O_DIRECT reads straight in and through bounce buffers) and
+// both readers; the result is the same arena.
+TEST_P(LoaderReadersTest, WritesOnlyWhereTheFrontIsReady) {
+  if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  ScopedDir dir("load-front");
+  const std::string path = WriteOddSizedGguf(dir);
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {path}}));
+  const auto independent = testing::ParseGgufIndependently(path);
+  for (const bool cached : {true, false}) {
+    {
+      ASSERT_OK_AND_ASSIGN(auto fd, platform::OpenFile(path, {}));
+      if (cached) {
+        (void)testing::ReadRange(path, 0, std::filesystem::file_size(path));
+      } else {
+        ASSERT_OK(platform::EvictFromPageCache(fd));
+      }
+    }
+    Loaded loaded;
+    loaded.table = plan.table;
+    GatedMemory memory(loaded.table.data_bytes);
+    LoadRequest request;
+    request.reader = GetParam();
+    request.chunk_bytes = 256 * kKiB;
+    request.direct_chunk_bytes = 256 * kKiB;
+    request.data = memory.data();
+    request.ready_front = &memory.front();
+    request.ready_base = GatedMemory::kBase;
+    memory.StartMoving(75 * 4096);
+    auto result = LoadTensors(request, loaded.table);
+    ASSERT_TRUE(result.ok()) << result.status().ToString();
+    loaded.result = *result;
+    memory.Join();
+    EXPECT_GT(loaded.result.ready_wait_seconds, 0.0) << "the loader caught up with the front";
+    ASSERT_OK_AND_ASSIGN(loaded.memory, platform::Mapping::MapAnonymous(loaded.table.data_bytes,
+                                                                        kHugePageBytes));
+    std::memcpy(loaded.memory.data(), memory.data().data(), loaded.table.data_bytes);
+    ExpectMatchesSources(loaded, independent, path);
+    if (cached) {
+      EXPECT_GT(loaded.result.hot_bytes, 0u);
+    } else {
+      EXPECT_GT(loaded.result.direct_bytes, 0u);
+    }
+  }
+}
+
+// A front that fails (the filesystem filled up while the pages were made) fails the load with
+// its error, at once, and nothing past it is written (the memory there is PROT_NONE).
+TEST_P(LoaderReadersTest, AFailedFrontFailsTheLoadWithItsError) {
+  if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
+  ScopedDir dir("load-front-fails");
+  const std::string path = WriteOddSizedGguf(dir);
+  ASSERT_OK_AND_ASSIGN(source::ModelPlan plan, source::PlanModel({.files = {path}}));
+  format::ArenaTable table = plan.table;
+  GatedMemory memory(table.data_bytes);
+  LoadRequest request;
+  request.reader = GetParam();
+  request.chunk_bytes = 256 * kKiB;
+  request.data = memory.data();
+  request.ready_front = &memory.front();
+  request.ready_base = GatedMemory::kBase;
+  memory.StartMoving(256 * 4096, table.data_bytes / 3, NoSpace("/dev/shm/x: no space left"));
+  auto result = LoadTensors(request, table);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kNoSpace) << result.status().ToString();
+  EXPECT_NE(result.status().message().find("/dev/shm/x"), std::string::npos);
 }
 
 TEST(LoaderTest, IoUringAndPreadGiveIdenticalArenas) {

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <optional>
+#include <thread>
 
 #include "common/units.h"
 #include "platform/file.h"
@@ -69,7 +70,8 @@ class PiecesFixture {
   bool ok() const { return mount_.ok(); }
   const std::string& skip_reason() const { return mount_.skip_reason(); }
 
-  Result<double> Collapse() {
+  // The file sized, not allocated, and mapped.
+  Status Prepare() {
     path_.emplace("pieces", mount_.dir());
     platform::OpenOptions rw;
     rw.write = true;
@@ -77,6 +79,10 @@ class PiecesFixture {
     EA_ASSIGN_OR_RETURN(fd_, platform::OpenFile(path_->path(), rw));
     EA_RETURN_IF_ERROR(platform::ExtendFile(fd_, bytes_));
     EA_ASSIGN_OR_RETURN(mapping_, platform::Mapping::MapFile(fd_, bytes_, true, kHugePageBytes));
+    return Status::Ok();
+  }
+  Result<double> Collapse() {
+    EA_RETURN_IF_ERROR(Prepare());
     return CollapseParallel(mapping_.data(), bytes_, path_->path(), false, 2, &fd_);
   }
   const platform::UniqueFd& fd() const { return fd_; }
@@ -122,6 +128,77 @@ TEST(CollapseInPiecesTest, FilesystemTooSmallFailsCleanly) {
   EXPECT_NE(whole.message().find(f.path()), std::string::npos) << whole.message();
   EXPECT_NE(whole.message().find("256.0 MiB"), std::string::npos) << whole.message();
   EXPECT_NE(whole.message().find("available"), std::string::npos) << whole.message();
+}
+
+// BackgroundPages: the front reaches the end only when every piece is allocated and on 2 MiB
+// pages, and a waiter for the end sees it there; one and two workers.
+TEST(BackgroundPagesTest, FrontReachesTheEndWithEveryPieceAllocatedOnTwoMiBPages) {
+  const uint64_t bytes = 194 * kMiB;  // three whole 64 MiB pieces and a short one
+  for (unsigned threads : {1u, 2u}) {
+    PiecesFixture f(256 * kMiB, bytes);
+    if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+    ASSERT_OK(f.Prepare());
+    BackgroundPages pages(f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, threads);
+    std::vector<uint64_t> seen;  // the front each time a piece's worth of bytes was waited for
+    std::thread waiter([&] {
+      for (uint64_t end = 64 * kMiB; end < bytes + 64 * kMiB; end += 64 * kMiB) {
+        Status s = pages.front().WaitFor(std::min(end, bytes));
+        if (!s.ok()) return;
+        seen.push_back(pages.front().ready());
+      }
+    });
+    ASSERT_OK(pages.Finish());
+    waiter.join();
+    ASSERT_EQ(seen.size(), 4u) << threads;
+    for (size_t i = 0; i < seen.size(); ++i) {
+      EXPECT_GE(seen[i], std::min<uint64_t>((i + 1) * 64 * kMiB, bytes)) << i;
+    }
+    EXPECT_EQ(pages.front().ready(), bytes);
+    EXPECT_TRUE(pages.collapse_problem().ok()) << pages.collapse_problem().ToString();
+    EXPECT_GT(pages.seconds(), 0.0);
+    struct stat st;
+    ASSERT_EQ(fstat(f.fd().get(), &st), 0);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_blocks) * 512, bytes) << "every piece allocated";
+    ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(f.mapping().data(), bytes));
+    EXPECT_EQ(huge, bytes) << threads << " workers";
+  }
+}
+
+// A filesystem too small for the file: the pieces that fit are made, the first that does not
+// fails the front with kNoSpace naming the file, and a waiter for the end gets that error
+// instead of waiting forever. Nothing is written (a write into the unallocated rest would be
+// a SIGBUS and end this test).
+TEST(BackgroundPagesTest, FullFilesystemFailsTheFrontWithNoSpace) {
+  const uint64_t bytes = 256 * kMiB;
+  PiecesFixture f(100 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_OK(f.Prepare());
+  BackgroundPages pages(f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, 1);
+  Status waited = pages.front().WaitFor(bytes);
+  Status finished = pages.Finish();
+  ASSERT_FALSE(finished.ok());
+  EXPECT_EQ(finished.code(), StatusCode::kNoSpace) << finished.ToString();
+  EXPECT_NE(finished.message().find(f.path()), std::string::npos) << finished.message();
+  EXPECT_EQ(waited.ToString(), finished.ToString());
+  EXPECT_EQ(pages.front().ready(), 64 * kMiB) << "the one piece that fits is ready";
+}
+
+// Destroying it before it is done stops the pieces not started and joins; no hang, no leak.
+TEST(BackgroundPagesTest, DestroyedEarlyStops) {
+  const uint64_t bytes = 512 * kMiB;
+  PiecesFixture f(600 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_OK(f.Prepare());
+  uint64_t ready = 0;
+  {
+    BackgroundPages pages(f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, 1);
+    ASSERT_OK(pages.front().WaitFor(1));
+    ready = pages.front().ready();
+  }
+  struct stat st;
+  ASSERT_EQ(fstat(f.fd().get(), &st), 0);
+  EXPECT_LT(static_cast<uint64_t>(st.st_blocks) * 512, bytes)
+      << "it stopped before the last pieces (ready at " << ready << ")";
 }
 
 }  // namespace
