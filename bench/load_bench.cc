@@ -166,7 +166,6 @@ double TimeArenaOpen(const std::string& model, const std::string& arena, const s
     auto a = Arena::Open({.files = {model}, .select_all = true}, options);
     Check(a.ok() ? Status::Ok() : a.status(), "expert-arena load");
     seconds = Since(start);
-    std::fprintf(stderr, "%s\n", a->report().StartLine().c_str());
   }
   (void)platform::UnlinkPath(arena);
   return seconds;
@@ -276,36 +275,36 @@ int main(int argc, char** argv) {
     std::string shm = "/dev/shm/ea-load-bench-cp-" + std::to_string(getpid());
     std::string arena = "/dev/shm/ea-load-bench-arena-" + std::to_string(getpid());
     std::vector<double> cp_s, e2e_s, before_s;
-    // Rotate which goes first: on a VM, memory the host has taken back (free page reporting)
-    // is slow to touch again, and the first of a round gets most of it.
-    auto time_cp = [&] {
-      cp_s.push_back(TimeCommand("cp " + model + " " + shm));
-      (void)platform::UnlinkPath(shm);
+    std::string e2e_runs, before_runs;
+    // Every round starts with cp; the two arena orders take turns right after it. On a VM,
+    // memory the host has taken back (free page reporting) is slow to touch again: the first
+    // arena after cp (whose freed 4 KiB pages make no 2 MiB block) gets most of it, the
+    // second reuses the 2 MiB blocks the first one just freed. Each run is listed with which
+    // it was.
+    auto time_arena = [&](bool alongside, bool first) {
+      const double t = TimeArenaOpen(model, arena, reader, alongside);
+      (alongside ? e2e_s : before_s).push_back(t);
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "%s%.2f%s",
+                    (alongside ? e2e_runs : before_runs).empty() ? "" : ", ", t,
+                    first ? " (first)" : "");
+      (alongside ? e2e_runs : before_runs) += buf;
     };
     for (int r = 0; r < runs; ++r) {
-      for (int k = 0; k < 3; ++k) {
-        switch ((r + k) % 3) {
-          case 0:
-            time_cp();
-            break;
-          case 1:
-            e2e_s.push_back(TimeArenaOpen(model, arena, reader, true));
-            break;
-          case 2:
-            before_s.push_back(TimeArenaOpen(model, arena, reader, false));
-            break;
-        }
-      }
+      cp_s.push_back(TimeCommand("cp " + model + " " + shm));
+      (void)platform::UnlinkPath(shm);
+      time_arena(r % 2 == 0, true);
+      time_arena(r % 2 != 0, false);
     }
     const double cp = Median(cp_s), e2e = Median(e2e_s), before = Median(before_s);
     std::printf(
         "| warm: Arena::Open end to end into /dev/shm (allocate, 2 MiB pages alongside the "
-        "read, publish) | %.3f | %.2f | |\n",
-        e2e, gib / e2e);
+        "read, publish); runs: %s | %.3f | %.2f | |\n",
+        e2e_runs.c_str(), e2e, gib / e2e);
     std::printf(
-        "| warm: the same, all 2 MiB pages before the read (pages_alongside_load = false) | "
-        "%.3f | %.2f | %.2fx |\n",
-        before, gib / before, before / e2e);
+        "| warm: the same, all 2 MiB pages before the read (pages_alongside_load = false); "
+        "runs: %s | %.3f | %.2f | %.2fx |\n",
+        before_runs.c_str(), before, gib / before, before / e2e);
     std::printf("| warm: cp model /dev/shm/x | %.3f | %.2f | %.2fx |\n", cp, gib / cp, cp / e2e);
   }
 
@@ -363,7 +362,7 @@ int main(int argc, char** argv) {
       std::vector<double> alongside_s, before_s;
       for (int r = 0; r < runs; ++r) {
         for (int k = 0; k < 2; ++k) {
-          DropCaches();
+          if (!DropCaches()) break;
           const bool alongside = (r + k) % 2 == 0;
           (alongside ? alongside_s : before_s)
               .push_back(TimeArenaOpen(model, arena, reader, alongside));
@@ -374,9 +373,8 @@ int main(int argc, char** argv) {
           "| cold: Arena::Open end to end into /dev/shm, 2 MiB pages alongside the read | "
           "%.3f | %.2f | |\n",
           alongside, gib / alongside);
-      std::printf(
-          "| cold: the same, all 2 MiB pages before the read | %.3f | %.2f | %.2fx |\n", before,
-          gib / before, before / alongside);
+      std::printf("| cold: the same, all 2 MiB pages before the read | %.3f | %.2f | %.2fx |\n",
+                  before, gib / before, before / alongside);
     }
   }
   return 0;

@@ -201,8 +201,8 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
       // EAGAIN: one retry. EINVAL: fault the piece in and collapse it (that copies).
       if (c.code() == StatusCode::kInvalidArgument) {
         EA_RETURN_IF_ERROR(platform::AllocateRange(fd_, offset, length));
-        EA_RETURN_IF_ERROR(platform::AdviseRange(data_ + offset, length,
-                                                 platform::Advice::kPopulateWrite, what_));
+        EA_RETURN_IF_ERROR(
+            platform::AdviseRange(data_ + offset, length, platform::Advice::kPopulateWrite, what_));
       }
       c = platform::AdviseRange(data_ + offset, length, platform::Advice::kCollapse, what_);
     }
@@ -237,7 +237,8 @@ void BackgroundPages::Work() {
     done_[i] = 1;
     while (done_prefix_ < done_.size() && done_[done_prefix_] != 0) ++done_prefix_;
     if (done_prefix_ == done_.size()) {
-      seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+      finished_at_ = std::chrono::steady_clock::now();
+      seconds_ = std::chrono::duration<double>(finished_at_ - start_).count();
     }
     front_.Advance(std::min(bytes_, done_prefix_ * kBackgroundPiece));
   }
@@ -252,16 +253,22 @@ Status BackgroundPages::Finish() {
   return Status::Ok();
 }
 
-Status BackedFile::FinishPages(double load_wait_seconds) {
+Status BackedFile::FinishPages() {
   if (pages == nullptr) return Status::Ok();
+  // Called when the load is done: how long after the last page it ended is what the pages
+  // did not hide.
+  const auto load_done = std::chrono::steady_clock::now();
   Status s = pages->Finish();
   if (!s.ok()) return s;
   collapse_seconds = pages->seconds();
   const uint64_t bytes = pages->bytes();
   char buf[128];
   if (pages->collapse_problem().ok()) {
-    std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE %.2f s alongside the load (its readers waited %.2f s in all)",
-                  collapse_seconds, load_wait_seconds);
+    const double tail =
+        std::max(0.0, std::chrono::duration<double>(load_done - pages->finished_at()).count());
+    std::snprintf(buf, sizeof buf,
+                  "; MADV_COLLAPSE %.2f s alongside the load, which ended %.2f s after it",
+                  collapse_seconds, tail);
     huge.note += buf;
     huge.note += SlowCollapseHint(collapse_seconds, bytes);
   } else {

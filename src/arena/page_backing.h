@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "common/ready_front.h"
-
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
 #include "platform/file.h"
@@ -100,6 +99,7 @@ class BackgroundPages {
   // After Finish: seconds from the start to the last piece, and the first collapse failure
   // (OK when every piece is on 2 MiB pages or none was asked for).
   double seconds() const { return seconds_; }
+  std::chrono::steady_clock::time_point finished_at() const { return finished_at_; }
   uint64_t bytes() const { return bytes_; }
   const Status& collapse_problem() const { return collapse_problem_; }
 
@@ -122,6 +122,7 @@ class BackgroundPages {
   Status fatal_;               // guarded by mu_
   Status collapse_problem_;    // guarded by mu_
   double seconds_ = 0;
+  std::chrono::steady_clock::time_point finished_at_;
   std::vector<std::thread> workers_;
 };
 
@@ -136,9 +137,9 @@ struct BackedFile {
   std::unique_ptr<BackgroundPages> pages;
 
   // Waits for the background pages (if any) and completes `huge.note` and collapse_seconds;
-  // the first piece that could not be allocated or populated. `load_wait_seconds`: how long
-  // the load waited for pages, for the note.
-  Status FinishPages(double load_wait_seconds);
+  // the first piece that could not be allocated or populated. Called right after the load:
+  // the note says how long after the last page the load ended (what the pages did not hide).
+  Status FinishPages();
 };
 
 // Allocates the empty file behind `fd` to `bytes`, maps it writable (`alignment`: 2 MiB, or

@@ -308,8 +308,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
     Status s = pages != nullptr ? pages->front().WaitFor(layout->header_bytes) : Status::Ok();
     if (!s.ok()) return stop_pages(s);
-    s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
-                             created, 0, header);
+    s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks, created,
+                             0, header);
     if (!s.ok()) return stop_pages(s);
     std::byte* data = impl->mapping.data() + impl->data_offset;
     if (pages == nullptr) {
@@ -329,7 +329,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     }
     auto loaded = load::LoadTensors(request, impl->table);
     // The pages' own error first: a load stopped by a full filesystem reports that.
-    s = backed->FinishPages(loaded.ok() ? loaded->ready_wait_seconds : 0);
+    s = backed->FinishPages();
     if (!s.ok()) return stop_pages(s);
     if (!loaded.ok()) return fail(loaded.status().WithContext("loading " + path));
     const HugeDecision& huge = backed->huge;

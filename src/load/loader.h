@@ -74,8 +74,8 @@ struct LoadResult {
   uint64_t hot_bytes = 0;     // copied from a mapping of the page cache, hashed while hot
   double seconds = 0;
   double ready_wait_seconds = 0;  // summed over the readers: waiting for ready_front
-  std::string reader;  // "io_uring" or "pread"
-  std::string note;    // why io_uring was not used, when "auto" fell back to pread
+  std::string reader;             // "io_uring" or "pread"
+  std::string note;               // why io_uring was not used, when "auto" fell back to pread
 };
 
 // Reads every tensor of `table` from its source into data[arena_offset, +bytes) and sets its

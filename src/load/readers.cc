@@ -29,10 +29,10 @@ size_t ReadJob::TakePiece(size_t& run_next) {
   if (ready_front->ready() >= end) return index;
   const auto start = std::chrono::steady_clock::now();
   Status ready = ready_front->WaitFor(end);
-  ready_wait_nanos.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                 std::chrono::steady_clock::now() - start)
-                                 .count(),
-                             std::memory_order_relaxed);
+  ready_wait_nanos.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count(),
+      std::memory_order_relaxed);
   if (ready.ok()) return index;
   Fail(ready);
   return kNone;

@@ -44,7 +44,7 @@ struct ReadJob {
   // front covers ready_base + its end (loader.h).
   const ReadyFront* ready_front = nullptr;
   uint64_t ready_base = 0;
-  std::atomic<uint64_t> ready_wait_nanos{0};  // summed over the workers
+  std::atomic<uint64_t> ready_wait_nanos{0};        // summed over the workers
   std::unique_ptr<std::atomic<uint8_t>[]> claimed;  // per piece
   std::atomic<size_t> next_piece{0};
   std::atomic<uint64_t> bytes_done{0};

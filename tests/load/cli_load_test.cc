@@ -108,5 +108,27 @@ TEST(CliLoadTest, SelectAndAllOverrideTheDefault) {
   }
 }
 
+// --pages-first makes every 2 MiB page before the read (the library's
+// pages_alongside_load = false); the default makes them alongside. Both on plain /dev/shm.
+TEST(CliLoadTest, PagesFirstTurnsOffPagesAlongsideTheLoad) {
+  ScopedDir dir("cli-pages");
+  const std::string model = dir.File("m.gguf");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "2",
+                         "--experts", "4", "--hidden", "512", "--ffn", "512"}),
+            0);
+  for (const bool first : {false, true}) {
+    ScopedPath arena("arena");
+    std::vector<std::string> args = {"load",       "--model", model, "--arena",
+                                     arena.path(), "--huge",  "on",  "--json"};
+    if (first) args.push_back("--pages-first");
+    std::string out;
+    ASSERT_EQ(ExpertArena(args, &out), 0) << out;
+    auto j = nlohmann::json::parse(out);
+    const std::string note = j["huge_note"];
+    EXPECT_NE(note.find("MADV_COLLAPSE"), std::string::npos) << note;
+    EXPECT_EQ(note.find("alongside the load") == std::string::npos, first) << note;
+  }
+}
+
 }  // namespace
 }  // namespace expert_arena

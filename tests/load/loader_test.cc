@@ -309,8 +309,8 @@ TEST_P(LoaderReadersTest, WritesOnlyWhereTheFrontIsReady) {
     loaded.result = *result;
     memory.Join();
     EXPECT_GT(loaded.result.ready_wait_seconds, 0.0) << "the loader caught up with the front";
-    ASSERT_OK_AND_ASSIGN(loaded.memory, platform::Mapping::MapAnonymous(loaded.table.data_bytes,
-                                                                        kHugePageBytes));
+    ASSERT_OK_AND_ASSIGN(loaded.memory,
+                         platform::Mapping::MapAnonymous(loaded.table.data_bytes, kHugePageBytes));
     std::memcpy(loaded.memory.data(), memory.data().data(), loaded.table.data_bytes);
     ExpectMatchesSources(loaded, independent, path);
     if (cached) {

@@ -23,6 +23,7 @@ struct LoadArgs {
   bool all = false;
   std::string gpu = "none";
   std::string huge = "auto";
+  bool pages_first = false;
   double wait_timeout = 600;
   bool hold = false;
   bool json = false;
@@ -61,6 +62,7 @@ int RunLoad(const LoadArgs& args) {
   options.huge = args.huge == "on"    ? HugePages::kOn
                  : args.huge == "off" ? HugePages::kOff
                                       : HugePages::kAuto;
+  options.pages_alongside_load = !args.pages_first;
   options.wait_timeout_seconds = args.wait_timeout;
   options.gpu = args.gpu;
   options.reader = args.reader;
@@ -116,6 +118,8 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   cmd->add_option("--gpu", args->gpu, "none|cuda[:N]|hip[:N]");
   cmd->add_option("--huge", args->huge, "2 MiB pages: auto|on|off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  cmd->add_flag("--pages-first", args->pages_first,
+                "On plain tmpfs, make every 2 MiB page before reading (default: alongside)");
   cmd->add_option("--wait-timeout", args->wait_timeout,
                   "Seconds to wait for another engine's load");
   cmd->add_option("--reader", args->reader, "auto|io_uring|pread")
