@@ -1,6 +1,7 @@
 #include "source/safetensors_reader.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -17,6 +18,23 @@ using Json = nlohmann::json;
 
 Status Fail(const std::string& path, const std::string& message) {
   return Corrupt(path + ": " + message);
+}
+
+// Text from the file as a message may quote it: control bytes become \xNN, so a hostile
+// header cannot drive the terminal of whoever reads the error.
+std::string Printable(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f || c == '\\') {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", byte);
+      out += hex;
+    } else {
+      out += c;
+    }
+  }
+  return out;
 }
 
 Result<Json> ParseJson(const std::string& text, const std::string& path, const char* what) {
@@ -58,7 +76,9 @@ Status ParseTensor(const std::string& path, const std::string& name, const Json&
   out->name = name;
   out->dtype = dtype->get<std::string>();
   const SafetensorsDtype* type = FindSafetensorsDtype(out->dtype);
-  if (type == nullptr) return Unsupported(path + ": " + what + ": unknown dtype " + out->dtype);
+  if (type == nullptr) {
+    return Unsupported(path + ": " + what + ": unknown dtype " + Printable(out->dtype));
+  }
   if (out->shape.size() > 8) {
     return Fail(path, what + ": " + std::to_string(out->shape.size()) + " dimensions (at most 8)");
   }
@@ -85,9 +105,11 @@ Status ParseTensor(const std::string& path, const std::string& name, const Json&
   return Status::Ok();
 }
 
+// A shard name: one file in the index's directory, without control bytes (the name reaches
+// paths and so every message about the shard).
 bool PlainFileName(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         name.find('\0') == std::string::npos;
+         format::TensorNameProblem(name).empty();
 }
 
 }  // namespace
@@ -127,7 +149,9 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
     if (it.key() == "__metadata__") {
       if (!it->is_object()) return Fail(file.path, "__metadata__ is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
-        if (!m->is_string()) return Fail(file.path, "__metadata__ " + m.key() + " is not a string");
+        if (!m->is_string()) {
+          return Fail(file.path, "__metadata__ " + Printable(m.key()) + " is not a string");
+        }
         file.metadata[m.key()] = m->get<std::string>();
       }
       continue;
@@ -182,10 +206,14 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
   if (map == json.end() || !map->is_object()) return Fail(path, "no weight_map object");
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   for (auto it = map->begin(); it != map->end(); ++it) {
+    // The keys are tensor names, held to the rule of the shards' own names (and quoted below).
+    if (std::string problem = format::TensorNameProblem(it.key()); !problem.empty()) {
+      return Fail(path, "a weight_map key: " + problem);
+    }
     if (!it->is_string()) return Fail(path, "weight_map " + it.key() + " is not a file name");
     std::string shard = it->get<std::string>();
     if (!PlainFileName(shard)) {
-      return Fail(path, "weight_map " + it.key() + " names " + shard +
+      return Fail(path, "weight_map " + it.key() + " names " + Printable(shard) +
                             ", not a file name in the index's directory");
     }
     std::string joined = (dir / shard).string();

@@ -150,6 +150,48 @@ std::string WriteRaw(const ScopedDir& dir, const std::string& json, uint64_t dat
   return path;
 }
 
+// Found by fuzz_safetensors_sharded: names from a hostile index or header reached the error
+// messages with their control bytes ("tensor \x1b[31m... is mapped to ..."), so the model
+// could drive the terminal of whoever read the error. Weight-map keys are tensor names and are
+// refused like them; shard names with a control byte are not plain file names; dtypes and
+// metadata keys are quoted with \xNN.
+TEST(SafetensorsTest, IndexAndHeaderMessagesNeverQuoteControlBytes) {
+  ScopedDir dir("st-index-control");
+  SafetensorsWriter w;
+  ASSERT_OK(w.AddTensor("a.experts.0.w1", "F32", {4}));
+  ASSERT_OK(w.WriteFile(dir.File("s1.safetensors"), FillPattern));
+  auto write_file = [&](const std::string& name, const std::string& text) {
+    std::vector<std::byte> bytes(text.size());
+    std::memcpy(bytes.data(), text.data(), text.size());
+    testing::WriteFileBytes(dir.File(name), bytes);
+    return dir.File(name);
+  };
+  auto expect_clean = [](const Status& s) {
+    ASSERT_FALSE(s.ok());
+    for (char c : s.message()) {
+      const auto byte = static_cast<unsigned char>(c);
+      EXPECT_TRUE(byte >= 0x20 && byte != 0x7f) << "control byte in: " << s.message();
+    }
+  };
+  const std::string index = "model.safetensors.index.json";
+  Status s = Plan({write_file(index, R"({"weight_map": {"\u001b[31mred": "s1.safetensors"}})")});
+  ExpectError(s, {"index.json", "a weight_map key", "control byte 0x1b at byte 0"});
+  expect_clean(s);
+  s = Plan({write_file(index, R"({"weight_map": {"a.experts.0.w1": "s\u001b1.safetensors"}})")});
+  ExpectError(s, {"index.json", "names s\\x1b1.safetensors, not a file name"});
+  expect_clean(s);
+  // A header's dtype and metadata key, through a shard.
+  write_file(index, R"({"weight_map": {"t": "bad.safetensors"}})");
+  WriteRaw(dir, R"({"t":{"dtype":"\u001b]0;x\u0007","shape":[2],"data_offsets":[0,2]}})", 16);
+  s = Plan({dir.File(index)});
+  ExpectError(s, {"unknown dtype \\x1b]0;x\\x07"});
+  expect_clean(s);
+  WriteRaw(dir, R"({"__metadata__":{"\u001b[2J":1}})", 0);
+  s = Plan({dir.File("bad.safetensors")});
+  ExpectError(s, {"__metadata__ \\x1b[2J is not a string"});
+  expect_clean(s);
+}
+
 TEST(SafetensorsDamageTest, EachLieIsAClearError) {
   ScopedDir dir("st-damage");
   auto plan = [&](const std::string& json, uint64_t data, std::optional<uint64_t> length = {}) {
