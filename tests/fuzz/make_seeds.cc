@@ -209,6 +209,64 @@ void SafetensorsSeeds() {
   Write(i, "not-string", std::string(R"({"weight_map": {"a": 3}})"));
 }
 
+// fuzz_safetensors_sharded: INDEX, then each shard after "\n#shard#\n" (s1, s2, s3).
+std::vector<std::byte> ShardedInput(const std::string& index,
+                                    const std::vector<std::vector<std::byte>>& shards) {
+  const std::string separator = "\n#shard#\n";
+  std::vector<std::byte> input(reinterpret_cast<const std::byte*>(index.data()),
+                               reinterpret_cast<const std::byte*>(index.data()) + index.size());
+  for (const auto& shard : shards) {
+    for (char c : separator) input.push_back(std::byte(c));
+    input.insert(input.end(), shard.begin(), shard.end());
+  }
+  return input;
+}
+
+std::vector<std::byte> Shard(const std::vector<std::pair<std::string, std::string>>& tensors) {
+  SafetensorsWriter w;
+  for (const auto& [name, dtype] : tensors) Check(w.AddTensor(name, dtype, {2, 2}));
+  return SafetensorsBytes(w);
+}
+
+void ShardedSeeds() {
+  const std::string t = "safetensors_sharded";
+  const std::string e0 = "model.layers.0.mlp.experts.0.up_proj.weight";
+  const std::string e1 = "model.layers.0.mlp.experts.1.up_proj.weight";
+  const std::string emb = "model.embed_tokens.weight";
+  auto s1 = Shard({{emb, "F32"}, {e0, "BF16"}});
+  auto s2 = Shard({{e1, "F8_E4M3"}});
+  auto s3 = Shard({{"lm_head.weight", "F16"}});
+  const std::string map3 = "\"" + emb + "\": \"s1.safetensors\", \"" + e0 +
+                           "\": \"s1.safetensors\", \"" + e1 +
+                           "\": \"s2.safetensors\", \"lm_head.weight\": \"s3.safetensors\"";
+  const std::string index3 = R"({"metadata": {"total_size": 68}, "weight_map": {)" + map3 + "}}";
+  Write(t, "valid-3-shards", ShardedInput(index3, {s1, s2, s3}));
+  Write(t, "valid-1-shard",
+        ShardedInput(R"({"weight_map": {")" + emb + R"(": "s1.safetensors", ")" + e0 +
+                         R"(": "s1.safetensors"}})",
+                     {s1}));
+  // A tensor of a shard that the index does not name is loaded too.
+  Write(t, "unmapped-tensor",
+        ShardedInput(R"({"weight_map": {")" + emb + R"(": "s1.safetensors"}})", {s1}));
+  Write(t, "missing-shard", ShardedInput(index3, {s1, s2}));
+  Write(t, "wrong-shard",
+        ShardedInput(R"({"weight_map": {")" + e1 + R"(": "s1.safetensors"}})", {s1, s2}));
+  Write(
+      t, "tensor-in-two-shards",
+      ShardedInput(R"({"weight_map": {")" + emb + R"(": "s1.safetensors", "x": "s2.safetensors"}})",
+                   {s1, Shard({{"x", "F32"}, {emb, "F32"}})}));
+  Write(t, "damaged-shard",
+        ShardedInput(R"({"weight_map": {"a": "s1.safetensors"}})",
+                     {RawSafetensors(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                                     R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                                     32)}));
+  Write(t, "control-byte-name",
+        ShardedInput(R"({"weight_map": {"\u001b[31mred": "s1.safetensors"}})", {s1}));
+  Write(t, "index-names-itself",
+        ShardedInput(R"({"weight_map": {"a": "model.safetensors.index.json"}})", {s1}));
+  Write(t, "dotdot", ShardedInput(R"({"weight_map": {"a": "../s1.safetensors"}})", {s1}));
+}
+
 void ArenaHeaderSeeds() {
   format::ArenaTable table;
   table.sources.push_back({"/models/m.gguf", 4096, 1234});
@@ -325,6 +383,7 @@ int main(int argc, char** argv) {
   g_out = argv[1];
   GgufSeeds();
   SafetensorsSeeds();
+  ShardedSeeds();
   ArenaHeaderSeeds();
   StreamSeeds();
   return 0;
