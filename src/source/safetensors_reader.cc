@@ -1,13 +1,13 @@
 #include "source/safetensors_reader.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <unordered_set>
 
+#include "common/escape.h"
 #include "format/arena_table.h"
 #include "source/header_reader.h"
 
@@ -18,23 +18,6 @@ using Json = nlohmann::json;
 
 Status Fail(const std::string& path, const std::string& message) {
   return Corrupt(path + ": " + message);
-}
-
-// Text from the file as a message may quote it: control bytes become \xNN, so a hostile
-// header cannot drive the terminal of whoever reads the error.
-std::string Printable(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte == 0x7f || c == '\\') {
-      char hex[8];
-      std::snprintf(hex, sizeof hex, "\\x%02x", byte);
-      out += hex;
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 Result<Json> ParseJson(const std::string& text, const std::string& path, const char* what) {
@@ -77,7 +60,7 @@ Status ParseTensor(const std::string& path, const std::string& name, const Json&
   out->dtype = dtype->get<std::string>();
   const SafetensorsDtype* type = FindSafetensorsDtype(out->dtype);
   if (type == nullptr) {
-    return Unsupported(path + ": " + what + ": unknown dtype " + Printable(out->dtype));
+    return Unsupported(path + ": " + what + ": unknown dtype " + EscapeForMessage(out->dtype));
   }
   if (out->shape.size() > 8) {
     return Fail(path, what + ": " + std::to_string(out->shape.size()) + " dimensions (at most 8)");
@@ -109,7 +92,7 @@ Status ParseTensor(const std::string& path, const std::string& name, const Json&
 // paths and so every message about the shard).
 bool PlainFileName(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         format::TensorNameProblem(name).empty();
+         ControlByteProblem(name).empty();
 }
 
 }  // namespace
@@ -150,7 +133,7 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
       if (!it->is_object()) return Fail(file.path, "__metadata__ is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
-          return Fail(file.path, "__metadata__ " + Printable(m.key()) + " is not a string");
+          return Fail(file.path, "__metadata__ " + EscapeForMessage(m.key()) + " is not a string");
         }
         file.metadata[m.key()] = m->get<std::string>();
       }
@@ -213,7 +196,7 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
     if (!it->is_string()) return Fail(path, "weight_map " + it.key() + " is not a file name");
     std::string shard = it->get<std::string>();
     if (!PlainFileName(shard)) {
-      return Fail(path, "weight_map " + it.key() + " names " + Printable(shard) +
+      return Fail(path, "weight_map " + it.key() + " names " + EscapeForMessage(shard) +
                             ", not a file name in the index's directory");
     }
     std::string joined = (dir / shard).string();

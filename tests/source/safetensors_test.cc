@@ -154,7 +154,7 @@ std::string WriteRaw(const ScopedDir& dir, const std::string& json, uint64_t dat
 // messages with their control bytes ("tensor \x1b[31m... is mapped to ..."), so the model
 // could drive the terminal of whoever read the error. Weight-map keys are tensor names and are
 // refused like them; shard names with a control byte are not plain file names; dtypes and
-// metadata keys are quoted with \xNN.
+// metadata keys are quoted escaped (EscapeForMessage).
 TEST(SafetensorsTest, IndexAndHeaderMessagesNeverQuoteControlBytes) {
   ScopedDir dir("st-index-control");
   SafetensorsWriter w;
