@@ -5,9 +5,9 @@
 
 #include "arena/arena_locks.h"
 #include "arena/test_hooks.h"
-#include "platform/directory.h"
 #include "common/units.h"
 #include "load/loader.h"
+#include "platform/directory.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
@@ -163,11 +163,11 @@ Result<ArenaSweepReport> SweepArenaFiles(const std::string& directory) {
     if (summary->state == format::FileState::kPublished) {
       auto in_use = platform::ByteIsLocked(*fd, kUserByte, platform::LockMode::kExclusive);
       report.kept.push_back(path);
-      report.notes.push_back(
-          path + ": published arena, " + size +
-          (in_use.ok() && *in_use ? ", in use; left alone"
-                                  : ", not in use; kept for the next engine "
-                                    "(`expert-arena rm " + path + "` frees it)"));
+      report.notes.push_back(path + ": published arena, " + size +
+                             (in_use.ok() && *in_use ? ", in use; left alone"
+                                                     : ", not in use; kept for the next engine "
+                                                       "(`expert-arena rm " +
+                                                           path + "` frees it)"));
       continue;
     }
     // Unpublished: a loader is at work (FILL held) or died. Decide under the locks, reading

@@ -41,9 +41,9 @@ Status RemoveArenaFile(const std::string& path);
 struct ArenaSweepReport {
   std::vector<std::string> removed;  // unfinished arenas whose loader is gone, unlinked
   uint64_t removed_bytes = 0;
-  std::vector<std::string> kept;     // published arenas (a restart attaches), and arenas
-                                     // being loaded or mapped right now
-  std::vector<std::string> notes;    // one line per arena file: what it is, what was done
+  std::vector<std::string> kept;   // published arenas (a restart attaches), and arenas
+                                   // being loaded or mapped right now
+  std::vector<std::string> notes;  // one line per arena file: what it is, what was done
 };
 
 // The arena files (files with the arena magic) of this user in `directory`: removes the ones a

@@ -162,7 +162,7 @@ namespace {
 constexpr uint64_t kBackgroundPiece = 64 * kMiB;
 }  // namespace
 
-BackgroundPages::BackgroundPages(const platform::UniqueFd& fd, std::byte* data, uint64_t bytes,
+BackgroundPages::BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes,
                                  std::string what, bool collapse, unsigned threads)
     : fd_(fd),
       data_(data),
@@ -189,34 +189,65 @@ BackgroundPages::~BackgroundPages() {
 }
 
 Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
+  std::byte* piece = data_ + offset;
+  if (fd_ == nullptr) {
+    // Anonymous memory: nothing to collapse until it is faulted in; what faulting left on
+    // 4 KiB pages (no compaction on the fault path when THP defrag is off) is collapsed.
+    EA_RETURN_IF_ERROR(
+        platform::AdviseRange(piece, length, platform::Advice::kPopulateWrite, what_));
+    if (!collapse_) return Status::Ok();
+    Status c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
+    if (!c.ok() && c.code() == StatusCode::kBusy) {
+      c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
+    }
+    NoteCollapseProblem(c, offset, length);
+    return Status::Ok();
+  }
   if (collapse_) {
     Status s = Status::Ok();
     // One small page per 2 MiB: see CollapseParallel.
     for (uint64_t at = offset; s.ok() && at < offset + length; at += kHugePageBytes) {
-      s = platform::AllocateRange(fd_, at, 1);
+      s = platform::AllocateRange(*fd_, at, 1);
     }
     if (!s.ok()) return s;  // fatal: the filesystem is full or failing
-    Status c = platform::AdviseRange(data_ + offset, length, platform::Advice::kCollapse, what_);
+    Status c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
     if (!c.ok() && (c.code() == StatusCode::kBusy || c.code() == StatusCode::kInvalidArgument)) {
       // EAGAIN: one retry. EINVAL: fault the piece in and collapse it (that copies).
       if (c.code() == StatusCode::kInvalidArgument) {
-        EA_RETURN_IF_ERROR(platform::AllocateRange(fd_, offset, length));
+        EA_RETURN_IF_ERROR(platform::AllocateRange(*fd_, offset, length));
         EA_RETURN_IF_ERROR(
-            platform::AdviseRange(data_ + offset, length, platform::Advice::kPopulateWrite, what_));
+            platform::AdviseRange(piece, length, platform::Advice::kPopulateWrite, what_));
       }
-      c = platform::AdviseRange(data_ + offset, length, platform::Advice::kCollapse, what_);
+      c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
     }
-    if (!c.ok()) {
-      std::lock_guard lock(mu_);
-      if (collapse_problem_.ok()) {
-        collapse_problem_ =
-            c.WithContext("bytes " + std::to_string(offset) + "+" + std::to_string(length));
-      }
-    }
+    NoteCollapseProblem(c, offset, length);
   }
   // Every byte of the piece is allocated before any is written through the mapping.
-  EA_RETURN_IF_ERROR(platform::AllocateRange(fd_, offset, length));
-  return platform::AdviseRange(data_ + offset, length, platform::Advice::kPopulateWrite, what_);
+  EA_RETURN_IF_ERROR(platform::AllocateRange(*fd_, offset, length));
+  return platform::AdviseRange(piece, length, platform::Advice::kPopulateWrite, what_);
+}
+
+void BackgroundPages::NoteCollapseProblem(const Status& c, uint64_t offset, uint64_t length) {
+  if (c.ok()) return;
+  std::lock_guard lock(mu_);
+  if (collapse_problem_.ok()) {
+    collapse_problem_ =
+        c.WithContext("bytes " + std::to_string(offset) + "+" + std::to_string(length));
+  }
+}
+
+std::string BackgroundPages::Note(std::chrono::steady_clock::time_point load_done) const {
+  if (!collapse_) return "";
+  if (!collapse_problem_.ok()) {
+    return "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " + collapse_problem_.message();
+  }
+  const double tail =
+      std::max(0.0, std::chrono::duration<double>(load_done - finished_at_).count());
+  char buf[128];
+  std::snprintf(buf, sizeof buf,
+                "; MADV_COLLAPSE %.2f s alongside the load, which ended %.2f s after it", seconds_,
+                tail);
+  return buf + SlowCollapseHint(seconds_, bytes_);
 }
 
 void BackgroundPages::Work() {
@@ -258,23 +289,9 @@ Status BackedFile::FinishPages() {
   // Called when the load is done: how long after the last page it ended is what the pages
   // did not hide.
   const auto load_done = std::chrono::steady_clock::now();
-  Status s = pages->Finish();
-  if (!s.ok()) return s;
+  EA_RETURN_IF_ERROR(pages->Finish());
   collapse_seconds = pages->seconds();
-  const uint64_t bytes = pages->bytes();
-  char buf[128];
-  if (pages->collapse_problem().ok()) {
-    const double tail =
-        std::max(0.0, std::chrono::duration<double>(load_done - pages->finished_at()).count());
-    std::snprintf(buf, sizeof buf,
-                  "; MADV_COLLAPSE %.2f s alongside the load, which ended %.2f s after it",
-                  collapse_seconds, tail);
-    huge.note += buf;
-    huge.note += SlowCollapseHint(collapse_seconds, bytes);
-  } else {
-    huge.note += "; MADV_COLLAPSE failed, part may stay on 4 KiB pages: " +
-                 pages->collapse_problem().message();
-  }
+  huge.note += pages->Note(load_done);
   pages.reset();
   return Status::Ok();
 }
@@ -297,7 +314,7 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
       Status advise =
           platform::AdviseRange(file.mapping.data(), bytes, platform::Advice::kHugePage, what);
       if (!advise.ok()) file.huge.note += "; " + advise.message();
-      file.pages = std::make_unique<BackgroundPages>(fd, file.mapping.data(), bytes, what,
+      file.pages = std::make_unique<BackgroundPages>(&fd, file.mapping.data(), bytes, what,
                                                      /*collapse=*/true);
       return file;
     }

@@ -71,21 +71,23 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
                             const std::string& what, double* collapse_seconds,
                             const platform::UniqueFd* allocate = nullptr);
 
-// Makes the pages of a file that is sized but not allocated, mapped at `data` from offset 0,
-// on background threads, in 64 MiB pieces taken front to back: one small page per 2 MiB, then
-// MADV_COLLAPSE (when `collapse`), then the whole piece allocated (a no-op where the collapse
-// succeeded, 4 KiB pages where it did not) and populated (MADV_POPULATE_WRITE). front() moves
-// past each piece once it and every piece before it are done, so a loader can write the first
-// pieces while the later ones are still being made: on a VM whose free memory the host took
-// back, making the 2 MiB pages costs 1-2 s/GiB, as much as reading the model from disk, and
-// the two now overlap. No byte of a piece is written before the piece is allocated, so a
-// filesystem that fills up meanwhile is an error (the front fails with it), never a SIGBUS.
+// Makes the pages of a mapping on background threads, in 64 MiB pieces taken front to back.
+// For a file that is sized but not allocated, mapped at `data` from offset 0 (`fd` set): one
+// small page per 2 MiB, then MADV_COLLAPSE (when `collapse`), then the whole piece allocated
+// (a no-op where the collapse succeeded, 4 KiB pages where it did not) and populated
+// (MADV_POPULATE_WRITE). For anonymous memory (`fd` null): populated, then collapsed (when
+// `collapse`). front() moves past each piece once it and every piece before it are done, so a
+// loader can write the first pieces while the later ones are still being made: on a VM whose
+// free memory the host took back, making the 2 MiB pages costs 1-2 s/GiB, as much as reading
+// the model from disk, and the two now overlap. No byte of a piece is written before the
+// piece is allocated, so a filesystem that fills up meanwhile is an error (the front fails
+// with it), never a SIGBUS.
 //
-// Thread-safety: front() may be waited on from any thread; Finish and the destructor from the
-// owner only. The destructor stops the pieces not started yet and joins.
+// Thread-safety: front() may be waited on from any thread; Finish, Note and the destructor
+// from the owner only. The destructor stops the pieces not started yet and joins.
 class BackgroundPages {
  public:
-  BackgroundPages(const platform::UniqueFd& fd, std::byte* data, uint64_t bytes, std::string what,
+  BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes, std::string what,
                   bool collapse, unsigned threads = 0);
   ~BackgroundPages();
   BackgroundPages(const BackgroundPages&) = delete;
@@ -100,14 +102,18 @@ class BackgroundPages {
   // (OK when every piece is on 2 MiB pages or none was asked for).
   double seconds() const { return seconds_; }
   std::chrono::steady_clock::time_point finished_at() const { return finished_at_; }
+  // After Finish: for the start line, e.g. "; MADV_COLLAPSE 2.39 s alongside the load, which
+  // ended 0.01 s after it" (`load_done`: when the load ended); "" when nothing was collapsed.
+  std::string Note(std::chrono::steady_clock::time_point load_done) const;
   uint64_t bytes() const { return bytes_; }
   const Status& collapse_problem() const { return collapse_problem_; }
 
  private:
   void Work();
   Status MakePiece(uint64_t offset, uint64_t length);
+  void NoteCollapseProblem(const Status& c, uint64_t offset, uint64_t length);
 
-  const platform::UniqueFd& fd_;
+  const platform::UniqueFd* fd_;
   std::byte* data_;
   uint64_t bytes_;
   std::string what_;

@@ -138,7 +138,7 @@ TEST(BackgroundPagesTest, FrontReachesTheEndWithEveryPieceAllocatedOnTwoMiBPages
     PiecesFixture f(256 * kMiB, bytes);
     if (!f.ok()) GTEST_SKIP() << f.skip_reason();
     ASSERT_OK(f.Prepare());
-    BackgroundPages pages(f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, threads);
+    BackgroundPages pages(&f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, threads);
     std::vector<uint64_t> seen;  // the front each time a piece's worth of bytes was waited for
     std::thread waiter([&] {
       for (uint64_t end = 64 * kMiB; end < bytes + 64 * kMiB; end += 64 * kMiB) {
@@ -173,7 +173,7 @@ TEST(BackgroundPagesTest, FullFilesystemFailsTheFrontWithNoSpace) {
   PiecesFixture f(100 * kMiB, bytes);
   if (!f.ok()) GTEST_SKIP() << f.skip_reason();
   ASSERT_OK(f.Prepare());
-  BackgroundPages pages(f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, 1);
+  BackgroundPages pages(&f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, 1);
   Status waited = pages.front().WaitFor(bytes);
   Status finished = pages.Finish();
   ASSERT_FALSE(finished.ok());
@@ -181,6 +181,24 @@ TEST(BackgroundPagesTest, FullFilesystemFailsTheFrontWithNoSpace) {
   EXPECT_NE(finished.message().find(f.path()), std::string::npos) << finished.message();
   EXPECT_EQ(waited.ToString(), finished.ToString());
   EXPECT_EQ(pages.front().ready(), 64 * kMiB) << "the one piece that fits is ready";
+}
+
+// Anonymous memory (a private arena): each piece is faulted in and collapsed; the front
+// reaches the end with the whole range populated and on 2 MiB pages.
+TEST(BackgroundPagesTest, AnonymousMemoryIsPopulatedAndCollapsed) {
+  const uint64_t bytes = 130 * kMiB;
+  ASSERT_OK_AND_ASSIGN(auto memory, platform::Mapping::MapAnonymous(bytes, kHugePageBytes));
+  ASSERT_OK(platform::AdviseRange(memory.data(), bytes, platform::Advice::kHugePage, "test"));
+  BackgroundPages pages(nullptr, memory.data(), bytes, "private", /*collapse=*/true, 2);
+  ASSERT_OK(pages.front().WaitFor(bytes));
+  ASSERT_OK(pages.Finish());
+  if (!pages.collapse_problem().ok()) {
+    GTEST_SKIP() << "MADV_COLLAPSE of anonymous memory: " << pages.collapse_problem().ToString();
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(memory.data(), bytes));
+  EXPECT_EQ(huge, bytes);
+  EXPECT_NE(pages.Note(std::chrono::steady_clock::now()).find("alongside the load"),
+            std::string::npos);
 }
 
 // Destroying it before it is done stops the pieces not started and joins; no hang, no leak.
@@ -191,7 +209,7 @@ TEST(BackgroundPagesTest, DestroyedEarlyStops) {
   ASSERT_OK(f.Prepare());
   uint64_t ready = 0;
   {
-    BackgroundPages pages(f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, 1);
+    BackgroundPages pages(&f.fd(), f.mapping().data(), bytes, f.path(), /*collapse=*/true, 1);
     ASSERT_OK(pages.front().WaitFor(1));
     ready = pages.front().ready();
   }
