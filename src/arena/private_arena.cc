@@ -26,7 +26,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
   request.progress = options.progress;
   request.logger = &log;
   HugeDecision huge;
-  Result<load::LoadResult> loaded = Status::Ok();
+  Result<load::LoadResult> loaded = Internal("private arena: not loaded");
   if (options.pages_alongside_load) {
     // Pages faulted in (and collapsed, when asked) piece by piece, front to back, while the
     // loader fills the pieces already made (BackgroundPages).

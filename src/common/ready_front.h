@@ -41,6 +41,7 @@ class ReadyFront {
   // once when the range is already ready.
   Status WaitFor(uint64_t end) const {
     std::unique_lock lock(mu_);
+    if (ready_ < end && !failed_) ++waits_;
     cv_.wait(lock, [&] { return ready_ >= end || failed_; });
     if (ready_ >= end) return Status::Ok();
     return error_;
@@ -51,10 +52,17 @@ class ReadyFront {
     return ready_;
   }
 
+  // How many WaitFor calls found their range not ready yet and blocked.
+  uint64_t waits() const {
+    std::lock_guard lock(mu_);
+    return waits_;
+  }
+
  private:
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   uint64_t ready_ = 0;
+  mutable uint64_t waits_ = 0;
   bool failed_ = false;
   Status error_;
 };

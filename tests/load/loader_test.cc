@@ -11,6 +11,7 @@
 #include <sys/syscall.h>
 #include <xxhash.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -250,8 +251,10 @@ class GatedMemory {
   std::span<std::byte> data() { return {memory_.data(), bytes_}; }
   const ReadyFront& front() const { return front_; }
 
-  // Opens the memory in steps of `step` (page-aligned) from another thread, a little later
-  // each time; with stop_at below the size the front fails there with `error` instead.
+  // Opens the memory in steps of `step` (page-aligned) from another thread; with stop_at
+  // below the size the front fails there with `error` instead. Each step waits until the
+  // loader has caught up and blocked on the front (or is done), so every run, however slow
+  // the loader (sanitizers), writes against a front that moves under it.
   void StartMoving(uint64_t step, uint64_t stop_at = ~uint64_t{0}, Status error = Status::Ok()) {
     mover_ = std::thread([this, step, stop_at, error] {
       for (uint64_t ready = step;; ready += step) {
@@ -259,18 +262,24 @@ class GatedMemory {
           front_.Fail(error);
           return;
         }
+        const uint64_t waits = front_.waits();
         const uint64_t open = std::min(ready, memory_.size());
         EXPECT_EQ(::mprotect(memory_.data(), open, PROT_READ | PROT_WRITE), 0);
         front_.Advance(kBase + std::min(ready, bytes_));
         if (ready >= bytes_) return;
-        std::this_thread::sleep_for(std::chrono::microseconds(300));
+        while (front_.waits() == waits && !loader_done_.load()) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
       }
     });
   }
+  // The loader returned: the mover stops waiting for it to block.
+  void LoaderDone() { loader_done_.store(true); }
 
  private:
   uint64_t bytes_;
   platform::Mapping memory_;
+  std::atomic<bool> loader_done_{false};
   ReadyFront front_;
   std::thread mover_;
 };
@@ -305,10 +314,12 @@ TEST_P(LoaderReadersTest, WritesOnlyWhereTheFrontIsReady) {
     request.ready_base = GatedMemory::kBase;
     memory.StartMoving(75 * 4096);
     auto result = LoadTensors(request, loaded.table);
+    memory.LoaderDone();
     ASSERT_TRUE(result.ok()) << result.status().ToString();
     loaded.result = *result;
     memory.Join();
     EXPECT_GT(loaded.result.ready_wait_seconds, 0.0) << "the loader caught up with the front";
+    EXPECT_GT(memory.front().waits(), 10u);
     ASSERT_OK_AND_ASSIGN(loaded.memory,
                          platform::Mapping::MapAnonymous(loaded.table.data_bytes, kHugePageBytes));
     std::memcpy(loaded.memory.data(), memory.data().data(), loaded.table.data_bytes);
@@ -338,6 +349,7 @@ TEST_P(LoaderReadersTest, AFailedFrontFailsTheLoadWithItsError) {
   request.ready_base = GatedMemory::kBase;
   memory.StartMoving(256 * 4096, table.data_bytes / 3, NoSpace("/dev/shm/x: no space left"));
   auto result = LoadTensors(request, table);
+  memory.LoaderDone();
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().code(), StatusCode::kNoSpace) << result.status().ToString();
   EXPECT_NE(result.status().message().find("/dev/shm/x"), std::string::npos);
