@@ -48,9 +48,10 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 
 echo "== ThreadSanitizer build: the threaded and multi-process parts"
 # The stream producer (grow-ahead thread, copy threads, concurrent aborts), the loader's
-# reader threads, the background 2 MiB page makers, and the arena protocol's engines (children are the same instrumented
-# binary), plus the CLI that their tests drive. Run directly: the rest of the tsan tree is
-# not built, so ctest would list the other tests as missing.
+# reader threads, the background 2 MiB page makers, and the arena protocol's engines
+# (children are the same instrumented binary), plus the CLI that their tests drive. Run
+# directly: the rest of the tsan tree is not built, so ctest would list the other tests as
+# missing.
 tsan_tests=(stream_unit_test stream_process_test loader_test arena_protocol_test host_device_test
             page_backing_test arena_backing_test)
 cmake --preset tsan >/dev/null
