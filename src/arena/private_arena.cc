@@ -43,8 +43,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
     request.ready_front = &pages.front();
     loaded = load::LoadTensors(request, impl->table);
     const auto load_done = std::chrono::steady_clock::now();
+    EA_RETURN_IF_ERROR(loaded.status());  // the pages stop (destructor); their error is here
     EA_RETURN_IF_ERROR(pages.Finish());
-    EA_RETURN_IF_ERROR(loaded.status());
     if (huge.ask) collapse_seconds = pages.seconds();
     huge.note += pages.Note(load_done);
   } else {

@@ -328,10 +328,11 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
       request.ready_base = impl->data_offset;
     }
     auto loaded = load::LoadTensors(request, impl->table);
-    // The pages' own error first: a load stopped by a full filesystem reports that.
+    // A load that failed stops the pages at once (a failure of the pages reaches the load as
+    // the front's error); otherwise wait for the last pieces.
+    if (!loaded.ok()) return stop_pages(loaded.status().WithContext("loading " + path));
     s = backed->FinishPages();
     if (!s.ok()) return stop_pages(s);
-    if (!loaded.ok()) return fail(loaded.status().WithContext("loading " + path));
     const HugeDecision& huge = backed->huge;
     const double collapse_seconds = backed->collapse_seconds;
 

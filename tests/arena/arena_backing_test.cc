@@ -221,5 +221,31 @@ TEST(ArenaPagesAlongsideTest, FilesystemFilledDuringTheLoadIsAnErrorAndLeavesNoF
   EXPECT_NE(stat(arena.path().c_str(), &st), 0) << "the failed load removed its file";
 }
 
+// The model is cut short while the pages are made alongside the load: the load fails naming
+// the model, the pages stop, and the unpublished file is removed.
+TEST(ArenaPagesAlongsideTest, SourceCutShortDuringTheLoadIsAnErrorAndLeavesNoFile) {
+  const uint64_t model_bytes = 200 * kMiB;
+  ScopedDataFile model(model_bytes, 13);
+  ScopedPath arena("arena", ArenaTestDir());
+  std::once_flag once;
+  arena::test_hooks::SetBeforePagePiece([&](size_t piece) {
+    if (piece != 1) return;
+    std::call_once(once, [&] { ASSERT_EQ(::truncate(model.path().c_str(), 64 * kMiB), 0); });
+  });
+  ModelSpec spec;
+  spec.files = {model.path()};
+  ArenaOptions options;
+  options.shared_path = arena.path();
+  options.progress = false;
+  options.huge = HugePages::kOn;
+  auto result = Arena::Open(spec, options);
+  arena::test_hooks::SetBeforePagePiece(nullptr);
+  ASSERT_FALSE(result.ok()) << "the model lost its last 136 MiB during the load";
+  EXPECT_NE(result.status().message().find(model.path()), std::string::npos)
+      << result.status().message();
+  struct stat st;
+  EXPECT_NE(stat(arena.path().c_str(), &st), 0) << "the failed load removed its file";
+}
+
 }  // namespace
 }  // namespace expert_arena::testing
