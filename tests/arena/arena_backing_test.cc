@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <functional>
 #include <mutex>
 
 #include "arena/arena_file.h"
@@ -178,6 +179,26 @@ TEST(ArenaPagesAlongsideTest, BothOrdersGiveTheSameArenaOnTwoMiBPages) {
   }
 }
 
+// Loads `model` into a new shared arena at `arena` with 2 MiB pages made alongside the load,
+// running `event` once, in the page maker, just before it starts piece 1 (while the loader
+// works on piece 0).
+Result<Arena> OpenWithEventBeforePiece1(const std::string& model, const std::string& arena,
+                                        std::function<void()> event) {
+  std::once_flag once;
+  arena::test_hooks::SetBeforePagePiece([&](size_t piece) {
+    if (piece == 1) std::call_once(once, event);
+  });
+  ModelSpec spec;
+  spec.files = {model};
+  ArenaOptions options;
+  options.shared_path = arena;
+  options.progress = false;
+  options.huge = HugePages::kOn;
+  auto result = Arena::Open(spec, options);
+  arena::test_hooks::SetBeforePagePiece(nullptr);
+  return result;
+}
+
 // The filesystem fills up while the pages are made alongside the load (another process
 // takes the space after the check of free space at the start): the load fails with kNoSpace
 // naming the file, never a SIGBUS, and removes its file.
@@ -188,31 +209,19 @@ TEST(ArenaPagesAlongsideTest, FilesystemFilledDuringTheLoadIsAnErrorAndLeavesNoF
   ScopedDataFile model(model_bytes, 12);
   ScopedPath arena("arena", mount.dir());
   ScopedPath hog("hog", mount.dir());
-  std::once_flag once;
-  arena::test_hooks::SetBeforePagePiece([&](size_t piece) {
-    if (piece != 1) return;
-    std::call_once(once, [&] {
-      // Take every free byte of the mount, the way a rival process would.
-      const int fd = ::open(hog.path().c_str(), O_RDWR | O_CREAT, 0600);
-      ASSERT_GE(fd, 0);
-      for (uint64_t chunk = 256 * kMiB; chunk >= 4096; chunk /= 2) {
-        struct stat st;
+  auto result = OpenWithEventBeforePiece1(model.path(), arena.path(), [&] {
+    // Take every free byte of the mount, the way a rival process would.
+    const int fd = ::open(hog.path().c_str(), O_RDWR | O_CREAT, 0600);
+    ASSERT_GE(fd, 0);
+    for (uint64_t chunk = 256 * kMiB; chunk >= 4096; chunk /= 2) {
+      struct stat st;
+      ASSERT_EQ(::fstat(fd, &st), 0);
+      while (::posix_fallocate(fd, st.st_size, chunk) == 0) {
         ASSERT_EQ(::fstat(fd, &st), 0);
-        while (::posix_fallocate(fd, st.st_size, chunk) == 0) {
-          ASSERT_EQ(::fstat(fd, &st), 0);
-        }
       }
-      ::close(fd);
-    });
+    }
+    ::close(fd);
   });
-  ModelSpec spec;
-  spec.files = {model.path()};
-  ArenaOptions options;
-  options.shared_path = arena.path();
-  options.progress = false;
-  options.huge = HugePages::kOn;
-  auto result = Arena::Open(spec, options);
-  arena::test_hooks::SetBeforePagePiece(nullptr);
   ASSERT_FALSE(result.ok()) << "the hog took the space the arena needed";
   EXPECT_EQ(result.status().code(), StatusCode::kNoSpace) << result.status().ToString();
   EXPECT_NE(result.status().message().find(arena.path()), std::string::npos)
@@ -227,19 +236,9 @@ TEST(ArenaPagesAlongsideTest, SourceCutShortDuringTheLoadIsAnErrorAndLeavesNoFil
   const uint64_t model_bytes = 200 * kMiB;
   ScopedDataFile model(model_bytes, 13);
   ScopedPath arena("arena", ArenaTestDir());
-  std::once_flag once;
-  arena::test_hooks::SetBeforePagePiece([&](size_t piece) {
-    if (piece != 1) return;
-    std::call_once(once, [&] { ASSERT_EQ(::truncate(model.path().c_str(), 64 * kMiB), 0); });
+  auto result = OpenWithEventBeforePiece1(model.path(), arena.path(), [&] {
+    ASSERT_EQ(::truncate(model.path().c_str(), 64 * kMiB), 0);
   });
-  ModelSpec spec;
-  spec.files = {model.path()};
-  ArenaOptions options;
-  options.shared_path = arena.path();
-  options.progress = false;
-  options.huge = HugePages::kOn;
-  auto result = Arena::Open(spec, options);
-  arena::test_hooks::SetBeforePagePiece(nullptr);
   ASSERT_FALSE(result.ok()) << "the model lost its last 136 MiB during the load";
   EXPECT_NE(result.status().message().find(model.path()), std::string::npos)
       << result.status().message();
