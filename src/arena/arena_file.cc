@@ -24,7 +24,7 @@ Result<platform::UniqueFd> OpenExisting(const std::string& path, bool write) {
 
 }  // namespace
 
-Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
+Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages) {
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
   ArenaFileInfo info;
@@ -69,6 +69,7 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path) {
     return info;
   }
   info.state = "published";
+  if (!scan_pages) return info;
   // Page backing: map read-only, fault in (no copy: the pages exist), count 2 MiB entries.
   uint64_t alignment = fs.ok() && fs->kind == platform::FsKind::kHugetlbfs
                            ? std::max(fs->block_bytes, kHugePageBytes)

@@ -28,7 +28,10 @@ struct ArenaFileInfo {
   format::ArenaTable table;  // when published and valid
 };
 
-Result<ArenaFileInfo> InspectArenaFile(const std::string& path);
+// Reads the header (and, when published, the table) without taking any lock. With
+// `scan_pages` it also maps the file and reads from the page tables how much of it is on
+// 2 MiB pages (huge_bytes, mapped_bytes); a listing of many large arenas leaves that out.
+Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages = true);
 
 // Recomputes every tensor's checksum. Returns the index of the first bad tensor, or -1.
 // Holds USER shared while it reads, like an engine.

@@ -3,9 +3,11 @@
 // (never a live one), exact-key abort, spill at the cap and back, strict mode, release gated
 // on a completion, dead readers, and a consumer dropping an unlinked segment.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/escape.h"
@@ -448,6 +450,76 @@ TEST(StreamProcess, CliInfoAndSweep) {
   ASSERT_EQ(sweep.Wait(30), 0);
   EXPECT_NE(sweep.Output().find("removed 1"), std::string::npos) << sweep.Output();
   EXPECT_FALSE(std::filesystem::exists(seg));
+}
+
+// `expert-arena ls DIR`: every arena and stream segment of a shared directory with what holds
+// it, from real processes: a published arena nobody maps (rm frees it), one an engine holds
+// (in use), a live producer's segment and a killed producer's (sweep frees it); other files,
+// a FIFO among them, are only counted (and never opened: a FIFO would block). The holder runs
+// `load --hold` with stdin on /dev/null, which must not end the hold.
+TEST(StreamProcess, CliLsListsArenasAndSegmentsWithWhatHoldsThem) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  const std::string tool = testing::BinDir() + "/expert-arena";
+  if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built";
+  const std::string model = base + "m.gguf";
+  Child gen =
+      testing::SpawnProgram(tool, {"gen-model", "--format", "gguf", "--out", model, "--layers", "2",
+                                   "--experts", "2", "--hidden", "64", "--ffn", "64"});
+  ASSERT_EQ(gen.Wait(60), 0);
+  const std::string idle = dirs.shm() + "/idle.arena", held = dirs.shm() + "/held.arena";
+  Child load = testing::SpawnProgram(tool, {"load", "--model", model, "--arena", idle});
+  ASSERT_EQ(load.Wait(60), 0);
+  // stdin /dev/null, as under a service manager: --hold still holds until SIGTERM.
+  Child holder = testing::SpawnProgram(
+      "/bin/sh", {"-c", "exec " + tool + " load --model " + model + " --arena " + held +
+                            " --hold --json </dev/null"});
+  ASSERT_TRUE(holder.WaitForOutput("\"role\"", 60)) << holder.Output();
+  Child live = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "live", base + "l"});
+  Child dead = SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "dead", base + "d"});
+  ASSERT_TRUE(WaitForFile(base + "l", 60));
+  ASSERT_TRUE(WaitForFile(base + "d", 60));
+  dead.Kill(SIGKILL);
+  EXPECT_EQ(dead.Wait(10), 128 + SIGKILL);
+  TouchFile(dirs.shm() + "/notes.txt");
+  ASSERT_EQ(::mkfifo((dirs.shm() + "/fifo").c_str(), 0600), 0);
+
+  Child ls = testing::SpawnProgram(tool, {"ls", dirs.shm(), "--json"});
+  ASSERT_EQ(ls.Wait(30), 0) << "a FIFO in the directory must not block ls";
+  const nlohmann::json j = nlohmann::json::parse(ls.Output());
+  ASSERT_EQ(j["arenas"].size(), 2u) << j.dump(1);
+  for (const auto& a : j["arenas"]) {
+    EXPECT_EQ(a["state"], "published") << a.dump();
+    EXPECT_EQ(a["in_use"], a["path"] == held) << a.dump();
+  }
+  ASSERT_EQ(j["segments"].size(), 2u) << j.dump(1);
+  for (const auto& g : j["segments"]) {
+    const bool is_live = g["logical_name"] == "live";
+    EXPECT_EQ(g["owner_alive"], is_live) << g.dump();
+    EXPECT_EQ(g["owner_pid"], is_live ? live.pid() : dead.pid()) << g.dump();
+    EXPECT_EQ(g["live_blocks"], 1) << g.dump();
+  }
+  EXPECT_EQ(j["arenas_in_use"], 1);
+  EXPECT_EQ(j["dead_owner_segments"], 1);
+  EXPECT_EQ(j["other_files"], 2) << "notes.txt and the FIFO";
+
+  Child text = testing::SpawnProgram(tool, {"ls", dirs.shm()});
+  ASSERT_EQ(text.Wait(30), 0);
+  const std::string out = text.Output();
+  EXPECT_NE(out.find(idle + ": not in use; kept for the next engine (rm frees it)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find(held + ": in use"), std::string::npos) << out;
+  EXPECT_NE(out.find("owner pid " + std::to_string(dead.pid()) + " gone (sweep frees it)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("2 arenas"), std::string::npos) << out;
+  EXPECT_NE(out.find("2 other files not shown"), std::string::npos) << out;
+
+  holder.Kill(SIGTERM);
+  EXPECT_EQ(holder.Wait(30), 0);
+  live.Kill(SIGKILL);
+  live.Wait(10);
 }
 
 // `info` prints a segment's logical name, which another process wrote, escaped: bytes of 0x80

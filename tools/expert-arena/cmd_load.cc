@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -31,14 +32,19 @@ struct LoadArgs {
   uint64_t alignment = 4096;
 };
 
-// Blocks until SIGINT/SIGTERM arrives or stdin closes.
+// Blocks until SIGINT/SIGTERM arrives or stdin closes. Closing counts only for a stdin that
+// can close (a pipe, a socket, a terminal): under a service manager or `nohup ... </dev/null`
+// stdin is /dev/null, which reads as closed at once, and the hold would end before it began.
 void HoldUntilReleased() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   sigprocmask(SIG_BLOCK, &set, nullptr);
-  struct pollfd fds[1] = {{STDIN_FILENO, POLLIN, 0}};
+  struct stat st;
+  const bool watch_stdin = fstat(STDIN_FILENO, &st) == 0 &&
+                           (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || isatty(STDIN_FILENO));
+  struct pollfd fds[1] = {{watch_stdin ? STDIN_FILENO : -1, POLLIN, 0}};
   for (;;) {
     struct timespec tick = {0, 100 * 1000 * 1000};
     siginfo_t info;

@@ -12,5 +12,6 @@ void RegisterSweep(CLI::App& app, int& exit_code);
 // `info` of a stream segment (cmd_sweep.cc).
 int RunSegmentInfo(const std::string& path, bool json);
 void RegisterGenModel(CLI::App& app, int& exit_code);
+void RegisterList(CLI::App& app, int& exit_code);  // ls
 
 }  // namespace expert_arena::cli

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   expert_arena::cli::RegisterFileCommands(app, exit_code);
   expert_arena::cli::RegisterSweep(app, exit_code);
   expert_arena::cli::RegisterGenModel(app, exit_code);
+  expert_arena::cli::RegisterList(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,178 @@
+// expert-arena ls [DIR]: what holds memory in a shared directory (default /dev/shm): every
+// arena file and stream segment, with its state, size, who uses or owns it, and whether
+// `sweep` or `rm` would free it; other files are only counted. Takes no lock and changes
+// nothing; does not map arenas (`info PATH` reads their page tables).
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "arena/arena_file.h"
+#include "commands.h"
+#include "common/escape.h"
+#include "common/units.h"
+#include "expert_arena/stream.h"
+#include "format/arena_format.h"
+#include "platform/directory.h"
+#include "platform/file.h"
+
+namespace expert_arena::cli {
+namespace {
+
+struct Listing {
+  nlohmann::json arenas = nlohmann::json::array();
+  nlohmann::json segments = nlohmann::json::array();
+  std::vector<std::string> lines;
+  uint64_t arena_bytes = 0, segment_bytes = 0;
+  uint64_t arenas_in_use = 0, freeable_arenas = 0, dead_segments = 0, other_files = 0;
+};
+
+// What an operator may do about an arena in `state`.
+std::string ArenaAction(const arena::ArenaFileInfo& a) {
+  if (a.state == "published") {
+    return a.in_use ? "in use" : "not in use; kept for the next engine (rm frees it)";
+  }
+  if (a.state == "loading") return "being loaded by pid " + std::to_string(a.summary.loader_pid);
+  if (a.state == "loading (loader gone)") {
+    return "left unfinished by pid " + std::to_string(a.summary.loader_pid) +
+           ", which is gone (sweep frees it)";
+  }
+  if (a.state == "damaged") return "damaged: " + a.problem + " (rm frees it when unused)";
+  return a.state;
+}
+
+void AddArena(const std::string& path, Listing& out) {
+  auto info = arena::InspectArenaFile(path, /*scan_pages=*/false);
+  if (!info.ok()) {
+    out.lines.push_back("arena    ?          " + EscapeForMessage(path) +
+                        ": cannot be read: " + info.status().message());
+    out.arenas.push_back({{"path", path}, {"problem", info.status().message()}});
+    return;
+  }
+  const auto& a = *info;
+  const std::string action = ArenaAction(a);
+  const std::string identity = EscapeForMessage(a.summary.identity_text);
+  out.arena_bytes += a.file_bytes;
+  if (a.in_use) ++out.arenas_in_use;
+  if (!a.in_use && !a.loading_now && a.state != "loading") ++out.freeable_arenas;
+  char size[32];
+  std::snprintf(size, sizeof size, "%-10s", FormatBytes(a.file_bytes).c_str());
+  out.lines.push_back("arena    " + std::string(size) + " " + EscapeForMessage(path) + ": " +
+                      action + (identity.empty() ? "" : "; model " + identity));
+  out.arenas.push_back({{"path", path},
+                        {"file_bytes", a.file_bytes},
+                        {"state", a.state},
+                        {"in_use", a.in_use},
+                        {"loading_now", a.loading_now},
+                        {"loader_pid", a.summary.loader_pid},
+                        {"owner_uid", a.owner_uid},
+                        {"identity", identity},
+                        {"action", action}});
+}
+
+void AddSegment(const std::string& path, Listing& out) {
+  auto info = InspectSegment(path);
+  if (!info.ok() || !info->ours) {
+    const std::string problem = info.ok() ? info->problem : info.status().message();
+    out.lines.push_back("segment  ?          " + EscapeForMessage(path) +
+                        ": cannot be read: " + problem);
+    out.segments.push_back({{"path", path}, {"problem", problem}});
+    return;
+  }
+  const auto& g = *info;
+  out.segment_bytes += g.file_bytes;
+  if (!g.owner_alive) ++out.dead_segments;
+  const char* kind = g.spill ? "spill" : g.dedicated ? "dedicated" : "regular";
+  const std::string name = EscapeForMessage(g.logical_name);
+  const std::string owner = "owner pid " + std::to_string(g.owner_pid) +
+                            (g.owner_alive ? " alive" : " gone (sweep frees it)");
+  char size[32];
+  std::snprintf(size, sizeof size, "%-10s", FormatBytes(g.file_bytes).c_str());
+  out.lines.push_back("segment  " + std::string(size) + " " + EscapeForMessage(path) + ": " + kind +
+                      " of stream \"" + name + "\", " + owner + ", " +
+                      std::to_string(g.live_blocks) + " live blocks (" + FormatBytes(g.live_bytes) +
+                      "), " + std::to_string(g.readers) + " readers");
+  out.segments.push_back({{"path", path},
+                          {"file_bytes", g.file_bytes},
+                          {"kind", kind},
+                          {"logical_name", name},
+                          {"owner_pid", g.owner_pid},
+                          {"owner_uid", g.owner_uid},
+                          {"owner_alive", g.owner_alive},
+                          {"live_blocks", g.live_blocks},
+                          {"live_bytes", g.live_bytes},
+                          {"readers", g.readers}});
+}
+
+bool HasArenaMagic(const std::string& path, uint64_t size) {
+  if (size < sizeof(format::HeaderFixed)) return false;
+  auto fd = platform::OpenFile(path, {.no_follow = true});
+  if (!fd.ok()) return false;
+  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
+  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
+  return format::SummarizeHeader(fixed).our_magic;
+}
+
+int RunList(const std::string& dir, bool json) {
+  auto names = platform::ListDirectory(dir);
+  if (!names.ok()) {
+    std::fprintf(stderr, "expert-arena ls: %s\n", names.status().message().c_str());
+    return 1;
+  }
+  std::sort(names->begin(), names->end());
+  Listing out;
+  for (const auto& name : *names) {
+    const std::string path = dir + "/" + name;
+    auto st = platform::StatPath(path);
+    // Only regular files are opened: a FIFO or device would block or mean nothing here.
+    if (!st.ok() || !st->regular) {
+      ++out.other_files;
+      continue;
+    }
+    if (IsStreamSegment(path)) {
+      AddSegment(path, out);
+    } else if (HasArenaMagic(path, st->size)) {
+      AddArena(path, out);
+    } else {
+      ++out.other_files;
+    }
+  }
+  if (json) {
+    nlohmann::json j;
+    j["directory"] = dir;
+    j["arenas"] = out.arenas;
+    j["segments"] = out.segments;
+    j["arena_bytes"] = out.arena_bytes;
+    j["segment_bytes"] = out.segment_bytes;
+    j["arenas_in_use"] = out.arenas_in_use;
+    j["dead_owner_segments"] = out.dead_segments;
+    j["other_files"] = out.other_files;
+    // A path with bytes that are not UTF-8 must not throw out of dump().
+    std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+    return 0;
+  }
+  for (const auto& line : out.lines) std::printf("%s\n", line.c_str());
+  std::printf(
+      "%s: %zu arenas (%s; %llu in use, %llu not in use or unfinished), %zu stream segments "
+      "(%s; %llu of owners that are gone); %llu other files not shown\n",
+      EscapeForMessage(dir).c_str(), out.arenas.size(), FormatBytes(out.arena_bytes).c_str(),
+      static_cast<unsigned long long>(out.arenas_in_use),
+      static_cast<unsigned long long>(out.freeable_arenas), out.segments.size(),
+      FormatBytes(out.segment_bytes).c_str(), static_cast<unsigned long long>(out.dead_segments),
+      static_cast<unsigned long long>(out.other_files));
+  return 0;
+}
+
+}  // namespace
+
+void RegisterList(CLI::App& app, int& exit_code) {
+  auto dir = std::make_shared<std::string>("/dev/shm");
+  auto json = std::make_shared<bool>(false);
+  CLI::App* ls = app.add_subcommand(
+      "ls", "List the arenas and stream segments in a directory: size, state, users, owners");
+  ls->add_option("dir", *dir, "Shared directory")->capture_default_str();
+  ls->add_flag("--json", *json, "Print one JSON object");
+  ls->callback([dir, json, &exit_code] { exit_code = RunList(*dir, *json); });
+}
+
+}  // namespace expert_arena::cli
