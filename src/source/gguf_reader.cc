@@ -5,6 +5,7 @@
 #include <numeric>
 #include <unordered_set>
 
+#include "common/escape.h"
 #include "common/units.h"
 #include "format/arena_table.h"
 #include "source/header_reader.h"
@@ -183,13 +184,15 @@ Result<GgufFile> GgufParser::Parse() {
   for (uint64_t k = 0; k < kv_count; ++k) {
     std::string where = "metadata entry " + std::to_string(k);
     EA_ASSIGN_OR_RETURN(std::string key, in_.String(kMaxKeyBytes, "the key of " + where));
-    EA_ASSIGN_OR_RETURN(uint32_t type, in_.Scalar<uint32_t>("the type of " + key));
+    // The key is the file's: escaped (and cut short) wherever a message shows it.
+    const std::string shown = QuoteForMessage(key);
+    EA_ASSIGN_OR_RETURN(uint32_t type, in_.Scalar<uint32_t>("the type of metadata " + shown));
     if (!KnownValueType(type)) {
-      return Fail("metadata " + key + ": unknown value type " + std::to_string(type));
+      return Fail("metadata " + shown + ": unknown value type " + std::to_string(type));
     }
     GgufValue value;
-    EA_RETURN_IF_ERROR(ReadValue(static_cast<GgufValueType>(type), "metadata " + key, 0, &value));
-    if (!keys.insert(key).second) return Fail("metadata key " + key + " appears twice");
+    EA_RETURN_IF_ERROR(ReadValue(static_cast<GgufValueType>(type), "metadata " + shown, 0, &value));
+    if (!keys.insert(key).second) return Fail("metadata key " + shown + " appears twice");
     file.metadata.emplace_back(std::move(key), std::move(value));
   }
   if (const GgufValue* alignment = file.Find("general.alignment")) {

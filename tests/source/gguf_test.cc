@@ -263,7 +263,7 @@ TEST(GgufDamageTest, HugeCountsAndLengths) {
     // magic 4 + version 4 + counts 16 + key (8 + 3) + type 4 + element type 4 -> count at 43
     uint64_t count = 1ull << 40;
     std::memcpy(s.file.data() + 43, &count, 8);
-    ExpectError(PlanBytes(dir, s.file), {"bad.gguf", "metadata arr", "elements"});
+    ExpectError(PlanBytes(dir, s.file), {"bad.gguf", "metadata \"arr\"", "elements"});
   }
 }
 
@@ -375,6 +375,95 @@ TEST(GgufDamageTest, OtherLies) {
     GgufWriter w;
     w.Add("weird", GgufWriter::Scalar(static_cast<GgufValueType>(77), 0));
     ExpectError(PlanBytes(dir, MakeSample(w).file), {"weird", "unknown value type 77"});
+  }
+}
+
+// A metadata key is the file's: a message that names it shows it escaped, so that a hostile
+// key cannot drive the terminal of whoever reads the error nor forge log lines.
+TEST(GgufDamageTest, MetadataKeyMessagesNeverHoldControlBytes) {
+  ScopedDir dir("gguf-key-control");
+  const std::string key = "k\x1b[31m\r\n\x07\x7f";
+  const std::string shown = "k\\x1b[31m\\x0d\\x0a\\x07\\x7f";
+  auto expect_clean = [&](const Status& st, const char* words) {
+    ExpectError(st, {"bad.gguf", shown.c_str(), words});
+    for (char c : st.message()) {
+      const auto byte = static_cast<unsigned char>(c);
+      EXPECT_TRUE(byte >= 0x20 && byte != 0x7f) << "control byte in: " << st.message();
+    }
+  };
+  // Where the key's value starts: magic, version, the two counts, the key's length and bytes.
+  const size_t value_type_at = 4 + 4 + 16 + 8 + key.size();
+  {
+    GgufWriter w;
+    w.AddU32(key, 1);
+    w.AddU32(key, 2);
+    expect_clean(PlanBytes(dir, MakeSample(w).file), "appears twice");
+  }
+  {
+    GgufWriter w;
+    w.Add(key, GgufWriter::Scalar(static_cast<GgufValueType>(77), 0));
+    expect_clean(PlanBytes(dir, MakeSample(w).file), "unknown value type 77");
+  }
+  {
+    GgufWriter w;
+    w.Add(key, GgufWriter::Scalar(GgufValueType::kBool, 2));
+    expect_clean(PlanBytes(dir, MakeSample(w).file), "neither 0 nor 1");
+  }
+  {
+    // The file ends inside the key's type, then inside its value.
+    GgufWriter w;
+    w.AddU32(key, 1);
+    Sample s = MakeSample(w);
+    for (size_t cut : {value_type_at + 2, value_type_at + 4 + 2}) {
+      std::vector<std::byte> bytes(s.file.begin(), s.file.begin() + cut);
+      expect_clean(PlanBytes(dir, bytes), "file ends inside");
+    }
+  }
+  {
+    // A string value longer than the file.
+    GgufWriter w;
+    w.AddString(key, "value");
+    Sample s = MakeSample(w);
+    uint64_t huge = 1ull << 40;
+    std::memcpy(s.file.data() + value_type_at + 4, &huge, 8);
+    expect_clean(PlanBytes(dir, s.file), "claims 1099511627776 bytes");
+  }
+  {
+    // Arrays: an unknown element type, more elements than the file holds, nested too deep.
+    GgufWriter w;
+    w.Add(key, GgufWriter::Array(static_cast<GgufValueType>(99), {}));
+    expect_clean(PlanBytes(dir, MakeSample(w).file), "unknown array element type 99");
+    GgufWriter w2;
+    w2.Add(key,
+           GgufWriter::Array(GgufValueType::kU64, {GgufWriter::Scalar(GgufValueType::kU64, 1)}));
+    Sample s = MakeSample(w2);
+    uint64_t count = 1ull << 40;
+    std::memcpy(s.file.data() + value_type_at + 4 + 4, &count, 8);
+    expect_clean(PlanBytes(dir, s.file), "elements");
+    GgufValue nested = GgufWriter::Scalar(GgufValueType::kU8, 1);
+    for (int depth = 0; depth < 10; ++depth) {
+      nested = GgufWriter::Array(nested.type, {nested});
+    }
+    GgufWriter w3;
+    w3.Add(key, nested);
+    expect_clean(PlanBytes(dir, MakeSample(w3).file), "nested too deep");
+  }
+  {
+    // A key of 100 KiB full of escapes is refused by its length, without being quoted.
+    GgufWriter w;
+    w.AddU32(std::string(100 * 1024, '\x1b'), 1);
+    Status st = PlanBytes(dir, MakeSample(w).file);
+    ExpectError(st, {"bad.gguf", "the key of metadata entry 0 claims 102400 bytes"});
+    EXPECT_EQ(st.message().find('\x1b'), std::string::npos) << st.message();
+  }
+  {
+    // A long key is cut short in the message.
+    GgufWriter w;
+    w.Add(std::string(1000, 'k') + "\x1b", GgufWriter::Scalar(static_cast<GgufValueType>(77), 0));
+    Status st = PlanBytes(dir, MakeSample(w).file);
+    ExpectError(st, {"bad.gguf", "unknown value type 77"});
+    EXPECT_LT(st.message().size(), 400u) << st.message();
+    EXPECT_EQ(st.message().find('\x1b'), std::string::npos) << st.message();
   }
 }
 
