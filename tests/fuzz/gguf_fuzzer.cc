@@ -1,6 +1,7 @@
 // Fuzz target: the GGUF header reader (source/gguf_reader.h) on arbitrary file contents, then
 // planning on what it accepted. Checks that an accepted file's tensors lie inside the file,
-// after the data section start, aligned, without overlapping.
+// after the data section start, aligned, without overlapping, and that a refusal quotes no
+// control byte from the file.
 #include <algorithm>
 #include <vector>
 
@@ -14,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   platform::UniqueFd fd = fuzz::MemoryFileOrDie("fuzz-gguf", fuzz::Bytes(data, size));
   auto file = source::ReadGguf(fd, size);
   if (!file.ok()) {
-    fuzz::CheckRefusal(file.status());
+    fuzz::CheckCleanRefusal(file.status());
     return 0;
   }
   FUZZ_CHECK(file->file_size == size);

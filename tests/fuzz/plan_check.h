@@ -2,7 +2,7 @@
 // does (PlanModel: detection, selection, arena offsets, identity), and checks what the loader
 // and the arena header then trust: every tensor is named cleanly, lies inside its source file
 // and inside the data region without overlapping another of that file, and the table survives
-// the arena header's encode/decode unchanged.
+// the arena header's encode/decode unchanged. A refusal must not quote a control byte.
 #pragma once
 
 #include <algorithm>
@@ -10,12 +10,21 @@
 #include <string>
 #include <vector>
 
+#include "common/escape.h"
 #include "format/arena_format.h"
 #include "format/arena_table.h"
 #include "fuzz_util.h"
 #include "source/model_source.h"
 
 namespace expert_arena::fuzz {
+
+// A refusal says what is wrong without quoting a control byte from the input (it would drive
+// the terminal of whoever reads it): the paths the targets use are clean, so any control byte
+// in a message came from the file.
+inline void CheckCleanRefusal(const Status& status) {
+  CheckRefusal(status);
+  FUZZ_CHECK(ControlByteProblem(status.message()).empty());
+}
 
 // Headers of more tensors than this are not round-tripped: the region would take several
 // 2 MiB pages per run and slow the fuzzer down for no new code.
@@ -58,7 +67,7 @@ inline void CheckPlanTable(const format::ArenaTable& table,
   if (table.tensors.size() > kMaxRoundTripTensors) return;
   auto layout = format::ComputeLayout(table, format::kHeaderPageBytes);
   if (!layout.ok()) {
-    CheckRefusal(layout.status());
+    CheckCleanRefusal(layout.status());
     return;
   }
   std::vector<std::byte> region(layout->header_bytes);
@@ -85,7 +94,7 @@ inline void CheckPlanTable(const format::ArenaTable& table,
 inline void CheckPlanResult(const Result<source::ModelPlan>& plan,
                             const std::map<std::string, uint64_t>* sizes) {
   if (!plan.ok()) {
-    CheckRefusal(plan.status());
+    CheckCleanRefusal(plan.status());
     return;
   }
   CheckPlanTable(plan->table, sizes);
