@@ -27,13 +27,36 @@ void UniqueFd::Reset() {
   fd_ = -1;
 }
 
+namespace {
+
+// What a file that is not a regular file is, for messages.
+const char* FileTypeName(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a file";
+}
+
+}  // namespace
+
 Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options) {
-  int flags = O_CLOEXEC | (options.write ? O_RDWR : O_RDONLY);
+  // O_NONBLOCK: open(2) of a FIFO waits for a writer and that of some devices for a carrier;
+  // with it no open blocks, and the fstat below refuses both. It means nothing for regular
+  // files and is cleared before the descriptor is handed out anyway.
+  int flags = O_CLOEXEC | O_NONBLOCK | (options.write ? O_RDWR : O_RDONLY);
   if (options.create) flags |= O_CREAT;
   if (options.create && options.exclusive) flags |= O_EXCL;
   if (options.no_follow) flags |= O_NOFOLLOW;
   if (options.direct) flags |= O_DIRECT;
   int fd = ::open(path.c_str(), flags, options.mode);
+  if (fd < 0 && errno == EWOULDBLOCK) {
+    // A lease held by another process (Samba, NFS server): wait for its break as a plain
+    // open does. A FIFO or a device never answers EWOULDBLOCK to open.
+    fd = ::open(path.c_str(), flags & ~O_NONBLOCK, options.mode);
+  }
   if (fd < 0) {
     int err = errno;
     if (err == ELOOP && options.no_follow) {
@@ -42,7 +65,17 @@ Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options) {
     }
     return ErrnoStatus(err, "open", path);
   }
-  return UniqueFd(fd, path);
+  UniqueFd out(fd, path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
+  if (!S_ISREG(st.st_mode)) {
+    return InvalidArgument(path + ": not a regular file (" + FileTypeName(st.st_mode) + ")");
+  }
+  int status_flags = ::fcntl(fd, F_GETFL);
+  if (status_flags < 0 || ::fcntl(fd, F_SETFL, status_flags & ~O_NONBLOCK) != 0) {
+    return ErrnoStatus(errno, "fcntl(F_SETFL)", path);
+  }
+  return out;
 }
 
 static FileStat FromStat(const struct stat& st) {

@@ -50,7 +50,10 @@ struct OpenOptions {
   mode_t mode = 0600;
 };
 
-// open(2) with O_CLOEXEC. A symlink refused by O_NOFOLLOW gets a message that says so.
+// open(2) with O_CLOEXEC, of a regular file only: anything else (a FIFO, a device, a socket,
+// a directory) is kInvalidArgument "PATH: not a regular file (a FIFO)", and the open never
+// blocks on it (it is made with O_NONBLOCK, cleared on the descriptor returned). A symlink
+// refused by O_NOFOLLOW gets a message that says so.
 Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options);
 
 struct FileStat {

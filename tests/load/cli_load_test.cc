@@ -1,6 +1,7 @@
 // expert-arena load / info --json / verify through the real CLI: file_offset is absolute in
 // the arena file, both readers give the same data region, and verify names a corrupted tensor.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -127,6 +128,38 @@ TEST(CliLoadTest, PagesFirstTurnsOffPagesAlongsideTheLoad) {
     const std::string note = j["huge_note"];
     EXPECT_NE(note.find("MADV_COLLAPSE"), std::string::npos) << note;
     EXPECT_EQ(note.find("alongside the load") == std::string::npos, first) << note;
+  }
+}
+
+// A FIFO where a model, a shard or an arena file is expected is a clear error naming it, never
+// a hang in open(2). Each command runs with a bound (exec: the kill reaches expert-arena).
+TEST(CliLoadTest, AFifoIsRefusedNeverWaitedOn) {
+  ScopedDir dir("cli-fifo");
+  const std::string model = dir.File("m.gguf");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "256", "--ffn", "256"}),
+            0);
+  const std::string fifo = dir.File("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ScopedPath arena("fifo-arena");
+  const std::string bin = testing::BinDir() + "/expert-arena";
+  const std::vector<std::string> commands = {
+      "load --model " + fifo + " --arena " + arena.path(),
+      "load --model " + model + " --arena " + fifo,
+      "info " + fifo,
+      "verify " + fifo,
+      "rm " + fifo,
+  };
+  for (const std::string& command : commands) {
+    auto child = testing::SpawnProgram("/bin/sh", {"-c", "exec " + bin + " " + command + " 2>&1"});
+    int code = child.Wait(30);
+    const std::string out = child.Output();
+    EXPECT_NE(code, -1) << command << ": still running after 30 s";
+    EXPECT_NE(code, 0) << command << ": " << out;
+    EXPECT_NE(out.find(fifo + ": not a regular file (a FIFO)"), std::string::npos)
+        << command << ": " << out;
+    struct stat st {};
+    EXPECT_EQ(::stat(fifo.c_str(), &st), 0) << command << " removed the FIFO";
   }
 }
 
