@@ -19,10 +19,10 @@
 // nothing measured"); 1 a check failed or an error; 2 bad usage. --dry-run does the host side
 // only, at 64 MiB (backings, page sizes, the table), and never calls the device; --probe
 // only says whether the device is usable (exit 0) or not (exit 3).
-#include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -58,7 +58,7 @@ struct Config {
   std::string device = "cuda:0";
   uint64_t size_gib = 0;  // 0: 8 GiB or what fits
   std::string dir_4k = "/dev/shm";
-  std::string dir_2m;     // empty: dir_4k, collapsed
+  std::string dir_2m;  // empty: dir_4k, collapsed
   uint64_t chunk_mib = 1024;
   int threads = 2;
   uint64_t copy_mib = 1024;
@@ -111,8 +111,8 @@ Result<Backing> MakeAnonymousBacking(uint64_t bytes, bool huge) {
                               bytes, "anonymous backing", &collapse_seconds);
     b.note = "anonymous memory" + (d.note.empty() ? "" : ", " + d.note);
   } else {
-    EA_RETURN_IF_ERROR(platform::AdviseRange(b.mapping.data(), bytes,
-                                             platform::Advice::kNoHugePage, "anonymous"));
+    EA_RETURN_IF_ERROR(
+        platform::AdviseRange(b.mapping.data(), bytes, platform::Advice::kNoHugePage, "anonymous"));
     b.note = "anonymous memory, MADV_NOHUGEPAGE";
   }
   EA_RETURN_IF_ERROR(platform::AdviseRange(b.mapping.data(), bytes,
@@ -140,19 +140,18 @@ Result<Backing> MakeBacking(const std::string& dir, uint64_t bytes, bool huge,
   EA_RETURN_IF_ERROR(platform::AllocateFile(b.fd, bytes));
   uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
   EA_ASSIGN_OR_RETURN(b.mapping, platform::Mapping::MapFile(b.fd, bytes, true, alignment));
-  std::string fs_name = hugetlbfs ? "hugetlbfs"
-                        : fs.kind == platform::FsKind::kTmpfs
-                            ? "tmpfs huge=" + fs.tmpfs_huge
-                            : std::string("other fs");
+  std::string fs_name = hugetlbfs                             ? "hugetlbfs"
+                        : fs.kind == platform::FsKind::kTmpfs ? "tmpfs huge=" + fs.tmpfs_huge
+                                                              : std::string("other fs");
   if (huge) {
     double collapse_seconds = 0;
-    arena::HugeDecision d = arena::ApplyHugePages(
-        HugePages::kOn, arena::PageSourceFor(hugetlbfs, fs.tmpfs_huge), b.mapping.data(), bytes,
-        b.path, &collapse_seconds);
+    arena::HugeDecision d =
+        arena::ApplyHugePages(HugePages::kOn, arena::PageSourceFor(fs.kind, fs.tmpfs_huge),
+                              b.mapping.data(), bytes, b.path, &collapse_seconds);
     b.note = fs_name + (d.note.empty() ? "" : ", " + d.note);
   } else {
-    EA_RETURN_IF_ERROR(platform::AdviseRange(b.mapping.data(), bytes,
-                                             platform::Advice::kNoHugePage, b.path));
+    EA_RETURN_IF_ERROR(
+        platform::AdviseRange(b.mapping.data(), bytes, platform::Advice::kNoHugePage, b.path));
     b.note = fs_name + ", MADV_NOHUGEPAGE";
   }
   EA_RETURN_IF_ERROR(
@@ -226,8 +225,8 @@ Result<RegistrationFigures> MeasureBacking(Backing& b, const Config& c, const gp
   for (int round = 0; round < 2; ++round) {
     for (int threads : {1, c.threads}) {
       EA_ASSIGN_OR_RETURN(auto seconds, RegisterOnce(range, c, threads, &f));
-      (threads == 1 ? serial : parallel) = std::min(threads == 1 ? serial : parallel,
-                                                    seconds.first);
+      (threads == 1 ? serial : parallel) =
+          std::min(threads == 1 ? serial : parallel, seconds.first);
       unregister = std::min(unregister, seconds.second);
     }
   }
@@ -239,9 +238,8 @@ Result<RegistrationFigures> MeasureBacking(Backing& b, const Config& c, const gp
   options.chunk_bytes = c.chunk_mib * kMiB;
   options.threads = c.threads;
   EA_ASSIGN_OR_RETURN(auto registration, gpu::RegisterHostRange(range, options));
-  EA_ASSIGN_OR_RETURN(f.h2d_gbps,
-                      CopyRate(rt, device, range.data(), range.size(), range.size(), piece, dst,
-                               stream));
+  EA_ASSIGN_OR_RETURN(f.h2d_gbps, CopyRate(rt, device, range.data(), range.size(), range.size(),
+                                           piece, dst, stream));
   return f;
 }
 
@@ -295,10 +293,10 @@ Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* l
       return Corrupt("device copy of " + std::string(view.name) + " differs from the host " +
                      "bytes at offset " + std::to_string(i));
     }
-    *line = "correctness: a " + FormatBytes(view.bytes.size()) +
-            " tensor of a registered " + (shared ? "shared" : "private") + " arena (" + FormatBytes(arena.report().gpu_registered_bytes) +
-            " registered), copied to " + device.ToString() +
-            " with CopyToDeviceAsync and read back, equals the host bytes: ok";
+    *line = "correctness: a " + FormatBytes(view.bytes.size()) + " tensor of a registered " +
+            (shared ? "shared" : "private") + " arena (" +
+            FormatBytes(arena.report().gpu_registered_bytes) + " registered), copied to " +
+            device.ToString() + " with CopyToDeviceAsync and read back, equals the host bytes: ok";
     return Status::Ok();
   }();
   cleanup();
@@ -344,12 +342,15 @@ int main(int argc, char** argv) {
   app.add_option("--dir-2m", c.dir_2m,
                  "directory for the 2 MiB-page file: tmpfs huge=always or hugetlbfs "
                  "(default: --dir-4k with MADV_COLLAPSE), or \"anonymous\"");
-  app.add_option("--chunk-mib", c.chunk_mib, "registration chunk")->capture_default_str()
+  app.add_option("--chunk-mib", c.chunk_mib, "registration chunk")
+      ->capture_default_str()
       ->check(CLI::Range(2, 1 << 20));
   app.add_option("--threads", c.threads, "threads of the parallel registration")
-      ->capture_default_str()->check(CLI::Range(2, 64));
+      ->capture_default_str()
+      ->check(CLI::Range(2, 64));
   app.add_option("--copy-mib", c.copy_mib, "bytes per host-to-device copy")
-      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
   app.add_flag("--dry-run", c.dry_run, "host side only, 64 MiB, no device call");
   app.add_flag("--probe", c.probe, "only say whether the device is usable (exit 0) or not (3)");
   CLI11_PARSE(app, argc, argv);
@@ -357,8 +358,9 @@ int main(int argc, char** argv) {
 
   auto parsed = ParseGpuDevice(c.device);
   if (!parsed.ok() || parsed->backend == GpuBackend::kNone) {
-    std::fprintf(stderr, "gpu_check: --device %s: %s\n", c.device.c_str(),
-                 parsed.ok() ? "a CUDA or HIP device is needed" : parsed.status().message().c_str());
+    std::fprintf(
+        stderr, "gpu_check: --device %s: %s\n", c.device.c_str(),
+        parsed.ok() ? "a CUDA or HIP device is needed" : parsed.status().message().c_str());
     return 2;
   }
   const GpuDevice device = *parsed;
@@ -380,17 +382,19 @@ int main(int argc, char** argv) {
   const uint64_t piece = std::min(c.copy_mib * kMiB, bytes);
   const gpu::Runtime* rt = gpu::RuntimeFor(device.backend);
   const bool measure = !c.dry_run;
-  const std::string pinned_name = device.backend == GpuBackend::kCuda ? "cudaMallocHost" : "hipHostMalloc";
+  const std::string pinned_name =
+      device.backend == GpuBackend::kCuda ? "cudaMallocHost" : "hipHostMalloc";
 
   std::string description = "dry run, no device call";
   if (measure) {
     auto d = rt->Describe(device.index);
     description = d.ok() ? *d : d.status().message();
   }
-  std::printf("gpu_check: %s = %s; %s per backing, registration chunks of %s, parallel = %d "
-              "threads, copies of %s\n",
-              device.ToString().c_str(), description.c_str(), FormatBytes(bytes).c_str(),
-              FormatBytes(c.chunk_mib * kMiB).c_str(), c.threads, FormatBytes(piece).c_str());
+  std::printf(
+      "gpu_check: %s = %s; %s per backing, registration chunks of %s, parallel = %d "
+      "threads, copies of %s\n",
+      device.ToString().c_str(), description.c_str(), FormatBytes(bytes).c_str(),
+      FormatBytes(c.chunk_mib * kMiB).c_str(), c.threads, FormatBytes(piece).c_str());
 
   // Device-side resources shared by every copy measurement.
   void* stream = nullptr;
@@ -404,12 +408,14 @@ int main(int argc, char** argv) {
     stream = *s;
   }
 
-  std::printf("| source                             | on 2 MiB pages | register s/GiB 1 thread | "
-              "register s/GiB %d threads | unregister s/GiB | VmPin growth | H2D GB/s | vs %s |\n",
-              c.threads, pinned_name.c_str());
-  std::printf("|------------------------------------|----------------|-------------------------|"
-              "--------------------------|------------------|--------------|----------|-----%s|\n",
-              std::string(pinned_name.size(), '-').c_str());
+  std::printf(
+      "| source                             | on 2 MiB pages | register s/GiB 1 thread | "
+      "register s/GiB %d threads | unregister s/GiB | VmPin growth | H2D GB/s | vs %s |\n",
+      c.threads, pinned_name.c_str());
+  std::printf(
+      "|------------------------------------|----------------|-------------------------|"
+      "--------------------------|------------------|--------------|----------|-----%s|\n",
+      std::string(pinned_name.size(), '-').c_str());
   struct Row {
     std::string label, huge, serial, parallel, unreg, vmpin, gbps;
     double rate = 0;
@@ -427,8 +433,8 @@ int main(int argc, char** argv) {
     auto backing = MakeBacking(dir, bytes, huge, huge ? "2m" : "4k");
     if (!backing.ok()) return Fail(backing.status());
     Row row{backing->label, "", "-", "-", "-", "-", "-"};
-    row.huge = fmt("%.0f%%", 100.0 * static_cast<double>(backing->huge_bytes) /
-                                 static_cast<double>(bytes));
+    row.huge = fmt("%.0f%%",
+                   100.0 * static_cast<double>(backing->huge_bytes) / static_cast<double>(bytes));
     notes.push_back(backing->label + ": " + backing->note);
     if (huge && backing->huge_bytes < bytes / 10 * 9) {
       notes.push_back("the 2 MiB backing is only " + row.huge +
@@ -469,8 +475,8 @@ int main(int argc, char** argv) {
     Row row{"pageable (" + FormatBytes(piece) + " malloc)", "-", "-", "-", "-", "-", "-"};
     if (measure) {
       std::vector<std::byte> pageable(piece, std::byte{0x5a});
-      auto rate = CopyRate(*rt, device.index, pageable.data(), piece, bytes, piece, dst->data(),
-                           stream);
+      auto rate =
+          CopyRate(*rt, device.index, pageable.data(), piece, bytes, piece, dst->data(), stream);
       if (!rate.ok()) return Fail(rate.status());
       row.gbps = fmt("%.2f", *rate);
       row.rate = *rate;
@@ -508,9 +514,9 @@ int main(int argc, char** argv) {
     std::printf("gpu_check: %s in %.0f s\n", failed ? "FAILED" : "PASS", Since(start));
     return failed ? 1 : 0;
   }
-  std::printf("%s\n", why.empty() ? ("dry run: " + device.ToString() +
-                                     " is usable; nothing measured")
-                                        .c_str()
-                                  : nothing.c_str());
+  std::printf("%s\n",
+              why.empty()
+                  ? ("dry run: " + device.ToString() + " is usable; nothing measured").c_str()
+                  : nothing.c_str());
   return 0;
 }

@@ -14,8 +14,9 @@
 
 namespace expert_arena::arena {
 
-PageSource PageSourceFor(bool hugetlbfs, const std::string& tmpfs_huge) {
-  if (hugetlbfs) return PageSource::kHugetlbfs;
+PageSource PageSourceFor(platform::FsKind kind, const std::string& tmpfs_huge) {
+  if (kind == platform::FsKind::kHugetlbfs) return PageSource::kHugetlbfs;
+  if (kind == platform::FsKind::kOther) return PageSource::kOtherFs;
   if (tmpfs_huge == "always" || tmpfs_huge == "within_size" ||
       platform::ShmemHugeSetting() == "force") {
     return PageSource::kTmpfsHuge;
@@ -28,6 +29,12 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
   HugeDecision d;
   if (source == PageSource::kHugetlbfs) {
     d.note = "hugetlbfs: 2 MiB pages reserved by the filesystem";
+    return d;
+  }
+  if (source == PageSource::kOtherFs) {
+    // A file on a disk filesystem is its page cache: MADV_COLLAPSE refuses a file open for
+    // writing there (EINVAL), and its pages are written back to the device anyway.
+    d.note = "2 MiB pages not asked for: not on tmpfs or hugetlbfs";
     return d;
   }
   if (source == PageSource::kTmpfsHuge) {

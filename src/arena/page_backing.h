@@ -21,6 +21,7 @@
 #include "expert_arena/status.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
+#include "platform/system_info.h"
 
 namespace expert_arena::arena {
 
@@ -35,10 +36,12 @@ enum class PageSource {
   kTmpfs,      // tmpfs without huge= (or huge=advise): 4 KiB pages unless collapsed
   kTmpfsHuge,  // tmpfs huge=always/within_size (or shmem_enabled=force): 2 MiB at fallocate
   kHugetlbfs,  // reserved 2 MiB (or larger) pages
+  kOtherFs,    // any other filesystem (ext4, xfs, NFS...): the file's pages are its page
+               // cache, written back to the device; nothing to collapse
 };
 
 // The page source of a shared file on a filesystem of `kind` mounted with `tmpfs_huge`.
-PageSource PageSourceFor(bool hugetlbfs, const std::string& tmpfs_huge);
+PageSource PageSourceFor(platform::FsKind kind, const std::string& tmpfs_huge);
 
 // `free_blocks`: free 2 MiB blocks now (from /proc/buddyinfo).
 HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,

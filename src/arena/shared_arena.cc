@@ -288,9 +288,18 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
         (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
       }
     }
+    if (fs.kind == platform::FsKind::kOther) {
+      // Works (every engine shares the file's page cache), but the operator most likely meant
+      // /dev/shm: say what it costs.
+      log.warn(
+          "expert-arena: {} is not on tmpfs or hugetlbfs: the arena is the page cache of a "
+          "file on a disk filesystem, {} written back to its device, on 4 KiB pages; "
+          "/dev/shm or a hugetlbfs mount keeps it in memory only, on 2 MiB pages",
+          path, FormatBytes(layout->file_bytes));
+    }
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
     auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
-                                 PageSourceFor(hugetlbfs, fs.tmpfs_huge), fs.available_bytes, path,
+                                 PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
                                  options.pages_alongside_load);
     if (!backed.ok()) {
       return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));

@@ -43,7 +43,7 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
   };
   // 2 MiB pages per the arena's rule (arena/page_backing.h), every byte allocated.
   auto fs = platform::StatFilesystem(p.directory);
-  auto source = arena::PageSourceFor(fs.ok() && fs->kind == platform::FsKind::kHugetlbfs,
+  auto source = arena::PageSourceFor(fs.ok() ? fs->kind : platform::FsKind::kTmpfs,
                                      fs.ok() ? fs->tmpfs_huge : "never");
   auto backed = arena::AllocateAndMap(seg.fd, file_bytes, kHugePageBytes, p.huge, source,
                                       fs.ok() ? fs->available_bytes : 0, seg.path);

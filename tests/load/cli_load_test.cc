@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "platform/io_ring.h"
+#include "platform/system_info.h"
 #include "source_test_util.h"
 #include "test_util.h"
 
@@ -161,6 +162,34 @@ TEST(CliLoadTest, AFifoIsRefusedNeverWaitedOn) {
     struct stat st {};
     EXPECT_EQ(::stat(fifo.c_str(), &st), 0) << command << " removed the FIFO";
   }
+}
+
+// An arena put on a disk filesystem by mistake (here /tmp when it is one) still works, but the
+// loader says what it costs and asks for no 2 MiB pages there (MADV_COLLAPSE would only fail).
+TEST(CliLoadTest, AnArenaOnADiskFilesystemWorksAndSaysWhatItCosts) {
+  ScopedDir dir("cli-diskfs");
+  auto fs = platform::StatFilesystem(dir.path());
+  if (!fs.ok() || fs->kind != platform::FsKind::kOther) {
+    GTEST_SKIP() << dir.path() << " is on tmpfs or hugetlbfs here";
+  }
+  const std::string model = dir.File("m.gguf");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  const std::string bin = testing::BinDir() + "/expert-arena";
+  const std::string arena = dir.File("m.arena");
+  std::string out;
+  ASSERT_EQ(Shell(bin + " load --model " + model + " --arena " + arena + " --huge on --json", &out),
+            0)
+      << out;
+  EXPECT_NE(out.find(arena + " is not on tmpfs or hugetlbfs"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"huge_note\":\"2 MiB pages not asked for: not on tmpfs or hugetlbfs\""),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("MADV_COLLAPSE"), std::string::npos) << out;
+  ASSERT_EQ(Shell(bin + " load --model " + model + " --arena " + arena + " --json", &out), 0)
+      << out;
+  EXPECT_NE(out.find("\"role\":\"attached\""), std::string::npos) << out;
 }
 
 }  // namespace

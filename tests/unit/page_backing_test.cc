@@ -47,9 +47,10 @@ TEST(HugeDecisionTest, FilesystemPagesAreNeverCollapsed) {
 }
 
 TEST(HugeDecisionTest, PageSourceFollowsTheMountOption) {
-  EXPECT_EQ(PageSourceFor(true, "never"), PageSource::kHugetlbfs);
-  EXPECT_EQ(PageSourceFor(false, "always"), PageSource::kTmpfsHuge);
-  EXPECT_EQ(PageSourceFor(false, "within_size"), PageSource::kTmpfsHuge);
+  EXPECT_EQ(PageSourceFor(platform::FsKind::kHugetlbfs, "never"), PageSource::kHugetlbfs);
+  EXPECT_EQ(PageSourceFor(platform::FsKind::kTmpfs, "always"), PageSource::kTmpfsHuge);
+  EXPECT_EQ(PageSourceFor(platform::FsKind::kTmpfs, "within_size"), PageSource::kTmpfsHuge);
+  EXPECT_EQ(PageSourceFor(platform::FsKind::kOther, "never"), PageSource::kOtherFs);
 }
 
 TEST(HugeDecisionTest, SlowCollapseIsExplainedOnlyWhenSlow) {
