@@ -104,6 +104,11 @@ void AddSegment(const std::string& path, Listing& out) {
                           {"readers", g.readers}});
 }
 
+// "1 arena", "2 arenas".
+std::string Count(uint64_t n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
+
 bool HasArenaMagic(const std::string& path, uint64_t size) {
   if (size < sizeof(format::HeaderFixed)) return false;
   auto fd = platform::OpenFile(path, {.no_follow = true});
@@ -153,13 +158,14 @@ int RunList(const std::string& dir, bool json) {
   }
   for (const auto& line : out.lines) std::printf("%s\n", line.c_str());
   std::printf(
-      "%s: %zu arenas (%s; %llu in use, %llu not in use or unfinished), %zu stream segments "
-      "(%s; %llu of owners that are gone); %llu other files not shown\n",
-      EscapeForMessage(dir).c_str(), out.arenas.size(), FormatBytes(out.arena_bytes).c_str(),
-      static_cast<unsigned long long>(out.arenas_in_use),
-      static_cast<unsigned long long>(out.freeable_arenas), out.segments.size(),
-      FormatBytes(out.segment_bytes).c_str(), static_cast<unsigned long long>(out.dead_segments),
-      static_cast<unsigned long long>(out.other_files));
+      "%s: %s (%s; %llu in use, %llu not in use or unfinished), %s (%s; %llu of owners "
+      "that are gone); %s not shown\n",
+      EscapeForMessage(dir).c_str(), Count(out.arenas.size(), "arena").c_str(),
+      FormatBytes(out.arena_bytes).c_str(), static_cast<unsigned long long>(out.arenas_in_use),
+      static_cast<unsigned long long>(out.freeable_arenas),
+      Count(out.segments.size(), "stream segment").c_str(), FormatBytes(out.segment_bytes).c_str(),
+      static_cast<unsigned long long>(out.dead_segments),
+      Count(out.other_files, "other file").c_str());
   return 0;
 }
 
