@@ -56,7 +56,7 @@ print(f"| {name:<22} | {l['seconds']:7.2f} | {l['load_seconds']:7.2f} | {l['coll
 PY
 }
 
-# On /dev/shm the 2 MiB pages are made alongside the reads (session 4), so there "read s"
+# On /dev/shm the 2 MiB pages are made alongside the reads, so there "read s"
 # includes waiting for pages and "collapse" overlaps it: load s < read s + collapse.
 echo "| round: backing         | load s  | read s  | collapse | attach ms | attach/load | attach read | huge (L) | huge (A) |"
 echo "|------------------------|---------|---------|----------|-----------|-------------|-------------|----------|----------|"

@@ -1,5 +1,5 @@
 // gpu_check: what registering an arena with one GPU costs and gives (bench/gpu_check.sh
-// builds and runs it; see DETAILS.md "GPU registration").
+// builds and runs it; see docs/gpu.md).
 //
 // On a 4 KiB-page backing (a file in --dir-4k, /dev/shm by default, MADV_NOHUGEPAGE) and a
 // 2 MiB-page backing (a file in --dir-2m: a tmpfs huge=always or hugetlbfs mount; by default

@@ -243,7 +243,7 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
       "median put | slowest put | sum of puts over 5 ms |\n|---|---|---|---|---|---|---|\n");
   // The first producer of the process grew slowly in every run (collapses of 0.2-0.3 s instead
   // of 0.01-0.03 s, whatever its settings: zeroing 2 MiB pages the VM's host had taken back
-  // through free page reporting, see DETAILS.md), so a first pass is made and not reported.
+  // through free page reporting, see docs/streaming.md), so a first pass is made and not reported.
   for (int pass = 0; pass < 2; ++pass) {
     for (int gap_ms : {0, 2}) {
       for (bool ahead : {false, true}) {

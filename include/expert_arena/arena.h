@@ -8,7 +8,7 @@
 //
 // With a shared path, the first engine loads the selected tensors into a file on tmpfs or
 // hugetlbfs and every other engine (now, or after a restart) attaches to it without reading
-// the model; see DESIGN.md "The shared-arena protocol". Without one, the same tensors are
+// the model; see docs/arena-protocol.md. Without one, the same tensors are
 // loaded into private memory with the same page rules and the same views.
 //
 // Thread-safety: an Arena is move-only; its views are read-only and may be used from any

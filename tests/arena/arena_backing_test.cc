@@ -122,7 +122,7 @@ TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
   EXPECT_NE(stat(arena.path().c_str(), &st), 0);
 }
 
-// Seed 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
+// Field lesson 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
 // (and not before: a published file keeps them for a restart to attach).
 TEST(ArenaHugetlbSpaceTest, RemovingTheArenaGivesItsHugePagesBack) {
   ScopedMount mount(ScopedMount::Kind::kHugetlbfs, kModelBytes + 8 * kMiB);

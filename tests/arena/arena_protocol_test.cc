@@ -116,10 +116,11 @@ TEST_F(ArenaProtocolTest, AnotherModelIsRefusedWhileMappedAndReplacedOnceUnused)
   EXPECT_EQ(r["sum"], FileSum(bigger.path()));
 }
 
-// Seed 002: a stale file is replaced by unlinking it, never by truncating it under a mapping:
-// an old engine that maps the file without taking our locks (the seed's V1 engine) counts as
-// no user, and must keep reading the bytes it mapped instead of taking a SIGBUS or seeing the
-// new model. Two rounds: a file of an older format version (same model), then another model.
+// Field lesson 002: a stale file is replaced by unlinking it, never by truncating it under a
+// mapping: an old engine that maps the file without taking our locks (lesson 002's V1 engine)
+// counts as no user, and must keep reading the bytes it mapped instead of taking a SIGBUS or
+// seeing the new model. Two rounds: a file of an older format version (same model), then
+// another model.
 TEST_F(ArenaProtocolTest, ReplacementUnlinksAndNeverTruncatesUnderALocklessMapping) {
   ArenaOptions options;
   options.shared_path = arena_.path();

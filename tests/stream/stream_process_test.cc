@@ -243,7 +243,7 @@ TEST(StreamProcess, SweepRemovesAKilledProducersSegmentsNeverALiveOnes) {
   EXPECT_TRUE(dirs.remaining().empty());
 }
 
-// abort("abc") frees abc's blocks only: never abc_1_2's or abc_1_2_0_0's (the seeds' bug),
+// abort("abc") frees abc's blocks only: never abc_1_2's or abc_1_2_0_0's (field lesson 004),
 // and a block a reader holds now is freed only after that reader releases it.
 TEST(StreamProcess, AbortIsExactAndWaitsForHolders) {
   StreamDirs dirs;
@@ -550,7 +550,7 @@ TEST(StreamProcess, CliInfoPrintsALogicalNameEscaped) {
   EXPECT_TRUE(testing::PrintableAscii(refused.Output(), true));
 }
 
-// Seed 000: fixed segment names let a second server with the same entity name truncate the
+// Field lesson 000: fixed segment names let a second server with the same entity name truncate the
 // first one's live segments (8 MiB of wrong bytes, no error). A producer process started with
 // the same logical name while the first one's tensors are unread leaves every byte of them
 // alone, and both sets of files coexist.
@@ -593,7 +593,7 @@ TEST(StreamProcess, ASecondInstanceOfALogicalNameLeavesTheFirstsBytesAlone) {
   EXPECT_EQ(second.Wait(60), 0) << second.Output();
 }
 
-// Seed 003: a slot is reused only once EVERY reader has released it. With two readers, the
+// Field lesson 003: a slot is reused only once EVERY reader has released it. With two readers, the
 // first reader's release leaves the block in place for the second; a third Open is refused.
 TEST(StreamProcess, ABlockStaysUntilItsLastReaderReleases) {
   StreamDirs dirs;
@@ -624,7 +624,7 @@ TEST(StreamProcess, ABlockStaysUntilItsLastReaderReleases) {
   EXPECT_EQ(CountLines(late.Output(), "refused "), 1) << late.Output();
 }
 
-// Seed 000: backpressure waited for acknowledgements that only the blocked thread could
+// Field lesson 000: backpressure waited for acknowledgements that only the blocked thread could
 // process, so strict mode always ran into its timeout. Here the release state lives in the
 // segment: a single-threaded producer waiting at the cap gets the space back the moment a
 // consumer process releases, with nothing relayed through the producer.
