@@ -524,7 +524,7 @@ TEST(StreamProcess, CliLsListsArenasAndSegmentsWithWhatHoldsThem) {
 
 // `info` prints a segment's logical name, which another process wrote, escaped: bytes of 0x80
 // and up (the 8-bit CSI 0x9b among them) come out as \xNN in the text and the JSON, which then
-// stays valid UTF-8 (it used to throw out of the JSON dump), and a name with a control byte is
+// stays valid UTF-8 (raw, such a byte makes the JSON dump throw), and a name with a control byte is
 // refused with the name escaped (on stderr, exit 1).
 TEST(StreamProcess, CliInfoPrintsALogicalNameEscaped) {
   StreamDirs dirs;
