@@ -337,8 +337,21 @@ float HalfToFloat(uint16_t h) {
   return out;
 }
 
+void FillSyntheticTensor(std::string_view dtype, uint64_t tensor_seed, bool norm, uint64_t offset,
+                         std::span<std::byte> out) {
+  SynthTensor t{"", norm ? Role::kNorm : Role::kExpert, std::string(dtype), {}, tensor_seed};
+  FillTensor(t, offset, out);
+}
+
 Result<SyntheticModelReport> WriteSyntheticModel(const SyntheticModelOptions& options) {
   EA_RETURN_IF_ERROR(CheckOptions(options));
+  if (options.layout != "synthetic") {
+    if (options.format != "gguf") {
+      return InvalidArgument("--layout " + options.layout +
+                             " is written as GGUF here; use --format gguf");
+    }
+    return WriteLayoutGguf(options);
+  }
   return options.format == "gguf" ? WriteGguf(options) : WriteSafetensors(options);
 }
 

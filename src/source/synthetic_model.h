@@ -26,7 +26,9 @@
 // ggml's block_q8_0 (f16 scale d = amax / 127, then 32 int8 round(x / d)).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +47,9 @@ struct SyntheticModelOptions {
   std::string dtype = "f32";  // f32, f16, bf16, q8_0 (GGUF only)
   uint32_t shards = 1;        // safetensors only
   uint64_t seed = 0;
+  // "synthetic" (the naming above), or a model family's GGUF layout: "qwen3-moe", "mixtral"
+  // (layout_gguf.h).
+  std::string layout = "synthetic";
 };
 
 struct SyntheticModelReport {
@@ -59,6 +64,14 @@ struct SyntheticModelReport {
 // Checks the options (kInvalidArgument: bad usage, e.g. q8_0 with safetensors) and writes the
 // model. Files appear complete or not at all (written under a temporary name, then renamed).
 Result<SyntheticModelReport> WriteSyntheticModel(const SyntheticModelOptions& options);
+
+// Bytes [offset, offset + out.size()) of a tensor of `dtype` (f32, f16, bf16, q8_0) holding the
+// synthetic values of `tensor_seed` (1 + value for a norm weight).
+void FillSyntheticTensor(std::string_view dtype, uint64_t tensor_seed, bool norm, uint64_t offset,
+                         std::span<std::byte> out);
+
+// A model family's GGUF (layout_gguf.cc); called by WriteSyntheticModel for a named layout.
+Result<SyntheticModelReport> WriteLayoutGguf(const SyntheticModelOptions& options);
 
 uint64_t SyntheticTensorSeed(std::string_view name, uint64_t seed);
 float SyntheticValue(uint64_t tensor_seed, uint64_t index);

@@ -50,6 +50,10 @@ void RegisterGenModel(CLI::App& app, int& exit_code) {
       ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
   cmd->add_option("--shards", options->shards, "safetensors shards (K files + index)");
   cmd->add_option("--seed", options->seed, "Seed of the values");
+  cmd->add_option("--layout", options->layout,
+                  "Tensor names and metadata: synthetic, or a model family's GGUF that llama.cpp "
+                  "loads (qwen3-moe, mixtral)")
+      ->check(CLI::IsMember({"synthetic", "qwen3-moe", "mixtral"}));
   cmd->callback([options, &exit_code] { exit_code = RunGenModel(*options); });
 }
 
