@@ -105,10 +105,13 @@ try {
   };
   process.stdout.write(JSON.stringify(result) + "\n");
   if (args.hold) {
+    // Signal listeners alone do not keep node's event loop alive; the interval does.
+    const keepAlive = setInterval(() => {}, 1 << 30);
     await new Promise((resolve) => {
       process.once("SIGINT", resolve);
       process.once("SIGTERM", resolve);
     });
+    clearInterval(keepAlive);
   }
   await context.dispose();
   await model.dispose();
