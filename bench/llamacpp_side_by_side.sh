@@ -46,8 +46,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "free before the run:" >&2
-free -m >&2
+{
+  echo "command: LAYERS=$layers EXPERTS=$experts HIDDEN=$hidden FFN=$ffn DTYPE=$dtype NS=$ns bench/llamacpp_side_by_side.sh $out"
+  echo "date: $(date -u +%FT%TZ); kernel $(uname -r); $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "node $(node --version); npm packages node-llama-cpp and @node-llama-cpp/linux-x64" \
+    "$(basename "$prefix" | sed 's/node-llama-cpp-//'); llama.cpp build: $(cat "$prefix/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64/_nlcBuildMetadata.json")"
+  echo "THP: enabled $(cat /sys/kernel/mm/transparent_hugepage/enabled), shmem_enabled $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled)"
+  echo "model on: $(df --output=source,fstype /var/tmp | tail -1)"
+  echo "free -m before the run:"
+  free -m
+} | tee "$out/llamacpp_env.txt" >&2
 "$bin/expert-arena" gen-model --format gguf --layout qwen3-moe --dtype "$dtype" --out "$model" \
   --layers "$layers" --experts "$experts" --hidden "$hidden" --ffn "$ffn" | tee "$out/llamacpp_model.txt"
 model_bytes=$(stat -c %s "$model")
@@ -126,14 +134,14 @@ with open(sys.argv[2], "w") as f:
                 cold = next((c for c in rows if c["way"] == w and c["n"] == r["n"]
                              and c["cache"] == "cold"), None)
                 f.write(f'{r["n"]} {r["host_gib"]} {r["ready_max_s"]} '
-                        f'{cold["ready_max_s"] if cold else "NaN"}\n')
+                        f'{cold["ready_max_s"] if cold else "NaN"} {r["load_mean_s"]}\n')
         f.write("\n\n")
 PY
 nways=$(grep -c '^"' "$data")
 gnuplot <<EOF
-set terminal pngcairo size 1500,520 font ",11"
+set terminal pngcairo size 1400,1000 font ",11" noenhanced
 set output "$out/llamacpp_side_by_side.png"
-set multiplot layout 1,3 title "N engines on one $(( model_bytes / 1048576 )) MiB qwen3-moe GGUF: llama.cpp (npm @node-llama-cpp/linux-x64) vs moe-engine --shared-expert-arena ($(date -u +%F), 2-core VM)"
+set multiplot layout 2,2 title "N engines on one $(( model_bytes / 1048576 )) MiB qwen3-moe GGUF: llama.cpp (npm @node-llama-cpp/linux-x64) vs moe-engine --shared-expert-arena ($(date -u +%F), 2-core VM)"
 set key top left
 set xlabel "engines (N)"
 set xtics (1, 2, 4)
@@ -144,6 +152,8 @@ set ylabel "time to ready, s (slowest engine; warm)"
 plot for [i=0:$((nways - 1))] "$data" index i using 1:3 with linespoints lw 2 title columnheader(1)
 set ylabel "time to ready, s (slowest engine; cold page cache)"
 plot for [i=0:$((nways - 1))] "$data" index i using 1:4 with linespoints lw 2 title columnheader(1)
+set ylabel "model load / arena open in the process, s (mean; warm)"
+plot for [i=0:$((nways - 1))] "$data" index i using 1:5 with linespoints lw 2 title columnheader(1)
 unset multiplot
 EOF
 echo "wrote $csv, $out/llamacpp_side_by_side.txt, $out/llamacpp_side_by_side.png" >&2

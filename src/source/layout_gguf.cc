@@ -44,9 +44,9 @@ struct LayoutTensor {
 };
 
 struct Family {
-  const char* arch;        // general.architecture and the key prefix
-  bool qk_norm;            // attn_q_norm / attn_k_norm per block (Qwen3)
-  bool expert_ffn_key;     // expert_feed_forward_length (Qwen3) or feed_forward_length (Llama)
+  const char* arch;     // general.architecture and the key prefix
+  bool qk_norm;         // attn_q_norm / attn_k_norm per block (Qwen3)
+  bool expert_ffn_key;  // expert_feed_forward_length (Qwen3) or feed_forward_length (Llama)
 };
 
 Result<Family> FamilyFor(const std::string& layout) {
@@ -84,8 +84,7 @@ void AddVocabulary(GgufWriter& writer) {
   writer.AddString("tokenizer.ggml.model", "llama");
   writer.Add("tokenizer.ggml.tokens", StringArray(std::move(tokens)));
   writer.Add("tokenizer.ggml.scores", GgufWriter::Array(GgufValueType::kF32, std::move(scores)));
-  writer.Add("tokenizer.ggml.token_type",
-             GgufWriter::Array(GgufValueType::kI32, std::move(types)));
+  writer.Add("tokenizer.ggml.token_type", GgufWriter::Array(GgufValueType::kI32, std::move(types)));
   writer.AddU32("tokenizer.ggml.unknown_token_id", 0);
   writer.AddU32("tokenizer.ggml.bos_token_id", 1);
   writer.AddU32("tokenizer.ggml.eos_token_id", 2);

@@ -17,8 +17,8 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <ostream>
 #include <nlohmann/json.hpp>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -136,13 +136,13 @@ const GgmlPeer& Peer() {
   return *peer;
 }
 
-#define REQUIRE_PEER()                                                   \
-  do {                                                                   \
-    const GgmlPeer& p_ = Peer();                                         \
-    if (!p_.why_not.empty()) {                                           \
+#define REQUIRE_PEER()                                                          \
+  do {                                                                          \
+    const GgmlPeer& p_ = Peer();                                                \
+    if (!p_.why_not.empty()) {                                                  \
       if (InCi()) FAIL() << "llama.cpp peer unavailable in CI: " << p_.why_not; \
-      GTEST_SKIP() << "llama.cpp peer unavailable: " << p_.why_not;     \
-    }                                                                    \
+      GTEST_SKIP() << "llama.cpp peer unavailable: " << p_.why_not;             \
+    }                                                                           \
   } while (0)
 
 std::string Lower(std::string s) {
@@ -187,13 +187,12 @@ TEST(LlamaCppPeerTest, GgmlTypeTableMatchesRealGgml) {
     EXPECT_EQ(Lower(name), ours->name) << "type id " << id;
     EXPECT_EQ(peer.blck_size(static_cast<int>(id)), static_cast<int64_t>(ours->block_elems))
         << name;
-    EXPECT_EQ(peer.type_size(static_cast<int>(id)), static_cast<size_t>(ours->block_bytes))
-        << name;
+    EXPECT_EQ(peer.type_size(static_cast<int>(id)), static_cast<size_t>(ours->block_bytes)) << name;
   }
   EXPECT_EQ(known, source::AllGgmlTypes().size());
   EXPECT_GE(highest, 42u) << "this ggml predates q2_0 (42)";
-  std::printf("ggml (%s) knows %u types, ids up to %u; all match the table\n",
-              peer.lib_dir.c_str(), known, highest);
+  std::printf("ggml (%s) knows %u types, ids up to %u; all match the table\n", peer.lib_dir.c_str(),
+              known, highest);
 }
 
 std::string ReadRange(const std::string& path, uint64_t offset, uint64_t bytes) {
@@ -206,7 +205,7 @@ std::string ReadRange(const std::string& path, uint64_t offset, uint64_t bytes) 
 }
 
 int RunTool(const std::string& program, const std::vector<std::string>& args, std::string* out,
-        double timeout = 120) {
+            double timeout = 120) {
   Child child = SpawnProgram(program, args);
   int rc = child.Wait(timeout);
   if (out) *out = child.Output();
@@ -255,14 +254,14 @@ TEST_P(GgufAgreementTest, GgmlReaderAgreesWithInfoJson) {
   ScopedPath arena("arena");
   std::string out;
   ASSERT_EQ(RunTool(tool,
-                {"gen-model", "--format", "gguf", "--layout", c.layout, "--dtype", c.dtype,
-                 "--out", model.path(), "--layers", "2", "--experts", "4", "--hidden", "128",
-                 "--ffn", "64", "--seed", "7"},
-                &out),
+                    {"gen-model", "--format", "gguf", "--layout", c.layout, "--dtype", c.dtype,
+                     "--out", model.path(), "--layers", "2", "--experts", "4", "--hidden", "128",
+                     "--ffn", "64", "--seed", "7"},
+                    &out),
             0)
       << out;
-  ASSERT_EQ(RunTool(tool, {"load", "--model", model.path(), "--arena", arena.path(), "--all"}, &out),
-            0)
+  ASSERT_EQ(
+      RunTool(tool, {"load", "--model", model.path(), "--arena", arena.path(), "--all"}, &out), 0)
       << out;
   ASSERT_EQ(RunTool(tool, {"info", arena.path(), "--json"}, &out), 0) << out;
   nlohmann::json info = nlohmann::json::parse(out);
@@ -297,8 +296,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GgufAgreementTest,
                          ::testing::Values(GenCase{"synthetic", "f32"},
                                            GenCase{"synthetic", "q8_0"},
                                            GenCase{"qwen3-moe", "bf16"},
-                                           GenCase{"qwen3-moe", "q8_0"},
-                                           GenCase{"mixtral", "f16"}),
+                                           GenCase{"qwen3-moe", "q8_0"}, GenCase{"mixtral", "f16"}),
                          [](const ::testing::TestParamInfo<GenCase>& info) {
                            std::string s = std::string(info.param.layout) + "_" + info.param.dtype;
                            for (char& ch : s) {
@@ -316,18 +314,18 @@ TEST_P(LlamaCppEvalTest, LoadsAndEvaluatesWithAndWithoutMmap) {
   const GenCase c = GetParam();
   ScopedPath model("eval-" + std::string(c.layout), "/tmp");
   std::string out;
-  ASSERT_EQ(RunTool(BinDir() + "/expert-arena",
-                {"gen-model", "--format", "gguf", "--layout", c.layout, "--dtype", c.dtype,
-                 "--out", model.path(), "--layers", "2", "--experts", "8", "--hidden", "256",
-                 "--ffn", "128"},
-                &out),
-            0)
+  ASSERT_EQ(
+      RunTool(BinDir() + "/expert-arena",
+              {"gen-model", "--format", "gguf", "--layout", c.layout, "--dtype", c.dtype, "--out",
+               model.path(), "--layers", "2", "--experts", "8", "--hidden", "256", "--ffn", "128"},
+              &out),
+      0)
       << out;
   for (const char* mmap : {"on", "off"}) {
     ASSERT_EQ(RunTool("/usr/bin/env",
-                  {"node", SourceDir() + "/tools/llama-peer/llama-peer.mjs", "--prefix",
-                   peer.npm_prefix, "--model", model.path(), "--mmap", mmap, "--tokens", "6"},
-                  &out, 300),
+                      {"node", SourceDir() + "/tools/llama-peer/llama-peer.mjs", "--prefix",
+                       peer.npm_prefix, "--model", model.path(), "--mmap", mmap, "--tokens", "6"},
+                      &out, 300),
               0)
         << "llama.cpp could not load or evaluate " << model.path() << " (mmap " << mmap
         << "): " << out;
@@ -339,8 +337,7 @@ TEST_P(LlamaCppEvalTest, LoadsAndEvaluatesWithAndWithoutMmap) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, LlamaCppEvalTest,
-                         ::testing::Values(GenCase{"qwen3-moe", "q8_0"},
-                                           GenCase{"mixtral", "f16"}),
+                         ::testing::Values(GenCase{"qwen3-moe", "q8_0"}, GenCase{"mixtral", "f16"}),
                          [](const ::testing::TestParamInfo<GenCase>& info) {
                            std::string s = info.param.layout;
                            for (char& ch : s) {
