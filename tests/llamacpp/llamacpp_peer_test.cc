@@ -218,6 +218,81 @@ struct GenCase {
 };
 void PrintTo(const GenCase& c, std::ostream* os) { *os << c.layout << " " << c.dtype; }
 
+// The qwen3-moe naming contract as the project's own reader sees it, and moe-engine running on
+// the file (no peer needed).
+TEST(LayoutGgufTest, Qwen3MoeNamingContractAndMoeEngine) {
+  ScopedPath path("layout-qwen3", "/tmp");
+  source::SyntheticModelOptions o;
+  o.format = "gguf";
+  o.out = path.path();
+  o.layout = "qwen3-moe";
+  o.layers = 2;
+  o.experts = 4;
+  o.hidden = 256;
+  o.ffn = 64;
+  o.dtype = "f16";
+  ASSERT_OK_AND_ASSIGN(source::SyntheticModelReport report, source::WriteSyntheticModel(o));
+  EXPECT_EQ(report.expert_tensors, 6u);
+  ASSERT_OK_AND_ASSIGN(source::GgufFile f, source::ReadGguf(path.path()));
+  EXPECT_EQ(f.Find("general.architecture")->str, "qwen3moe");
+  const std::pair<const char*, uint64_t> keys[] = {
+      {"qwen3moe.block_count", 2},
+      {"qwen3moe.context_length", 4096},
+      {"qwen3moe.embedding_length", 256},
+      {"qwen3moe.expert_feed_forward_length", 64},
+      {"qwen3moe.expert_count", 4},
+      {"qwen3moe.expert_used_count", 2},
+      {"qwen3moe.attention.head_count", 2},
+      {"qwen3moe.attention.head_count_kv", 2},
+      {"qwen3moe.attention.key_length", 128},
+      {"qwen3moe.rope.dimension_count", 128},
+  };
+  for (const auto& [key, value] : keys) {
+    const source::GgufValue* v = f.Find(key);
+    ASSERT_NE(v, nullptr) << key;
+    EXPECT_EQ(v->u, value) << key;
+  }
+  ASSERT_NE(f.Find("qwen3moe.attention.layer_norm_rms_epsilon"), nullptr);
+  ASSERT_NE(f.Find("qwen3moe.rope.freq_base"), nullptr);
+  EXPECT_EQ(f.Find("tokenizer.ggml.model")->str, "llama");
+  EXPECT_EQ(f.Find("tokenizer.ggml.tokens")->count, 512u);
+  EXPECT_EQ(f.Find("tokenizer.ggml.tokens")->elements[13].str, "<0x0A>");
+  std::map<std::string, std::pair<std::string, std::vector<uint64_t>>> want = {
+      {"token_embd.weight", {"f32", {256, 512}}},
+      {"output.weight", {"f32", {256, 512}}},
+      {"output_norm.weight", {"f32", {256}}},
+      {"blk.1.attn_q.weight", {"f16", {256, 256}}},
+      {"blk.1.attn_k.weight", {"f16", {256, 256}}},
+      {"blk.1.attn_output.weight", {"f16", {256, 256}}},
+      {"blk.1.attn_q_norm.weight", {"f32", {128}}},
+      {"blk.1.attn_k_norm.weight", {"f32", {128}}},
+      {"blk.1.ffn_norm.weight", {"f32", {256}}},
+      {"blk.1.ffn_gate_inp.weight", {"f32", {256, 4}}},
+      {"blk.1.ffn_gate_exps.weight", {"f16", {256, 64, 4}}},
+      {"blk.1.ffn_down_exps.weight", {"f16", {64, 256, 4}}},
+  };
+  EXPECT_EQ(f.tensors.size(), 3u + 2 * 12);
+  size_t seen = 0;
+  for (const source::GgufTensorInfo& t : f.tensors) {
+    auto it = want.find(t.name);
+    if (it == want.end()) continue;
+    ++seen;
+    EXPECT_EQ(t.type->name, it->second.first) << t.name;
+    EXPECT_EQ(t.ne, it->second.second) << t.name;
+  }
+  EXPECT_EQ(seen, want.size());
+  std::string out;
+  ASSERT_EQ(
+      RunTool(BinDir() + "/moe-engine", {"--model", path.path(), "--tokens", "4", "--json"}, &out),
+      0)
+      << out;
+  nlohmann::json j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["layers"], 2);
+  EXPECT_EQ(j["experts"], 4);
+  EXPECT_EQ(j["hidden"], 256);
+  EXPECT_EQ(j["ffn"], 64);
+}
+
 // What a named layout cannot be is refused before anything is written (no peer needed).
 TEST(LayoutGgufTest, RefusesWhatItCannotWrite) {
   ScopedPath out("layout-refused", "/tmp");
