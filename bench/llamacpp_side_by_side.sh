@@ -10,7 +10,7 @@
 # N engines (PSS summed, free(1) deltas, MemAvailable drop), VmPTE, the share of the weights on
 # 2 MiB pages, and a restart of one engine while the others run. See docs/llamacpp.md.
 #
-#   sudo bench/llamacpp_side_by_side.sh [OUT_DIR]
+#   sudo flock /tmp/expert-arena-bench.lock bench/llamacpp_side_by_side.sh [OUT_DIR]
 #     env: LAYERS=16 EXPERTS=16 HIDDEN=2048 FFN=768 DTYPE=bf16 (a 2.6 GiB qwen3-moe GGUF),
 #          NS=1,2,4, WAYS="llama-mmap llama-nommap arena-shm arena-thp arena-hugetlb"
 #
