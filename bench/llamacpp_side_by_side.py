@@ -148,6 +148,7 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--weight-bytes", type=int, required=True)
     ap.add_argument("--node-prefix", required=True)
+    ap.add_argument("--node", default="node", help="node >= 20 for node-llama-cpp")
     ap.add_argument("--llama-peer", required=True)
     ap.add_argument("--moe-engine", required=True)
     ap.add_argument("--expert-arena", required=True)
@@ -163,11 +164,11 @@ def main():
 
     def command(way, arena):
         if way == "llama-runtime":  # node + node-llama-cpp + libllama with a 4 MiB model
-            return ["node", args.llama_peer, "--prefix", args.node_prefix, "--model",
+            return [args.node, args.llama_peer, "--prefix", args.node_prefix, "--model",
                     args.baseline_model, "--mmap", "on", "--tokens", args.tokens, "--threads", "1",
                     "--hold"]
         if way.startswith("llama"):
-            return ["node", args.llama_peer, "--prefix", args.node_prefix, "--model", args.model,
+            return [args.node, args.llama_peer, "--prefix", args.node_prefix, "--model", args.model,
                     "--mmap", "on" if way == "llama-mmap" else "off", "--tokens", args.tokens,
                     "--threads", "1", "--hold"]
         return [args.moe_engine, "--model", args.model, "--shared-expert-arena", arena,

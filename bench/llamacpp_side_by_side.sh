@@ -30,6 +30,7 @@ bin=${EXPERT_ARENA_BIN_DIR:-build/bin}
 [[ $(id -u) -eq 0 ]] || { echo "needs root (drop_caches, tmpfs/hugetlbfs mounts)" >&2; exit 2; }
 command -v gnuplot >/dev/null || { echo "needs gnuplot (gnuplot-nox)" >&2; exit 2; }
 prefix=$(scripts/llamacpp-peer.sh --prefix)
+node=$(scripts/llamacpp-peer.sh --node)
 mkdir -p "$out"
 
 work=$(mktemp -d /var/tmp/ea-llamacpp-bench-XXXXXX)  # on disk: cold reads come from the disk
@@ -49,7 +50,7 @@ trap cleanup EXIT
 {
   echo "command: LAYERS=$layers EXPERTS=$experts HIDDEN=$hidden FFN=$ffn DTYPE=$dtype NS=$ns bench/llamacpp_side_by_side.sh $out"
   echo "date: $(date -u +%FT%TZ); kernel $(uname -r); $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "node $(node --version); npm packages node-llama-cpp and @node-llama-cpp/linux-x64" \
+  echo "node $("$node" --version); npm packages node-llama-cpp and @node-llama-cpp/linux-x64" \
     "$(basename "$prefix" | sed 's/node-llama-cpp-//'); llama.cpp build: $(cat "$prefix/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64/_nlcBuildMetadata.json")"
   echo "THP: enabled $(cat /sys/kernel/mm/transparent_hugepage/enabled), shmem_enabled $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled)"
   echo "model on: $(df --output=source,fstype /var/tmp | tail -1)"
@@ -92,7 +93,7 @@ done
 
 csv=$out/llamacpp_side_by_side.csv
 /usr/bin/python3 bench/llamacpp_side_by_side.py --model "$model" --weight-bytes "$model_bytes" \
-  --baseline-model "$work/tiny.gguf" --node-prefix "$prefix" --llama-peer tools/llama-peer/llama-peer.mjs \
+  --baseline-model "$work/tiny.gguf" --node-prefix "$prefix" --node "$node" --llama-peer tools/llama-peer/llama-peer.mjs \
   --moe-engine "$bin/moe-engine" --expert-arena "$bin/expert-arena" --ns "$ns" --csv "$csv" \
   "${args[@]}"
 

@@ -71,6 +71,7 @@ struct GgmlPeer {
   size_t (*gguf_get_data_offset)(const void*) = nullptr;
   std::string lib_dir;
   std::string npm_prefix;
+  std::string node;     // node >= 20 (the one on PATH, or one the script installed from npm)
   std::string why_not;  // set when the peer is not there
 
   // A GGUF context, freed on scope exit; null when ggml refused the file.
@@ -112,6 +113,12 @@ const GgmlPeer& Peer() {
       return p;
     }
     p->npm_prefix = Trim(prefix.Output());
+    Child node = SpawnProgram("/bin/bash", {script, "--node"});
+    if (node.Wait(60) != 0) {
+      p->why_not = script + " --node failed";
+      return p;
+    }
+    p->node = Trim(node.Output());
     const std::string lib = p->lib_dir + "/libggml-base.so";
     p->handle = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (p->handle == nullptr) {
@@ -397,8 +404,8 @@ TEST_P(LlamaCppEvalTest, LoadsAndEvaluatesWithAndWithoutMmap) {
       0)
       << out;
   for (const char* mmap : {"on", "off"}) {
-    ASSERT_EQ(RunTool("/usr/bin/env",
-                      {"node", SourceDir() + "/tools/llama-peer/llama-peer.mjs", "--prefix",
+    ASSERT_EQ(RunTool(peer.node,
+                      {SourceDir() + "/tools/llama-peer/llama-peer.mjs", "--prefix",
                        peer.npm_prefix, "--model", model.path(), "--mmap", mmap, "--tokens", "6"},
                       &out, 300),
               0)
