@@ -41,10 +41,20 @@ namespace expert_arena {
 // hugetlbfs pages are reserved by the filesystem whatever this says.
 enum class HugePages { kAuto, kOn, kOff };
 
+// How the model's files are read. kAuto recognises GGUF, safetensors and a safetensors
+// index from their first bytes and refuses anything else with a message that says what the
+// file looks like (empty, a Git LFS pointer, an HTML page, a damaged header). kRaw is never
+// guessed: asked for, it loads each file's bytes as one tensor of dtype "u8" named after
+// the file (test data, benchmarks).
+enum class ModelFormat { kAuto, kGguf, kSafetensors, kRaw };
+EXPERT_ARENA_EXPORT const char* ModelFormatName(ModelFormat format);
+
 // Which model and which of its tensors.
 struct ModelSpec {
   // One file, several safetensors shards, a split GGUF, or a safetensors index .json.
   std::vector<std::string> files;
+  // How to read them; kAuto by the contents (see ModelFormat).
+  ModelFormat format = ModelFormat::kAuto;
   // Tensors whose names match this ECMAScript regex (search). Empty: the routed experts.
   std::string select;
   bool select_all = false;

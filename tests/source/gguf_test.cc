@@ -493,13 +493,16 @@ TEST(GgufDamageTest, RandomByteFlipsNeverEscapeTheFile) {
   }
 }
 
-TEST(GgufDamageTest, NotGgufFallsBackToRaw) {
+// Raw bytes only when asked for (model_format_test has every refusal).
+TEST(GgufDamageTest, NotGgufIsRefusedUnlessRawIsAskedFor) {
   ScopedDir dir("gguf-raw");
   std::vector<std::byte> bytes(1000, std::byte{7});
   std::string path = dir.File("blob.bin");
   testing::WriteFileBytes(path, bytes);
   ModelSpec spec;
   spec.files = {path};
+  EXPECT_FALSE(PlanModel(spec).ok());
+  spec.format = ModelFormat::kRaw;
   ASSERT_OK_AND_ASSIGN(ModelPlan plan, PlanModel(spec));
   EXPECT_EQ(plan.format, "raw");
   ASSERT_EQ(plan.table.tensors.size(), 1u);
