@@ -61,10 +61,10 @@ void HoldUntilReleased() {
 int RunLoad(const LoadArgs& args) {
   ModelSpec model;
   model.files = args.models;
-  model.format = args.format == "gguf"          ? ModelFormat::kGguf
-                 : args.format == "safetensors" ? ModelFormat::kSafetensors
-                 : args.format == "raw"         ? ModelFormat::kRaw
-                                                : ModelFormat::kAuto;
+  for (ModelFormat format :
+       {ModelFormat::kAuto, ModelFormat::kGguf, ModelFormat::kSafetensors, ModelFormat::kRaw}) {
+    if (args.format == ModelFormatName(format)) model.format = format;
+  }
   model.select = args.select;
   model.select_all = args.all;
   model.alignment = args.alignment;
