@@ -114,7 +114,7 @@ Status GgufMagicMismatch(const std::string& path, std::string_view head) {
 // before parsing. Ok when the length fits (the safetensors reader then says what is wrong).
 Status SafetensorsLengthProblem(const std::string& path, std::string_view head,
                                 uint64_t file_size) {
-  if (file_size < 8) {
+  if (file_size < 8 || head.size() < 8) {
     return Corrupt(path + ": " + std::to_string(file_size) +
                    " bytes, too short for a safetensors file (its header length alone takes 8)");
   }
