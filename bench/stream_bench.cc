@@ -266,7 +266,10 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
           auto st = p->Stats();
           if (st.segments >= 6 && st.free_bytes < n) break;
           auto t0 = Clock::now();
-          auto d = p->Put("g" + std::to_string(seq++), std::span(source.data(), n), {"u8", {n}});
+          // Appended, not "g" + std::to_string(): g++ 12 -O3 false -Wrestrict (GCC PR 105651).
+          std::string key = "g";
+          key += std::to_string(seq++);
+          auto d = p->Put(key, std::span(source.data(), n), {"u8", {n}});
           t.push_back(Seconds(t0, Clock::now()));
           if (!d.ok()) return 1;
           held.push_back(std::move(d).value());
@@ -391,7 +394,8 @@ int main(int argc, char** argv) {
     StreamProducer* put_to = with != nullptr ? with : &*producer;
     std::vector<std::string> batch;
     for (int t = 0; t < shape.count; ++t) {
-      std::string key = "k" + std::to_string(seq++);
+      std::string key = "k";  // appended: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+      key += std::to_string(seq++);
       auto d = put_to->Put(key, std::span(source.data(), shape.bytes), {"u8", {shape.bytes}});
       if (!d.ok()) {
         std::fprintf(stderr, "%s\n", d.status().ToString().c_str());

@@ -345,7 +345,8 @@ TEST(StreamProcess, SpillAtTheCapAndBack) {
     ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
     std::vector<std::string> descs;
     for (int i = 0; i < 6; ++i) {  // 6 x 1 MiB into a 4 MiB segment
-      std::string key = "t" + std::to_string(i);
+      std::string key = "t";       // appended: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+      key += std::to_string(i);
       std::vector<std::byte> data(1 << 20);
       FillPattern(data, key);
       ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));

@@ -213,7 +213,9 @@ TEST(StreamProducer, WarnsWhenFragmentationFailsAReserve) {
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   std::vector<Reservation> held;
   for (int i = 0; i < 32; ++i) {
-    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k" + std::to_string(i), 64 << 10));
+    std::string key = "k";  // appended, not "k" + ...: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+    key += std::to_string(i);
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve(key, 64 << 10));
     held.push_back(std::move(r));
   }
   std::vector<Reservation> kept;
@@ -254,7 +256,9 @@ TEST(StreamProducer, FragmentationWarningIsRateLimitedAndTheCounterCountsEvery) 
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   std::vector<Reservation> held;
   for (int i = 0; i < 32; ++i) {
-    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k" + std::to_string(i), 64 << 10));
+    std::string key = "k";  // appended, not "k" + ...: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+    key += std::to_string(i);
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve(key, 64 << 10));
     held.push_back(std::move(r));
   }
   std::vector<Reservation> kept;
@@ -480,7 +484,10 @@ TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
     writers.emplace_back([&, w] {
       std::mt19937_64 rng(w);
       for (int i = 0; i < kPerWriter; ++i) {
-        std::string key = (w == 0 ? "victim_" : "w" + std::to_string(w) + "_") + std::to_string(i);
+        // Appended piece by piece: g++ 12 -O3 false -Wrestrict (GCC PR 105651).
+        std::string key = w == 0 ? "victim_" : "w";
+        if (w != 0) key += std::to_string(w) + "_";
+        key += std::to_string(i);
         std::vector<std::byte> data(1 + rng() % 60000);
         testing::FillPattern(data, key);
         auto d = producer.Put(key, data, {});
