@@ -1,0 +1,407 @@
+"""expert_arena: one RAM copy of a MoE model's experts shared by engines, and zero-copy
+tensor streaming between processes, for NumPy and PyTorch engines.
+
+Shared arenas (the first engine loads, the others attach without reading the model)::
+
+    import expert_arena
+    with expert_arena.open(["model.gguf"], shared_path="/dev/shm/model.arena") as arena:
+        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy, read-only
+        print(arena.report["start_line"])
+
+Tensor streaming (descriptors are bytes an engine sends over its own channel)::
+
+    producer = expert_arena.StreamProducer(logical_name="prefill")
+    descriptor = producer.put("req-17", hidden_states)      # one copy into shared memory
+    # ... in another process:
+    consumer = expert_arena.StreamConsumer()
+    with consumer.open(descriptor) as t:
+        x = t.torch()                                        # zero-copy view
+
+Lifetimes: a view (NumPy array or tensor) keeps the memory it points into mapped: closing an
+arena or releasing a stream tensor while views exist never lets a view read unmapped memory;
+the mapping (or the reader's share of a stream block) goes when the last view is gone. NumPy is
+required; torch is imported only by the torch calls (ImportError naming python3-torch when it
+is missing). See docs/python.md for the whole API, the dtype table and the exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as _np
+
+from . import _core, _dtypes
+from ._core import BusyError, NoSpaceError
+
+__version__ = _core.__version__
+
+__all__ = [
+    "Arena", "BusyError", "NoSpaceError", "StreamConsumer", "StreamProducer", "StreamTensor",
+    "attach", "decode_descriptor", "inspect_segment", "open", "sweep", "__version__",
+]
+
+
+def _load_torch():
+    from . import _torch as t  # raises an ImportError naming python3-torch without torch
+    return t
+
+
+def _paths(model_files):
+    if isinstance(model_files, (str, bytes, os.PathLike)):
+        model_files = [model_files]
+    return [os.fsdecode(os.fspath(f)) for f in model_files]
+
+
+class Arena:
+    """The expert tensors of a model in one mapping: loaded, attached, or private.
+
+    Made by `open()` or `attach()`. `len(arena)`, `name in arena`, `arena.names()`; views by
+    name with `numpy()` and `torch()` (zero-copy, read-only); `info()` for a tensor's table
+    entry; `report` for what happened at open. `close()` (or leaving a `with` block) drops
+    this handle; the mapping lives until the last view made from it is gone. Thread-safe for
+    reading; `close()` must not race with calls on the same Arena.
+    """
+
+    __slots__ = ("_core", "_report", "_layouts", "__weakref__")
+
+    def __init__(self, core):
+        self._core = core
+        self._report = None
+        self._layouts = {}
+
+    def __len__(self) -> int:
+        return len(self._core)
+
+    def __contains__(self, name) -> bool:
+        return isinstance(name, str) and name in self._core
+
+    def __iter__(self):
+        return iter(self._core.names())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self._core.closed:
+            return "<expert_arena.Arena closed>"
+        r = self.report
+        return "<expert_arena.Arena %s %s: %d tensors, %d bytes>" % (
+            r["role"], r["path"] or "(private)", r["tensors"], r["tensor_bytes"])
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def close(self) -> None:
+        """Drops this handle (idempotent). Views made before stay valid; the arena is
+        unmapped, and this engine's USER lock dropped, when the last of them is gone."""
+        self._core.close()
+
+    def names(self):
+        """Tensor names, in arena order."""
+        return self._core.names()
+
+    @property
+    def report(self) -> dict:
+        """The start line's facts: role ("loaded", "attached", "private"), path, backing,
+        seconds, bytes_read, huge_bytes, data_bytes, tensors, tensor_bytes, gpu (the
+        registration note), start_line, and the rest of ArenaReport."""
+        if self._report is None:
+            self._report = self._core.report()
+        return dict(self._report)
+
+    def info(self, name: str) -> dict:
+        """The table entry of `name`: dtype, shape (as the source gives it: ggml order for
+        GGUF), bytes, checksum (xxh3-64), file_offset, plus array_shape and array_dtype of the
+        views. KeyError when the arena has no such tensor."""
+        info = self._core.info(name)
+        layout = self._layout(name, info)
+        info["array_shape"] = layout.shape
+        info["array_dtype"] = str(layout.numpy_dtype) if layout.torch_name != "bfloat16" \
+            else "uint16 (bf16)"
+        info["raw"] = layout.raw
+        return info
+
+    def tensors(self):
+        """The table entry of every tensor (name, dtype, shape, bytes, checksum, file_offset)."""
+        return self._core.tensors()
+
+    def _layout(self, name, info=None):
+        layout = self._layouts.get(name)
+        if layout is None:
+            if info is None:
+                info = self._core.info(name)
+            layout = _dtypes.arena_layout(info["dtype"], info["shape"], info["bytes"], name)
+            self._layouts[name] = layout
+        return layout
+
+    def numpy(self, name: str):
+        """A read-only NumPy view of tensor `name` (no copy). bf16 comes as uint16, FP8 as
+        uint8, block-quantized ggml types as uint8 rows of their raw blocks."""
+        layout = self._layout(name)
+        return _dtypes.as_numpy(self._core.buffer(name, False), layout)
+
+    def torch(self, name: str):
+        """A read-only torch tensor over tensor `name` (no copy): in-place operations raise
+        ValueError. Needs torch (ImportError naming python3-torch otherwise)."""
+        t = _load_torch()
+        layout = self._layout(name)
+        return t.view(self._core.buffer(name, True), layout)
+
+    def data_range(self):
+        """(address, bytes) of the mapping's data region: every view points inside it."""
+        return self._core.data_range()
+
+
+def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
+         huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
+         gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
+         progress=None) -> Arena:
+    """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
+
+    Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
+    first engine loads and publishes, every other one (now or after a restart) attaches
+    without reading tensor data; without it the arena is private. `select` is a regex of
+    tensor names (default: the routed experts), `select_all` takes every tensor. `gpu` is
+    "none", "cuda[:N]" or "hip[:N]" (registration failure is reported in report["gpu"] unless
+    `gpu_required`). The start line goes to the "expert_arena" logger (stderr) unless
+    `quiet`. The GIL is released while loading or waiting.
+
+    Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another
+    engine's load took longer than `wait_timeout`), BusyError (a file of another model in
+    use), NoSpaceError (the filesystem is too small), ValueError (a damaged model, a bad
+    option), each with the library's message naming the file and the cause.
+    """
+    if progress is None:
+        progress = sys.stderr is not None and sys.stderr.isatty()
+    core = _core.open(_paths(model_files),
+                      None if shared_path is None else os.fsdecode(os.fspath(shared_path)),
+                      select, bool(select_all), gpu, bool(gpu_required), huge,
+                      float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
+                      int(pin_budget_bytes), reader, bool(quiet), bool(progress), int(alignment))
+    return Arena(core)
+
+
+def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
+           pin_budget_bytes=0, quiet=True) -> Arena:
+    """Attaches to a published shared arena without knowing the model (never loads).
+
+    FileNotFoundError when `path` does not exist, BusyError while it is being loaded (not yet
+    published), ValueError when it is not an arena or is damaged, PermissionError for a file
+    of another user. The GIL is released while attaching.
+    """
+    core = _core.attach(os.fsdecode(os.fspath(path)), gpu, bool(gpu_required),
+                        bool(allow_foreign_owner), int(pin_budget_bytes), bool(quiet))
+    return Arena(core)
+
+
+def _numpy_source(array):
+    if array.dtype.hasobject:
+        raise TypeError("put(): a NumPy array of dtype %s holds Python objects, not bytes"
+                        % array.dtype)
+    name = _dtypes.STREAM_NAMES.get(array.dtype)
+    if name is None:
+        raise TypeError("put(): NumPy dtype %s has no stream name (native-endian numbers "
+                        "and bool only)" % array.dtype)
+    if not array.flags.c_contiguous:
+        raise ValueError("put(): the array is not C-contiguous (shape %s, strides %s); call "
+                         "numpy.ascontiguousarray() first" % (list(array.shape),
+                                                              list(array.strides)))
+    return array.ctypes.data, array.nbytes, name, list(array.shape)
+
+
+class StreamProducer:
+    """Puts tensors into shared segments and hands out descriptors (bytes).
+
+    One per engine process; methods may be called from any thread. `close()` (or `with`)
+    unlinks this producer's segments; consumers that mapped them keep their views until they
+    release them. Options as in `StreamOptions` of stream.h.
+    """
+
+    def __init__(self, directory="/dev/shm", logical_name="stream", segment_bytes=256 << 20,
+                 max_segments=32, strict=False, gpu="none", *, strict_wait_seconds=1.0,
+                 pin_budget_bytes=4 << 30, block_alignment=4096, spill_directory="/var/tmp",
+                 huge="auto", copy_threads=0, grow_ahead=True, sweep_at_start=True,
+                 quiet=False):
+        self._core = _core.StreamProducer(
+            os.fsdecode(os.fspath(directory)), logical_name, int(segment_bytes),
+            int(max_segments), bool(strict), float(strict_wait_seconds), gpu,
+            int(pin_budget_bytes), int(block_alignment),
+            os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
+            bool(sweep_at_start), bool(quiet))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def put(self, key: str, tensor, readers: int = 1) -> bytes:
+        """Copies a contiguous CPU torch tensor or NumPy array once into a segment (the GIL
+        released during the copy), publishes it for `readers` releases and returns its
+        descriptor. ValueError for a non-contiguous, CUDA or sparse tensor; TypeError for an
+        object array or anything else. NoSpaceError in strict mode at the cap."""
+        if isinstance(tensor, _np.ndarray):
+            address, nbytes, dtype, shape = _numpy_source(tensor)
+        elif _is_torch(tensor):
+            address, nbytes, dtype, shape = _load_torch().source(tensor)
+        else:
+            raise TypeError("put(): expected a torch.Tensor or a numpy.ndarray, got %s"
+                            % type(tensor).__name__)
+        # `tensor` stays referenced by this frame while the copy runs without the GIL.
+        return self._core.put(key, address, nbytes, dtype, shape, int(readers))
+
+    def abort(self, key: str) -> int:
+        """Frees exactly the blocks `key` owns (no prefix matching), each once its current
+        readers release it; returns how many were marked."""
+        return self._core.abort(key)
+
+    def reclaim(self) -> None:
+        """Reclaims released blocks now (put() does it on its own when it needs space)."""
+        self._core.reclaim()
+
+    def stats(self) -> dict:
+        """total_bytes, free_bytes, largest_free_block, segments, live_blocks, spills, ..."""
+        return self._core.stats()
+
+    def segment_paths(self):
+        return self._core.segment_paths()
+
+    @property
+    def instance_name(self) -> str:
+        return self._core.instance_name()
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def close(self) -> None:
+        self._core.close()
+
+
+def _is_torch(obj) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+class StreamTensor:
+    """A consumer's zero-copy view of one streamed tensor.
+
+    `.key`, `.dtype`, `.shape`, `.nbytes`; `.numpy()` and `.torch()` give read-only views.
+    The reader's share goes back to the producer when this object and every view made from it
+    are gone, or at `release()` (or the end of a `with` block) once the views are gone:
+    after `release()` no new view can be made (ValueError), and views made before stay valid
+    until they are dropped, so none ever reads memory given back to the producer.
+    """
+
+    __slots__ = ("_core", "_layout", "key", "dtype", "shape", "nbytes", "descriptor")
+
+    def __init__(self, core):
+        self._core = core
+        d = core.descriptor()
+        self.key = d["key"]
+        self.dtype = d["dtype"]
+        self.shape = d["shape"]
+        self.nbytes = d["length"]
+        self.descriptor = d
+        self._layout = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __repr__(self):
+        return "<expert_arena.StreamTensor %r %s %s%s>" % (
+            self.key, self.dtype, list(self.shape), " released" if self.released else "")
+
+    def _get_layout(self):
+        if self._layout is None:
+            self._layout = _dtypes.stream_layout(self.dtype, self.shape, self.nbytes, self.key)
+        return self._layout
+
+    def numpy(self):
+        """A read-only NumPy view (bf16 as uint16, unknown dtypes as raw uint8 bytes)."""
+        return _dtypes.as_numpy(self._core.buffer(False), self._get_layout())
+
+    def torch(self):
+        """A read-only torch tensor over the bytes (no copy); in-place operations raise."""
+        t = _load_torch()
+        return t.view(self._core.buffer(True), self._get_layout())
+
+    @property
+    def address(self) -> int:
+        """Address of the bytes in this process (for a zero-copy check or a device copy)."""
+        return self._core.address()
+
+    @property
+    def released(self) -> bool:
+        return self._core.released
+
+    def release(self) -> None:
+        """Gives this reader's share back once the views made from it are gone (idempotent)."""
+        self._core.release()
+
+
+class StreamConsumer:
+    """Opens descriptors from producers of this host (any process) as zero-copy tensors.
+
+    Segments are mapped once and cached. Options as in `ConsumerOptions` of stream.h;
+    `directory` and `spill_directory` must be the producers'.
+    """
+
+    def __init__(self, directory="/dev/shm", *, spill_directory="/var/tmp", gpu="none",
+                 pin_budget_bytes=4 << 30, allow_foreign_owner=False, quiet=False):
+        self._core = _core.StreamConsumer(
+            os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)), gpu,
+            int(pin_budget_bytes), bool(allow_foreign_owner), bool(quiet))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def open(self, descriptor: bytes) -> StreamTensor:
+        """Validates `descriptor` and maps its tensor (GIL released). ValueError for a
+        damaged or forged descriptor, FileNotFoundError when its segment is gone, BusyError
+        or ValueError for an aborted or fully released block, each naming the key."""
+        if not isinstance(descriptor, (bytes, bytearray, memoryview)):
+            raise TypeError("open(): a descriptor is bytes, got %s" % type(descriptor).__name__)
+        return StreamTensor(self._core.open(bytes(descriptor)))
+
+    def poll_releases(self) -> int:
+        return self._core.poll_releases()
+
+    def stats(self) -> dict:
+        return self._core.stats()
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def close(self) -> None:
+        """Drops this handle; tensors opened from it keep the consumer's state alive."""
+        self._core.close()
+
+
+def decode_descriptor(descriptor: bytes) -> dict:
+    """The fields of a descriptor (segment, offset, length, dtype, shape, key), validated."""
+    return _core.decode_descriptor(bytes(descriptor))
+
+
+def sweep(directory="/dev/shm") -> dict:
+    """Removes the stream segments in `directory` whose owner process is gone (robust to pid
+    reuse; never another user's files). Returns {"removed": [...], "live": [...],
+    "notes": [...]}."""
+    return _core.sweep(os.fsdecode(os.fspath(directory)))
+
+
+def inspect_segment(path) -> dict:
+    """A segment's header and block table (owner, liveness, live blocks), taking nothing."""
+    return _core.inspect_segment(os.fsdecode(os.fspath(path)))

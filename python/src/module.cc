@@ -1,0 +1,683 @@
+// expert_arena._core: the compiled half of the Python package (python/expert_arena wraps it).
+//
+// It binds the C++ API (expert_arena/arena.h, expert_arena/stream.h) directly. Lifetimes:
+// every array this module hands out is a NumPy array over the arena's or the segment's bytes
+// whose base is a capsule holding a shared_ptr to the owner (the Arena, or the StreamTensor),
+// so memory a view points into stays mapped until the last view is gone, whatever the Python
+// code closes or releases first. close() and release() only drop the handle's reference.
+//
+// Errors: a failed Status becomes the Python exception of its code with the library's message
+// (which names the file and the cause); see RaiseStatus. Calls that read files, wait on locks
+// or copy tensors release the GIL; they hold their own reference to the C++ object meanwhile,
+// so another thread's close() cannot free it under them.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <spdlog/sinks/null_sink.h>
+#include <spdlog/spdlog.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "expert_arena/arena.h"
+#include "expert_arena/status.h"
+#include "expert_arena/stream.h"
+#include "source/dtypes.h"
+
+#ifndef EXPERT_ARENA_VERSION_STRING
+#define EXPERT_ARENA_VERSION_STRING "unknown"
+#endif
+
+namespace py = pybind11;
+
+namespace expert_arena::python {
+namespace {
+
+// expert_arena.BusyError and expert_arena.NoSpaceError (OSError subclasses), made at import.
+PyObject* busy_error = nullptr;
+PyObject* no_space_error = nullptr;
+
+// Raises the Python exception for `status`, keeping its message; OSError subclasses also get
+// the errno that names the cause.
+[[noreturn]] void RaiseStatus(const Status& status) {
+  PyObject* type = PyExc_RuntimeError;
+  int err = 0;
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kCorrupt:
+      type = PyExc_ValueError;
+      break;
+    case StatusCode::kNotFound:
+      type = PyExc_FileNotFoundError;
+      err = ENOENT;
+      break;
+    case StatusCode::kPermission:
+      type = PyExc_PermissionError;
+      err = EACCES;
+      break;
+    case StatusCode::kTimedOut:
+      type = PyExc_TimeoutError;
+      err = ETIMEDOUT;
+      break;
+    case StatusCode::kBusy:
+      type = busy_error;
+      err = EBUSY;
+      break;
+    case StatusCode::kNoSpace:
+      type = no_space_error;
+      err = ENOSPC;
+      break;
+    case StatusCode::kUnsupported:
+      type = PyExc_OSError;
+      err = ENOTSUP;
+      break;
+    case StatusCode::kIoError:
+      type = PyExc_OSError;
+      err = EIO;
+      break;
+    case StatusCode::kOk:
+    case StatusCode::kInternal:
+      type = PyExc_RuntimeError;
+      break;
+  }
+  py::object exc = py::reinterpret_borrow<py::object>(type)(status.message());
+  if (err != 0) exc.attr("errno") = err;
+  PyErr_SetObject(type, exc.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Take(Result<T>&& result) {
+  if (!result.ok()) RaiseStatus(result.status());
+  return std::move(result).value();
+}
+
+[[noreturn]] void RaiseClosed(const char* what) {
+  throw py::value_error(std::string(what) + " is closed");
+}
+
+std::shared_ptr<spdlog::logger> QuietLogger() {
+  static auto logger =
+      std::make_shared<spdlog::logger>("expert_arena_quiet", std::make_shared<spdlog::sinks::null_sink_mt>());
+  return logger;
+}
+
+// A 1-D uint8 NumPy array over `bytes` whose base keeps `owner` alive.
+template <typename Owner>
+py::array ByteArray(std::span<const std::byte> bytes, std::shared_ptr<Owner> owner,
+                    bool writable) {
+  auto* holder = new std::shared_ptr<Owner>(std::move(owner));
+  py::capsule base(holder, [](void* p) { delete static_cast<std::shared_ptr<Owner>*>(p); });
+  py::array array = py::array_t<uint8_t>({static_cast<py::ssize_t>(bytes.size())}, {py::ssize_t{1}},
+                             reinterpret_cast<const uint8_t*>(bytes.data()), base);
+  if (!writable) {
+    py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  }
+  return array;
+}
+
+py::tuple Shape(std::span<const uint64_t> shape) {
+  py::tuple t(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) t[i] = py::int_(shape[i]);
+  return t;
+}
+
+std::vector<uint64_t> ShapeFrom(const std::vector<int64_t>& dims) {
+  std::vector<uint64_t> shape;
+  shape.reserve(dims.size());
+  for (int64_t d : dims) {
+    if (d < 0) throw py::value_error("shape has a negative dimension " + std::to_string(d));
+    shape.push_back(static_cast<uint64_t>(d));
+  }
+  return shape;
+}
+
+HugePages ParseHuge(const std::string& huge) {
+  if (huge == "auto") return HugePages::kAuto;
+  if (huge == "on") return HugePages::kOn;
+  if (huge == "off") return HugePages::kOff;
+  throw py::value_error("huge=" + huge + ": use \"auto\", \"on\" or \"off\"");
+}
+
+// ---- Arenas -----------------------------------------------------------------------------
+
+// The Python Arena's handle. close() drops `arena`; views hold their own shared_ptr.
+class PyArena {
+ public:
+  explicit PyArena(Arena arena)
+      : arena_(std::make_shared<Arena>(std::move(arena))),
+        start_line_(arena_->report().StartLine()) {}
+
+  const std::shared_ptr<Arena>& Get(const char* what = "arena") const {
+    if (!arena_) RaiseClosed(what);
+    return arena_;
+  }
+
+  bool closed() const { return arena_ == nullptr; }
+
+  void Close() {
+    std::shared_ptr<Arena> arena = std::move(arena_);
+    // Unmapping (and unregistering from a GPU) can take a while; views may still hold it.
+    py::gil_scoped_release release;
+    arena.reset();
+  }
+
+  size_t Length() const { return Get()->tensor_count(); }
+
+  bool Contains(const std::string& name) const { return Get()->Find(name).has_value(); }
+
+  py::list Names() const {
+    const auto& arena = Get();
+    py::list names(arena->tensor_count());
+    for (size_t i = 0; i < arena->tensor_count(); ++i) {
+      names[i] = py::str(arena->tensor(i).name.data(), arena->tensor(i).name.size());
+    }
+    return names;
+  }
+
+  TensorView Find(const std::string& name) const {
+    const auto& arena = Get();
+    auto view = arena->Find(name);
+    if (!view) {
+      const std::string& path = arena->report().path;
+      throw py::key_error("no tensor " + name + " in the arena" +
+                          (path.empty() ? std::string(" (private)") : " " + path) + " (" +
+                          std::to_string(arena->tensor_count()) + " tensors)");
+    }
+    return *view;
+  }
+
+  static py::dict Info(const TensorView& v) {
+    py::dict d;
+    d["name"] = py::str(v.name.data(), v.name.size());
+    d["dtype"] = py::str(v.dtype.data(), v.dtype.size());
+    d["shape"] = Shape(v.shape);
+    d["bytes"] = v.bytes.size();
+    d["checksum"] = v.checksum;
+    d["file_offset"] = v.file_offset;
+    return d;
+  }
+
+  py::dict InfoOf(const std::string& name) const { return Info(Find(name)); }
+
+  py::list Tensors() const {
+    const auto& arena = Get();
+    py::list out(arena->tensor_count());
+    for (size_t i = 0; i < arena->tensor_count(); ++i) out[i] = Info(arena->tensor(i));
+    return out;
+  }
+
+  py::array Buffer(const std::string& name, bool writable) const {
+    TensorView v = Find(name);
+    return ByteArray(v.bytes, Get(), writable);
+  }
+
+  py::tuple DataRange() const {
+    auto data = Get()->data();
+    return py::make_tuple(reinterpret_cast<uintptr_t>(data.data()), data.size());
+  }
+
+  py::dict Report() const {
+    const ArenaReport& r = Get()->report();
+    py::dict d;
+    d["role"] = ArenaRoleName(r.role);
+    d["path"] = r.path;
+    d["backing"] = r.backing;
+    d["identity"] = r.identity;
+    d["identity_hash"] = r.identity_hash;
+    d["seconds"] = r.seconds;
+    d["load_seconds"] = r.load_seconds;
+    d["wait_seconds"] = r.wait_seconds;
+    d["collapse_seconds"] = r.collapse_seconds;
+    d["bytes_read"] = r.bytes_read;
+    d["huge_bytes"] = r.huge_bytes;
+    d["mapped_bytes"] = r.mapped_bytes;
+    d["data_bytes"] = r.data_bytes;
+    d["tensor_bytes"] = r.tensor_bytes;
+    d["tensors"] = r.tensors;
+    d["model_tensors"] = r.model_tensors;
+    d["model_tensor_bytes"] = r.model_tensor_bytes;
+    d["reader"] = r.reader;
+    d["reader_note"] = r.reader_note;
+    d["huge_note"] = r.huge_note;
+    d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
+    d["gpu_registered_bytes"] = r.gpu_registered_bytes;
+    d["gpu_seconds"] = r.gpu_seconds;
+    d["pinned_bytes"] = r.pinned_bytes;
+    d["waited_for_pid"] = r.waited_for_pid;
+    d["start_line"] = start_line_;
+    return d;
+  }
+
+ private:
+  std::shared_ptr<Arena> arena_;
+  std::string start_line_;
+};
+
+ArenaOptions MakeArenaOptions(const std::optional<std::string>& shared_path,
+                              const std::string& gpu, bool gpu_required, const std::string& huge,
+                              double wait_timeout, uint32_t file_mode, bool allow_foreign_owner,
+                              uint64_t pin_budget_bytes, const std::string& reader, bool quiet,
+                              bool progress) {
+  ArenaOptions options;
+  if (shared_path) options.shared_path = *shared_path;
+  options.gpu = gpu;
+  options.gpu_required = gpu_required;
+  options.huge = ParseHuge(huge);
+  if (!(wait_timeout >= 0)) throw py::value_error("wait_timeout must be >= 0 seconds");
+  options.wait_timeout_seconds = wait_timeout;
+  if (file_mode > 07777) throw py::value_error("file_mode " + std::to_string(file_mode) + " is not a mode");
+  options.file_mode = static_cast<mode_t>(file_mode);
+  options.allow_foreign_owner = allow_foreign_owner;
+  options.pin_budget_bytes = pin_budget_bytes;
+  options.reader = reader;
+  options.progress = progress && !quiet;
+  if (quiet) options.logger = QuietLogger();
+  return options;
+}
+
+PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> shared_path,
+                  std::optional<std::string> select, bool select_all, const std::string& gpu,
+                  bool gpu_required, const std::string& huge, double wait_timeout,
+                  uint32_t file_mode, bool allow_foreign_owner, uint64_t pin_budget_bytes,
+                  const std::string& reader, bool quiet, bool progress, uint64_t alignment) {
+  if (files.empty()) throw py::value_error("open(): model_files names no file");
+  ModelSpec model;
+  model.files = std::move(files);
+  if (select) model.select = *select;
+  model.select_all = select_all;
+  model.alignment = alignment;
+  ArenaOptions options =
+      MakeArenaOptions(shared_path, gpu, gpu_required, huge, wait_timeout, file_mode,
+                       allow_foreign_owner, pin_budget_bytes, reader, quiet, progress);
+  std::optional<Result<Arena>> arena;
+  {
+    py::gil_scoped_release release;
+    arena.emplace(Arena::Open(model, options));
+  }
+  return PyArena(Take(std::move(*arena)));
+}
+
+PyArena AttachArena(const std::string& path, const std::string& gpu, bool gpu_required,
+                    bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+  ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, "auto", 0, 0600,
+                                          allow_foreign_owner, pin_budget_bytes, "auto", quiet,
+                                          false);
+  std::optional<Result<Arena>> arena;
+  {
+    py::gil_scoped_release release;
+    arena.emplace(Arena::AttachExisting(path, options));
+  }
+  return PyArena(Take(std::move(*arena)));
+}
+
+// ---- Streaming --------------------------------------------------------------------------
+
+py::dict StatsDict(const StreamStats& s) {
+  py::dict d;
+  d["total_bytes"] = s.total_bytes;
+  d["free_bytes"] = s.free_bytes;
+  d["largest_free_block"] = s.largest_free_block;
+  d["segments"] = s.segments;
+  d["dedicated_segments"] = s.dedicated_segments;
+  d["live_blocks"] = s.live_blocks;
+  d["pinned_bytes"] = s.pinned_bytes;
+  d["spills"] = s.spills;
+  d["spill_files"] = s.spill_files;
+  d["fragmentation_failures"] = s.fragmentation_failures;
+  d["reclaimed_blocks"] = s.reclaimed_blocks;
+  d["dead_readers_cleared"] = s.dead_readers_cleared;
+  d["segments_grown_ahead"] = s.segments_grown_ahead;
+  return d;
+}
+
+class PyProducer {
+ public:
+  PyProducer(const std::string& directory, const std::string& logical_name,
+             uint64_t segment_bytes, uint32_t max_segments, bool strict,
+             double strict_wait_seconds, const std::string& gpu, uint64_t pin_budget_bytes,
+             uint64_t block_alignment, const std::string& spill_directory,
+             const std::string& huge, uint32_t copy_threads, bool grow_ahead,
+             bool sweep_at_start, bool quiet) {
+    StreamOptions options;
+    options.directory = directory;
+    options.logical_name = logical_name;
+    options.segment_bytes = segment_bytes;
+    options.max_segments = max_segments;
+    options.strict = strict;
+    options.strict_wait_seconds = strict_wait_seconds;
+    options.gpu = gpu;
+    options.pin_budget_bytes = pin_budget_bytes;
+    options.block_alignment = block_alignment;
+    options.spill_directory = spill_directory;
+    options.huge = ParseHuge(huge);
+    options.copy_threads = copy_threads;
+    options.grow_ahead = grow_ahead;
+    options.sweep_at_start = sweep_at_start;
+    if (quiet) options.logger = QuietLogger();
+    std::optional<Result<StreamProducer>> producer;
+    {
+      py::gil_scoped_release release;
+      producer.emplace(StreamProducer::Create(options));
+    }
+    producer_ = std::make_shared<StreamProducer>(Take(std::move(*producer)));
+  }
+
+  std::shared_ptr<StreamProducer> Get() const {
+    if (!producer_) RaiseClosed("StreamProducer");
+    return producer_;
+  }
+
+  // Copies `nbytes` at `address` (a contiguous CPU buffer the caller keeps alive for the
+  // call) into a segment and publishes it.
+  py::bytes Put(const std::string& key, uintptr_t address, uint64_t nbytes,
+                const std::string& dtype, const std::vector<int64_t>& shape, uint32_t readers) {
+    auto producer = Get();
+    TensorInfo info;
+    info.dtype = dtype;
+    info.shape = ShapeFrom(shape);
+    std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(address), nbytes);
+    std::optional<Result<std::string>> descriptor;
+    {
+      py::gil_scoped_release release;
+      descriptor.emplace(producer->Put(key, bytes, info, readers));
+    }
+    return py::bytes(Take(std::move(*descriptor)));
+  }
+
+  uint64_t Abort(const std::string& key) {
+    auto producer = Get();
+    std::optional<Result<uint64_t>> marked;
+    {
+      py::gil_scoped_release release;
+      marked.emplace(producer->Abort(key));
+    }
+    return Take(std::move(*marked));
+  }
+
+  void Reclaim() {
+    auto producer = Get();
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = producer->Reclaim();
+    }
+    if (!s.ok()) RaiseStatus(s);
+  }
+
+  py::dict Stats() {
+    auto producer = Get();
+    StreamStats s;
+    {
+      py::gil_scoped_release release;
+      s = producer->Stats();
+    }
+    return StatsDict(s);
+  }
+
+  std::vector<std::string> SegmentPaths() { return Get()->SegmentPaths(); }
+  std::string InstanceName() { return Get()->instance_name(); }
+  bool closed() const { return producer_ == nullptr; }
+
+  void Close() {
+    std::shared_ptr<StreamProducer> producer = std::move(producer_);
+    py::gil_scoped_release release;
+    producer.reset();
+  }
+
+ private:
+  std::shared_ptr<StreamProducer> producer_;
+};
+
+// One opened tensor: the views and the Python StreamTensor share it; the reader's share goes
+// back to the producer when the last of them is gone.
+struct OpenedTensor {
+  StreamTensor tensor;
+};
+
+class PyStreamTensor {
+ public:
+  explicit PyStreamTensor(StreamTensor tensor)
+      : descriptor_(tensor.descriptor()),
+        opened_(std::make_shared<OpenedTensor>(OpenedTensor{std::move(tensor)})) {}
+
+  const std::shared_ptr<OpenedTensor>& Get() const {
+    if (!opened_) {
+      throw py::value_error("stream tensor " + descriptor_.key + " was released");
+    }
+    return opened_;
+  }
+
+  py::array Buffer(bool writable) const {
+    const auto& opened = Get();
+    return ByteArray(opened->tensor.bytes(), opened, writable);
+  }
+
+  void Release() { opened_.reset(); }
+  bool released() const { return opened_ == nullptr; }
+  const TensorDescriptor& descriptor() const { return descriptor_; }
+  uintptr_t Address() const {
+    return reinterpret_cast<uintptr_t>(Get()->tensor.bytes().data());
+  }
+
+ private:
+  TensorDescriptor descriptor_;
+  std::shared_ptr<OpenedTensor> opened_;
+};
+
+class PyConsumer {
+ public:
+  PyConsumer(const std::string& directory, const std::string& spill_directory,
+             const std::string& gpu, uint64_t pin_budget_bytes, bool allow_foreign_owner,
+             bool quiet) {
+    ConsumerOptions options;
+    options.directory = directory;
+    options.spill_directory = spill_directory;
+    options.gpu = gpu;
+    options.pin_budget_bytes = pin_budget_bytes;
+    options.allow_foreign_owner = allow_foreign_owner;
+    if (quiet) options.logger = QuietLogger();
+    std::optional<Result<StreamConsumer>> consumer;
+    {
+      py::gil_scoped_release release;
+      consumer.emplace(StreamConsumer::Create(options));
+    }
+    consumer_ = std::make_shared<StreamConsumer>(Take(std::move(*consumer)));
+  }
+
+  std::shared_ptr<StreamConsumer> Get() const {
+    if (!consumer_) RaiseClosed("StreamConsumer");
+    return consumer_;
+  }
+
+  PyStreamTensor Open(const py::bytes& descriptor) {
+    auto consumer = Get();
+    std::string wire = descriptor;
+    std::optional<Result<StreamTensor>> tensor;
+    {
+      py::gil_scoped_release release;
+      tensor.emplace(consumer->Open(wire));
+    }
+    return PyStreamTensor(Take(std::move(*tensor)));
+  }
+
+  uint64_t PollReleases() {
+    auto consumer = Get();
+    py::gil_scoped_release release;
+    return consumer->PollReleases();
+  }
+
+  py::dict Stats() {
+    ConsumerStats s = Get()->Stats();
+    py::dict d;
+    d["mapped_segments"] = s.mapped_segments;
+    d["mapped_bytes"] = s.mapped_bytes;
+    d["pinned_bytes"] = s.pinned_bytes;
+    d["open_views"] = s.open_views;
+    d["deferred_releases"] = s.deferred_releases;
+    d["dropped_segments"] = s.dropped_segments;
+    return d;
+  }
+
+  bool closed() const { return consumer_ == nullptr; }
+
+  void Close() {
+    std::shared_ptr<StreamConsumer> consumer = std::move(consumer_);
+    py::gil_scoped_release release;
+    consumer.reset();
+  }
+
+ private:
+  std::shared_ptr<StreamConsumer> consumer_;
+};
+
+py::dict DescriptorDict(const TensorDescriptor& d) {
+  py::dict out;
+  out["segment"] = d.segment;
+  out["spilled"] = d.spilled;
+  out["slot"] = d.slot;
+  out["generation"] = d.generation;
+  out["offset"] = d.offset;
+  out["length"] = d.length;
+  out["dtype"] = d.dtype;
+  out["shape"] = Shape(d.shape);
+  out["key"] = d.key;
+  return out;
+}
+
+py::dict SegmentDict(const SegmentInfo& s) {
+  py::dict d;
+  d["path"] = s.path;
+  d["ours"] = s.ours;
+  d["problem"] = s.problem;
+  d["owner_pid"] = s.owner_pid;
+  d["owner_start_time"] = s.owner_start_time;
+  d["owner_uid"] = s.owner_uid;
+  d["owner_alive"] = s.owner_alive;
+  d["dedicated"] = s.dedicated;
+  d["spill"] = s.spill;
+  d["logical_name"] = s.logical_name;
+  d["file_bytes"] = s.file_bytes;
+  d["data_bytes"] = s.data_bytes;
+  d["slots"] = s.slots;
+  d["live_blocks"] = s.live_blocks;
+  d["live_bytes"] = s.live_bytes;
+  d["published_blocks"] = s.published_blocks;
+  d["aborted_blocks"] = s.aborted_blocks;
+  d["readers"] = s.readers;
+  return d;
+}
+
+}  // namespace
+}  // namespace expert_arena::python
+
+PYBIND11_MODULE(_core, m) {
+  using namespace expert_arena;
+  using namespace expert_arena::python;
+  m.doc() = "expert_arena._core: the compiled part of expert_arena (use the package, not this)";
+  m.attr("__version__") = EXPERT_ARENA_VERSION_STRING;
+
+  busy_error = PyErr_NewExceptionWithDoc(
+      "expert_arena.BusyError",
+      "Somebody else holds the resource: an arena file of another model in use, a lock, an "
+      "aborted key. An OSError with errno EBUSY.",
+      PyExc_OSError, nullptr);
+  no_space_error = PyErr_NewExceptionWithDoc(
+      "expert_arena.NoSpaceError",
+      "A filesystem, the huge page pool or a stream cap is too small. An OSError with errno "
+      "ENOSPC.",
+      PyExc_OSError, nullptr);
+  if (busy_error == nullptr || no_space_error == nullptr) throw py::error_already_set();
+  m.attr("BusyError") = py::reinterpret_borrow<py::object>(busy_error);
+  m.attr("NoSpaceError") = py::reinterpret_borrow<py::object>(no_space_error);
+
+  py::class_<PyArena>(m, "Arena")
+      .def("__len__", &PyArena::Length)
+      .def("__contains__", &PyArena::Contains)
+      .def("names", &PyArena::Names)
+      .def("info", &PyArena::InfoOf)
+      .def("tensors", &PyArena::Tensors)
+      .def("report", &PyArena::Report)
+      .def("buffer", &PyArena::Buffer, py::arg("name"), py::arg("writable") = false)
+      .def("data_range", &PyArena::DataRange)
+      .def("close", &PyArena::Close)
+      .def_property_readonly("closed", &PyArena::closed);
+
+  m.def("open", &OpenArena, py::arg("files"), py::arg("shared_path"), py::arg("select"),
+        py::arg("select_all"), py::arg("gpu"), py::arg("gpu_required"), py::arg("huge"),
+        py::arg("wait_timeout"), py::arg("file_mode"), py::arg("allow_foreign_owner"),
+        py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
+        py::arg("alignment"));
+  m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
+        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
+
+  py::class_<PyProducer>(m, "StreamProducer")
+      .def(py::init<const std::string&, const std::string&, uint64_t, uint32_t, bool, double,
+                    const std::string&, uint64_t, uint64_t, const std::string&,
+                    const std::string&, uint32_t, bool, bool, bool>(),
+           py::arg("directory"), py::arg("logical_name"), py::arg("segment_bytes"),
+           py::arg("max_segments"), py::arg("strict"), py::arg("strict_wait_seconds"),
+           py::arg("gpu"), py::arg("pin_budget_bytes"), py::arg("block_alignment"),
+           py::arg("spill_directory"), py::arg("huge"), py::arg("copy_threads"),
+           py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"))
+      .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
+           py::arg("dtype"), py::arg("shape"), py::arg("readers"))
+      .def("abort", &PyProducer::Abort)
+      .def("reclaim", &PyProducer::Reclaim)
+      .def("stats", &PyProducer::Stats)
+      .def("segment_paths", &PyProducer::SegmentPaths)
+      .def("instance_name", &PyProducer::InstanceName)
+      .def("close", &PyProducer::Close)
+      .def_property_readonly("closed", &PyProducer::closed);
+
+  py::class_<PyStreamTensor>(m, "StreamTensor")
+      .def("buffer", &PyStreamTensor::Buffer, py::arg("writable") = false)
+      .def("release", &PyStreamTensor::Release)
+      .def("address", &PyStreamTensor::Address)
+      .def_property_readonly("released", &PyStreamTensor::released)
+      .def("descriptor",
+           [](const PyStreamTensor& t) { return DescriptorDict(t.descriptor()); });
+
+  py::class_<PyConsumer>(m, "StreamConsumer")
+      .def(py::init<const std::string&, const std::string&, const std::string&, uint64_t, bool,
+                    bool>(),
+           py::arg("directory"), py::arg("spill_directory"), py::arg("gpu"),
+           py::arg("pin_budget_bytes"), py::arg("allow_foreign_owner"), py::arg("quiet"))
+      .def("open", &PyConsumer::Open)
+      .def("poll_releases", &PyConsumer::PollReleases)
+      .def("stats", &PyConsumer::Stats)
+      .def("close", &PyConsumer::Close)
+      .def_property_readonly("closed", &PyConsumer::closed);
+
+  m.def("decode_descriptor", [](const py::bytes& wire) {
+    std::string bytes = wire;
+    return DescriptorDict(Take(TensorDescriptor::Decode(bytes)));
+  });
+  m.def("sweep", [](const std::string& directory) {
+    std::optional<Result<SweepReport>> report;
+    {
+      py::gil_scoped_release release;
+      report.emplace(SweepStreamDirectory(directory));
+    }
+    SweepReport r = Take(std::move(*report));
+    py::dict d;
+    d["removed"] = r.removed;
+    d["live"] = r.live;
+    d["notes"] = r.notes;
+    return d;
+  });
+  m.def("inspect_segment", [](const std::string& path) {
+    return SegmentDict(Take(InspectSegment(path)));
+  });
+  m.def("ggml_block", [](const std::string& name) -> std::optional<std::pair<uint32_t, uint32_t>> {
+    const source::GgmlType* type = source::FindGgmlTypeByName(name);
+    if (type == nullptr) return std::nullopt;
+    return std::make_pair(type->block_elems, type->block_bytes);
+  });
+  m.def("is_stream_segment", [](const std::string& path) { return IsStreamSegment(path); });
+}
