@@ -15,6 +15,7 @@
 #include <pybind11/stl.h>
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -679,5 +680,15 @@ PYBIND11_MODULE(_core, m) {
     if (type == nullptr) return std::nullopt;
     return std::make_pair(type->block_elems, type->block_bytes);
   });
+  m.def("xxh3_64", [](const py::buffer& buffer) {
+    py::buffer_info info = buffer.request();
+    if (info.ndim != 1 || info.strides[0] != info.itemsize) {
+      throw py::value_error("xxh3_64(): needs a contiguous 1-D buffer");
+    }
+    const void* data = info.ptr;
+    size_t bytes = static_cast<size_t>(info.size * info.itemsize);
+    py::gil_scoped_release release;
+    return static_cast<uint64_t>(XXH3_64bits(data, bytes));
+  }, "xxh3-64 of a contiguous buffer's bytes (the checksum of the arena's tensor table)");
   m.def("is_stream_segment", [](const std::string& path) { return IsStreamSegment(path); });
 }

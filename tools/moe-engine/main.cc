@@ -32,6 +32,7 @@ struct EngineArgs {
   ForwardOptions forward;
   bool json = false;
   bool hold = false;
+  std::string outputs_path;  // --outputs: the final states, for comparisons with other engines
 };
 
 std::string Hex(uint64_t v) {
@@ -103,6 +104,16 @@ int Run(EngineArgs& args) {
   if (!result.ok()) {
     std::fprintf(stderr, "moe-engine: %s\n", result.status().message().c_str());
     return 1;
+  }
+  if (!args.outputs_path.empty()) {
+    std::FILE* f = std::fopen(args.outputs_path.c_str(), "wb");
+    size_t n = result->outputs.size();
+    bool written = f != nullptr && std::fwrite(result->outputs.data(), sizeof(float), n, f) == n;
+    if (f != nullptr && std::fclose(f) != 0) written = false;
+    if (!written) {
+      std::fprintf(stderr, "moe-engine: cannot write --outputs %s\n", args.outputs_path.c_str());
+      return 1;
+    }
   }
   // With a registered device, the experts this run used go to the device from the arena.
   GpuCopyReport gpu = CopyUsedExpertsToDevice(*arena, *table, result->expert_hits, args.arena.gpu);
@@ -215,6 +226,9 @@ int main(int argc, char** argv) {
                  "Compute threads (the checksum does not depend on it)")
       ->check(CLI::Range(1, 256));
   app.add_flag("--json", args.json, "Print one JSON object instead of text");
+  app.add_option("--outputs", args.outputs_path,
+                 "Write the final hidden states (tokens x hidden float32, host byte order) to "
+                 "this file, to compare with another engine (tools/python/moe_engine.py)");
   app.add_flag("--hold", args.hold,
                "After printing, keep the arena mapped until SIGINT or SIGTERM");
   try {
