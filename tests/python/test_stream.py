@@ -1,0 +1,169 @@
+"""Tensor streaming from Python, with real processes for everything that crosses them."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import expert_arena
+from conftest import child_env, tool
+
+torch = pytest.importorskip("torch") if os.environ.get("CI") != "true" else __import__("torch")
+ROLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_roles.py")
+
+
+def start_producer(kind, directory):
+    cmd = [tool("python_peer"), "produce", directory] if kind == "cxx" else \
+        [sys.executable, ROLES, "produce", directory]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=child_env())
+    rows = []
+    for line in p.stdout:
+        if line.strip() == "ready":
+            return p, rows
+        rows.append(line.split())
+    p.wait(30)
+    raise AssertionError("%s producer exited with %s before it was ready" % (kind, p.returncode))
+
+
+def consume(kind, directory, descriptors):
+    cmd = [tool("python_peer"), "consume", directory] if kind == "cxx" else \
+        [sys.executable, ROLES, "consume", directory]
+    out = subprocess.run(cmd, input="".join(d + "\n" for d in descriptors), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [line.split() for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("producer,consumer", [("py", "py"), ("cxx", "py"), ("py", "cxx")])
+def test_streaming_between_processes_is_bit_exact_for_every_dtype(stream_dir, producer,
+                                                                 consumer):
+    p, rows = start_producer(producer, stream_dir)
+    try:
+        got = consume(consumer, stream_dir, [r[4] for r in rows])
+    finally:
+        p.stdin.close()
+        p.wait(30)
+    assert len(got) == len(rows) >= 15
+    dtypes = set()
+    for sent, received in zip(rows, got):
+        assert received[0] != "error", received
+        # key, dtype, shape and xxh3 of the bytes as the consumer's view reads them
+        assert received == sent[:4]
+        dtypes.add(sent[1])
+    assert {"f32", "f16", "bf16", "i8", "u8", "bool", "f64", "i64"} <= dtypes
+    assert os.listdir(stream_dir) == []  # the producer unlinked its segments at exit
+
+
+def test_views_are_zero_copy_read_only_and_outlive_release(stream_dir):
+    with expert_arena.StreamProducer(stream_dir, "views", segment_bytes=2 << 20,
+                                     max_segments=2, quiet=True) as p, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+        x = torch.randn(64, 32)
+        t = c.open(p.put("k1", x))
+        assert (t.key, t.dtype, t.shape, t.nbytes) == ("k1", "f32", (64, 32), x.numel() * 4)
+        v, n = t.torch(), t.numpy()
+        assert v.data_ptr() == t.address == n.__array_interface__["data"][0]
+        assert torch.equal(v, x) and np.array_equal(n, x.numpy())
+        with pytest.raises(ValueError):
+            v.add_(1)
+        with pytest.raises(ValueError):
+            n[0, 0] = 1
+        t.release()
+        with pytest.raises(ValueError, match="released"):
+            t.numpy()
+        assert p.stats()["live_blocks"] == 1
+        # The views still read the bytes: the reader's share is held until they are gone.
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 1
+        assert torch.equal(v, x)
+        del v, n
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0
+        # The same without release(): dropping the tensor and its views gives the block back.
+        t2 = c.open(p.put("k2", np.arange(1000, dtype=np.int32)))
+        view = t2.numpy()
+        del t2
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 1 and view[999] == 999
+        del view
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0
+
+
+def test_abort_is_exact_key(stream_dir):
+    with expert_arena.StreamProducer(stream_dir, "abort", segment_bytes=2 << 20,
+                                     max_segments=2, quiet=True) as p:
+        d_abc = p.put("abc", np.ones(100, np.float32))
+        d_long = p.put("abc_1_2", np.full(100, 2, np.float32))
+        d_other = p.put("ab", np.full(100, 3, np.float32))
+        assert p.abort("abc") == 1
+        got = consume("py", stream_dir, [d_abc.hex(), d_long.hex(), d_other.hex()])
+        assert got[0][0] == "error"
+        assert got[1][:3] == ["abc_1_2", "f32", "100"]
+        assert got[2][:3] == ["ab", "f32", "100"]
+        with expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+            with pytest.raises((ValueError, OSError), match="abc"):
+                c.open(d_abc)
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0  # abc aborted, the others released once each
+
+
+def test_a_killed_python_producers_segments_are_swept(stream_dir):
+    p, rows = start_producer("py", stream_dir)
+    segments = sorted(os.path.join(stream_dir, f) for f in os.listdir(stream_dir))
+    assert segments and rows
+    info = expert_arena.inspect_segment(segments[0])
+    assert info["ours"] and info["owner_pid"] == p.pid and info["owner_alive"]
+    assert info["live_blocks"] > 0
+    # The owner is alive: nothing is removed.
+    assert expert_arena.sweep(stream_dir)["removed"] == []
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    p.stdin.close()
+    assert sorted(os.path.join(stream_dir, f) for f in os.listdir(stream_dir)) == segments
+    assert not expert_arena.inspect_segment(segments[0])["owner_alive"]
+    report = expert_arena.sweep(stream_dir)
+    assert sorted(report["removed"]) == segments
+    assert os.listdir(stream_dir) == []
+
+
+def test_bad_inputs_get_their_exceptions(stream_dir):
+    with expert_arena.StreamProducer(stream_dir, "bad", segment_bytes=2 << 20, max_segments=2,
+                                     quiet=True) as p, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+        with pytest.raises(ValueError, match="not contiguous"):
+            p.put("k", torch.randn(8, 8).t())
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            p.put("k", np.arange(20)[::2])
+        with pytest.raises(ValueError, match="meta"):
+            p.put("k", torch.empty(4, device="meta"))  # a device tensor (no GPU here)
+        with pytest.raises(TypeError, match="object"):
+            p.put("k", np.array([object(), 1]))
+        with pytest.raises(TypeError, match="list"):
+            p.put("k", [1, 2, 3])
+        with pytest.raises(ValueError, match="key"):
+            p.put("", np.zeros(4))
+        with pytest.raises(ValueError, match="key"):
+            p.put("a\nb", np.zeros(4))
+        with pytest.raises(ValueError):
+            c.open(b"garbage")
+        d = p.put("good", np.zeros(4))
+        with pytest.raises(ValueError):
+            c.open(d[:-3])
+        forged = bytearray(d)
+        forged[10] ^= 0xFF
+        with pytest.raises(ValueError):
+            c.open(bytes(forged))
+        with pytest.raises(TypeError):
+            c.open("not bytes")
+        assert expert_arena.decode_descriptor(d)["key"] == "good"
+        p.close()
+        with pytest.raises(ValueError, match="closed"):
+            p.put("k", np.zeros(4))
+    with pytest.raises(FileNotFoundError):
+        expert_arena.StreamProducer(os.path.join(stream_dir, "absent"), quiet=True)
