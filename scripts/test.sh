@@ -30,10 +30,13 @@ fi
 jobs=${EXPERT_ARENA_JOBS:-2}
 
 echo "== default build (${gpu_flags[*]:-no GPU backends})"
-cmake --preset default "${gpu_flags[@]}" >/dev/null
+cmake --preset default "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON >/dev/null
 cmake --build --preset default -j"$jobs"
 echo "== tests"
 ctest --preset default
+echo "== Python package tests (pytest)"
+# Exit status 5 (no test collected) fails too: a missing module must never pass silently.
+PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
 
 if ((quick)); then exit 0; fi
 
