@@ -1,0 +1,75 @@
+"""pip install of the Python package expert_arena: builds python/ with the project's CMake.
+
+    pip install --no-build-isolation .        (offline: setuptools, wheel and pip from Debian)
+
+The extension module is CMake's target expert_arena_python (build directory build-pip/, kept
+between installs); extra CMake options come from the CMAKE_ARGS environment variable, e.g.
+CMAKE_ARGS="-DEXPERT_ARENA_CUDA=ON -DCMAKE_CXX_COMPILER_LAUNCHER=ccache". See docs/python.md.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def project_version():
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        m = re.search(r"project\(expert_arena VERSION (\d+\.\d+\.\d+)", f.read())
+    if not m:
+        sys.exit("setup.py: no project(expert_arena VERSION x.y.z) in CMakeLists.txt")
+    return m.group(1)
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    """Configures and builds the module with CMake, then copies it where setuptools wants it."""
+
+    def build_extension(self, ext):
+        build_dir = os.environ.get("EXPERT_ARENA_PIP_BUILD_DIR", os.path.join(ROOT, "build-pip"))
+        configure = ["cmake", "-S", ROOT, "-B", build_dir,
+                     "-DCMAKE_BUILD_TYPE=" + os.environ.get("CMAKE_BUILD_TYPE", "RelWithDebInfo"),
+                     "-DEXPERT_ARENA_PYTHON=ON", "-DEXPERT_ARENA_BUILD_TESTS=OFF",
+                     "-DEXPERT_ARENA_BUILD_BENCH=OFF", "-DPython3_EXECUTABLE=" + sys.executable]
+        if shutil.which("ninja"):
+            configure += ["-G", "Ninja"]
+        configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
+        if os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+            configure = [a for a in configure if a not in ("-G", "Ninja")]
+        subprocess.check_call(configure)
+        jobs = os.environ.get("EXPERT_ARENA_JOBS", str(min(4, os.cpu_count() or 1)))
+        subprocess.check_call(["cmake", "--build", build_dir, "-j", jobs,
+                               "--target", "expert_arena_python"])
+        built = os.path.join(build_dir, "python", "expert_arena",
+                             os.path.basename(self.get_ext_filename(ext.name)))
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(built, target)
+
+
+setup(
+    name="expert_arena",
+    version=project_version(),
+    description="Shared MoE expert arenas and zero-copy tensor streaming for NumPy and PyTorch",
+    license="See the project's repository",
+    python_requires=">=3.9",
+    install_requires=["numpy"],
+    extras_require={"torch": ["torch"]},
+    packages=["expert_arena"],
+    package_dir={"": "python"},
+    package_data={"expert_arena": ["__init__.pyi", "py.typed"]},
+    ext_modules=[CMakeExtension("expert_arena._core")],
+    cmdclass={"build_ext": CMakeBuild},
+    zip_safe=False,
+)
