@@ -1,0 +1,33 @@
+"""`cmake --install` puts an importable package under the prefix's site directory."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BUILD
+
+
+def test_cmake_install_gives_an_importable_package(tmp_path, gen_model):
+    if not os.path.exists(os.path.join(BUILD, "CMakeCache.txt")):
+        pytest.skip("no CMake build directory at %s" % BUILD)
+    subprocess.run(["cmake", "--install", BUILD, "--component", "python", "--prefix",
+                    str(tmp_path)], check=True, stdout=subprocess.DEVNULL)
+    sites = [os.path.join(root) for root, dirs, _ in os.walk(tmp_path) if "expert_arena" in dirs]
+    assert len(sites) == 1, sites
+    site = sites[0]
+    assert site.endswith(("dist-packages", "site-packages"))
+    files = set(os.listdir(os.path.join(site, "expert_arena")))
+    assert {"__init__.py", "__init__.pyi", "__main__.py", "py.typed"} <= files
+    assert any(f.startswith("_core.") and f.endswith(".so") for f in files)
+    script = ("import sys, expert_arena\n"
+              "assert expert_arena.__file__.startswith(sys.argv[1]), expert_arena.__file__\n"
+              "a = expert_arena.open(sys.argv[2], quiet=True)\n"
+              "print(a.report['role'], len(a))\n")
+    env = dict(os.environ, PYTHONPATH=site)
+    out = subprocess.run([sys.executable, "-c", script, site, gen_model("gguf", "f32")],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["private", "6"]
