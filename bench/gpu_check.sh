@@ -4,7 +4,10 @@
 # registration seconds per GiB on a 4 KiB-page vs a 2 MiB-page backing of the same size
 # (serial vs parallel chunks), host-to-device GB/s from the registered arena vs from
 # cudaMallocHost memory vs from pageable memory (target: registered >= 0.95 x cudaMallocHost),
-# and a correctness check (a tensor copied to the device equals the host bytes).
+# and a correctness check (a tensor copied to the device equals the host bytes); then a Python
+# step (bench/gpu_check_python.py): arena.torch(name).to("cuda", non_blocking=True) from an
+# arena opened with gpu="cuda" is a DMA copy from memory torch sees as pinned, timed against
+# a copy from pageable memory (skipped, saying why, without torch+CUDA or the package).
 #
 #   bench/gpu_check.sh                   build, test, measure cuda:0 (under 5 minutes on 1 GPU)
 #   bench/gpu_check.sh --device cuda:1 --size-gib 4 --dir-2m /mnt/huge [--dir-4k DIR|anonymous]
@@ -143,4 +146,15 @@ if [[ -z "$dir_2m" ]]; then
   fi
 fi
 args+=(--dir-4k "$dir_4k" --dir-2m "$dir_2m")
-"$bin" "${args[@]}"
+rc=0
+"$bin" "${args[@]}" || rc=$?
+
+# The Python step: an arena opened from Python with gpu="cuda" is pinned memory to torch, and
+# .to("cuda", non_blocking=True) from it is timed against a pageable copy. It skips, saying
+# why, without the package (EXPERT_ARENA_PYTHON), torch with CUDA, or a device.
+echo "gpu_check.sh: Python step (bench/gpu_check_python.py)"
+py_rc=0
+PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-/usr/bin/python3}" \
+  bench/gpu_check_python.py --bin "$build_dir/bin" --device "$device" || py_rc=$?
+if ((rc == 0 && py_rc != 0)); then rc=$py_rc; fi
+exit "$rc"
