@@ -53,10 +53,17 @@ echo "== fuzzing (libFuzzer, ${EA_FUZZ_SECONDS:-20} s per target)"
 EXPERT_ARENA_JOBS=$jobs tests/fuzz/run_fuzz.sh "${EA_FUZZ_SECONDS:-20}"
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
-cmake --preset asan "${gpu_flags[@]}" >/dev/null
+cmake --preset asan "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON >/dev/null
 cmake --build --preset asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --preset asan
+echo "-- asan: Python package tests (instrumented module in the stock interpreter)"
+# The runtime must come first; libstdc++ too, or ASan cannot find the real __cxa_throw when
+# torch throws. Leaks are not checked: the interpreter does not free everything at exit.
+LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
+  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  EXPERT_ARENA_BUILD_DIR=build-asan PYTHONPATH=build-asan/python \
+  /usr/bin/python3 -m pytest -q tests/python
 
 echo "== ThreadSanitizer build: the threaded and multi-process parts"
 # The stream producer (grow-ahead thread, copy threads, concurrent aborts), the loader's

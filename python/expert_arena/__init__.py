@@ -42,9 +42,15 @@ __all__ = [
 ]
 
 
+_torch_part = None
+
+
 def _load_torch():
-    from . import _torch as t  # raises an ImportError naming python3-torch without torch
-    return t
+    global _torch_part
+    if _torch_part is None:
+        from . import _torch as t  # raises an ImportError naming python3-torch without torch
+        _torch_part = t
+    return _torch_part
 
 
 def _paths(model_files):
@@ -298,17 +304,18 @@ class StreamTensor:
     until they are dropped, so none ever reads memory given back to the producer.
     """
 
-    __slots__ = ("_core", "_layout", "key", "dtype", "shape", "nbytes", "descriptor")
+    __slots__ = ("_core", "_layout", "key", "dtype", "shape", "nbytes")
 
     def __init__(self, core):
         self._core = core
-        d = core.descriptor()
-        self.key = d["key"]
-        self.dtype = d["dtype"]
-        self.shape = d["shape"]
-        self.nbytes = d["length"]
-        self.descriptor = d
+        self.key, self.dtype, self.shape, self.nbytes = core.summary()
         self._layout = None
+
+    @property
+    def descriptor(self) -> dict:
+        """The descriptor's fields: segment, spilled, slot, generation, offset, length, dtype,
+        shape, key."""
+        return self._core.descriptor()
 
     def __enter__(self):
         return self
@@ -322,7 +329,8 @@ class StreamTensor:
 
     def _get_layout(self):
         if self._layout is None:
-            self._layout = _dtypes.stream_layout(self.dtype, self.shape, self.nbytes, self.key)
+            self._layout = _dtypes.cached_stream_layout(self.dtype, self.shape, self.nbytes,
+                                                        self.key)
         return self._layout
 
     def numpy(self):

@@ -113,3 +113,18 @@ def as_numpy(buffer, layout: Layout):
     """A view of the uint8 `buffer` with the layout's dtype and shape (no copy)."""
     array = buffer if layout.numpy_dtype == np.uint8 else buffer.view(layout.numpy_dtype)
     return array.reshape(layout.shape)
+
+
+_STREAM_LAYOUTS = {}
+
+
+def cached_stream_layout(dtype: str, shape, nbytes: int, key: str) -> Layout:
+    """stream_layout, remembered for the shapes an engine sends again and again."""
+    k = (dtype, shape, nbytes)
+    layout = _STREAM_LAYOUTS.get(k)
+    if layout is None:
+        layout = stream_layout(dtype, shape, nbytes, key)
+        if len(_STREAM_LAYOUTS) >= 4096:
+            _STREAM_LAYOUTS.clear()
+        _STREAM_LAYOUTS[k] = layout
+    return layout

@@ -642,7 +642,11 @@ PYBIND11_MODULE(_core, m) {
       .def("address", &PyStreamTensor::Address)
       .def_property_readonly("released", &PyStreamTensor::released)
       .def("descriptor",
-           [](const PyStreamTensor& t) { return DescriptorDict(t.descriptor()); });
+           [](const PyStreamTensor& t) { return DescriptorDict(t.descriptor()); })
+      .def("summary", [](const PyStreamTensor& t) {
+        const TensorDescriptor& d = t.descriptor();
+        return py::make_tuple(d.key, d.dtype, Shape(d.shape), d.length);
+      });
 
   py::class_<PyConsumer>(m, "StreamConsumer")
       .def(py::init<const std::string&, const std::string&, const std::string&, uint64_t, bool,
