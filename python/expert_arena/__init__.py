@@ -166,13 +166,16 @@ class Arena:
 def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
-         progress=None) -> Arena:
+         progress=None, format="auto") -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
     first engine loads and publishes, every other one (now or after a restart) attaches
     without reading tensor data; without it the arena is private. `select` is a regex of
-    tensor names (default: the routed experts), `select_all` takes every tensor. `gpu` is
+    tensor names (default: the routed experts), `select_all` takes every tensor. `format`
+    is "auto" (GGUF, safetensors or a safetensors index, by their first bytes; anything else
+    is refused naming what it looks like), "gguf", "safetensors", or "raw" (never guessed:
+    each file's bytes as one u8 tensor named after the file). `gpu` is
     "none", "cuda[:N]" or "hip[:N]" (registration failure is reported in report["gpu"] unless
     `gpu_required`). The start line goes to the "expert_arena" logger (stderr) unless
     `quiet`. The GIL is released while loading or waiting.
@@ -188,7 +191,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                       None if shared_path is None else os.fsdecode(os.fspath(shared_path)),
                       select, bool(select_all), gpu, bool(gpu_required), huge,
                       float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
-                      int(pin_budget_bytes), reader, bool(quiet), bool(progress), int(alignment))
+                      int(pin_budget_bytes), reader, bool(quiet), bool(progress), int(alignment),
+                      format)
     return Arena(core)
 
 

@@ -138,6 +138,15 @@ std::vector<uint64_t> ShapeFrom(const std::vector<int64_t>& dims) {
   return shape;
 }
 
+ModelFormat ParseFormat(const std::string& format) {
+  if (format == "auto") return ModelFormat::kAuto;
+  if (format == "gguf") return ModelFormat::kGguf;
+  if (format == "safetensors") return ModelFormat::kSafetensors;
+  if (format == "raw") return ModelFormat::kRaw;
+  throw py::value_error("format=" + format +
+                        ": use \"auto\", \"gguf\", \"safetensors\" or \"raw\"");
+}
+
 HugePages ParseHuge(const std::string& huge) {
   if (huge == "auto") return HugePages::kAuto;
   if (huge == "on") return HugePages::kOn;
@@ -286,10 +295,12 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   std::optional<std::string> select, bool select_all, const std::string& gpu,
                   bool gpu_required, const std::string& huge, double wait_timeout,
                   uint32_t file_mode, bool allow_foreign_owner, uint64_t pin_budget_bytes,
-                  const std::string& reader, bool quiet, bool progress, uint64_t alignment) {
+                  const std::string& reader, bool quiet, bool progress, uint64_t alignment,
+                  const std::string& format) {
   if (files.empty()) throw py::value_error("open(): model_files names no file");
   ModelSpec model;
   model.files = std::move(files);
+  model.format = ParseFormat(format);
   if (select) model.select = *select;
   model.select_all = select_all;
   model.alignment = alignment;
@@ -613,7 +624,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("select_all"), py::arg("gpu"), py::arg("gpu_required"), py::arg("huge"),
         py::arg("wait_timeout"), py::arg("file_mode"), py::arg("allow_foreign_owner"),
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
-        py::arg("alignment"));
+        py::arg("alignment"), py::arg("format"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
 

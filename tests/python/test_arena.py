@@ -245,6 +245,16 @@ def test_errors_are_python_exceptions_with_the_library_message(gen_model, shm_pa
     assert e.value.errno == 2
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         expert_arena.open(str(tmp_path / "nope.gguf"), quiet=True)
+    html = tmp_path / "page.gguf"
+    html.write_bytes(b"<!DOCTYPE html><html><body>not a model</body></html>" * 10)
+    with pytest.raises(ValueError, match="page.gguf"):
+        expert_arena.open(str(html), quiet=True)
+    with pytest.raises(ValueError, match="format"):
+        expert_arena.open(str(html), format="pickle", quiet=True)
+    # Raw bytes only when asked for: one u8 tensor named after the file.
+    with expert_arena.open(str(html), format="raw", quiet=True) as raw:
+        assert len(raw) == 1
+        assert raw.numpy(raw.names()[0]).tobytes() == html.read_bytes()
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 0) + b"\0" * 64)
     with pytest.raises(ValueError, match="damaged.gguf"):

@@ -19,7 +19,8 @@ class OpenParams(ctypes.Structure):
                 ("attach_only", ctypes.c_int), ("wait_timeout_seconds", ctypes.c_double),
                 ("huge_pages", ctypes.c_int), ("gpu", ctypes.c_char_p),
                 ("gpu_required", ctypes.c_int), ("file_mode", ctypes.c_uint32),
-                ("allow_foreign_owner", ctypes.c_int), ("quiet", ctypes.c_int)]
+                ("allow_foreign_owner", ctypes.c_int), ("quiet", ctypes.c_int),
+                ("format", ctypes.c_int)]
 
 
 class TensorView(ctypes.Structure):
