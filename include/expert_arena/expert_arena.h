@@ -63,7 +63,7 @@ enum ea_model_format {
 };
 
 typedef struct ea_open_params {
-  size_t size;                    /* sizeof(ea_open_params), set by ea_open_params_init */
+  size_t size;                    /* the caller's sizeof; set by ea_open_params_init */
   const char* const* model_files; /* the model's files (shards); unused with attach_only */
   size_t model_file_count;
   const char* select;          /* regex of tensor names; NULL or "": the routed experts */
@@ -110,8 +110,19 @@ typedef struct ea_arena_info {
   uint64_t gpu_registered_bytes;
 } ea_arena_info;
 
-/* Fills `params` with the defaults and sets params->size. */
-EXPERT_ARENA_EXPORT void ea_open_params_init(ea_open_params* params);
+/* Fills the first `size` bytes of `params` with the defaults and sets params->size = size.
+ * `size` is the caller's sizeof(ea_open_params) as it was compiled: the library never writes
+ * past it, so a program built against an older, smaller struct stays safe with a newer
+ * library. Does nothing when params is NULL or size is too small to hold `size` itself.
+ * C and C++ callers use ea_open_params_init below; callers through an FFI (ctypes, cffi) call
+ * this with the size of their own struct. */
+EXPERT_ARENA_EXPORT void ea_open_params_init_sized(ea_open_params* params, size_t size);
+
+/* Fills `params` with the defaults and sets params->size to the caller's sizeof. Inline so
+ * that the size is the one this program was compiled with, not the library's. */
+static inline void ea_open_params_init(ea_open_params* params) {
+  ea_open_params_init_sized(params, sizeof *params);
+}
 
 /* Loads the model into an arena, attaches to a shared one another engine loaded, or (with
  * attach_only) attaches to a published shared_path. On success *out is a handle for

@@ -117,13 +117,18 @@ using expert_arena::Guarded;
 
 extern "C" {
 
-void ea_open_params_init(ea_open_params* params) {
-  if (params == nullptr) return;
-  std::memset(static_cast<void*>(params), 0, sizeof *params);
-  params->size = sizeof *params;
-  params->wait_timeout_seconds = 600.0;
-  params->huge_pages = EA_HUGE_AUTO;
-  params->file_mode = 0600;
+void ea_open_params_init_sized(ea_open_params* params, size_t size) {
+  if (params == nullptr || size < sizeof params->size) return;
+  // The defaults are built in a whole struct of this version and only the caller's bytes are
+  // copied out: an older caller's struct ends early and must not be written past.
+  ea_open_params defaults;
+  std::memset(static_cast<void*>(&defaults), 0, sizeof defaults);
+  defaults.size = size;
+  defaults.wait_timeout_seconds = 600.0;
+  defaults.huge_pages = EA_HUGE_AUTO;
+  defaults.file_mode = 0600;
+  defaults.format = EA_FORMAT_AUTO;
+  std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
 }
 
 int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
@@ -141,7 +146,7 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
     // A newer caller's extra fields are ignored; an older caller's missing ones keep the
     // defaults.
     ea_open_params p;
-    ea_open_params_init(&p);
+    ea_open_params_init_sized(&p, sizeof p);
     std::memcpy(static_cast<void*>(&p), params_in, std::min(params_in->size, sizeof p));
 
     ArenaOptions options;

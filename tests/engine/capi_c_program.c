@@ -126,6 +126,22 @@ int main(int argc, char** argv) {
   tiny.size = 8;
   CHECK(ea_arena_open(&tiny, &arena) == -EINVAL);
 
+  /* A program built against an older, smaller struct: the init writes its bytes only (the
+   * defaults within them), never past them. */
+  union {
+    ea_open_params params;
+    unsigned char bytes[sizeof(ea_open_params) + 16];
+  } older_struct;
+  memset(&older_struct, 0xAB, sizeof older_struct);
+  const size_t older_size = offsetof(ea_open_params, format);
+  ea_open_params_init_sized(&older_struct.params, older_size);
+  CHECK(older_struct.params.size == older_size);
+  CHECK(older_struct.params.wait_timeout_seconds == 600.0 && older_struct.params.quiet == 0);
+  for (size_t i = older_size; i < sizeof older_struct.bytes; ++i) {
+    CHECK(older_struct.bytes[i] == 0xAB);
+  }
+  ea_open_params_init_sized(NULL, sizeof p); /* ignored */
+
   /* A data file is not a model: refused unless raw bytes are asked for, also by an older
    * caller whose struct ends before `format`, and an unknown format is refused. */
   const char* files[1] = {model};

@@ -39,7 +39,7 @@ def lib():
             pytest.fail("%s is not built" % path)
         pytest.skip("%s is not built" % path)
     lib = ctypes.CDLL(path)
-    lib.ea_open_params_init.argtypes = [ctypes.POINTER(OpenParams)]
+    lib.ea_open_params_init_sized.argtypes = [ctypes.POINTER(OpenParams), ctypes.c_size_t]
     lib.ea_arena_open.argtypes = [ctypes.POINTER(OpenParams), ctypes.POINTER(ctypes.c_void_p)]
     lib.ea_arena_close.argtypes = [ctypes.c_void_p]
     lib.ea_arena_find.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(TensorView)]
@@ -49,7 +49,7 @@ def lib():
 
 def ctypes_attach(lib, path):
     params = OpenParams()
-    lib.ea_open_params_init(ctypes.byref(params))
+    lib.ea_open_params_init_sized(ctypes.byref(params), ctypes.sizeof(params))
     params.shared_path = os.fsencode(path)
     params.attach_only = 1
     params.quiet = 1
