@@ -43,6 +43,9 @@ struct ArenaTable {
   std::string identity_text;       // human-readable: names the model in messages
   uint64_t model_bytes_total = 0;  // all tensor bytes in the sources, selected or not
   uint64_t model_tensors_total = 0;
+  // Of the planning inputs (source/model_fingerprint.h), 0 when there is none: lets an engine
+  // decide "this arena holds my model" without planning. Not part of the identity.
+  uint64_t fingerprint = 0;
 };
 
 // Why `name` cannot name a tensor, or "" when it can: it must not be empty (Find() looks

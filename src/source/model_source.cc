@@ -8,6 +8,7 @@
 
 #include "platform/file.h"
 #include "source/gguf_reader.h"
+#include "source/model_fingerprint.h"
 #include "source/safetensors_reader.h"
 #include "source/selection.h"
 
@@ -77,6 +78,7 @@ struct Candidate {
 
 struct Collected {
   std::vector<format::SourceRecord> sources;
+  std::vector<uint64_t> source_hashes;  // of each safetensors header parsed (fingerprint)
   std::vector<Candidate> tensors;
   uint64_t header_bytes = 0;
 };
@@ -108,6 +110,8 @@ Status CollectGguf(const std::string& path, Collected& out) {
 void AddSafetensors(SafetensorsFile& file, Collected& out) {
   out.header_bytes += file.header_bytes_read;
   uint32_t source = AddSource(out, file.path, file.file_size);
+  out.source_hashes.resize(out.sources.size());
+  out.source_hashes[source] = file.header_hash;
   for (SafetensorsTensorInfo& t : file.tensors) {
     out.tensors.push_back({std::move(t.name), std::move(t.dtype), std::move(t.shape), source,
                            t.absolute_offset, t.bytes});
@@ -198,6 +202,11 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   }
 
   // safetensors: shards named by indexes and files named directly, each read once.
+  std::vector<FingerprintFile> fingerprint_files;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    fingerprint_files.push_back(
+        {Absolute(paths[i]), kinds[i] == FileKind::kSafetensorsIndex, 0});
+  }
   std::vector<std::string> done;
   auto already = [&](const std::string& path) {
     std::string abs = Absolute(path);
@@ -209,6 +218,7 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
     if (kinds[i] == FileKind::kSafetensorsIndex) {
       EA_ASSIGN_OR_RETURN(SafetensorsIndex index, ReadSafetensorsIndex(paths[i]));
       collected.header_bytes += index.bytes_read;
+      fingerprint_files[i].index_hash = index.content_hash;
       EA_ASSIGN_OR_RETURN(std::vector<SafetensorsFile> shards, ReadShardedSafetensors(index));
       for (SafetensorsFile& shard : shards) {
         if (!already(shard.path)) AddSafetensors(shard, collected);
@@ -218,7 +228,35 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
       AddSafetensors(file, collected);
     }
   }
-  return PlanFromCollected(std::move(collected), spec, "safetensors");
+  std::vector<uint64_t> hashes = std::move(collected.source_hashes);
+  EA_ASSIGN_OR_RETURN(ModelPlan plan, PlanFromCollected(std::move(collected), spec, "safetensors"));
+  plan.table.fingerprint =
+      CombineFingerprint(spec, fingerprint_files, plan.table.sources, hashes);
+  return plan;
+}
+
+Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec) {
+  std::vector<ModelFile> files;
+  for (const std::string& given : spec.files) {
+    EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectKind(path));
+    ModelFileKind public_kind = ModelFileKind::kRaw;
+    switch (kind) {
+      case FileKind::kGguf:
+        public_kind = ModelFileKind::kGguf;
+        break;
+      case FileKind::kSafetensors:
+        public_kind = ModelFileKind::kSafetensors;
+        break;
+      case FileKind::kSafetensorsIndex:
+        public_kind = ModelFileKind::kSafetensorsIndex;
+        break;
+      case FileKind::kRaw:
+        break;
+    }
+    files.push_back({Absolute(path), public_kind});
+  }
+  return files;
 }
 
 }  // namespace expert_arena::source

@@ -10,6 +10,7 @@
 #include "common/escape.h"
 #include "format/arena_table.h"
 #include "source/header_reader.h"
+#include "source/model_fingerprint.h"
 
 namespace expert_arena::source {
 namespace {
@@ -123,6 +124,7 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
   std::string text(static_cast<size_t>(file.header_bytes), '\0');
   EA_RETURN_IF_ERROR(in.Read(text.data(), text.size(), "the safetensors header"));
   file.header_bytes_read = in.bytes_read();
+  file.header_hash = HashSafetensorsHeader(file.header_bytes, text.data());
   file.data_offset = 8 + file.header_bytes;
   const uint64_t data_bytes = file_size - file.data_offset;
   EA_ASSIGN_OR_RETURN(Json json, ParseJson(text, file.path, "the safetensors header"));
@@ -184,6 +186,7 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
   SafetensorsIndex index;
   index.path = path;
   index.bytes_read = st.size;
+  index.content_hash = HashIndexBytes(text.data(), text.size());
   EA_ASSIGN_OR_RETURN(Json json, ParseJson(text, path, "the index"));
   auto map = json.find("weight_map");
   if (map == json.end() || !map->is_object()) return Fail(path, "no weight_map object");
