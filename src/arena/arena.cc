@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "arena/arena_impl.h"
+#include "arena/test_hooks.h"
 #include "common/logging.h"
 #include "common/units.h"
 #include "expert_arena/gpu.h"
@@ -77,6 +78,7 @@ void Arena::Impl::IndexNames() {
 namespace arena {
 
 Status ModelWant::MakePlan() {
+  test_hooks::CountPlan();
   EA_ASSIGN_OR_RETURN(source::ModelPlan made, source::PlanModel(*spec));
   plan = std::move(made);
   return Status::Ok();
