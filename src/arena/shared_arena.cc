@@ -281,7 +281,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
                           platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared));
       if (!user) return Internal(path + ": USER held exclusively while FILL was free");
       std::unique_ptr<Arena::Impl> impl;
-      if (view) {
+      if (view && view->in_place()) {
         impl = std::make_unique<Arena::Impl>();
         impl->mapping = std::move(*whole);
         impl->table = view->Summary();

@@ -24,8 +24,10 @@ uint64_t IndexSlots(uint64_t tensors) {
 std::optional<uint64_t> TableBytes(const ArenaTable& table, uint64_t* strings_bytes,
                                    uint64_t* index_offset = nullptr) {
   uint64_t strings = 0;
-  for (const SourceRecord& s : table.sources) strings += s.path.size();
-  for (const TensorRecord& t : table.tensors) strings += t.name.size() + t.dtype.size();
+  // Every string is followed by a NUL (not counted in its length): names and dtypes read in
+  // place are C strings too (the C API hands them out).
+  for (const SourceRecord& s : table.sources) strings += s.path.size() + 1;
+  for (const TensorRecord& t : table.tensors) strings += t.name.size() + t.dtype.size() + 2;
   *strings_bytes = strings;
   uint64_t entries =
       table.sources.size() * sizeof(SourceEntry) + table.tensors.size() * sizeof(TensorEntry);
@@ -115,7 +117,7 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
   auto put_string = [&](const std::string& s) {
     std::memcpy(base + fixed.strings_offset + string_cursor, s.data(), s.size());
     uint64_t at = string_cursor;
-    string_cursor += s.size();
+    string_cursor += s.size() + 1;  // the header was zeroed: the NUL is there
     return at;
   };
   for (size_t i = 0; i < table.sources.size(); ++i) {
@@ -272,6 +274,18 @@ Status ValidateHeader(std::span<const std::byte> region, uint64_t file_size,
     if (std::string problem = TensorNameProblem(name); !problem.empty()) {
       return Corrupt(path + ": tensor " + std::to_string(i) + ": " + problem);
     }
+    if (fixed.name_index_slots != 0) {
+      // Files with a name index end every name and dtype with a NUL (read in place as C
+      // strings).
+      const char* strings = reinterpret_cast<const char*>(base + fixed.strings_offset);
+      if (entry.name_offset + entry.name_bytes >= fixed.strings_bytes ||
+          entry.dtype_offset + entry.dtype_bytes >= fixed.strings_bytes ||
+          strings[entry.name_offset + entry.name_bytes] != '\0' ||
+          strings[entry.dtype_offset + entry.dtype_bytes] != '\0') {
+        return Corrupt(path + ": tensor " + std::to_string(i) +
+                       ": name or dtype not NUL-terminated");
+      }
+    }
     if (entry.n_dims > kMaxDims) {
       return Corrupt(path + ": tensor " + std::string(name) + " has " +
                      std::to_string(entry.n_dims) + " dimensions");
@@ -362,11 +376,6 @@ Result<TableView> TableView::Open(std::span<const std::byte> region, uint64_t fi
   view.base_ = region.data();
   if (view.fixed_.name_index_slots != 0) {
     view.slots_ = reinterpret_cast<const uint32_t*>(view.base_ + view.fixed_.name_index_offset);
-  } else {
-    // Written before the name index: index the names here (first of equal names wins).
-    view.fallback_ = std::make_shared<std::unordered_map<std::string_view, size_t>>();
-    view.fallback_->reserve(view.tensor_count());
-    for (size_t i = 0; i < view.tensor_count(); ++i) view.fallback_->emplace(view.name(i), i);
   }
   return view;
 }
@@ -406,11 +415,6 @@ SourceRecord TableView::source(size_t index) const {
 }
 
 std::optional<size_t> TableView::Find(std::string_view wanted) const {
-  if (fallback_ != nullptr) {
-    auto it = fallback_->find(wanted);
-    if (it == fallback_->end()) return std::nullopt;
-    return it->second;
-  }
   if (slots_ == nullptr) return std::nullopt;
   const uint64_t mask = fixed_.name_index_slots - 1;
   uint64_t at = NameHash(wanted) & mask;

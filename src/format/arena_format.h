@@ -22,12 +22,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 
 #include "expert_arena/status.h"
 #include "format/arena_table.h"
@@ -150,7 +148,9 @@ uint64_t NameHash(std::string_view name);
 
 // A published header region validated like DecodeHeader, then read in place: nothing is
 // copied, so opening one costs no heap whatever the tensor count, and Find is O(1) through the
-// stored name index (or a hash map built on open for a file written without one). Every
+// stored name index. A file written before the name index (in_place() false) is validated
+// and its sources read, but its tensors are to be decoded (DecodeHeader): its strings are not
+// NUL-terminated and it has no index. Every
 // accessor re-checks its offsets against the sizes validated on open, so bytes changed under
 // a mapping afterwards give wrong names at worst, never a read outside the region.
 // The region must outlive the view and start 8-byte aligned.
@@ -168,6 +168,8 @@ class TableView {
   std::string_view dtype(size_t index) const;
   std::span<const uint64_t> shape(size_t index) const;
   SourceRecord source(size_t index) const;
+  // Names and dtypes are NUL-terminated in place, and Find works (the file has a name index).
+  bool in_place() const { return slots_ != nullptr; }
   std::optional<size_t> Find(std::string_view name) const;
   // The scalar fields of the table (no sources, no tensors).
   ArenaTable Summary() const;
@@ -177,7 +179,6 @@ class TableView {
   HeaderFixed fixed_{};
   const std::byte* base_ = nullptr;
   const uint32_t* slots_ = nullptr;
-  std::shared_ptr<std::unordered_map<std::string_view, size_t>> fallback_;
 };
 
 }  // namespace expert_arena::format

@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdio>
 
 #include "common/escape.h"
@@ -17,6 +19,11 @@ std::string TensorNameProblem(std::string_view name) {
   return "";
 }
 
+uint64_t TensorAlignment(uint64_t alignment, uint64_t bytes) {
+  if (bytes >= alignment) return alignment;
+  return std::min(alignment, std::max(kPackedAlignment, std::bit_ceil(bytes)));
+}
+
 Status AssignArenaOffsets(ArenaTable& table) {
   if (!IsPowerOfTwo(table.alignment) || table.alignment > kHugePageBytes) {
     return InvalidArgument("tensor alignment must be a power of two up to 2 MiB, got " +
@@ -24,7 +31,7 @@ Status AssignArenaOffsets(ArenaTable& table) {
   }
   uint64_t cursor = 0;
   for (TensorRecord& tensor : table.tensors) {
-    auto offset = AlignUp(cursor, table.alignment);
+    auto offset = AlignUp(cursor, TensorAlignment(table.alignment, tensor.bytes));
     if (!offset || tensor.bytes > UINT64_MAX - *offset) {
       return InvalidArgument("arena size overflows at tensor " + tensor.name);
     }

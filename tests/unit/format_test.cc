@@ -212,12 +212,14 @@ TEST(TableViewTest, ReadsInPlaceAndFindsEveryName) {
   ArenaLayout layout;
   auto header = Encode(table, &layout);
   ASSERT_OK_AND_ASSIGN(TableView view, TableView::Open(header, layout.file_bytes, "x"));
+  ASSERT_TRUE(view.in_place());
   ASSERT_EQ(view.tensor_count(), table.tensors.size());
   EXPECT_EQ(view.fixed().fingerprint, 0xfeedfaceu);
   EXPECT_NE(view.fixed().name_index_slots, 0u);
   EXPECT_GT(view.fixed().name_index_slots, 2 * table.tensors.size());
   for (size_t i = 0; i < table.tensors.size(); ++i) {
     ASSERT_EQ(view.name(i), table.tensors[i].name);
+    EXPECT_EQ(view.name(i).data()[view.name(i).size()], '\0') << "a C string in place";
     EXPECT_EQ(view.dtype(i), "q8_0");
     EXPECT_EQ(std::vector<uint64_t>(view.shape(i).begin(), view.shape(i).end()),
               table.tensors[i].shape);
@@ -235,9 +237,9 @@ TEST(TableViewTest, ReadsInPlaceAndFindsEveryName) {
   EXPECT_EQ(decoded.fingerprint, 0xfeedfaceu);
 }
 
-// A file written before the name index (zero in the former reserved bytes) is still read:
-// the view indexes the names itself.
-TEST(TableViewTest, FileWithoutANameIndexIsIndexedOnOpen) {
+// A file written before the name index (zero in the former reserved bytes) is still valid: it
+// is decoded (the view says it cannot be read in place).
+TEST(TableViewTest, FileWithoutANameIndexIsDecoded) {
   ArenaTable table = MakeTable(300, 100);
   ArenaLayout layout;
   auto header = Encode(table, &layout);
@@ -248,10 +250,11 @@ TEST(TableViewTest, FileWithoutANameIndexIsIndexedOnOpen) {
   f.header_checksum = Checksum({reinterpret_cast<const std::byte*>(&f), sizeof f});
   std::memcpy(header.data(), &f, sizeof f);
   ASSERT_OK_AND_ASSIGN(TableView view, TableView::Open(header, layout.file_bytes, "x"));
-  for (size_t i = 0; i < table.tensors.size(); ++i) {
-    EXPECT_EQ(view.Find(table.tensors[i].name), std::optional<size_t>(i));
-  }
-  EXPECT_FALSE(view.Find("nope").has_value());
+  EXPECT_FALSE(view.in_place());
+  ArenaTable decoded;
+  ASSERT_OK(DecodeHeader(header, layout.file_bytes, "x", &decoded, nullptr));
+  ASSERT_EQ(decoded.tensors.size(), table.tensors.size());
+  EXPECT_EQ(decoded.tensors[299].name, table.tensors[299].name);
 }
 
 TEST_F(CorruptHeaderTest, DamagedNameIndexIsRefused) {
