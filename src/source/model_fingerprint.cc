@@ -2,10 +2,10 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "platform/file.h"
-#include "platform/mapping.h"
 #include "source/model_source.h"
 #include "source/safetensors_reader.h"
 
@@ -27,10 +27,30 @@ struct Hasher {
   uint64_t Digest() { return XXH3_64bits_digest(state); }
 };
 
-// The file's bytes [0, size) through a read-only mapping (no heap, whatever the size).
-Result<platform::Mapping> MapPrefix(const platform::UniqueFd& fd, uint64_t size) {
-  return platform::Mapping::MapFile(fd, size, false, platform::BasePageSize());
+// XXH3-64 (seeded) of the file's bytes [offset, offset + length), read in pieces through one
+// buffer: the same value as the one-shot hash of those bytes, in bounded memory.
+Result<uint64_t> HashFileRange(const platform::UniqueFd& fd, uint64_t offset, uint64_t length,
+                               uint64_t seed, std::vector<std::byte>& buffer) {
+  constexpr uint64_t kPiece = 1 << 20;
+  if (buffer.size() < std::min(length, kPiece)) buffer.resize(std::min(length, kPiece));
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset_withSeed(state, seed);
+  for (uint64_t done = 0; done < length;) {
+    size_t n = static_cast<size_t>(std::min(length - done, kPiece));
+    Status s = platform::ReadFull(fd, offset + done, std::span(buffer).first(n));
+    if (!s.ok()) {
+      XXH3_freeState(state);
+      return s;
+    }
+    XXH3_64bits_update(state, buffer.data(), n);
+    done += n;
+  }
+  uint64_t value = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return value;
 }
+
+uint64_t IndexSeed(uint64_t size) { return size ^ 0x696e646578ull; }
 
 }  // namespace
 
@@ -39,7 +59,7 @@ uint64_t HashSafetensorsHeader(uint64_t header_length, const void* text) {
 }
 
 uint64_t HashIndexBytes(const void* bytes, uint64_t size) {
-  return XXH3_64bits_withSeed(bytes, size, size ^ 0x696e646578ull);
+  return XXH3_64bits_withSeed(bytes, size, IndexSeed(size));
 }
 
 uint64_t CombineFingerprint(const ModelSpec& spec, std::span<const FingerprintFile> files,
@@ -80,6 +100,7 @@ Result<bool> HasFingerprint(const ModelSpec& spec) {
 Result<FingerprintCheck> FingerprintFromSources(const ModelSpec& spec,
                                                 std::span<const format::SourceRecord> sources) {
   FingerprintCheck check;
+  std::vector<std::byte> buffer;
   EA_ASSIGN_OR_RETURN(std::vector<ModelFile> resolved, ResolveModelFiles(spec));
   std::vector<FingerprintFile> files;
   files.reserve(resolved.size());
@@ -92,8 +113,8 @@ Result<FingerprintCheck> FingerprintFromSources(const ModelSpec& spec,
         check.mismatch = f.path + ": index of " + std::to_string(st.size) + " bytes";
         return check;
       }
-      EA_ASSIGN_OR_RETURN(platform::Mapping map, MapPrefix(fd, st.size));
-      file.index_hash = HashIndexBytes(map.data(), st.size);
+      EA_ASSIGN_OR_RETURN(file.index_hash,
+                          HashFileRange(fd, 0, st.size, IndexSeed(st.size), buffer));
       check.bytes_read += st.size;
     }
     files.push_back(std::move(file));
@@ -122,8 +143,7 @@ Result<FingerprintCheck> FingerprintFromSources(const ModelSpec& spec,
       check.mismatch = source.path + ": header length " + std::to_string(length);
       return check;
     }
-    EA_ASSIGN_OR_RETURN(platform::Mapping map, MapPrefix(*fd, 8 + length));
-    hashes[i] = HashSafetensorsHeader(length, map.data() + 8);
+    EA_ASSIGN_OR_RETURN(hashes[i], HashFileRange(*fd, 8, length, length, buffer));
     check.bytes_read += 8 + length;
   }
   check.fingerprint = CombineFingerprint(spec, files, sources, hashes);
