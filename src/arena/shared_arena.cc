@@ -345,8 +345,14 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
       // Say who is loading before the (possibly long) allocation, so engines that arrive now
       // can name this process. Best effort: hugetlbfs has no write(2); the header written
       // into the mapping below says it again.
-      std::vector<std::byte> stub(layout->header_bytes);
-      if (format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
+      // Only the fixed part is written: encode the table's scalars, not its 90,000 entries.
+      format::ArenaTable scalars = impl->table;
+      scalars.sources.clear();
+      scalars.tensors.clear();
+      format::ArenaLayout stub_layout = *layout;
+      stub_layout.header_bytes = format::kHeaderPageBytes;
+      std::vector<std::byte> stub(stub_layout.header_bytes);
+      if (format::EncodeHeader(scalars, stub_layout, format::FileState::kLoading, pid, ticks,
                                created, 0, stub)
               .ok()) {
         (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <unordered_map>
 #include <numeric>
 
 #include "platform/file.h"
@@ -121,7 +122,8 @@ void AddSafetensors(SafetensorsFile& file, Collected& out) {
 Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
                                     const std::string& format) {
   // Tensor names are unique across the files of one model.
-  std::map<std::string_view, const Candidate*> seen;
+  std::unordered_map<std::string_view, const Candidate*> seen;
+  seen.reserve(collected.tensors.size());
   for (const Candidate& t : collected.tensors) {
     auto [it, inserted] = seen.emplace(t.name, &t);
     if (!inserted) {
@@ -136,6 +138,7 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
   plan.metadata_bytes_read = collected.header_bytes;
   plan.table.alignment = spec.alignment;
   plan.table.model_tensors_total = collected.tensors.size();
+  plan.table.tensors.reserve(collected.tensors.size());
   for (Candidate& t : collected.tensors) {
     plan.table.model_bytes_total += t.bytes;
     EA_ASSIGN_OR_RETURN(bool selected, selector.Selects(t.name));
@@ -158,12 +161,15 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
                            std::to_string(collected.tensors.size()) + " tensors) is selected by " +
                            selector.Describe() + "; use --all or --select REGEX");
   }
-  // File order: the loader then reads each file front to back.
-  std::stable_sort(plan.table.tensors.begin(), plan.table.tensors.end(),
-                   [](const format::TensorRecord& a, const format::TensorRecord& b) {
-                     return a.source_index != b.source_index ? a.source_index < b.source_index
-                                                             : a.source_offset < b.source_offset;
-                   });
+  // File order: the loader then reads each file front to back (the readers give each file's
+  // tensors in offset order, so this is mostly already so).
+  auto file_order = [](const format::TensorRecord& a, const format::TensorRecord& b) {
+    return a.source_index != b.source_index ? a.source_index < b.source_index
+                                            : a.source_offset < b.source_offset;
+  };
+  if (!std::is_sorted(plan.table.tensors.begin(), plan.table.tensors.end(), file_order)) {
+    std::stable_sort(plan.table.tensors.begin(), plan.table.tensors.end(), file_order);
+  }
   plan.table.sources = std::move(collected.sources);
   EA_RETURN_IF_ERROR(format::AssignArenaOffsets(plan.table));
   format::ComputeIdentity(plan.table);

@@ -256,7 +256,9 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
   if (!map) return Fail(path, "no weight_map object");
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   // Shards in order of first mention; few distinct ones, each name met thousands of times.
-  std::map<std::string, std::string, std::less<>> joined_of;
+  std::map<std::string, uint32_t, std::less<>> shard_of;  // name -> index into shards
+  std::unordered_set<std::string_view> keys;  // views into the parser's strings
+  keys.reserve(map->size());
   for (sj::dom::key_value_pair it : *map) {
     // The keys are tensor names, held to the rule of the shards' own names (and quoted below).
     if (std::string problem = format::TensorNameProblem(it.key); !problem.empty()) {
@@ -267,42 +269,52 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
     if (it.value.get_string().get(shard) != sj::SUCCESS) {
       return Fail(path, "weight_map " + key + " is not a file name");
     }
-    auto known = joined_of.find(shard);
-    if (known == joined_of.end()) {
+    auto known = shard_of.find(shard);
+    if (known == shard_of.end()) {
       if (!PlainFileName(std::string(shard))) {
         return Fail(path, "weight_map " + key + " names " + EscapeForMessage(std::string(shard)) +
                               ", not a file name in the index's directory");
       }
       std::string joined = (dir / std::string(shard)).string();
-      known = joined_of.emplace(std::string(shard), joined).first;
+      known = shard_of.emplace(std::string(shard), static_cast<uint32_t>(index.shards.size())).first;
       index.shards.push_back(joined);
     }
-    if (!index.weight_map.emplace(key, known->second).second) {
-      return Fail(path, "weight_map " + key + " appears twice");
-    }
+    if (!keys.insert(it.key).second) return Fail(path, "weight_map " + key + " appears twice");
+    index.weight_map.push_back({key, known->second});
   }
   if (index.shards.empty()) return Fail(path, "weight_map names no shard");
-  std::sort(index.shards.begin(), index.shards.end());
+  // Shards in name order (the loader reads them in this order); entries follow their shard.
+  std::vector<uint32_t> order(index.shards.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return index.shards[a] < index.shards[b]; });
+  std::vector<uint32_t> rank(order.size());
+  std::vector<std::string> sorted(order.size());
+  for (uint32_t i = 0; i < order.size(); ++i) {
+    rank[order[i]] = i;
+    sorted[i] = std::move(index.shards[order[i]]);
+  }
+  index.shards = std::move(sorted);
+  for (SafetensorsIndex::Entry& entry : index.weight_map) entry.shard = rank[entry.shard];
   return index;
 }
 
 Result<std::vector<SafetensorsFile>> ReadShardedSafetensors(const SafetensorsIndex& index) {
   std::vector<SafetensorsFile> shards;
-  std::map<std::string, size_t> by_path;
+  shards.reserve(index.shards.size());
   for (const std::string& shard : index.shards) {
     auto file = ReadSafetensors(shard);
     if (!file.ok()) return file.status().WithContext(index.path);
-    by_path[shard] = shards.size();
     shards.push_back(std::move(*file));
   }
   std::vector<std::unordered_set<std::string_view>> names(shards.size());
   for (size_t s = 0; s < shards.size(); ++s) {
     for (const SafetensorsTensorInfo& t : shards[s].tensors) names[s].insert(t.name);
   }
-  for (const auto& [name, shard] : index.weight_map) {
-    if (!names[by_path.at(shard)].contains(name)) {
-      return Corrupt(index.path + ": tensor " + name + " is mapped to " + shard +
-                     ", which does not hold it");
+  for (const SafetensorsIndex::Entry& entry : index.weight_map) {
+    if (!names[entry.shard].contains(entry.name)) {
+      return Corrupt(index.path + ": tensor " + entry.name + " is mapped to " +
+                     index.shards[entry.shard] + ", which does not hold it");
     }
   }
   return shards;

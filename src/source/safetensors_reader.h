@@ -58,7 +58,11 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
 struct SafetensorsIndex {
   std::string path;
   std::vector<std::string> shards;                // absolute or as joined with the index dir
-  std::map<std::string, std::string> weight_map;  // tensor name -> shard path (joined)
+  struct Entry {
+    std::string name;
+    uint32_t shard = 0;  // index into `shards`
+  };
+  std::vector<Entry> weight_map;  // every tensor and its shard, in the index's order
   uint64_t bytes_read = 0;
   uint64_t content_hash = 0;  // HashIndexBytes of the bytes parsed (model_fingerprint.h)
 };
