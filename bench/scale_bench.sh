@@ -15,6 +15,7 @@
 #
 #   bench/scale_bench.sh [--dir DIR (default /tmp)] [--out bench/results/DATE-vm]
 #                        [--build-dir build] [--sizes "1 4 8"] [--quick]
+#                        [--sweeps "tensors shards size"] (a subset appends to scale.tsv)
 set -eu
 dir=/tmp
 out=bench/results/$(date -u +%Y-%m-%d)-vm
@@ -22,6 +23,7 @@ build=build
 sizes="1 4 8"
 experts="3 29 128 256 512"
 shards="1 16 163"
+sweeps="tensors shards size"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir=$2; shift 2 ;;
@@ -29,6 +31,7 @@ while [ $# -gt 0 ]; do
     --build-dir) build=$2; shift 2 ;;
     --sizes) sizes=$2; shift 2 ;;
     --quick) experts="3 29"; shards="16"; sizes="1"; shift ;;
+    --sweeps) sweeps=$2; shift 2 ;;
     *) echo "scale_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -42,7 +45,8 @@ exec 9>/tmp/expert-arena-bench.lock
 flock 9
 mkdir -p "$work" "$out"
 tsv="$out/scale.tsv"
-printf 'sweep\tx\ttensors\tshards\tdata_mib\tplan_s\tload_open_s\tload_overhead_s\tattach_best_ms\tattach_median_ms\theap_peak_mib\theap_retained_kib\trss_beyond_map_kib\tfind_ns\tbytes_read\n' >"$tsv"
+[ "$sweeps" = "tensors shards size" ] || [ ! -f "$tsv" ] || append=1
+[ -n "${append:-}" ] || printf 'sweep\tx\ttensors\tshards\tdata_mib\tplan_s\tload_open_s\tload_overhead_s\tattach_best_ms\tattach_median_ms\theap_peak_mib\theap_retained_kib\trss_beyond_map_kib\tfind_ns\tbytes_read\n' >"$tsv"
 
 field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 
@@ -76,6 +80,9 @@ measure() {
   rm -f "$arena"
 }
 
+case " $sweeps " in *" tensors "*) ;; *) experts="" ;; esac
+case " $sweeps " in *" shards "*) ;; *) shards="" ;; esac
+case " $sweeps " in *" size "*) ;; *) sizes="" ;; esac
 for e in $experts; do
   m="$work/ds-e$e"
   "$tool" gen-model --format safetensors --layout deepseek-v3 --experts "$e" --shards 163 --out "$m" >/dev/null
