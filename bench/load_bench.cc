@@ -194,7 +194,10 @@ double MinimalLoad(const std::string& model, const std::string& dir) {
     options.create = true;
     auto out = platform::OpenFile(path, options);
     Check(out.ok() ? Status::Ok() : out.status(), "create");
-    Check(platform::AllocateFile(*out, bytes), "fallocate");
+    // hugetlbfs: the file is sized and its pages come with the populate (as the arena does).
+    Check(fs->kind == platform::FsKind::kHugetlbfs ? platform::ExtendFile(*out, bytes)
+                                                   : platform::AllocateFile(*out, bytes),
+          "allocate");
     auto src = platform::Mapping::MapFile(*in, st->size, false, kHugePageBytes);
     Check(src.ok() ? Status::Ok() : src.status(), "map model");
     auto dst = platform::Mapping::MapFile(*out, bytes, true, page);
