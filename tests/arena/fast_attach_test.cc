@@ -10,6 +10,7 @@
 
 #include "arena/test_hooks.h"
 #include "expert_arena/arena.h"
+#include "format/arena_format.h"
 #include "source/safetensors_reader.h"
 #include "source/synthetic_model.h"
 #include "source_test_util.h"
@@ -154,6 +155,34 @@ TEST_F(FastAttachTest, ChangedIndexIsPlannedAgainAndAttachesByIdentity) {
   ModelSpec by_index = spec_;
   by_index.files = {dir_.File("m/") + source::kSafetensorsIndexName};
   EXPECT_EQ(OpenExpecting(by_index, ArenaRole::kAttached), 1u);
+}
+
+// An arena written before the fingerprint and the name index (those header fields zero) is
+// still attached: by planning and the identity, its table decoded into memory.
+TEST_F(FastAttachTest, ArenaWithoutFingerprintOrNameIndexIsAttachedByIdentity) {
+  EXPECT_EQ(OpenExpecting(spec_, ArenaRole::kLoaded), 1u);
+  {
+    std::fstream file(arena_.path(), std::ios::in | std::ios::out | std::ios::binary);
+    format::HeaderFixed fixed;
+    file.read(reinterpret_cast<char*>(&fixed), sizeof fixed);
+    ASSERT_TRUE(file.good());
+    ASSERT_NE(fixed.fingerprint, 0u);
+    fixed.fingerprint = fixed.name_index_offset = fixed.name_index_slots = 0;
+    fixed.name_index_checksum = 0;
+    fixed.header_checksum = 0;
+    fixed.header_checksum =
+        format::Checksum({reinterpret_cast<const std::byte*>(&fixed), sizeof fixed});
+    file.seekp(0);
+    file.write(reinterpret_cast<const char*>(&fixed), sizeof fixed);
+  }
+  std::optional<Arena> old;
+  EXPECT_EQ(OpenExpecting(spec_, ArenaRole::kAttached, &old), 1u);
+  ASSERT_TRUE(old.has_value());
+  EXPECT_EQ(old->tensor_count(), 48u);
+  auto found = old->Find(kExpert);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->name, kExpert);
+  EXPECT_EQ(found->dtype, "F8_E4M3");
 }
 
 // Real processes: the CLI loads, another CLI process attaches through the fingerprint.
