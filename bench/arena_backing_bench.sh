@@ -6,8 +6,9 @@
 #
 # Backings: plain /dev/shm (4 KiB tmpfs; 2 MiB pages only by MADV_COLLAPSE of the empty
 # file), a tmpfs mounted huge=always, and hugetlbfs (vm.nr_hugepages raised for the run and
-# restored). The model is a raw file in /tmp, read once beforehand so the load is from the
-# page cache. Everything it creates is removed at exit.
+# restored). The model is a raw file in /tmp (random bytes, loaded with --format raw as one
+# u8 tensor: the backings are what is measured, not a reader), read once beforehand so the
+# load is from the page cache. Everything it creates is removed at exit.
 #
 # Rounds: the three backings in turn, then again. On a VM the first touch of guest memory
 # the host has not backed yet (fresh, or handed back by free page reporting) is slow, and
@@ -41,8 +42,8 @@ run_backing() {
   local name=$1 dir=$2
   local arena=$dir/ea-bench-arena
   local load attach
-  load=$("$bin" load --model "$model" --arena "$arena" --json 2>/dev/null)
-  attach=$("$bin" load --model "$model" --arena "$arena" --json 2>/dev/null)
+  load=$("$bin" load --format raw --model "$model" --arena "$arena" --json 2>/dev/null)
+  attach=$("$bin" load --format raw --model "$model" --arena "$arena" --json 2>/dev/null)
   "$bin" rm "$arena" >/dev/null
   python3 - "$name" "$load" "$attach" "$round" <<'PY'
 import json, sys
@@ -56,7 +57,7 @@ print(f"| {name:<22} | {l['seconds']:7.2f} | {l['load_seconds']:7.2f} | {l['coll
 PY
 }
 
-# On /dev/shm the 2 MiB pages are made alongside the reads (session 4), so there "read s"
+# On /dev/shm the 2 MiB pages are made alongside the reads, so there "read s"
 # includes waiting for pages and "collapse" overlaps it: load s < read s + collapse.
 echo "| round: backing         | load s  | read s  | collapse | attach ms | attach/load | attach read | huge (L) | huge (A) |"
 echo "|------------------------|---------|---------|----------|-----------|-------------|-------------|----------|----------|"

@@ -1,5 +1,5 @@
 // gpu_check: what registering an arena with one GPU costs and gives (bench/gpu_check.sh
-// builds and runs it; see DETAILS.md "GPU registration").
+// builds and runs it; see docs/gpu.md).
 //
 // On a 4 KiB-page backing (a file in --dir-4k, /dev/shm by default, MADV_NOHUGEPAGE) and a
 // 2 MiB-page backing (a file in --dir-2m: a tmpfs huge=always or hugetlbfs mount; by default
@@ -243,8 +243,9 @@ Result<RegistrationFigures> MeasureBacking(Backing& b, const Config& c, const gp
   return f;
 }
 
-// A shared arena of a random model file, registered with the device (required), one tensor
-// copied with the public helper and read back.
+// A shared arena of a random data file (asked for as ModelFormat::kRaw: one u8 tensor),
+// registered with the device (required), the tensor copied with the public helper and read
+// back.
 Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* line) {
   // A shared arena on the 4 KiB directory; a private arena when that is anonymous memory.
   const bool shared = c.dir_4k != kAnonymous;
@@ -276,7 +277,8 @@ Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* l
   options.gpu_required = true;
   options.progress = false;
   Status result = [&]() -> Status {
-    EA_ASSIGN_OR_RETURN(Arena arena, Arena::Open({.files = {model_path}}, options));
+    EA_ASSIGN_OR_RETURN(Arena arena,
+                        Arena::Open({.files = {model_path}, .format = ModelFormat::kRaw}, options));
     TensorView view = arena.tensor(0);
     EA_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(device, view.bytes.size()));
     const gpu::Runtime* rt = gpu::RuntimeFor(device.backend);

@@ -1,4 +1,4 @@
-// Micro-benchmark behind the loader's hot hashing (DETAILS.md "Model sources and loader"):
+// Micro-benchmark behind the loader's hot hashing (docs/loader.md):
 // ways to copy a page-cached file into a populated 2 MiB-page buffer while computing xxh3 of
 // each 48 MiB unit (a "tensor", hashed front to back by the thread that copies it), on 2
 // threads, against the 2-thread memcpy from a pre-faulted mapping. Variants:

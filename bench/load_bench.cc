@@ -1,4 +1,4 @@
-// The loader against its ceilings, in one run (DETAILS.md "Model sources and loader"):
+// The loader against its ceilings, in one run (docs/loader.md):
 //   warm page cache: LoadTensors into an already-populated 2 MiB-page buffer vs
 //     (a) a two-thread memcpy of the same bytes from a (pre-faulted) mapping of the model into
 //         the same buffer, and

@@ -1,9 +1,9 @@
 #!/bin/sh
-# The loader benchmark of DETAILS.md "Model sources and loader": makes a ~4 GiB synthetic MoE
+# The loader benchmark of docs/loader.md: makes a ~4 GiB synthetic MoE
 # model (Qwen3-30B-A3B-shaped layers: hidden 2048, expert ffn 768, 16 experts, 28 layers, bf16)
 # with gen-model, runs build/bin/load_bench on it (warm: vs memcpy and cp; cold: vs dd
 # iflag=direct, which needs root for drop_caches), and deletes the model. Holds the machine-wide
-# benchmark lock so two agents never benchmark at once.
+# benchmark lock so two benchmarks never run at once.
 #
 #   bench/load_bench.sh [--dir DIR (default /tmp; not /dev/shm)] [--format gguf|safetensors]
 #                       [--build-dir build] [load_bench options...]

@@ -1,5 +1,5 @@
-// How close a large Put is to the fastest copy this machine can make (DETAILS.md "Tensor
-// streaming", the 1 x 64 MiB shape). A 64 MiB stream round is one Put: the library's copy of
+// How close a large Put is to the fastest copy this machine can make (docs/streaming.md,
+// the 1 x 64 MiB shape). A 64 MiB stream round is one Put: the library's copy of
 // the tensor into a segment, then a publish of a few bytes. So the round can be no faster than
 // the fastest way to move 64 MiB from private memory into a segment's 2 MiB pages; this
 // measures those ways against the Put itself, all into the same reservation of a real segment,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs every benchmark behind DETAILS.md's figures once and keeps what each printed, with the
-# machine it ran on, in bench/results/<date>-<host>/ — so an operator can rerun them on their
-# own host and compare like with like (every figure there is a ratio against a ceiling or a
-# peer measured in the same run; absolute times move with the machine).
+# Runs every benchmark behind DETAILS.md's figures (docs/benchmarks.md) once and keeps what
+# each printed, with the machine it ran on, in bench/results/<date>-<host>/ — so an operator
+# can rerun them on their own host and compare like with like (every figure there is a ratio
+# against a ceiling or a peer measured in the same run; absolute times move with the machine).
 #
 #   sudo bench/run_all.sh [--out DIR] [--gib N] [--skip NAME ...]
 #

@@ -243,7 +243,7 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
       "median put | slowest put | sum of puts over 5 ms |\n|---|---|---|---|---|---|---|\n");
   // The first producer of the process grew slowly in every run (collapses of 0.2-0.3 s instead
   // of 0.01-0.03 s, whatever its settings: zeroing 2 MiB pages the VM's host had taken back
-  // through free page reporting, see DETAILS.md), so a first pass is made and not reported.
+  // through free page reporting, see docs/streaming.md), so a first pass is made and not reported.
   for (int pass = 0; pass < 2; ++pass) {
     for (int gap_ms : {0, 2}) {
       for (bool ahead : {false, true}) {
@@ -266,7 +266,10 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
           auto st = p->Stats();
           if (st.segments >= 6 && st.free_bytes < n) break;
           auto t0 = Clock::now();
-          auto d = p->Put("g" + std::to_string(seq++), std::span(source.data(), n), {"u8", {n}});
+          // Appended, not "g" + std::to_string(): g++ 12 -O3 false -Wrestrict (GCC PR 105651).
+          std::string key = "g";
+          key += std::to_string(seq++);
+          auto d = p->Put(key, std::span(source.data(), n), {"u8", {n}});
           t.push_back(Seconds(t0, Clock::now()));
           if (!d.ok()) return 1;
           held.push_back(std::move(d).value());
@@ -391,7 +394,8 @@ int main(int argc, char** argv) {
     StreamProducer* put_to = with != nullptr ? with : &*producer;
     std::vector<std::string> batch;
     for (int t = 0; t < shape.count; ++t) {
-      std::string key = "k" + std::to_string(seq++);
+      std::string key = "k";  // appended: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+      key += std::to_string(seq++);
       auto d = put_to->Put(key, std::span(source.data(), shape.bytes), {"u8", {shape.bytes}});
       if (!d.ok()) {
         std::fprintf(stderr, "%s\n", d.status().ToString().c_str());

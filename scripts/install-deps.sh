@@ -18,6 +18,12 @@ for pkg in "${required[@]}" "${optional[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
     missing+=("$pkg")
 done
+# node and npm install the llama.cpp peer (scripts/llamacpp-peer.sh) for tests/llamacpp and
+# bench/llamacpp_side_by_side.sh; a node already on PATH (e.g. NodeSource's, which bundles
+# npm) is kept.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 
 if ((${#missing[@]} == 0)); then
   echo "install-deps: everything is installed"

@@ -7,7 +7,7 @@
 //   destructor of ScopedHostDevice fails the test when a registration is left behind;
 // - HostRegister counts the pages of the range this process has not mapped yet (the present
 //   bit of /proc/self/pagemap): a real driver faults them in itself while pinning, one 4 KiB
-//   page at a time, so the library populates ranges before registering them (DESIGN.md), and
+//   page at a time, so the library populates ranges before registering them (docs/gpu.md), and
 //   a test checks that none were left;
 // - copies are done at once (memcpy), and each records whether its source lay inside a
 //   registered range (what would be DMA from pinned pages on a real device);

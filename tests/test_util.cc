@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -62,6 +63,59 @@ ScopedPath::ScopedPath(const std::string& tag, std::string dir) {
 }
 
 ScopedPath::~ScopedPath() { unlink(path_.c_str()); }
+
+std::vector<NotAModel> NotAModels() {
+  auto le64 = [](uint64_t v) {
+    std::string out(8, '\0');
+    std::memcpy(out.data(), &v, 8);
+    return out;
+  };
+  std::string ggux = "GGUX" + std::string("\x03\x00\x00\x00", 4) + std::string(56, '\0');
+  std::string binary;
+  for (int i = 0; i < 64; ++i) binary += static_cast<char>(i * 37 % 256);
+  return {
+      {"empty.gguf", "", "empty file"},
+      // What a clone without `git lfs pull` leaves under a shard's name.
+      {"model-00001-of-00163.safetensors",
+       "version https://git-lfs.github.com/spec/v1\n"
+       "oid sha256:0a3f1e0c5c4f7e3a7b1d2c9e8f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a\n"
+       "size 4955472296\n",
+       "a Git LFS pointer (version https://git-lfs.github.com/spec/v1"},
+      {"lfs.gguf", "version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 12\n",
+       "not the model: fetch it with git lfs pull"},
+      // An error page saved under the model's name.
+      {"page.safetensors",
+       "<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head><body>gone</body></html>\n",
+       "an HTML page"},
+      {"damaged.gguf", ggux, "GGUF magic expected, found 'GGUX'"},
+      // The bytes found are quoted escaped: a terminal escape is never passed through.
+      {"hostile.gguf", "\x1b[31m" + std::string(60, 'x'), "found '\\x1b[31'"},
+      {"short.safetensors", le64(1000000) + R"({"a":1})" + std::string(85, ' '),
+       "safetensors header length 1000000 is larger than the file (100 bytes)"},
+      {"weights.bin", binary, "not a GGUF, safetensors or safetensors index file"},
+      {"weights.dat", binary, "--format raw"},
+  };
+}
+
+ScopedArenaDir::ScopedArenaDir(const std::string& tag) {
+  path_ = ArenaTestDir() + "/ea-test-" + std::to_string(getpid()) + "-" +
+          std::to_string(counter++) + "-" + tag;
+  std::filesystem::create_directories(path_);
+}
+
+ScopedArenaDir::~ScopedArenaDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::vector<std::string> ScopedArenaDir::entries() const {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(path_, ec)) {
+    out.push_back(e.path().filename().string());
+  }
+  return out;
+}
 
 ScopedDataFile::ScopedDataFile(uint64_t bytes, uint64_t seed) {
   path_ = "/tmp/ea-test-data-" + std::to_string(getpid()) + "-" + std::to_string(counter++);

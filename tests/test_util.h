@@ -53,12 +53,39 @@ class ScopedPath {
 };
 
 // A file of `bytes` deterministic pseudo-random bytes (seeded) at a fresh path in /tmp,
-// removed on destruction.
+// removed on destruction. Not a model: an arena loads it only as ModelFormat::kRaw (one u8
+// tensor of the whole file).
 class ScopedDataFile {
  public:
   ScopedDataFile(uint64_t bytes, uint64_t seed);
   ~ScopedDataFile();
   const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// ---- files that are not models -----------------------------------------------------------
+// What a user passes by mistake, each with words its refusal must hold (source/model_format.h):
+// shared by the library, CLI and C interface tests so that all three check the same cases.
+struct NotAModel {
+  std::string name;   // the file's name (its extension matters to the message)
+  std::string bytes;  // its contents
+  std::string words;  // in the refusal message
+};
+std::vector<NotAModel> NotAModels();
+
+// A fresh, empty directory in ArenaTestDir() for arena files, removed with its contents at
+// the end; entries() lists what is in it (a refused load must leave nothing).
+class ScopedArenaDir {
+ public:
+  explicit ScopedArenaDir(const std::string& tag);
+  ~ScopedArenaDir();
+  ScopedArenaDir(const ScopedArenaDir&) = delete;
+  ScopedArenaDir& operator=(const ScopedArenaDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+  std::vector<std::string> entries() const;
 
  private:
   std::string path_;

@@ -8,7 +8,7 @@
 //
 // With a shared path, the first engine loads the selected tensors into a file on tmpfs or
 // hugetlbfs and every other engine (now, or after a restart) attaches to it without reading
-// the model; see DESIGN.md "The shared-arena protocol". Without one, the same tensors are
+// the model; see docs/arena-protocol.md. Without one, the same tensors are
 // loaded into private memory with the same page rules and the same views.
 //
 // Thread-safety: an Arena is move-only; its views are read-only and may be used from any
@@ -41,10 +41,20 @@ namespace expert_arena {
 // hugetlbfs pages are reserved by the filesystem whatever this says.
 enum class HugePages { kAuto, kOn, kOff };
 
+// How the model's files are read. kAuto recognises GGUF, safetensors and a safetensors
+// index from their first bytes and refuses anything else with a message that says what the
+// file looks like (empty, a Git LFS pointer, an HTML page, a damaged header). kRaw is never
+// guessed: asked for, it loads each file's bytes as one tensor of dtype "u8" named after
+// the file (test data, benchmarks).
+enum class ModelFormat { kAuto, kGguf, kSafetensors, kRaw };
+EXPERT_ARENA_EXPORT const char* ModelFormatName(ModelFormat format);
+
 // Which model and which of its tensors.
 struct ModelSpec {
   // One file, several safetensors shards, a split GGUF, or a safetensors index .json.
   std::vector<std::string> files;
+  // How to read them; kAuto by the contents (see ModelFormat).
+  ModelFormat format = ModelFormat::kAuto;
   // Tensors whose names match this ECMAScript regex (search). Empty: the routed experts.
   std::string select;
   bool select_all = false;

@@ -51,6 +51,17 @@ enum ea_role { EA_ROLE_LOADED = 0, EA_ROLE_ATTACHED = 1, EA_ROLE_PRIVATE = 2 };
 /* 2 MiB pages on tmpfs or anonymous memory (hugetlbfs always has them). */
 enum ea_huge_pages { EA_HUGE_AUTO = 0, EA_HUGE_ON = 1, EA_HUGE_OFF = 2 };
 
+/* How the model files are read (ModelFormat in arena.h). EA_FORMAT_AUTO recognises GGUF,
+ * safetensors and a safetensors index and refuses anything else (-EINVAL or -EBADMSG, the
+ * message saying what the file looks like: empty, a Git LFS pointer, an HTML page, a damaged
+ * header). EA_FORMAT_RAW loads each file's bytes as one tensor of dtype "u8". */
+enum ea_model_format {
+  EA_FORMAT_AUTO = 0,
+  EA_FORMAT_GGUF = 1,
+  EA_FORMAT_SAFETENSORS = 2,
+  EA_FORMAT_RAW = 3
+};
+
 typedef struct ea_open_params {
   size_t size;                    /* sizeof(ea_open_params), set by ea_open_params_init */
   const char* const* model_files; /* the model's files (shards); unused with attach_only */
@@ -66,6 +77,8 @@ typedef struct ea_open_params {
   uint32_t file_mode;          /* mode of a created file; default 0600 */
   int allow_foreign_owner;     /* nonzero: attach to a file owned by another user */
   int quiet;                   /* nonzero: no start line or notes on stderr */
+  /* Added after the first version: a caller whose size ends before it gets the default. */
+  int format; /* enum ea_model_format; default EA_FORMAT_AUTO */
 } ea_open_params;
 
 typedef struct ea_tensor_view {

@@ -1,4 +1,4 @@
-// Tensor streaming between engines over shared segments (DESIGN.md "Tensor streaming").
+// Tensor streaming between engines over shared segments (docs/streaming.md).
 //
 //   // Producer side (one per engine process):
 //   auto producer = expert_arena::StreamProducer::Create({.logical_name = "prefill"});

@@ -29,6 +29,20 @@ const char* ArenaRoleName(ArenaRole role) {
   return "unknown";
 }
 
+const char* ModelFormatName(ModelFormat format) {
+  switch (format) {
+    case ModelFormat::kAuto:
+      return "auto";
+    case ModelFormat::kGguf:
+      return "gguf";
+    case ModelFormat::kSafetensors:
+      return "safetensors";
+    case ModelFormat::kRaw:
+      return "raw";
+  }
+  return "unknown";
+}
+
 std::string ArenaReport::StartLine() const {
   auto gib = [](uint64_t b) { return static_cast<double>(b) / static_cast<double>(kGiB); };
   char buf[512];

@@ -1,4 +1,4 @@
-// The two one-byte OFD locks of an arena file (DESIGN.md "The shared-arena protocol"), shared
+// The two one-byte OFD locks of an arena file (docs/arena-protocol.md), shared
 // by the protocol (shared_arena.cc) and the tools (arena_file.cc) so they can never disagree.
 #pragma once
 

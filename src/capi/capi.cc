@@ -191,6 +191,24 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
         }
         model.files.emplace_back(p.model_files[i]);
       }
+      switch (p.format) {
+        case EA_FORMAT_AUTO:
+          model.format = ModelFormat::kAuto;
+          break;
+        case EA_FORMAT_GGUF:
+          model.format = ModelFormat::kGguf;
+          break;
+        case EA_FORMAT_SAFETENSORS:
+          model.format = ModelFormat::kSafetensors;
+          break;
+        case EA_FORMAT_RAW:
+          model.format = ModelFormat::kRaw;
+          break;
+        default:
+          return Fail(-EINVAL, "ea_arena_open: format " + std::to_string(p.format) +
+                                   " is not EA_FORMAT_AUTO, EA_FORMAT_GGUF, "
+                                   "EA_FORMAT_SAFETENSORS or EA_FORMAT_RAW");
+      }
       model.select = p.select != nullptr ? p.select : "";
       model.select_all = p.select_all != 0;
       arena = Arena::Open(model, options);

@@ -11,7 +11,7 @@
 // accounted in mm->pinned_vm. NVIDIA's driver takes page references without that
 // accounting (os_lock_user_pages in open-gpu-kernel-modules), so VmPin can stay 0 while
 // the pages are held; ROCm's hipHostRegister may not pin at all (pages tracked through HMM,
-// still movable by compaction: VmPin 0 in the field, see the seeds). The note says which.
+// still movable by compaction: VmPin 0 in the field, see docs/gpu.md). The note says which.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>

@@ -59,7 +59,7 @@ BounceRange BounceRangeOf(const ReadPiece& piece, uint32_t offset_alignment);
 // `direct_chunk_bytes` (at least chunk_bytes): pieces read from the device with O_DIRECT are
 // larger than those copied from the page cache. On this project's virtio disk 4 MiB direct
 // reads from two threads, interleaved, made 1.0-1.7 GiB/s and 16 MiB ones 2.1-2.25 GiB/s,
-// where dd bs=4M on one thread made 1.1-2.3 GB/s (DETAILS.md, "Model sources and loader").
+// where dd bs=4M on one thread made 1.1-2.3 GB/s (docs/loader.md).
 ReadPlan PlanReads(const format::ArenaTable& table, std::span<const SourceAccess> sources,
                    uintptr_t arena_base, uint64_t chunk_bytes, uint64_t direct_chunk_bytes = 0);
 

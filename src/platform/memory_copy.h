@@ -8,7 +8,7 @@
 // above its non_temporal_threshold, which it derives from the shared cache size it computes
 // from CPUID; on this project's development VM (glibc 2.36, AMD EPYC in KVM) that comes out
 // as 384 MiB instead of the 32 MiB that sysfs reports, so a 64 MiB memcpy used ordinary
-// stores (19-20 GB/s where streaming stores reach 26-28 GB/s; DETAILS.md "Tensor streaming").
+// stores (19-20 GB/s where streaming stores reach 26-28 GB/s; docs/streaming.md).
 //
 // Thread-safety: both functions may be called from any thread.
 #pragma once

@@ -5,8 +5,10 @@
 namespace expert_arena::source {
 namespace {
 
-// Block sizes from ggml's type traits (sizeof(block_*) in ggml-common.h).
-constexpr std::array<GgmlType, 33> kGgmlTypes = {{
+// Block sizes from ggml's type traits (sizeof(block_*) in ggml-common.h). tests/llamacpp
+// checks every id against the real libggml-base (ggml_type_name, ggml_blck_size,
+// ggml_type_size) from the @node-llama-cpp/linux-x64 npm package.
+constexpr std::array<GgmlType, 35> kGgmlTypes = {{
     {0, "f32", 1, 4},
     {1, "f16", 1, 2},
     {2, "q4_0", 32, 18},
@@ -43,6 +45,8 @@ constexpr std::array<GgmlType, 33> kGgmlTypes = {{
     // 36..38 (iq4_nl_4_4, _4_8, _8_8) were removed.
     {39, "mxfp4", 32, 17},
     {40, "nvfp4", 64, 36},
+    {41, "q1_0", 128, 18},  // block_q1_0: f16 scale + 128 sign bits
+    {42, "q2_0", 64, 18},   // block_q2_0: f16 scale + 64 2-bit values
 }};
 
 constexpr std::array<SafetensorsDtype, 20> kSafetensorsDtypes = {{

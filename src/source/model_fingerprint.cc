@@ -70,6 +70,7 @@ uint64_t CombineFingerprint(const ModelSpec& spec, std::span<const FingerprintFi
   h.Str(spec.select);
   h.U64(spec.select_all ? 1 : 0);
   h.U64(spec.alignment);
+  h.U64(static_cast<uint64_t>(spec.format));
   h.U64(files.size());
   for (const FingerprintFile& f : files) {
     h.Str(f.path);

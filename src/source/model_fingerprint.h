@@ -1,6 +1,6 @@
 // The fingerprint of a model's planning inputs: what PlanModel reads (the bytes of a
 // safetensors index, and of each source file: its path, size, modification time and the raw
-// bytes of its header) and what it is asked (the files as given, the selection, the
+// bytes of its header) and what it is asked (the files as given, their format, the selection, the
 // alignment). Equal fingerprints mean PlanModel would build the same table, so an engine
 // whose arena records its fingerprint attaches without planning: it hashes the raw bytes
 // (tens of MB at memory speed) where a plan parses them (seconds at 90,000 tensors).

@@ -10,26 +10,12 @@
 #include "platform/file.h"
 #include "source/gguf_reader.h"
 #include "source/model_fingerprint.h"
+#include "source/model_format.h"
 #include "source/safetensors_reader.h"
 #include "source/selection.h"
 
 namespace expert_arena::source {
 namespace {
-
-enum class FileKind { kGguf, kSafetensors, kSafetensorsIndex, kRaw };
-
-const char* KindName(FileKind kind) {
-  switch (kind) {
-    case FileKind::kGguf:
-      return "GGUF";
-    case FileKind::kSafetensors:
-    case FileKind::kSafetensorsIndex:
-      return "safetensors";
-    case FileKind::kRaw:
-      return "raw";
-  }
-  return "";
-}
 
 std::string Absolute(const std::string& path) {
   std::error_code ec;
@@ -47,24 +33,6 @@ Result<std::string> ResolveDirectory(const std::string& path) {
   }
   return InvalidArgument(path + ": a directory without " + kSafetensorsIndexName +
                          " or model.safetensors");
-}
-
-// The format of one file, from its first bytes (and a .json name for an index). These bytes
-// are not counted as read: the readers read them again and count them, and a raw file's first
-// bytes are tensor data that an attaching engine must not be charged for.
-Result<FileKind> DetectKind(const std::string& path) {
-  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, platform::OpenFile(path, {.no_follow = false}));
-  EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
-  if (!st.regular) return InvalidArgument(path + ": not a regular file");
-  std::byte head[16] = {};
-  EA_ASSIGN_OR_RETURN(size_t got, platform::ReadSome(fd, 0, head));
-  if (got >= 4 && std::memcmp(head, kGgufMagic, 4) == 0) return FileKind::kGguf;
-  if (LooksLikeSafetensors(head, got, st.size)) return FileKind::kSafetensors;
-  bool json_name = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
-  if (json_name && got > 0 && static_cast<char>(head[0]) == '{') {
-    return FileKind::kSafetensorsIndex;
-  }
-  return FileKind::kRaw;
 }
 
 // A tensor found in a model file, before selection.
@@ -180,11 +148,12 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
 
 Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   if (spec.files.empty()) return InvalidArgument("no model file given");
+  if (spec.format == ModelFormat::kRaw) return PlanRawFiles(spec);  // asked for, never guessed
   std::vector<std::string> paths;
   std::vector<FileKind> kinds;
   for (const std::string& given : spec.files) {
     EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
-    EA_ASSIGN_OR_RETURN(FileKind kind, DetectKind(path));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format));
     paths.push_back(path);
     kinds.push_back(kind);
   }
@@ -194,13 +163,10 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   for (size_t i = 1; i < kinds.size(); ++i) {
     if (family(kinds[i]) != family(kinds[0])) {
       return InvalidArgument("model files of different formats: " + paths[0] + " is " +
-                             KindName(kinds[0]) + ", " + paths[i] + " is " + KindName(kinds[i]));
+                             FileKindName(kinds[0]) + ", " + paths[i] + " is " +
+                             FileKindName(kinds[i]));
     }
   }
-  if (kinds[0] == FileKind::kRaw) {
-    return PlanRawFiles(spec);
-  }
-
   Collected collected;
   if (kinds[0] == FileKind::kGguf) {
     for (const std::string& path : paths) EA_RETURN_IF_ERROR(CollectGguf(path, collected));
@@ -244,9 +210,13 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
 Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec) {
   std::vector<ModelFile> files;
   for (const std::string& given : spec.files) {
+    if (spec.format == ModelFormat::kRaw) {
+      files.push_back({Absolute(given), ModelFileKind::kRaw});
+      continue;
+    }
     EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
-    EA_ASSIGN_OR_RETURN(FileKind kind, DetectKind(path));
-    ModelFileKind public_kind = ModelFileKind::kRaw;
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format));
+    ModelFileKind public_kind = ModelFileKind::kGguf;
     switch (kind) {
       case FileKind::kGguf:
         public_kind = ModelFileKind::kGguf;
@@ -256,8 +226,6 @@ Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec) {
         break;
       case FileKind::kSafetensorsIndex:
         public_kind = ModelFileKind::kSafetensorsIndex;
-        break;
-      case FileKind::kRaw:
         break;
     }
     files.push_back({Absolute(path), public_kind});

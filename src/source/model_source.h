@@ -2,8 +2,9 @@
 // file and offset, how many bytes), reading only headers and file metadata.
 //
 // Formats are detected from the file contents: GGUF by its magic, safetensors by its
-// header or a model.safetensors.index.json; anything else is loaded as one raw tensor per
-// file (dtype "u8"), which is how `expert-arena load` fills an arena from an arbitrary file.
+// header or a model.safetensors.index.json; anything else is refused, saying what the file
+// looks like (source/model_format.h). Only when the caller asks for ModelFormat::kRaw is
+// each file loaded as one raw tensor (dtype "u8").
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,8 @@ struct ModelPlan {
 Result<ModelPlan> PlanModel(const ModelSpec& spec);
 
 // The files of a spec as PlanModel sees them: resolved (a directory stands for its index or
-// model.safetensors), made absolute, and classified from their first bytes.
+// model.safetensors), made absolute, and classified from their first bytes (kRaw: every file
+// when spec.format says raw).
 enum class ModelFileKind { kGguf, kSafetensors, kSafetensorsIndex, kRaw };
 struct ModelFile {
   std::string path;
@@ -35,7 +37,8 @@ struct ModelFile {
 };
 Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec);
 
-// The raw reader: every file is one tensor of dtype "u8" named after the file.
+// The raw reader (ModelFormat::kRaw): every file is one tensor of dtype "u8" named after the
+// file.
 Result<ModelPlan> PlanRawFiles(const ModelSpec& spec);
 
 }  // namespace expert_arena::source

@@ -50,10 +50,17 @@ std::string SafetensorsWriter::HeaderJson() const {
     if (!first) out += ",";
     first = false;
     out += quote(t.name) + ":{\"dtype\":" + quote(t.dtype) + ",\"shape\":[";
+    // Appended piece by piece: `"," + std::to_string(...)` makes g++ 12 at -O2/-O3 report a
+    // bogus -Wrestrict inside std::string (GCC PR 105651).
     for (size_t d = 0; d < t.shape.size(); ++d) {
-      out += (d ? "," : "") + std::to_string(t.shape[d]);
+      if (d) out += ',';
+      out += std::to_string(t.shape[d]);
     }
-    out += "],\"data_offsets\":[" + std::to_string(t.begin) + "," + std::to_string(t.end) + "]}";
+    out += "],\"data_offsets\":[";
+    out += std::to_string(t.begin);
+    out += ',';
+    out += std::to_string(t.end);
+    out += "]}";
   }
   return out + "}";
 }

@@ -109,6 +109,7 @@ constexpr LayoutInfo kLayouts[] = {
 // The data of a named layout is tiny unless asked: its metadata is what tests and benches want.
 constexpr uint64_t kLayoutDefaultHidden = 16;
 constexpr uint64_t kLayoutDefaultFfn = 16;
+constexpr uint64_t kLayoutDefaultGgufHidden = 64;
 
 const LayoutInfo* FindLayout(const std::string& name) {
   for (const LayoutInfo& l : kLayouts) {
@@ -211,7 +212,7 @@ std::vector<SynthTensor> PlanLayoutTensors(const SyntheticModelOptions& o) {
 }
 
 std::vector<SynthTensor> PlanTensors(const SyntheticModelOptions& o, bool gguf) {
-  if (o.layout != "synthmoe") return PlanLayoutTensors(o);
+  if (o.layout != "synthetic") return PlanLayoutTensors(o);
   const uint64_t H = o.hidden, F = o.ffn, E = o.experts;
   std::vector<SynthTensor> out;
   auto add = [&](std::string name, Role role, std::string dtype, std::vector<uint64_t> shape) {
@@ -266,9 +267,6 @@ Status CheckOptions(const SyntheticModelOptions& o) {
   }
   if (o.dtype == "f8_e4m3" && o.layout != "deepseek-v3") {
     return InvalidArgument("--dtype f8_e4m3 (with weight_scale_inv) is the deepseek-v3 layout's");
-  }
-  if (o.layout != "synthmoe" && o.dtype == "q8_0") {
-    return InvalidArgument("--layout " + o.layout + " is a safetensors layout; --dtype q8_0 is GGUF's");
   }
   if (o.format == "safetensors" && o.dtype == "q8_0") {
     return InvalidArgument(
@@ -328,11 +326,6 @@ Result<SyntheticModelReport> WriteGguf(const SyntheticModelOptions& o) {
   report.file_bytes = writer.file_bytes();
   report.tensors = tensors.size();
   return report;
-}
-
-// A named layout as GGUF (the tensor names llama.cpp's converter gives these families).
-Result<SyntheticModelReport> WriteLayoutGguf(const SyntheticModelOptions& o) {
-  return Unsupported("--layout " + o.layout + " --format gguf: not supported");
 }
 
 Result<SyntheticModelReport> WriteSafetensors(const SyntheticModelOptions& o) {
@@ -479,6 +472,12 @@ float HalfToFloat(uint16_t h) {
   return out;
 }
 
+void FillSyntheticTensor(std::string_view dtype, uint64_t tensor_seed, bool norm, uint64_t offset,
+                         std::span<std::byte> out) {
+  SynthTensor t{"", norm ? Role::kNorm : Role::kExpert, std::string(dtype), {}, tensor_seed};
+  FillTensor(t, offset, out);
+}
+
 uint8_t FloatToE4M3(float value) {
   uint32_t x;
   std::memcpy(&x, &value, 4);
@@ -514,20 +513,22 @@ float E4M3ToFloat(uint8_t v) {
 }
 
 Status ApplyLayoutDefaults(SyntheticModelOptions& o) {
-  if (o.layout == "synthmoe") {
+  if (o.layout == "synthetic") {
     if (o.dtype.empty()) o.dtype = "f32";
     return Status::Ok();
   }
   const LayoutInfo* info = FindLayout(o.layout);
   if (info == nullptr) {
-    return InvalidArgument("--layout must be synthmoe, deepseek-v3, qwen3-moe or mixtral, not " +
+    return InvalidArgument("--layout must be synthetic, deepseek-v3, qwen3-moe or mixtral, not " +
                            o.layout);
   }
   if (o.layers == 0) o.layers = info->layers;
   if (o.experts == 0) o.experts = info->experts;
-  if (o.hidden == 0) o.hidden = kLayoutDefaultHidden;
-  if (o.ffn == 0) o.ffn = kLayoutDefaultFfn;
-  if (o.dtype.empty()) o.dtype = info->dtype;
+  // The GGUF writer (layout_gguf.cc) needs a hidden size that is a multiple of 32.
+  const bool gguf = o.format == "gguf";
+  if (o.hidden == 0) o.hidden = gguf ? kLayoutDefaultGgufHidden : kLayoutDefaultHidden;
+  if (o.ffn == 0) o.ffn = gguf ? kLayoutDefaultGgufHidden : kLayoutDefaultFfn;
+  if (o.dtype.empty()) o.dtype = gguf ? "f32" : info->dtype;
   return Status::Ok();
 }
 
@@ -536,7 +537,7 @@ Result<SyntheticModelReport> WriteSyntheticModel(const SyntheticModelOptions& gi
   EA_RETURN_IF_ERROR(ApplyLayoutDefaults(options));
   EA_RETURN_IF_ERROR(CheckOptions(options));
   if (options.format == "gguf") {
-    return options.layout == "synthmoe" ? WriteGguf(options) : WriteLayoutGguf(options);
+    return options.layout == "synthetic" ? WriteGguf(options) : WriteLayoutGguf(options);
   }
   return WriteSafetensors(options);
 }

@@ -21,7 +21,8 @@
 //    model.layers.l.mlp.experts.e.down_proj.weight      [H, F]   dtype
 //  sharded: model-0000i-of-0000K.safetensors + model.safetensors.index.json in a directory.
 //
-// Named layouts (--layout, safetensors): the tensor names, dtypes and shape rules of real
+// Named layouts (--layout; as safetensors here, qwen3-moe and mixtral also as GGUF in
+// layout_gguf.cc): the tensor names, dtypes and shape rules of real
 // checkpoint families, so tests and benchmarks see the real metadata (tens of thousands of
 // tensors, 100+ shards) at any data size. Every dimension of the real model is scaled by
 // hidden / (the family's hidden size), at least 1: with the family's hidden and ffn the shapes
@@ -47,7 +48,9 @@
 // ggml's block_q8_0 (f16 scale d = amax / 127, then 32 int8 round(x / d)).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,15 +61,17 @@ namespace expert_arena::source {
 
 struct SyntheticModelOptions {
   std::string format;              // "gguf" or "safetensors"
-  std::string layout = "synthmoe";  // synthmoe, deepseek-v3, qwen3-moe, mixtral
+  // "synthetic" (the naming above), or a model family's: "deepseek-v3" (safetensors),
+  // "qwen3-moe", "mixtral" (safetensors here; GGUF in layout_gguf.cc).
+  std::string layout = "synthetic";
   std::string out;                  // a file, or a directory for sharded safetensors
-  // 0: the layout's default (synthmoe has none: all four are required).
+  // 0: the layout's default (synthetic has none: all four are required).
   uint64_t layers = 0;
   uint64_t experts = 0;
   uint64_t hidden = 0;
   uint64_t ffn = 0;
   // f32, f16, bf16, q8_0 (GGUF only), f8_e4m3 (deepseek-v3 only). Empty: the layout's
-  // (f32 for synthmoe, f8_e4m3 for deepseek-v3, bf16 for the others).
+  // (f32 for synthetic and every GGUF, f8_e4m3 for deepseek-v3, bf16 for the others).
   std::string dtype;
   uint32_t shards = 1;        // safetensors only
   uint64_t seed = 0;
@@ -84,6 +89,14 @@ struct SyntheticModelReport {
 // Checks the options (kInvalidArgument: bad usage, e.g. q8_0 with safetensors) and writes the
 // model. Files appear complete or not at all (written under a temporary name, then renamed).
 Result<SyntheticModelReport> WriteSyntheticModel(const SyntheticModelOptions& options);
+
+// Bytes [offset, offset + out.size()) of a tensor of `dtype` (f32, f16, bf16, q8_0) holding the
+// synthetic values of `tensor_seed` (1 + value for a norm weight).
+void FillSyntheticTensor(std::string_view dtype, uint64_t tensor_seed, bool norm, uint64_t offset,
+                         std::span<std::byte> out);
+
+// A model family's GGUF (layout_gguf.cc); called by WriteSyntheticModel for a named layout.
+Result<SyntheticModelReport> WriteLayoutGguf(const SyntheticModelOptions& options);
 
 uint64_t SyntheticTensorSeed(std::string_view name, uint64_t seed);
 float SyntheticValue(uint64_t tensor_seed, uint64_t index);

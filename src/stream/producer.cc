@@ -622,7 +622,7 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
   // Auto: a quarter of the last-level cache. Measured on this VM (32 MiB L3): streaming
   // stores put 8 MiB in 220-245 us instead of 327 us and a reader copying it out right after
   // lost nothing; at 4 MiB and below the reader's copy got slower (the bytes were no longer in
-  // the cache) by about what the put gained. See DETAILS.md "Tensor streaming".
+  // the cache) by about what the put gained. See docs/streaming.md.
   if (o.non_temporal_copy_from != 0) {
     impl->non_temporal_from = o.non_temporal_copy_from;
   } else {

@@ -85,6 +85,7 @@ TEST_P(ArenaSpaceTest, TmpfsTooSmallIsAnErrorNamingTheSizesAndLeavesNoFile) {
   ScopedPath arena("arena", mount.dir());
   ModelSpec spec;
   spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
   ArenaOptions options;
   options.shared_path = arena.path();
   auto result = Arena::Open(spec, options);
@@ -111,6 +112,7 @@ TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
   ScopedPath arena("arena", mount.dir());
   ModelSpec spec;
   spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
   ArenaOptions options;
   options.shared_path = arena.path();
   auto result = Arena::Open(spec, options);
@@ -122,7 +124,7 @@ TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
   EXPECT_NE(stat(arena.path().c_str(), &st), 0);
 }
 
-// Seed 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
+// Field lesson 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
 // (and not before: a published file keeps them for a restart to attach).
 TEST(ArenaHugetlbSpaceTest, RemovingTheArenaGivesItsHugePagesBack) {
   ScopedMount mount(ScopedMount::Kind::kHugetlbfs, kModelBytes + 8 * kMiB);
@@ -131,6 +133,7 @@ TEST(ArenaHugetlbSpaceTest, RemovingTheArenaGivesItsHugePagesBack) {
   ScopedPath arena("arena", mount.dir());
   ModelSpec spec;
   spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
   ArenaOptions options;
   options.shared_path = arena.path();
   ASSERT_OK_AND_ASSIGN(auto before, platform::ReadHugetlbPool());
@@ -157,6 +160,7 @@ TEST(ArenaPagesAlongsideTest, BothOrdersGiveTheSameArenaOnTwoMiBPages) {
     ScopedPath arena("arena", ArenaTestDir());
     ModelSpec spec;
     spec.files = {model.path()};
+    spec.format = ModelFormat::kRaw;
     ArenaOptions options;
     options.shared_path = arena.path();
     options.progress = false;
@@ -190,6 +194,7 @@ Result<Arena> OpenWithEventBeforePiece1(const std::string& model, const std::str
   });
   ModelSpec spec;
   spec.files = {model};
+  spec.format = ModelFormat::kRaw;
   ArenaOptions options;
   options.shared_path = arena;
   options.progress = false;

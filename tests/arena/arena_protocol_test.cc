@@ -51,6 +51,7 @@ TEST_F(ArenaProtocolTest, LoadThenAttachInTheSameProcess) {
   options.shared_path = arena_.path();
   ModelSpec spec;
   spec.files = {model_.path()};
+  spec.format = ModelFormat::kRaw;
   ASSERT_OK_AND_ASSIGN(Arena first, Arena::Open(spec, options));
   EXPECT_EQ(first.role(), ArenaRole::kLoaded);
   EXPECT_EQ(first.report().bytes_read, kModelBytes);
@@ -116,15 +117,17 @@ TEST_F(ArenaProtocolTest, AnotherModelIsRefusedWhileMappedAndReplacedOnceUnused)
   EXPECT_EQ(r["sum"], FileSum(bigger.path()));
 }
 
-// Seed 002: a stale file is replaced by unlinking it, never by truncating it under a mapping:
-// an old engine that maps the file without taking our locks (the seed's V1 engine) counts as
-// no user, and must keep reading the bytes it mapped instead of taking a SIGBUS or seeing the
-// new model. Two rounds: a file of an older format version (same model), then another model.
+// Field lesson 002: a stale file is replaced by unlinking it, never by truncating it under a
+// mapping: an old engine that maps the file without taking our locks (lesson 002's V1 engine)
+// counts as no user, and must keep reading the bytes it mapped instead of taking a SIGBUS or
+// seeing the new model. Two rounds: a file of an older format version (same model), then
+// another model.
 TEST_F(ArenaProtocolTest, ReplacementUnlinksAndNeverTruncatesUnderALocklessMapping) {
   ArenaOptions options;
   options.shared_path = arena_.path();
   ModelSpec spec;
   spec.files = {model_.path()};
+  spec.format = ModelFormat::kRaw;
   {
     ASSERT_OK_AND_ASSIGN(Arena a, Arena::Open(spec, options));
     ASSERT_EQ(a.role(), ArenaRole::kLoaded);
@@ -185,6 +188,7 @@ TEST_F(ArenaProtocolTest, ReplacementUnlinksAndNeverTruncatesUnderALocklessMappi
   ScopedDataFile other(kModelBytes, 2);
   ModelSpec other_spec;
   other_spec.files = {other.path()};
+  other_spec.format = ModelFormat::kRaw;
   {
     ASSERT_OK_AND_ASSIGN(Arena c, Arena::Open(other_spec, options));
     EXPECT_EQ(c.role(), ArenaRole::kLoaded);
@@ -337,6 +341,7 @@ TEST_F(ArenaProtocolTest, SweepRemovesOnlyArenasALoaderLeftUnfinished) {
 TEST_F(ArenaProtocolTest, PrivateArenaHasTheSameViews) {
   ModelSpec spec;
   spec.files = {model_.path()};
+  spec.format = ModelFormat::kRaw;
   ArenaOptions options;
   ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open(spec, options));
   EXPECT_EQ(arena.role(), ArenaRole::kPrivate);
@@ -355,6 +360,7 @@ TEST_F(ArenaProtocolTest, SymlinkAndForeignOwnerAreRefused) {
   }
   ModelSpec spec;
   spec.files = {model_.path()};
+  spec.format = ModelFormat::kRaw;
   ArenaOptions options;
   options.shared_path = link.path();
   auto refused = Arena::Open(spec, options);
@@ -385,6 +391,7 @@ class DamagedArenaTest : public ArenaProtocolTest {
   void PublishThenDamage(const std::function<void(int fd, uint64_t size)>& damage) {
     ModelSpec spec;
     spec.files = {model_.path()};
+    spec.format = ModelFormat::kRaw;
     ArenaOptions options;
     options.shared_path = arena_.path();
     { ASSERT_OK(Arena::Open(spec, options)); }

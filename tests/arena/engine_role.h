@@ -67,6 +67,7 @@ inline int EngineRole(const std::vector<std::string>& args) {
   if (args.size() > 5) options.wait_timeout_seconds = std::stod(args[5]);
   ModelSpec spec;
   spec.files = {model};
+  spec.format = ModelFormat::kRaw;  // the models of these tests are data files (ScopedDataFile)
   auto io_before = platform::ReadProcessIo();
   auto arena = Arena::Open(spec, options);
   auto io_after = platform::ReadProcessIo();

@@ -1,8 +1,12 @@
 /* A C engine's use of expert-arena: only expert_arena.h and libexpert_arena.so.
  * Usage: capi_c_program MODEL_FILE ARENA_PATH
- * MODEL_FILE is a raw data file (one tensor of dtype u8, the whole file). Exercises a private
- * arena, a shared one (loaded), a second handle attached to it, lookups, errors and the
- * struct-size rules. Exit 0 when every check passes; each failure is printed. */
+ *        capi_c_program --refused FILE ARENA_PATH WORDS
+ * MODEL_FILE is a raw data file, opened with EA_FORMAT_RAW (one tensor of dtype u8, the whole
+ * file). Exercises the refusal of that file without EA_FORMAT_RAW, a private arena, a shared
+ * one (loaded), a second handle attached to it, lookups, errors and the struct-size rules.
+ * --refused opens FILE (not a model) into the shared ARENA_PATH with the default format and
+ * checks the refusal: a negative errno, a message naming FILE and holding WORDS, no file
+ * left at ARENA_PATH. Exit 0 when every check passes; each failure is printed. */
 #include <errno.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -58,9 +62,41 @@ static void CheckContents(ea_arena* arena, const unsigned char* expected, size_t
   CHECK(by_name.data == view.data && by_name.checksum == view.checksum);
 }
 
+static int PathExists(const char* path) {
+  FILE* f = fopen(path, "rb");
+  if (f == NULL) return 0;
+  fclose(f);
+  return 1;
+}
+
+/* A file that is not a model, opened as an engine would (default format, shared arena). */
+static int CheckRefused(const char* file, const char* arena_path, const char* words) {
+  ea_open_params p;
+  ea_open_params_init(&p);
+  const char* files[1] = {file};
+  p.model_files = files;
+  p.model_file_count = 1;
+  p.shared_path = arena_path;
+  p.quiet = 1;
+  ea_arena* arena = (ea_arena*)1;
+  int rc = ea_arena_open(&p, &arena);
+  CHECK(rc == -EINVAL || rc == -EBADMSG);
+  CHECK(arena == NULL);
+  CHECK(strstr(ea_last_error(), file) != NULL);
+  CHECK(strstr(ea_last_error(), words) != NULL);
+  CHECK(!PathExists(arena_path));
+  if (arena != NULL && arena != (ea_arena*)1) ea_arena_close(arena);
+  printf("capi: refused: %s\n", ea_last_error());
+  if (failures == 0) printf("capi: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 5 && strcmp(argv[1], "--refused") == 0) {
+    return CheckRefused(argv[2], argv[3], argv[4]);
+  }
   if (argc != 3) {
-    fprintf(stderr, "usage: %s MODEL_FILE ARENA_PATH\n", argv[0]);
+    fprintf(stderr, "usage: %s MODEL_FILE ARENA_PATH | --refused FILE ARENA_PATH WORDS\n", argv[0]);
     return 2;
   }
   const char* model = argv[1];
@@ -90,12 +126,28 @@ int main(int argc, char** argv) {
   tiny.size = 8;
   CHECK(ea_arena_open(&tiny, &arena) == -EINVAL);
 
-  /* A private arena. */
+  /* A data file is not a model: refused unless raw bytes are asked for, also by an older
+   * caller whose struct ends before `format`, and an unknown format is refused. */
   const char* files[1] = {model};
   ea_open_params_init(&p);
   p.model_files = files;
   p.model_file_count = 1;
   p.quiet = 1;
+  CHECK(p.format == EA_FORMAT_AUTO);
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
+  CHECK(strstr(ea_last_error(), model) != NULL);
+  CHECK(strstr(ea_last_error(), "not a GGUF, safetensors or safetensors index file") != NULL);
+  CHECK(strstr(ea_last_error(), "--format raw") != NULL);
+  ea_open_params older_params = p;
+  older_params.size = offsetof(ea_open_params, format);
+  older_params.format = EA_FORMAT_RAW; /* beyond its size: not read */
+  CHECK(ea_arena_open(&older_params, &arena) == -EINVAL && arena == NULL);
+  p.format = 99;
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
+  CHECK(strstr(ea_last_error(), "format 99") != NULL);
+
+  /* A private arena. */
+  p.format = EA_FORMAT_RAW;
   CHECK(ea_arena_open(&p, &arena) == 0);
   if (arena != NULL) {
     ea_arena_info info;

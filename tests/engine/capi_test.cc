@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <string>
 
 #include "test_util.h"
@@ -29,14 +30,35 @@ TEST(CApiTest, CProgramPassesEveryCheck) {
   EXPECT_NE(c.Output().find("all checks passed"), std::string::npos) << c.Output();
 }
 
+// Each file that is not a model, opened by a C program with the default format into a shared
+// arena: refused with a negative errno and a message naming the file and what it is; nothing
+// is left in the arena's directory.
+TEST(CApiTest, CProgramSeesFilesThatAreNotModelsRefused) {
+  ScopedArenaDir files("capi-not-a-model");
+  ScopedArenaDir arenas("capi-refused");
+  for (const NotAModel& c : NotAModels()) {
+    SCOPED_TRACE(c.name);
+    const std::string path = files.File(c.name);
+    {
+      std::ofstream out(path, std::ios::binary);
+      out << c.bytes;
+    }
+    Child child = SpawnProgram(BinDir() + "/capi_c_program",
+                               {"--refused", path, arenas.File("m.arena"), c.words});
+    EXPECT_EQ(child.Wait(60), 0) << child.Output();
+    EXPECT_NE(child.Output().find("all checks passed"), std::string::npos) << child.Output();
+    EXPECT_TRUE(arenas.entries().empty());
+  }
+}
+
 // attach_arena.py reads a tensor's bytes through ctypes and compares them with the model
 // file at the offset `expert-arena info --json` names.
 TEST(CApiTest, PythonCtypesExampleReadsTheSourceBytes) {
   if (std::string why = PythonSkipReason(); !why.empty()) GTEST_SKIP() << why;
   ScopedDataFile model(5 * 1024 * 1024 + 7, 43);
   ScopedPath arena("ctypes.arena");
-  Child load = SpawnProgram(BinDir() + "/expert-arena",
-                            {"load", "--model", model.path(), "--arena", arena.path()});
+  Child load = SpawnProgram(BinDir() + "/expert-arena", {"load", "--format", "raw", "--model",
+                                                         model.path(), "--arena", arena.path()});
   ASSERT_EQ(load.Wait(60), 0);
   Child py = SpawnProgram(EA_PYTHON3, {EA_ATTACH_SCRIPT, "--lib", EA_LIBRARY, arena.path(),
                                        "--check", BinDir() + "/expert-arena"});

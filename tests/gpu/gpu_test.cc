@@ -162,7 +162,8 @@ TEST(GpuNoDeviceTest, ArenaReportsSkipAndRequiredFails) {
   ArenaOptions options;
   options.gpu = name + ":0";
   options.progress = false;
-  ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open({.files = {model.path()}}, options));
+  ASSERT_OK_AND_ASSIGN(
+      Arena arena, Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options));
   EXPECT_EQ(arena.report().gpu_registered_bytes, 0u);
   EXPECT_EQ(arena.report().gpu_note.rfind(name + ": no usable device: ", 0), 0u)
       << arena.report().gpu_note;
@@ -170,7 +171,7 @@ TEST(GpuNoDeviceTest, ArenaReportsSkipAndRequiredFails) {
             std::string::npos);
 
   options.gpu_required = true;
-  auto required = Arena::Open({.files = {model.path()}}, options);
+  auto required = Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options);
   ASSERT_FALSE(required.ok());
   EXPECT_NE(required.status().message().find("GPU registration required but not done: " + name +
                                              ": no usable device"),
@@ -187,7 +188,7 @@ TEST(GpuNoDeviceTest, BadNameOrMissingRequiredGpuFailsBeforeLoading) {
   options.shared_path = path.path();
   options.progress = false;
   options.gpu = "cuda:first";
-  auto bad = Arena::Open({.files = {model.path()}}, options);
+  auto bad = Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(platform::StatPath(path.path()).ok()) << "the arena file was created";
@@ -200,7 +201,7 @@ TEST(GpuNoDeviceTest, BadNameOrMissingRequiredGpuFailsBeforeLoading) {
   if (missing == GpuBackend::kNone) GTEST_SKIP() << "every backend is built and has a device";
   options.gpu = GpuBackendName(missing);
   options.gpu_required = true;
-  auto required = Arena::Open({.files = {model.path()}}, options);
+  auto required = Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options);
   ASSERT_FALSE(required.ok());
   EXPECT_EQ(required.status().code(), StatusCode::kUnsupported);
   EXPECT_NE(required.status().message().find("GPU registration required but not done"),
@@ -218,10 +219,11 @@ TEST(GpuNoDeviceTest, BackendNotBuiltIsAnErrorOnlyWhenRequired) {
   ArenaOptions options;
   options.gpu = GpuBackendName(missing);
   options.progress = false;
-  ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open({.files = {model.path()}}, options));
+  ASSERT_OK_AND_ASSIGN(
+      Arena arena, Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options));
   EXPECT_NE(arena.report().gpu_note.find("this build has no"), std::string::npos);
   options.gpu_required = true;
-  EXPECT_FALSE(Arena::Open({.files = {model.path()}}, options).ok());
+  EXPECT_FALSE(Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options).ok());
 }
 
 // ---- mapping permissions ------------------------------------------------------------------
@@ -234,13 +236,16 @@ TEST(GpuArenaMappingTest, WritableOnlyWhenAGpuIsAsked) {
   ArenaOptions plain;
   plain.shared_path = path.path();
   plain.progress = false;
-  ASSERT_OK_AND_ASSIGN(Arena loaded, Arena::Open({.files = {model.path()}}, plain));
+  ASSERT_OK_AND_ASSIGN(Arena loaded,
+                       Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, plain));
   ASSERT_EQ(loaded.role(), ArenaRole::kLoaded);
   EXPECT_EQ(MappingPermissions(loaded.data().data()).substr(0, 3), "r--");
 
   ArenaOptions with_gpu = plain;
   with_gpu.gpu = "cuda:0";  // registered or skipped, the mapping is writable either way
-  ASSERT_OK_AND_ASSIGN(Arena attached, Arena::Open({.files = {model.path()}}, with_gpu));
+  ASSERT_OK_AND_ASSIGN(
+      Arena attached,
+      Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, with_gpu));
   ASSERT_EQ(attached.role(), ArenaRole::kAttached);
   EXPECT_EQ(MappingPermissions(attached.data().data()).substr(0, 3), "rw-");
   EXPECT_EQ(MappingPermissions(loaded.data().data()).substr(0, 3), "r--");
@@ -248,11 +253,14 @@ TEST(GpuArenaMappingTest, WritableOnlyWhenAGpuIsAsked) {
   ArenaOptions private_gpu;
   private_gpu.gpu = "hip";
   private_gpu.progress = false;
-  ASSERT_OK_AND_ASSIGN(Arena priv, Arena::Open({.files = {model.path()}}, private_gpu));
+  ASSERT_OK_AND_ASSIGN(
+      Arena priv, Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, private_gpu));
   EXPECT_EQ(MappingPermissions(priv.data().data()).substr(0, 3), "rw-");
   ArenaOptions private_plain;
   private_plain.progress = false;
-  ASSERT_OK_AND_ASSIGN(Arena priv2, Arena::Open({.files = {model.path()}}, private_plain));
+  ASSERT_OK_AND_ASSIGN(
+      Arena priv2,
+      Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, private_plain));
   EXPECT_EQ(MappingPermissions(priv2.data().data()).substr(0, 3), "r--");
 }
 
@@ -369,7 +377,9 @@ TEST(GpuDeviceRegistrationTest, ArenaCopyEqualsHostBytes) {
     options.gpu_required = true;
     options.progress = false;
     {
-      ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open({.files = {model.path()}}, options));
+      ASSERT_OK_AND_ASSIGN(
+          Arena arena,
+          Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options));
       EXPECT_GT(arena.report().gpu_registered_bytes, arena.report().data_bytes);
       EXPECT_EQ(gpu::ProcessRegisteredBytes(), arena.report().gpu_registered_bytes);
       TensorView view = arena.tensor(0);

@@ -43,6 +43,7 @@ TEST(HostDeviceTest, SharedArenaRegistersItsMappingAndCopiesFromIt) {
   options.progress = false;
   ModelSpec spec;
   spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
   {
     ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open(spec, options));
     const ArenaReport& r = arena.report();
@@ -79,6 +80,7 @@ TEST(HostDeviceTest, ArenaRegistersUpToThePinBudgetAndSaysSo) {
   options.gpu_required = true;  // a budget cut is not a failed registration
   ModelSpec spec;
   spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
   ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open(spec, options));
   const ArenaReport& r = arena.report();
   EXPECT_EQ(r.gpu_registered_bytes, 2 * kMiB);

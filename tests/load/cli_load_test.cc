@@ -192,5 +192,47 @@ TEST(CliLoadTest, AnArenaOnADiskFilesystemWorksAndSaysWhatItCosts) {
   EXPECT_NE(out.find("\"role\":\"attached\""), std::string::npos) << out;
 }
 
+// A file that is not a model: exit 1, a message naming the file and what it looks like, and
+// nothing in the arena's directory; --format raw loads the same bytes as one u8 tensor.
+TEST(CliLoadTest, NotAModelIsRefusedAndRawIsLoadedOnlyWhenAsked) {
+  ScopedDir dir("cli-not-a-model");
+  testing::ScopedArenaDir arenas("cli-refused");
+  const std::string arena = arenas.File("m.arena");
+  for (const testing::NotAModel& c : testing::NotAModels()) {
+    SCOPED_TRACE(c.name);
+    const std::string path = dir.File(c.name);
+    std::vector<std::byte> bytes(c.bytes.size());
+    std::memcpy(bytes.data(), c.bytes.data(), bytes.size());
+    testing::WriteFileBytes(path, bytes);
+    std::string out;
+    EXPECT_EQ(Shell(testing::BinDir() + "/expert-arena load --model '" + path + "' --arena " +
+                        arena + " --json",
+                    &out),
+              1);
+    EXPECT_EQ(out.rfind("expert-arena load: " + path + ": ", 0), 0u) << out;
+    EXPECT_NE(out.find(c.words), std::string::npos) << out;
+    EXPECT_EQ(out.find("\"role\""), std::string::npos) << out;
+    EXPECT_TRUE(arenas.entries().empty());
+  }
+  // Asked for: the bytes as one tensor, listed by info.
+  const std::string blob = dir.File("weights.bin");
+  std::string out;
+  ASSERT_EQ(
+      ExpertArena({"load", "--format", "raw", "--model", blob, "--arena", arena, "--json"}, &out),
+      0)
+      << out;
+  auto load = nlohmann::json::parse(out);
+  EXPECT_EQ(load["tensors"], 1);
+  ASSERT_EQ(ExpertArena({"info", arena, "--json"}, &out), 0);
+  auto info = nlohmann::json::parse(out);
+  ASSERT_EQ(info["tensors"].size(), 1u);
+  EXPECT_EQ(info["tensors"][0]["name"], "weights.bin");
+  EXPECT_EQ(info["tensors"][0]["dtype"], "u8");
+  EXPECT_EQ(ExpertArena({"rm", arena}), 0);
+  // An unknown format is a usage error (CLI11), before anything is opened.
+  EXPECT_NE(ExpertArena({"load", "--format", "bin", "--model", blob, "--arena", arena}), 0);
+  EXPECT_TRUE(arenas.entries().empty());
+}
+
 }  // namespace
 }  // namespace expert_arena

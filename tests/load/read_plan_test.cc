@@ -145,7 +145,9 @@ TEST(TensorHasherTest, AnyArrivalOrderGivesTheOneShotHash) {
   uint64_t arena = 0;
   for (uint64_t bytes : {uint64_t{1000}, uint64_t{300000}, uint64_t{4096 * 37 + 5}}) {
     format::TensorRecord t;
-    t.name = "t" + std::to_string(bytes);
+    std::string name = "t";  // appended, not "t" + ...: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+    name += std::to_string(bytes);
+    t.name = std::move(name);
     t.bytes = bytes;
     t.arena_offset = arena;
     t.source_offset = arena;

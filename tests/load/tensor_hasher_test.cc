@@ -47,7 +47,9 @@ TEST(TensorHasherTest, HotAndLateHashingInAnyOrderOnAnyThreadGiveXxh3) {
   uint64_t offset = 0;
   for (size_t t = 0; t < sizes.size(); ++t) {
     format::TensorRecord r;
-    r.name = "t" + std::to_string(t);
+    std::string name = "t";  // appended, not "t" + ...: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+    name += std::to_string(t);
+    r.name = std::move(name);
     r.bytes = sizes[t];
     r.arena_offset = offset;
     offset += sizes[t];

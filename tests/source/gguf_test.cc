@@ -45,7 +45,8 @@ TEST(GgmlTypesTest, TableMatchesGgml) {
       {23, "iq4_xs", 256, 136}, {24, "i8", 1, 1},         {25, "i16", 1, 2},
       {26, "i32", 1, 4},        {27, "i64", 1, 8},        {28, "f64", 1, 8},
       {29, "iq1_m", 256, 56},   {30, "bf16", 1, 2},       {34, "tq1_0", 256, 54},
-      {35, "tq2_0", 256, 66},   {39, "mxfp4", 32, 17},
+      {35, "tq2_0", 256, 66},   {39, "mxfp4", 32, 17},    {40, "nvfp4", 64, 36},
+      {41, "q1_0", 128, 18},    {42, "q2_0", 64, 18},
   };
   for (const Expect& e : expected) {
     const GgmlType* t = FindGgmlType(e.id);
@@ -497,13 +498,16 @@ TEST(GgufDamageTest, RandomByteFlipsNeverEscapeTheFile) {
   }
 }
 
-TEST(GgufDamageTest, NotGgufFallsBackToRaw) {
+// Raw bytes only when asked for (model_format_test has every refusal).
+TEST(GgufDamageTest, NotGgufIsRefusedUnlessRawIsAskedFor) {
   ScopedDir dir("gguf-raw");
   std::vector<std::byte> bytes(1000, std::byte{7});
   std::string path = dir.File("blob.bin");
   testing::WriteFileBytes(path, bytes);
   ModelSpec spec;
   spec.files = {path};
+  EXPECT_FALSE(PlanModel(spec).ok());
+  spec.format = ModelFormat::kRaw;
   ASSERT_OK_AND_ASSIGN(ModelPlan plan, PlanModel(spec));
   EXPECT_EQ(plan.format, "raw");
   ASSERT_EQ(plan.table.tensors.size(), 1u);

@@ -243,7 +243,7 @@ TEST(StreamProcess, SweepRemovesAKilledProducersSegmentsNeverALiveOnes) {
   EXPECT_TRUE(dirs.remaining().empty());
 }
 
-// abort("abc") frees abc's blocks only: never abc_1_2's or abc_1_2_0_0's (the seeds' bug),
+// abort("abc") frees abc's blocks only: never abc_1_2's or abc_1_2_0_0's (field lesson 004),
 // and a block a reader holds now is freed only after that reader releases it.
 TEST(StreamProcess, AbortIsExactAndWaitsForHolders) {
   StreamDirs dirs;
@@ -345,7 +345,8 @@ TEST(StreamProcess, SpillAtTheCapAndBack) {
     ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
     std::vector<std::string> descs;
     for (int i = 0; i < 6; ++i) {  // 6 x 1 MiB into a 4 MiB segment
-      std::string key = "t" + std::to_string(i);
+      std::string key = "t";       // appended: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+      key += std::to_string(i);
       std::vector<std::byte> data(1 << 20);
       FillPattern(data, key);
       ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));
@@ -524,7 +525,7 @@ TEST(StreamProcess, CliLsListsArenasAndSegmentsWithWhatHoldsThem) {
 
 // `info` prints a segment's logical name, which another process wrote, escaped: bytes of 0x80
 // and up (the 8-bit CSI 0x9b among them) come out as \xNN in the text and the JSON, which then
-// stays valid UTF-8 (it used to throw out of the JSON dump), and a name with a control byte is
+// stays valid UTF-8 (raw, such a byte makes the JSON dump throw), and a name with a control byte is
 // refused with the name escaped (on stderr, exit 1).
 TEST(StreamProcess, CliInfoPrintsALogicalNameEscaped) {
   StreamDirs dirs;
@@ -550,7 +551,7 @@ TEST(StreamProcess, CliInfoPrintsALogicalNameEscaped) {
   EXPECT_TRUE(testing::PrintableAscii(refused.Output(), true));
 }
 
-// Seed 000: fixed segment names let a second server with the same entity name truncate the
+// Field lesson 000: fixed segment names let a second server with the same entity name truncate the
 // first one's live segments (8 MiB of wrong bytes, no error). A producer process started with
 // the same logical name while the first one's tensors are unread leaves every byte of them
 // alone, and both sets of files coexist.
@@ -593,7 +594,7 @@ TEST(StreamProcess, ASecondInstanceOfALogicalNameLeavesTheFirstsBytesAlone) {
   EXPECT_EQ(second.Wait(60), 0) << second.Output();
 }
 
-// Seed 003: a slot is reused only once EVERY reader has released it. With two readers, the
+// Field lesson 003: a slot is reused only once EVERY reader has released it. With two readers, the
 // first reader's release leaves the block in place for the second; a third Open is refused.
 TEST(StreamProcess, ABlockStaysUntilItsLastReaderReleases) {
   StreamDirs dirs;
@@ -624,7 +625,7 @@ TEST(StreamProcess, ABlockStaysUntilItsLastReaderReleases) {
   EXPECT_EQ(CountLines(late.Output(), "refused "), 1) << late.Output();
 }
 
-// Seed 000: backpressure waited for acknowledgements that only the blocked thread could
+// Field lesson 000: backpressure waited for acknowledgements that only the blocked thread could
 // process, so strict mode always ran into its timeout. Here the release state lives in the
 // segment: a single-threaded producer waiting at the cap gets the space back the moment a
 // consumer process releases, with nothing relayed through the producer.

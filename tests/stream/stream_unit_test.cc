@@ -213,7 +213,9 @@ TEST(StreamProducer, WarnsWhenFragmentationFailsAReserve) {
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   std::vector<Reservation> held;
   for (int i = 0; i < 32; ++i) {
-    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k" + std::to_string(i), 64 << 10));
+    std::string key = "k";  // appended, not "k" + ...: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+    key += std::to_string(i);
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve(key, 64 << 10));
     held.push_back(std::move(r));
   }
   std::vector<Reservation> kept;
@@ -254,7 +256,9 @@ TEST(StreamProducer, FragmentationWarningIsRateLimitedAndTheCounterCountsEvery) 
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   std::vector<Reservation> held;
   for (int i = 0; i < 32; ++i) {
-    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k" + std::to_string(i), 64 << 10));
+    std::string key = "k";  // appended, not "k" + ...: g++ 12 -O3 false -Wrestrict (GCC PR 105651)
+    key += std::to_string(i);
+    ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve(key, 64 << 10));
     held.push_back(std::move(r));
   }
   std::vector<Reservation> kept;
@@ -480,7 +484,10 @@ TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
     writers.emplace_back([&, w] {
       std::mt19937_64 rng(w);
       for (int i = 0; i < kPerWriter; ++i) {
-        std::string key = (w == 0 ? "victim_" : "w" + std::to_string(w) + "_") + std::to_string(i);
+        // Appended piece by piece: g++ 12 -O3 false -Wrestrict (GCC PR 105651).
+        std::string key = w == 0 ? "victim_" : "w";
+        if (w != 0) key += std::to_string(w) + "_";
+        key += std::to_string(i);
         std::vector<std::byte> data(1 + rng() % 60000);
         testing::FillPattern(data, key);
         auto d = producer.Put(key, data, {});
@@ -628,7 +635,7 @@ TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {
   }
 }
 
-// Seed 004: cleanup("0") swept chunk 0 of every request (suffix match) and cleanup("abc")
+// Field lesson 004: cleanup("0") swept chunk 0 of every request (suffix match) and cleanup("abc")
 // swept abc_1_2's chunks (prefix match). Abort owns keys exactly: no suffix, no infix, no
 // prefix, and a second abort of the same key marks nothing.
 TEST(StreamProducer, AbortMatchesNoSuffixNoInfixAndIsIdempotent) {
@@ -665,7 +672,7 @@ TEST(StreamProducer, AbortMatchesNoSuffixNoInfixAndIsIdempotent) {
   }
 }
 
-// Seed 004: a second cleanup of a request id could cancel a new request that reused the id.
+// Field lesson 004: a second cleanup of a request id could cancel a new request that reused the id.
 // An abort marks the blocks the key owns now; a later Put of the same key is a new block that
 // the earlier abort (and the release of the aborted block) leaves alone.
 TEST(StreamProducer, AKeyReusedAfterItsAbortIsANewRequest) {
@@ -689,8 +696,8 @@ TEST(StreamProducer, AKeyReusedAfterItsAbortIsANewRequest) {
   EXPECT_EQ(producer.Stats().live_blocks, 0u);
 }
 
-// Seed 004: per-request bookkeeping on the sender grew on the success path and a stale entry
-// is a hazard. Once a key's blocks are all released its entry is gone: an abort of that
+// Field lesson 004: per-request bookkeeping on the sender grew on the success path and a stale
+// entry is a hazard. Once a key's blocks are all released its entry is gone: an abort of that
 // finished key marks nothing, even when another key's block took over the same slot and bytes.
 TEST(StreamProducer, AbortOfAFinishedKeyNeverTakesTheBlockThatReusedItsSlot) {
   StreamDirs dirs;
@@ -718,7 +725,7 @@ TEST(StreamProducer, AbortOfAFinishedKeyNeverTakesTheBlockThatReusedItsSlot) {
   EXPECT_TRUE(testing::CheckPattern(t.bytes(), "new"));
 }
 
-// Seed 000: growth is by whole segments so that existing mappings (device registrations,
+// Field lesson 000: growth is by whole segments so that existing mappings (device registrations,
 // consumers' open views, a half-written reservation) never move. A reservation and a view taken
 // in the first segment stay valid while the producer grows to its cap.
 TEST(StreamProducer, GrowthNeverMovesALiveReservationOrView) {
@@ -756,7 +763,7 @@ TEST(StreamProducer, GrowthNeverMovesALiveReservationOrView) {
   }
 }
 
-// Seed 000: in spill mode every tensor at the cap paid the whole backpressure grace as dead
+// Field lesson 000: in spill mode every tensor at the cap paid the whole backpressure grace as dead
 // time (the acknowledgements could not arrive meanwhile). Without strict mode the producer
 // spills at once: a strict bound of an hour here would turn a wait into a test timeout.
 TEST(StreamProducer, AtTheCapSpillsWithoutWaitingOutTheStrictBound) {

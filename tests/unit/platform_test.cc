@@ -108,8 +108,8 @@ TEST(SystemInfoTest, SmapsCountsCollapsedTmpfsPages) {
   EXPECT_EQ(from_smaps, bytes);
 }
 
-// Seed 002: hugetlb pages are listed in smaps as Shared_Hugetlb / Private_Hugetlb, not in Rss
-// or the *PmdMapped fields, so a report that read only those said "0 of 55.44 GiB on 2 MiB
+// Field lesson 002: hugetlb pages are listed in smaps as Shared_Hugetlb / Private_Hugetlb, not in
+// Rss or the *PmdMapped fields, so a report that read only those said "0 of 55.44 GiB on 2 MiB
 // pages" for a hugetlbfs arena. Both readers (page-table scan and the smaps fallback) count them.
 TEST(SystemInfoTest, HugetlbPagesCountInEveryReader) {
   testing::ScopedMount mount(testing::ScopedMount::Kind::kHugetlbfs, 8 * kHugePageBytes);

@@ -47,21 +47,23 @@ void RegisterGenModel(CLI::App& app, int& exit_code) {
                   "Model file, or a directory for sharded safetensors (--shards K > 1)")
       ->required();
   cmd->add_option("--layout", options->layout,
-                  "Tensor names and shapes: synthmoe (default), or a real checkpoint family's "
-                  "(safetensors): deepseek-v3 (FP8 + weight_scale_inv), qwen3-moe, mixtral")
-      ->check(CLI::IsMember({"synthmoe", "deepseek-v3", "qwen3-moe", "mixtral"}));
+                  "Tensor names and shapes: synthetic (default), or a real checkpoint family's: "
+                  "deepseek-v3 (safetensors, FP8 + weight_scale_inv), qwen3-moe, mixtral "
+                  "(safetensors, or a GGUF that llama.cpp loads)")
+      ->check(CLI::IsMember({"synthetic", "deepseek-v3", "qwen3-moe", "mixtral"}));
   cmd->add_option("--layers", options->layers,
-                  "Layers (L); required for synthmoe, a named layout defaults to its release's");
+                  "Layers (L); required for synthetic, a named layout defaults to its release's");
   cmd->add_option("--experts", options->experts,
-                  "Experts per layer (E); required for synthmoe, a named layout's default: its "
+                  "Experts per layer (E); required for synthetic, a named layout's default: its "
                   "release's");
   cmd->add_option("--hidden", options->hidden,
-                  "Hidden size (H); required for synthmoe, 16 for a named layout");
+                  "Hidden size (H); required for synthetic, 16 for a named layout (64 as GGUF)");
   cmd->add_option("--ffn", options->ffn,
-                  "Expert feed-forward size (F); required for synthmoe, 16 for a named layout");
+                  "Expert feed-forward size (F); required for synthetic, 16 for a named layout "
+                  "(64 as GGUF)");
   cmd->add_option("--dtype", options->dtype,
                   "Expert dtype: f32|f16|bf16|q8_0|f8_e4m3 (q8_0: GGUF only; f8_e4m3: "
-                  "deepseek-v3). Default: f32, f8_e4m3 for deepseek-v3, bf16 for the others")
+                  "deepseek-v3). Default: f32; as safetensors f8_e4m3 for deepseek-v3, bf16 for the others")
       ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0", "f8_e4m3"}));
   cmd->add_option("--shards", options->shards, "safetensors shards (K files + index)");
   cmd->add_option("--seed", options->seed, "Seed of the values");

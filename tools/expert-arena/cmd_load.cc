@@ -19,6 +19,7 @@ namespace {
 
 struct LoadArgs {
   std::vector<std::string> models;
+  std::string format = "auto";
   std::string arena;
   std::string select;
   bool all = false;
@@ -60,6 +61,10 @@ void HoldUntilReleased() {
 int RunLoad(const LoadArgs& args) {
   ModelSpec model;
   model.files = args.models;
+  for (ModelFormat format :
+       {ModelFormat::kAuto, ModelFormat::kGguf, ModelFormat::kSafetensors, ModelFormat::kRaw}) {
+    if (args.format == ModelFormatName(format)) model.format = format;
+  }
   model.select = args.select;
   model.select_all = args.all;
   model.alignment = args.alignment;
@@ -117,6 +122,10 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   CLI::App* cmd =
       app.add_subcommand("load", "Load the arena, or attach when another engine loaded it");
   cmd->add_option("--model", args->models, "Model file (repeat for shards)")->required();
+  cmd->add_option("--format", args->format,
+                  "auto|gguf|safetensors|raw: auto reads GGUF, safetensors or an index and "
+                  "refuses anything else; raw loads each file's bytes as one u8 tensor")
+      ->check(CLI::IsMember({"auto", "gguf", "safetensors", "raw"}));
   cmd->add_option("--arena", args->arena, "Shared arena file (tmpfs or hugetlbfs)")->required();
   CLI::Option* select =
       cmd->add_option("--select", args->select, "Tensors whose names match this regex");

@@ -1,5 +1,5 @@
-// expert-arena: load, inspect, verify and remove shared expert arenas (see DESIGN.md "CLI
-// contract"). Exit codes: 0 success, 1 a clear refusal or failed check, 2 bad usage.
+// expert-arena: load, inspect, verify and remove shared expert arenas (see README.md "The command
+// line"). Exit codes: 0 success, 1 a clear refusal or failed check, 2 bad usage.
 #include <CLI/CLI.hpp>
 
 #include "commands.h"

@@ -2,7 +2,7 @@
 // tensor views. It needs nothing but the views (names, dtypes, shapes, bytes), so an engine
 // that attached to an arena without reading the model gets the same table as the loader.
 //
-// Two naming families (DESIGN.md, `expert-arena gen-model`):
+// Two naming families (docs/moe-engine.md, `expert-arena gen-model`):
 //   GGUF         blk.L.ffn_gate_exps.weight  ggml ne=[H, F, E]  (ne0 first, as TensorView says)
 //                blk.L.ffn_up_exps.weight    ne=[H, F, E]
 //                blk.L.ffn_down_exps.weight  ne=[F, H, E]

@@ -42,6 +42,7 @@ class OpenParams(ctypes.Structure):
         ("file_mode", ctypes.c_uint32),
         ("allow_foreign_owner", ctypes.c_int),
         ("quiet", ctypes.c_int),
+        ("format", ctypes.c_int),
     ]
 
 
