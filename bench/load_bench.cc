@@ -171,6 +171,57 @@ double TimeArenaOpen(const std::string& model, const std::string& arena, const s
   return seconds;
 }
 
+// The ceiling of a warm load into an arena file in `dir` (issue: "a minimal loader"):
+// fallocate the file (rounded to the backing's page), map it 2 MiB-aligned, populate it
+// writable, and copy the model's bytes from a populated read-only mapping of the (cached)
+// model on two threads. No header, no checksums, no read-back: only what any loader must do.
+// Returns seconds from open to the last byte copied; the file is removed after.
+double MinimalLoad(const std::string& model, const std::string& dir) {
+  const std::string path = dir + "/ea-load-bench-minimal-" + std::to_string(getpid());
+  auto start = Clock::now();
+  double seconds = 0;
+  {
+    auto in = platform::OpenFile(model, {.no_follow = false});
+    Check(in.ok() ? Status::Ok() : in.status(), "open model");
+    auto st = platform::StatFd(*in);
+    Check(st.ok() ? Status::Ok() : st.status(), "stat model");
+    auto fs = platform::StatFilesystem(dir);
+    Check(fs.ok() ? Status::Ok() : fs.status(), "statfs");
+    const uint64_t page = std::max<uint64_t>(fs->block_bytes, kHugePageBytes);
+    const uint64_t bytes = (st->size + page - 1) / page * page;
+    platform::OpenOptions options;
+    options.write = true;
+    options.create = true;
+    auto out = platform::OpenFile(path, options);
+    Check(out.ok() ? Status::Ok() : out.status(), "create");
+    // hugetlbfs: the file is sized and its pages come with the populate (as the arena does).
+    Check(fs->kind == platform::FsKind::kHugetlbfs ? platform::ExtendFile(*out, bytes)
+                                                   : platform::AllocateFile(*out, bytes),
+          "allocate");
+    auto src = platform::Mapping::MapFile(*in, st->size, false, kHugePageBytes);
+    Check(src.ok() ? Status::Ok() : src.status(), "map model");
+    auto dst = platform::Mapping::MapFile(*out, bytes, true, page);
+    Check(dst.ok() ? Status::Ok() : dst.status(), "map arena");
+    const uint64_t half = st->size / 2 / kHugePageBytes * kHugePageBytes;
+    auto part = [&](uint64_t from, uint64_t to) {
+      const uint64_t end = to == st->size ? bytes : to;
+      Check(platform::AdviseRange(dst->data() + from, end - from,
+                                  platform::Advice::kPopulateWrite, path),
+            "populate arena");
+      Check(platform::AdviseRange(src->data() + from, to - from, platform::Advice::kPopulateRead,
+                                  model),
+            "populate model");
+      std::memcpy(dst->data() + from, src->data() + from, to - from);
+    };
+    std::thread second(part, half, st->size);
+    part(0, half);
+    second.join();
+    seconds = Since(start);
+  }
+  (void)platform::UnlinkPath(path);
+  return seconds;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"expert-arena loader benchmark"};
   std::string model, reader = "auto";
@@ -191,7 +242,36 @@ int main(int argc, char** argv) {
   app.add_option("--hot-block-kib", hot_block_kib);
   app.add_flag("--skip-cold", skip_cold);
   app.add_flag("--skip-cp", skip_cp);
+  std::vector<std::string> ceiling_dirs;
+  bool ceiling_only = false;
+  app.add_option("--ceiling-dir", ceiling_dirs,
+                 "arena directory (a backing) for the minimal-loader ceiling; repeatable");
+  app.add_flag("--ceiling-only", ceiling_only, "only the minimal-loader comparison");
   CLI11_PARSE(app, argc, argv);
+
+  if (!ceiling_dirs.empty()) {
+    // Warm: the model is read once first. Per backing, best of `runs` of each, alternating.
+    (void)TimeCommand("cat " + model + " > /dev/null");
+    std::printf(
+        "| backing (arena directory) | minimal loader s (best of %d) | Arena::Open s (best of "
+        "%d) | ratio (minimal / ours) |\n|---|---|---|---|\n",
+        runs, runs);
+    for (const std::string& dir : ceiling_dirs) {
+      double minimal = 1e9, ours = 1e9;
+      for (int r = 0; r < runs; ++r) {
+        minimal = std::min(minimal, MinimalLoad(model, dir));
+        ours = std::min(ours, TimeArenaOpen(model, dir + "/ea-load-bench-arena-" +
+                                                       std::to_string(getpid()),
+                                            reader, true));
+      }
+      auto fs = platform::StatFilesystem(dir);
+      std::string kind = fs.ok() ? platform::FsKindName(fs->kind) : "?";
+      if (fs.ok() && fs->kind == platform::FsKind::kTmpfs) kind += " huge=" + fs->tmpfs_huge;
+      std::printf("| %s (%s) | %.3f | %.3f | %.2fx |\n", dir.c_str(), kind.c_str(), minimal, ours,
+                  minimal / ours);
+    }
+    if (ceiling_only) return 0;
+  }
 
   auto plan = source::PlanModel({.files = {model}, .select_all = true});
   Check(plan.ok() ? Status::Ok() : plan.status(), "plan");

@@ -58,7 +58,8 @@ struct ModelSpec {
   // Tensors whose names match this ECMAScript regex (search). Empty: the routed experts.
   std::string select;
   bool select_all = false;
-  // Alignment of every tensor in the arena (a power of two, at most 2 MiB).
+  // Alignment of every tensor in the arena (a power of two, at most 2 MiB). A tensor smaller
+  // than this is aligned to the smallest power of two holding it, at least 64 bytes.
   uint64_t alignment = 4096;
 };
 

@@ -4,13 +4,16 @@
 
 #include <chrono>
 #include <cstdio>
+#include <stdexcept>
 
 #include "arena/arena_impl.h"
+#include "arena/test_hooks.h"
 #include "common/logging.h"
 #include "common/units.h"
 #include "expert_arena/gpu.h"
 #include "gpu/runtime.h"
 #include "platform/system_info.h"
+#include "source/model_fingerprint.h"
 
 namespace expert_arena {
 
@@ -81,11 +84,19 @@ std::string ArenaReport::StartLine() const {
 
 void Arena::Impl::IndexNames() {
   by_name.clear();
+  if (view) return;  // the view finds names through the arena's own index
   by_name.reserve(table.tensors.size());
   for (size_t i = 0; i < table.tensors.size(); ++i) by_name.emplace(table.tensors[i].name, i);
 }
 
 namespace arena {
+
+Status ModelWant::MakePlan() {
+  test_hooks::CountPlan();
+  EA_ASSIGN_OR_RETURN(source::ModelPlan made, source::PlanModel(*spec));
+  plan = std::move(made);
+  return Status::Ok();
+}
 
 void MeasureBacking(Arena::Impl& impl) {
   auto huge = platform::HugeBytesInRange(impl.mapping.data(), impl.mapping.size());
@@ -153,9 +164,14 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
   r.identity = impl->table.identity_text;
   r.identity_hash = impl->table.identity_hash;
   r.data_bytes = impl->table.data_bytes;
-  r.tensors = impl->table.tensors.size();
   r.tensor_bytes = 0;
-  for (const auto& t : impl->table.tensors) r.tensor_bytes += t.bytes;
+  if (impl->view) {
+    r.tensors = impl->view->tensor_count();
+    for (size_t i = 0; i < r.tensors; ++i) r.tensor_bytes += impl->view->entry(i).bytes;
+  } else {
+    r.tensors = impl->table.tensors.size();
+    for (const auto& t : impl->table.tensors) r.tensor_bytes += t.bytes;
+  }
   r.model_tensors = std::max<uint64_t>(impl->table.model_tensors_total, r.tensors);
   r.model_tensor_bytes = std::max(impl->table.model_bytes_total, r.tensor_bytes);
   arena::MeasureBacking(*impl);
@@ -170,13 +186,20 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
   auto start = std::chrono::steady_clock::now();
   auto logger = ResolveLogger(options.logger);
   EA_RETURN_IF_ERROR(CheckGpuOptions(options));
-  EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
   if (options.shared_path.empty()) {
+    EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
     return Finish(std::move(impl), options, *logger, start);
   }
-  EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&plan, options, *logger));
-  if (impl->report.role == ArenaRole::kAttached) impl->report.bytes_read = plan.metadata_bytes_read;
+  // A model with a fingerprint is planned only when no published arena holds it.
+  arena::ModelWant want{.spec = &model};
+  EA_ASSIGN_OR_RETURN(bool fingerprinted, source::HasFingerprint(model));
+  if (!fingerprinted) EA_RETURN_IF_ERROR(want.MakePlan());
+  EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, *logger));
+  if (impl->report.role == ArenaRole::kAttached) {
+    impl->report.bytes_read =
+        want.plan ? want.plan->metadata_bytes_read : want.fingerprint_bytes_read;
+  }
   return Finish(std::move(impl), options, *logger, start);
 }
 
@@ -199,9 +222,32 @@ Arena::~Arena() = default;
 
 ArenaRole Arena::role() const { return impl_->report.role; }
 const ArenaReport& Arena::report() const { return impl_->report; }
-size_t Arena::tensor_count() const { return impl_->table.tensors.size(); }
+size_t Arena::tensor_count() const {
+  return impl_->view ? impl_->view->tensor_count() : impl_->table.tensors.size();
+}
 
 TensorView Arena::tensor(size_t index) const {
+  if (impl_->view) {
+    const format::TableView& table = *impl_->view;
+    if (index >= table.tensor_count()) {
+      throw std::out_of_range("tensor index " + std::to_string(index) + " of " +
+                              std::to_string(table.tensor_count()));
+    }
+    format::TensorEntry entry = table.entry(index);
+    std::span<const std::byte> data = impl_->data();
+    TensorView view;
+    view.name = table.name(index);
+    view.dtype = table.dtype(index);
+    view.shape = table.shape(index);
+    // Checked on open; checked again, so a header changed under the mapping cannot reach
+    // outside it.
+    if (entry.arena_offset <= data.size() && entry.bytes <= data.size() - entry.arena_offset) {
+      view.bytes = data.subspan(entry.arena_offset, entry.bytes);
+    }
+    view.file_offset = impl_->data_offset + entry.arena_offset;
+    view.checksum = entry.checksum;
+    return view;
+  }
   const format::TensorRecord& t = impl_->table.tensors.at(index);
   TensorView view;
   view.name = t.name;
@@ -214,6 +260,11 @@ TensorView Arena::tensor(size_t index) const {
 }
 
 std::optional<TensorView> Arena::Find(std::string_view name) const {
+  if (impl_->view) {
+    auto index = impl_->view->Find(name);
+    if (!index) return std::nullopt;
+    return tensor(*index);
+  }
   auto it = impl_->by_name.find(name);
   if (it == impl_->by_name.end()) return std::nullopt;
   return tensor(it->second);

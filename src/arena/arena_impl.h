@@ -4,10 +4,12 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <unordered_map>
 
 #include "expert_arena/arena.h"
+#include "format/arena_format.h"
 #include "format/arena_table.h"
 #include "gpu/gpu.h"
 #include "platform/file.h"
@@ -24,7 +26,11 @@ struct Arena::Impl {
   platform::UniqueFd fd;      // holds USER (shared) for a shared arena
   platform::Mapping mapping;  // the whole file, or anonymous memory
   uint64_t data_offset = 0;   // header bytes for a shared arena, 0 when private
+  // A private arena: the whole table, names indexed in by_name. A shared one: the scalars of
+  // the table only; its tensors are read in place from the header in the mapping (`view`,
+  // O(1) heap and Find whatever the tensor count).
   format::ArenaTable table;
+  std::optional<format::TableView> view;
   std::unordered_map<std::string_view, size_t> by_name;
   std::unique_ptr<gpu::Registration> registration;
   ArenaReport report;
@@ -38,9 +44,19 @@ struct Arena::Impl {
 
 namespace arena {
 
-// The shared-file protocol (shared_arena.cc). `plan` is null for AttachExisting.
-Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
-                                                const ArenaOptions& options, spdlog::logger& log);
+// What an engine asks OpenShared for: a model (its spec, and its plan once made: a model with
+// a fingerprint is planned only when no published arena matches it), or, with a null spec
+// (AttachExisting), whatever is published.
+struct ModelWant {
+  const ModelSpec* spec = nullptr;
+  std::optional<source::ModelPlan> plan;
+  uint64_t fingerprint_bytes_read = 0;  // read to match an arena's fingerprint
+  Status MakePlan();
+};
+
+// The shared-file protocol (shared_arena.cc). `want` is null for AttachExisting.
+Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOptions& options,
+                                                spdlog::logger& log);
 
 // A private arena in anonymous memory (private_arena.cc).
 Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,

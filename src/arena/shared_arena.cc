@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
+#include "source/model_fingerprint.h"
 
 namespace expert_arena::arena {
 namespace {
@@ -91,15 +93,20 @@ Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint6
                  " > /proc/sys/vm/nr_hugepages) or mount with a larger size=");
 }
 
+// Engines map arenas at 2 MiB-aligned addresses (hugetlbfs: its page size).
+uint64_t MappingAlignment(const platform::FilesystemInfo& fs) {
+  return std::max<uint64_t>(
+      kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs ? fs.block_bytes : kHugePageBytes);
+}
+
 // Maps a published file, populates it, and decodes its table. We hold FILL or USER.
 Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
                                                   const platform::FileStat& st,
                                                   const platform::FilesystemInfo& fs,
                                                   const std::string& path, bool writable) {
   auto impl = std::make_unique<Arena::Impl>();
-  uint64_t alignment = std::max<uint64_t>(
-      kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs ? fs.block_bytes : kHugePageBytes);
-  EA_ASSIGN_OR_RETURN(impl->mapping, platform::Mapping::MapFile(fd, st.size, writable, alignment));
+  EA_ASSIGN_OR_RETURN(impl->mapping,
+                      platform::Mapping::MapFile(fd, st.size, writable, MappingAlignment(fs)));
   // The header region comes first; DecodeHeader checks every offset against the real size.
   auto summary = format::SummarizeHeader(
       impl->mapping.bytes().first(std::min<uint64_t>(st.size, sizeof(format::HeaderFixed))));
@@ -141,10 +148,31 @@ Status CheckWritesReachedTheFile(const platform::UniqueFd& fd, const platform::M
   return Status::Ok();
 }
 
+// MADV_POPULATE_WRITE of a whole mapping on two threads, split at a page boundary: making a
+// page is zeroing it, which one core does at memory speed for one core; hugetlbfs and tmpfs
+// huge=always make every page here, before the load (bench/load_ceiling.sh).
+Status PopulateWriteInParallel(const platform::Mapping& mapping, uint64_t page_bytes,
+                               const std::string& path) {
+  const uint64_t size = mapping.size();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  uint64_t half = size / 2 / page_bytes * page_bytes;
+  if (cores < 2 || half == 0) {
+    return platform::AdviseRange(mapping.data(), size, platform::Advice::kPopulateWrite, path);
+  }
+  Status second_status = Status::Ok();
+  std::thread second([&] {
+    second_status = platform::AdviseRange(mapping.data() + half, size - half,
+                                          platform::Advice::kPopulateWrite, path);
+  });
+  Status first = platform::AdviseRange(mapping.data(), half, platform::Advice::kPopulateWrite, path);
+  second.join();
+  return first.ok() ? second_status : first;
+}
+
 }  // namespace
 
-Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
-                                                const ArenaOptions& options, spdlog::logger& log) {
+Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOptions& options,
+                                                spdlog::logger& log) {
 #if !defined(__linux__)
   return Unsupported(options.shared_path + ": shared arena files are implemented on Linux only");
 #else
@@ -159,11 +187,20 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
   Clock::time_point wait_start{};
 
   for (;;) {
+    const source::ModelPlan* plan = want != nullptr && want->plan ? &*want->plan : nullptr;
     platform::OpenOptions open_options;
     open_options.write = true;
     open_options.create = plan != nullptr;
     open_options.mode = options.file_mode;
-    EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, platform::OpenFile(path, open_options));
+    auto opened = platform::OpenFile(path, open_options);
+    if (!opened.ok() && opened.status().code() == StatusCode::kNotFound && want != nullptr &&
+        plan == nullptr) {
+      // Nothing to attach to: this engine loads, so it plans.
+      EA_RETURN_IF_ERROR(want->MakePlan());
+      continue;
+    }
+    if (!opened.ok()) return opened.status();
+    platform::UniqueFd fd = std::move(*opened);
     EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
     if (!st.regular) return InvalidArgument(path + ": not a regular file");
     if (st.owner_uid != platform::EffectiveUid() && !options.allow_foreign_owner) {
@@ -207,19 +244,28 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     if (!PathNamesFile(path, st)) continue;  // replaced between open and lock
     EA_ASSIGN_OR_RETURN(st, platform::StatFd(fd));
 
-    // We hold FILL: nobody else decides now. What is in the file?
+    // We hold FILL: nobody else decides now. What is in the file? A published header is
+    // validated where it will be used: in a mapping of the whole file (nothing copied; the
+    // pages are only populated once this engine attaches).
     format::HeaderSummary summary = PeekHeader(fd);
     Status decoded = Status::Ok();
+    std::optional<platform::Mapping> whole;
+    std::optional<format::TableView> view;
+    uint64_t header_bytes = summary.layout.header_bytes;
     if (st.size > 0 && summary.our_magic && summary.version == format::kFormatVersion &&
         summary.state == format::FileState::kPublished) {
-      uint64_t header_bytes = summary.layout.header_bytes;
       if (header_bytes == 0 || header_bytes > st.size || header_bytes > 1024 * kMiB) {
         decoded = format::DecodeHeader({}, st.size, path, nullptr, nullptr);
-      } else if (auto view = platform::Mapping::MapFile(fd, header_bytes, false, kHugePageBytes);
-                 view.ok()) {
-        // Validate through a mapping: only the table bytes in use are touched, where a read
-        // of the whole header region cost more than the rest of an attach.
-        decoded = format::DecodeHeader(view->bytes(), st.size, path, nullptr, nullptr);
+      } else if (auto mapped = platform::Mapping::MapFile(fd, st.size, MapWritableForGpu(options),
+                                                          MappingAlignment(fs));
+                 mapped.ok()) {
+        auto opened = format::TableView::Open(mapped->bytes().first(header_bytes), st.size, path);
+        if (opened.ok()) {
+          view = std::move(*opened);
+          whole = std::move(*mapped);
+        } else {
+          decoded = opened.status();
+        }
       } else {
         std::vector<std::byte> region(header_bytes);
         decoded = platform::ReadFull(fd, 0, region);
@@ -228,13 +274,50 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     }
     std::string why_not = WhyNotReusable(summary, decoded, plan, st.size);
 
+    if (want != nullptr && plan == nullptr) {
+      // The model is not planned yet: a published arena that records the fingerprint of its
+      // planning inputs is this model when the inputs on disk hash the same.
+      bool matches = false;
+      if (st.size > 0 && why_not.empty() && view && view->fixed().fingerprint != 0) {
+        std::vector<format::SourceRecord> sources;
+        sources.reserve(view->source_count());
+        for (size_t i = 0; i < view->source_count(); ++i) sources.push_back(view->source(i));
+        auto check = source::FingerprintFromSources(*want->spec, sources);
+        matches = check.ok() && check->fingerprint == view->fixed().fingerprint;
+        if (check.ok()) want->fingerprint_bytes_read = check->bytes_read;
+      }
+      if (!matches) {
+        // Plan it without holding any lock (closing fd drops FILL), then decide again.
+        view.reset();
+        whole.reset();
+        fd = platform::UniqueFd();
+        EA_RETURN_IF_ERROR(want->MakePlan());
+        continue;
+      }
+    }
+
     if (st.size > 0 && why_not.empty()) {
       // A published arena of our model: attach.
       EA_ASSIGN_OR_RETURN(bool user,
                           platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared));
       if (!user) return Internal(path + ": USER held exclusively while FILL was free");
-      EA_ASSIGN_OR_RETURN(auto impl,
-                          MapPublished(std::move(fd), st, fs, path, MapWritableForGpu(options)));
+      std::unique_ptr<Arena::Impl> impl;
+      if (view && view->in_place()) {
+        impl = std::make_unique<Arena::Impl>();
+        impl->mapping = std::move(*whole);
+        impl->table = view->Summary();
+        impl->view = std::move(view);
+        impl->data_offset = header_bytes;
+        EA_RETURN_IF_ERROR(platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
+                                                 MapWritableForGpu(options)
+                                                     ? platform::Advice::kPopulateWrite
+                                                     : platform::Advice::kPopulateRead,
+                                                 path));
+        impl->fd = std::move(fd);
+      } else {
+        EA_ASSIGN_OR_RETURN(impl,
+                            MapPublished(std::move(fd), st, fs, path, MapWritableForGpu(options)));
+      }
       EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
       impl->report.role = ArenaRole::kAttached;
       impl->report.wait_seconds =
@@ -244,6 +327,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
       impl->report.huge_note = hugetlbfs ? "hugetlbfs" : "";
       return impl;
     }
+    view.reset();
+    whole.reset();
     if (plan == nullptr) {
       return st.size == 0 ? NotFound(path + ": empty file, no arena was loaded into it")
                           : Corrupt(path + ": cannot attach: it holds " + why_not);
@@ -281,8 +366,14 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
       // Say who is loading before the (possibly long) allocation, so engines that arrive now
       // can name this process. Best effort: hugetlbfs has no write(2); the header written
       // into the mapping below says it again.
-      std::vector<std::byte> stub(layout->header_bytes);
-      if (format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks,
+      // Only the fixed part is written: encode the table's scalars, not its 90,000 entries.
+      format::ArenaTable scalars = impl->table;
+      scalars.sources.clear();
+      scalars.tensors.clear();
+      format::ArenaLayout stub_layout = *layout;
+      stub_layout.header_bytes = format::kHeaderPageBytes;
+      std::vector<std::byte> stub(stub_layout.header_bytes);
+      if (format::EncodeHeader(scalars, stub_layout, format::FileState::kLoading, pid, ticks,
                                created, 0, stub)
               .ok()) {
         (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
@@ -322,8 +413,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     if (!s.ok()) return stop_pages(s);
     std::byte* data = impl->mapping.data() + impl->data_offset;
     if (pages == nullptr) {
-      s = platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
-                                platform::Advice::kPopulateWrite, path);
+      s = PopulateWriteInParallel(impl->mapping, alignment, path);
       if (!s.ok()) return fail(s);
     }
 
@@ -358,6 +448,13 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(const source::ModelPlan* plan,
     // Nobody writes a published arena: the loader's mapping becomes read-only like the others
     // (unless it is to be registered with a GPU: see MapWritableForGpu).
     if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+    // From now on the loader reads its table where every other engine does: in the header it
+    // published, and the heap copy goes.
+    auto published = format::TableView::Open(header, layout->file_bytes, path);
+    if (published.ok()) {
+      impl->view = std::move(*published);
+      impl->table = impl->view->Summary();
+    }
     impl->fd = std::move(fd);
     impl->report.role = ArenaRole::kLoaded;
     impl->report.backing = platform::FsKindName(fs.kind);

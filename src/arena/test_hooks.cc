@@ -1,5 +1,7 @@
 #include "arena/test_hooks.h"
 
+#include <atomic>
+
 namespace expert_arena::arena::test_hooks {
 namespace {
 std::function<void()>& BeforePublish() {
@@ -30,5 +32,12 @@ void SetAfterRemoveOpened(std::function<void()> hook) { AfterRemoveOpened() = st
 void RunAfterRemoveOpened() {
   if (AfterRemoveOpened()) AfterRemoveOpened()();
 }
+
+namespace {
+std::atomic<size_t> plans_made{0};
+}  // namespace
+
+size_t PlansMade() { return plans_made.load(); }
+void CountPlan() { plans_made.fetch_add(1); }
 
 }  // namespace expert_arena::arena::test_hooks

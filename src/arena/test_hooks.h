@@ -23,4 +23,9 @@ void RunAfterRemoveOpened();
 void SetBeforePagePiece(std::function<void(size_t piece)> hook);
 void RunBeforePagePiece(size_t piece);
 
+// How many times this process planned a model for a shared arena (an engine that attaches
+// through the fingerprint plans nothing).
+size_t PlansMade();
+void CountPlan();
+
 }  // namespace expert_arena::arena::test_hooks

@@ -4,21 +4,36 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "common/units.h"
 
 namespace expert_arena::format {
 namespace {
 
-// Bytes of the table that follows HeaderFixed, or nullopt on overflow.
-std::optional<uint64_t> TableBytes(const ArenaTable& table, uint64_t* strings_bytes) {
+// The name index: a power of two of u32 slots, more than twice the tensors (so a probe run
+// stays short and an absent name always meets an empty slot).
+uint64_t IndexSlots(uint64_t tensors) {
+  uint64_t slots = 8;
+  while (slots < 2 * tensors + 1) slots *= 2;
+  return slots;
+}
+
+// Bytes of the table that follows HeaderFixed (entries, strings, name index), or nullopt on
+// overflow. The name index starts 8-aligned after the strings.
+std::optional<uint64_t> TableBytes(const ArenaTable& table, uint64_t* strings_bytes,
+                                   uint64_t* index_offset = nullptr) {
   uint64_t strings = 0;
-  for (const SourceRecord& s : table.sources) strings += s.path.size();
-  for (const TensorRecord& t : table.tensors) strings += t.name.size() + t.dtype.size();
+  // Every string is followed by a NUL (not counted in its length): names and dtypes read in
+  // place are C strings too (the C API hands them out).
+  for (const SourceRecord& s : table.sources) strings += s.path.size() + 1;
+  for (const TensorRecord& t : table.tensors) strings += t.name.size() + t.dtype.size() + 2;
   *strings_bytes = strings;
   uint64_t entries =
       table.sources.size() * sizeof(SourceEntry) + table.tensors.size() * sizeof(TensorEntry);
-  return sizeof(HeaderFixed) + entries + strings;
+  uint64_t index = (sizeof(HeaderFixed) + entries + strings + 7) / 8 * 8;
+  if (index_offset != nullptr) *index_offset = index;
+  return index + IndexSlots(table.tensors.size()) * sizeof(uint32_t);
 }
 
 bool RangeInside(uint64_t offset, uint64_t length, uint64_t limit) {
@@ -36,6 +51,8 @@ bool ArrayFits(uint64_t offset, uint64_t count, uint64_t size, uint64_t limit) {
 uint64_t Checksum(std::span<const std::byte> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
 }
+
+uint64_t NameHash(std::string_view name) { return XXH3_64bits(name.data(), name.size()); }
 
 Result<ArenaLayout> ComputeLayout(const ArenaTable& table, uint64_t page_bytes) {
   if (!IsPowerOfTwo(page_bytes) || page_bytes < kHeaderPageBytes) page_bytes = kHeaderPageBytes;
@@ -63,7 +80,8 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
                     uint32_t loader_pid, uint64_t loader_start_ticks, uint64_t created_unix_ns,
                     uint64_t published_unix_ns, std::span<std::byte> header) {
   uint64_t strings_bytes = 0;
-  auto table_bytes = TableBytes(table, &strings_bytes);
+  uint64_t index_offset = 0;
+  auto table_bytes = TableBytes(table, &strings_bytes, &index_offset);
   if (!table_bytes || *table_bytes > header.size() || header.size() != layout.header_bytes) {
     return Internal("header region too small for the tensor table");
   }
@@ -99,7 +117,7 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
   auto put_string = [&](const std::string& s) {
     std::memcpy(base + fixed.strings_offset + string_cursor, s.data(), s.size());
     uint64_t at = string_cursor;
-    string_cursor += s.size();
+    string_cursor += s.size() + 1;  // the header was zeroed: the NUL is there
     return at;
   };
   for (size_t i = 0; i < table.sources.size(); ++i) {
@@ -132,6 +150,21 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
   }
   fixed.table_checksum = Checksum(
       {base + fixed.sources_offset, fixed.strings_offset + strings_bytes - fixed.sources_offset});
+  // The name index: slot = 1 + tensor index, linear probing from NameHash(name).
+  fixed.fingerprint = table.fingerprint;
+  fixed.name_index_offset = index_offset;
+  fixed.name_index_slots = IndexSlots(table.tensors.size());
+  {
+    std::vector<uint32_t> slots(fixed.name_index_slots, 0);
+    const uint64_t mask = fixed.name_index_slots - 1;
+    for (size_t i = 0; i < table.tensors.size(); ++i) {
+      uint64_t at = NameHash(table.tensors[i].name) & mask;
+      while (slots[at] != 0) at = (at + 1) & mask;
+      slots[at] = static_cast<uint32_t>(i + 1);
+    }
+    std::memcpy(base + index_offset, slots.data(), slots.size() * sizeof(uint32_t));
+    fixed.name_index_checksum = Checksum({base + index_offset, slots.size() * sizeof(uint32_t)});
+  }
   fixed.header_checksum = 0;
   fixed.header_checksum = XXH3_64bits(&fixed, sizeof fixed);
   std::memcpy(base, &fixed, sizeof fixed);
@@ -157,8 +190,13 @@ HeaderSummary SummarizeHeader(std::span<const std::byte> bytes) {
   return summary;
 }
 
-Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const std::string& path,
-                    ArenaTable* table, HeaderSummary* summary) {
+namespace {
+
+// Every check DecodeHeader makes, without building a table: the fixed header against the real
+// size, every array and string inside the header region, both checksums, every entry, and the
+// name index when there is one. On success *out is the fixed header.
+Status ValidateHeader(std::span<const std::byte> region, uint64_t file_size,
+                      const std::string& path, HeaderFixed* out) {
   if (region.size() < sizeof(HeaderFixed)) {
     return Corrupt(path + ": " + std::to_string(file_size) +
                    " bytes is too short for an arena header");
@@ -177,6 +215,7 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
   if (XXH3_64bits(&fixed, sizeof fixed) != stored_checksum) {
     return Corrupt(path + ": header checksum mismatch (corrupted header)");
   }
+  fixed.header_checksum = stored_checksum;
   fixed.identity_text[kIdentityTextBytes - 1] = '\0';
   if (fixed.fixed_bytes != sizeof(HeaderFixed) || fixed.source_entry_bytes != sizeof(SourceEntry) ||
       fixed.tensor_entry_bytes != sizeof(TensorEntry)) {
@@ -201,7 +240,8 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
     return Corrupt(path + ": header region incomplete");
   }
   const uint64_t limit = fixed.header_bytes;
-  if (fixed.sources_offset < sizeof(HeaderFixed) ||
+  if (fixed.sources_offset < sizeof(HeaderFixed) || fixed.sources_offset % 8 != 0 ||
+      fixed.tensors_offset % 8 != 0 ||
       !ArrayFits(fixed.sources_offset, fixed.source_count, sizeof(SourceEntry), limit) ||
       !ArrayFits(fixed.tensors_offset, fixed.tensor_count, sizeof(TensorEntry), limit) ||
       !RangeInside(fixed.strings_offset, fixed.strings_bytes, limit) ||
@@ -214,10 +254,82 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
   if (Checksum({base + fixed.sources_offset, table_span}) != fixed.table_checksum) {
     return Corrupt(path + ": tensor table checksum mismatch (corrupted table)");
   }
+  for (uint64_t i = 0; i < fixed.source_count; ++i) {
+    SourceEntry entry{};
+    std::memcpy(&entry, base + fixed.sources_offset + i * sizeof entry, sizeof entry);
+    if (!RangeInside(entry.path_offset, entry.path_bytes, fixed.strings_bytes)) {
+      return Corrupt(path + ": source " + std::to_string(i) + " name points past the strings");
+    }
+  }
+  for (uint64_t i = 0; i < fixed.tensor_count; ++i) {
+    TensorEntry entry{};
+    std::memcpy(&entry, base + fixed.tensors_offset + i * sizeof entry, sizeof entry);
+    if (!RangeInside(entry.name_offset, entry.name_bytes, fixed.strings_bytes) ||
+        !RangeInside(entry.dtype_offset, entry.dtype_bytes, fixed.strings_bytes)) {
+      return Corrupt(path + ": tensor " + std::to_string(i) + " name points past the strings");
+    }
+    std::string_view name(reinterpret_cast<const char*>(base + fixed.strings_offset) +
+                              entry.name_offset,
+                          entry.name_bytes);
+    if (std::string problem = TensorNameProblem(name); !problem.empty()) {
+      return Corrupt(path + ": tensor " + std::to_string(i) + ": " + problem);
+    }
+    if (fixed.name_index_slots != 0) {
+      // Files with a name index end every name and dtype with a NUL (read in place as C
+      // strings).
+      const char* strings = reinterpret_cast<const char*>(base + fixed.strings_offset);
+      if (entry.name_offset + entry.name_bytes >= fixed.strings_bytes ||
+          entry.dtype_offset + entry.dtype_bytes >= fixed.strings_bytes ||
+          strings[entry.name_offset + entry.name_bytes] != '\0' ||
+          strings[entry.dtype_offset + entry.dtype_bytes] != '\0') {
+        return Corrupt(path + ": tensor " + std::to_string(i) +
+                       ": name or dtype not NUL-terminated");
+      }
+    }
+    if (entry.n_dims > kMaxDims) {
+      return Corrupt(path + ": tensor " + std::string(name) + " has " +
+                     std::to_string(entry.n_dims) + " dimensions");
+    }
+    if (!RangeInside(entry.arena_offset, entry.bytes, fixed.data_bytes)) {
+      return Corrupt(path + ": tensor " + std::string(name) + " (offset " +
+                     std::to_string(entry.arena_offset) + ", " + std::to_string(entry.bytes) +
+                     " bytes) lies past the end of the " + std::to_string(fixed.data_bytes) +
+                     "-byte data region");
+    }
+    if (entry.source_index >= fixed.source_count) {
+      return Corrupt(path + ": tensor " + std::string(name) + " names source " +
+                     std::to_string(entry.source_index) + " of " +
+                     std::to_string(fixed.source_count));
+    }
+  }
+  if (fixed.name_index_slots != 0) {
+    const uint64_t slots = fixed.name_index_slots;
+    if (!IsPowerOfTwo(slots) || slots <= fixed.tensor_count || fixed.name_index_offset % 8 != 0 ||
+        fixed.name_index_offset < fixed.strings_offset + fixed.strings_bytes ||
+        !ArrayFits(fixed.name_index_offset, slots, sizeof(uint32_t), limit)) {
+      return Corrupt(path + ": name index (" + std::to_string(slots) +
+                     " slots) is malformed or points outside the header region");
+    }
+    std::span<const std::byte> index(base + fixed.name_index_offset, slots * sizeof(uint32_t));
+    if (Checksum(index) != fixed.name_index_checksum) {
+      return Corrupt(path + ": name index checksum mismatch (corrupted index)");
+    }
+  }
+  *out = fixed;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const std::string& path,
+                    ArenaTable* table, HeaderSummary* summary) {
+  HeaderFixed fixed{};
+  EA_RETURN_IF_ERROR(ValidateHeader(region, file_size, path, &fixed));
+  if (summary != nullptr) *summary = SummarizeHeader(region);
+  if (table == nullptr) return Status::Ok();
+  const std::byte* base = region.data();
   auto get_string = [&](uint64_t offset, uint64_t bytes, std::string* out) {
-    if (!RangeInside(offset, bytes, fixed.strings_bytes)) return false;
     out->assign(reinterpret_cast<const char*>(base + fixed.strings_offset + offset), bytes);
-    return true;
   };
   ArenaTable decoded;
   decoded.alignment = fixed.alignment;
@@ -226,14 +338,13 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
   decoded.identity_text = fixed.identity_text;
   decoded.model_bytes_total = fixed.model_bytes_total;
   decoded.model_tensors_total = fixed.model_tensors_total;
+  decoded.fingerprint = fixed.fingerprint;
   decoded.sources.resize(fixed.source_count);
   for (uint64_t i = 0; i < fixed.source_count; ++i) {
     SourceEntry entry{};
     std::memcpy(&entry, base + fixed.sources_offset + i * sizeof entry, sizeof entry);
     SourceRecord& source = decoded.sources[i];
-    if (!get_string(entry.path_offset, entry.path_bytes, &source.path)) {
-      return Corrupt(path + ": source " + std::to_string(i) + " name points past the strings");
-    }
+    get_string(entry.path_offset, entry.path_bytes, &source.path);
     source.size = entry.size;
     source.mtime_ns = entry.mtime_ns;
   }
@@ -242,28 +353,8 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
     TensorEntry entry{};
     std::memcpy(&entry, base + fixed.tensors_offset + i * sizeof entry, sizeof entry);
     TensorRecord& tensor = decoded.tensors[i];
-    if (!get_string(entry.name_offset, entry.name_bytes, &tensor.name) ||
-        !get_string(entry.dtype_offset, entry.dtype_bytes, &tensor.dtype)) {
-      return Corrupt(path + ": tensor " + std::to_string(i) + " name points past the strings");
-    }
-    if (std::string problem = TensorNameProblem(tensor.name); !problem.empty()) {
-      return Corrupt(path + ": tensor " + std::to_string(i) + ": " + problem);
-    }
-    if (entry.n_dims > kMaxDims) {
-      return Corrupt(path + ": tensor " + tensor.name + " has " + std::to_string(entry.n_dims) +
-                     " dimensions");
-    }
-    if (!RangeInside(entry.arena_offset, entry.bytes, fixed.data_bytes)) {
-      return Corrupt(path + ": tensor " + tensor.name + " (offset " +
-                     std::to_string(entry.arena_offset) + ", " + std::to_string(entry.bytes) +
-                     " bytes) lies past the end of the " + std::to_string(fixed.data_bytes) +
-                     "-byte data region");
-    }
-    if (entry.source_index >= fixed.source_count) {
-      return Corrupt(path + ": tensor " + tensor.name + " names source " +
-                     std::to_string(entry.source_index) + " of " +
-                     std::to_string(fixed.source_count));
-    }
+    get_string(entry.name_offset, entry.name_bytes, &tensor.name);
+    get_string(entry.dtype_offset, entry.dtype_bytes, &tensor.dtype);
     tensor.shape.assign(entry.shape, entry.shape + entry.n_dims);
     tensor.source_index = entry.source_index;
     tensor.source_offset = entry.source_offset;
@@ -271,9 +362,81 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
     tensor.bytes = entry.bytes;
     tensor.checksum = entry.checksum;
   }
-  if (summary != nullptr) *summary = SummarizeHeader(region);
-  if (table != nullptr) *table = std::move(decoded);
+  *table = std::move(decoded);
   return Status::Ok();
+}
+
+Result<TableView> TableView::Open(std::span<const std::byte> region, uint64_t file_size,
+                                  const std::string& path) {
+  if (reinterpret_cast<uintptr_t>(region.data()) % 8 != 0) {
+    return Internal(path + ": header region not 8-byte aligned in memory");
+  }
+  TableView view;
+  EA_RETURN_IF_ERROR(ValidateHeader(region, file_size, path, &view.fixed_));
+  view.base_ = region.data();
+  if (view.fixed_.name_index_slots != 0) {
+    view.slots_ = reinterpret_cast<const uint32_t*>(view.base_ + view.fixed_.name_index_offset);
+  }
+  return view;
+}
+
+std::string_view TableView::String(uint64_t offset, uint64_t bytes) const {
+  if (!RangeInside(offset, bytes, fixed_.strings_bytes)) return {};
+  return {reinterpret_cast<const char*>(base_ + fixed_.strings_offset + offset),
+          static_cast<size_t>(bytes)};
+}
+
+TensorEntry TableView::entry(size_t index) const {
+  TensorEntry entry{};
+  std::memcpy(&entry, base_ + fixed_.tensors_offset + index * sizeof entry, sizeof entry);
+  return entry;
+}
+
+std::string_view TableView::name(size_t index) const {
+  TensorEntry e = entry(index);
+  return String(e.name_offset, e.name_bytes);
+}
+
+std::string_view TableView::dtype(size_t index) const {
+  TensorEntry e = entry(index);
+  return String(e.dtype_offset, e.dtype_bytes);
+}
+
+std::span<const uint64_t> TableView::shape(size_t index) const {
+  const auto* e =
+      reinterpret_cast<const TensorEntry*>(base_ + fixed_.tensors_offset + index * sizeof(TensorEntry));
+  return {e->shape, std::min<size_t>(e->n_dims, kMaxDims)};
+}
+
+SourceRecord TableView::source(size_t index) const {
+  SourceEntry entry{};
+  std::memcpy(&entry, base_ + fixed_.sources_offset + index * sizeof entry, sizeof entry);
+  return {std::string(String(entry.path_offset, entry.path_bytes)), entry.size, entry.mtime_ns};
+}
+
+std::optional<size_t> TableView::Find(std::string_view wanted) const {
+  if (slots_ == nullptr) return std::nullopt;
+  const uint64_t mask = fixed_.name_index_slots - 1;
+  uint64_t at = NameHash(wanted) & mask;
+  for (uint64_t probes = 0; probes < fixed_.name_index_slots; ++probes) {
+    uint32_t slot = slots_[at];
+    if (slot == 0 || slot > fixed_.tensor_count) return std::nullopt;
+    if (name(slot - 1) == wanted) return slot - 1;
+    at = (at + 1) & mask;
+  }
+  return std::nullopt;
+}
+
+ArenaTable TableView::Summary() const {
+  ArenaTable table;
+  table.alignment = fixed_.alignment;
+  table.data_bytes = fixed_.data_bytes;
+  table.identity_hash = fixed_.identity_hash;
+  table.identity_text = fixed_.identity_text;
+  table.model_bytes_total = fixed_.model_bytes_total;
+  table.model_tensors_total = fixed_.model_tensors_total;
+  table.fingerprint = fixed_.fingerprint;
+  return table;
 }
 
 }  // namespace expert_arena::format

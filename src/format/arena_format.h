@@ -5,6 +5,7 @@
 //       SourceEntry[]            the model's source files
 //       TensorEntry[]            the tensor table
 //       strings                  names, dtypes, paths (not NUL-terminated)
+//       name index               u32 slots, open addressing by xxh3-64 of the name (Find)
 //   [header_bytes, file_bytes)   data region, 2 MiB-aligned in the file and in memory
 //
 // All integers are little-endian (the library is built for little-endian hosts only). The
@@ -21,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -64,7 +66,13 @@ struct HeaderFixed {
   uint32_t tensor_entry_bytes;
   uint64_t table_checksum;   // xxh3-64 of [sources_offset, strings_offset + strings_bytes)
   uint64_t header_checksum;  // xxh3-64 of this struct with header_checksum = 0
-  uint8_t reserved[336];
+  // Added inside the former reserved bytes (zero in files written before them; readers then
+  // plan the model to decide and index names themselves).
+  uint64_t fingerprint;          // of the model's planning inputs (source/model_fingerprint.h)
+  uint64_t name_index_offset;    // from the file start, 8-aligned, after the strings
+  uint64_t name_index_slots;     // a power of two > tensor_count, or 0: no index
+  uint64_t name_index_checksum;  // xxh3-64 of the slots
+  uint8_t reserved[304];
 };
 
 struct SourceEntry {
@@ -134,5 +142,43 @@ Status DecodeHeader(std::span<const std::byte> header_region, uint64_t file_size
                     const std::string& path, ArenaTable* table, HeaderSummary* summary);
 
 uint64_t Checksum(std::span<const std::byte> bytes);
+
+// The hash the name index is keyed by.
+uint64_t NameHash(std::string_view name);
+
+// A published header region validated like DecodeHeader, then read in place: nothing is
+// copied, so opening one costs no heap whatever the tensor count, and Find is O(1) through the
+// stored name index. A file written before the name index (in_place() false) is validated
+// and its sources read, but its tensors are to be decoded (DecodeHeader): its strings are not
+// NUL-terminated and it has no index. Every
+// accessor re-checks its offsets against the sizes validated on open, so bytes changed under
+// a mapping afterwards give wrong names at worst, never a read outside the region.
+// The region must outlive the view and start 8-byte aligned.
+class TableView {
+ public:
+  TableView() = default;
+  static Result<TableView> Open(std::span<const std::byte> region, uint64_t file_size,
+                                const std::string& path);
+
+  const HeaderFixed& fixed() const { return fixed_; }
+  size_t tensor_count() const { return fixed_.tensor_count; }
+  size_t source_count() const { return fixed_.source_count; }
+  TensorEntry entry(size_t index) const;  // a copy
+  std::string_view name(size_t index) const;
+  std::string_view dtype(size_t index) const;
+  std::span<const uint64_t> shape(size_t index) const;
+  SourceRecord source(size_t index) const;
+  // Names and dtypes are NUL-terminated in place, and Find works (the file has a name index).
+  bool in_place() const { return slots_ != nullptr; }
+  std::optional<size_t> Find(std::string_view name) const;
+  // The scalar fields of the table (no sources, no tensors).
+  ArenaTable Summary() const;
+
+ private:
+  std::string_view String(uint64_t offset, uint64_t bytes) const;
+  HeaderFixed fixed_{};
+  const std::byte* base_ = nullptr;
+  const uint32_t* slots_ = nullptr;
+};
 
 }  // namespace expert_arena::format

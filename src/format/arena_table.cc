@@ -2,19 +2,51 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdio>
+#include <cstring>
 
 #include "common/escape.h"
 #include "common/units.h"
 
 namespace expert_arena::format {
 
+namespace {
+
+// True when no byte of `text` is below 0x20 or 0x7f, eight bytes at a time (an attach checks
+// every name of a 90,000-tensor table). A maybe is decided by ControlByteProblem.
+bool Printable(std::string_view text) {
+  constexpr uint64_t kOnes = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
+  size_t i = 0;
+  for (; i + 8 <= text.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, text.data() + i, 8);
+    uint64_t below = (w - 0x20 * kOnes) & ~w & kHigh;
+    uint64_t del = w ^ (0x7f * kOnes);
+    if ((below | ((del - kOnes) & ~del & kHigh)) != 0) return false;
+  }
+  for (; i < text.size(); ++i) {
+    auto byte = static_cast<unsigned char>(text[i]);
+    if (byte < 0x20 || byte == 0x7f) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 std::string TensorNameProblem(std::string_view name) {
   if (name.empty()) return "the name is empty";
+  if (Printable(name)) return "";
   if (std::string problem = ControlByteProblem(name); !problem.empty()) {
     return "the name holds " + problem;
   }
   return "";
+}
+
+uint64_t TensorAlignment(uint64_t alignment, uint64_t bytes) {
+  if (bytes >= alignment) return alignment;
+  return std::min(alignment, std::max(kPackedAlignment, std::bit_ceil(bytes)));
 }
 
 Status AssignArenaOffsets(ArenaTable& table) {
@@ -24,7 +56,7 @@ Status AssignArenaOffsets(ArenaTable& table) {
   }
   uint64_t cursor = 0;
   for (TensorRecord& tensor : table.tensors) {
-    auto offset = AlignUp(cursor, table.alignment);
+    auto offset = AlignUp(cursor, TensorAlignment(table.alignment, tensor.bytes));
     if (!offset || tensor.bytes > UINT64_MAX - *offset) {
       return InvalidArgument("arena size overflows at tensor " + tensor.name);
     }

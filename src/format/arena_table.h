@@ -43,6 +43,9 @@ struct ArenaTable {
   std::string identity_text;       // human-readable: names the model in messages
   uint64_t model_bytes_total = 0;  // all tensor bytes in the sources, selected or not
   uint64_t model_tensors_total = 0;
+  // Of the planning inputs (source/model_fingerprint.h), 0 when there is none: lets an engine
+  // decide "this arena holds my model" without planning. Not part of the identity.
+  uint64_t fingerprint = 0;
 };
 
 // Why `name` cannot name a tensor, or "" when it can: it must not be empty (Find() looks
@@ -51,8 +54,16 @@ struct ArenaTable {
 // arena file must not drive the operator's terminal. The problem never quotes the name.
 std::string TensorNameProblem(std::string_view name);
 
-// Gives every tensor an arena offset aligned to table.alignment, in table order, and sets
-// data_bytes (rounded up to 2 MiB). Fails on overflow or a bad alignment.
+// A tensor smaller than the alignment is aligned to the smallest power of two that holds it,
+// at least kPackedAlignment (a cache line): the weight_scale_inv tensors beside FP8 weights
+// (4 bytes to a few KiB) would otherwise take a 4 KiB page each, and a tiny tensor still
+// never straddles a boundary it would not straddle at the full alignment.
+inline constexpr uint64_t kPackedAlignment = 64;
+uint64_t TensorAlignment(uint64_t alignment, uint64_t bytes);
+
+// Gives every tensor an arena offset aligned to TensorAlignment(table.alignment, its bytes),
+// in table order, and sets data_bytes (rounded up to 2 MiB). Fails on overflow or a bad
+// alignment.
 Status AssignArenaOffsets(ArenaTable& table);
 
 // Sets identity_hash from the sources (paths, sizes, modification times) and the table

@@ -4,10 +4,12 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <unordered_map>
 #include <numeric>
 
 #include "platform/file.h"
 #include "source/gguf_reader.h"
+#include "source/model_fingerprint.h"
 #include "source/model_format.h"
 #include "source/safetensors_reader.h"
 #include "source/selection.h"
@@ -45,6 +47,7 @@ struct Candidate {
 
 struct Collected {
   std::vector<format::SourceRecord> sources;
+  std::vector<uint64_t> source_hashes;  // of each safetensors header parsed (fingerprint)
   std::vector<Candidate> tensors;
   uint64_t header_bytes = 0;
 };
@@ -76,6 +79,8 @@ Status CollectGguf(const std::string& path, Collected& out) {
 void AddSafetensors(SafetensorsFile& file, Collected& out) {
   out.header_bytes += file.header_bytes_read;
   uint32_t source = AddSource(out, file.path, file.file_size);
+  out.source_hashes.resize(out.sources.size());
+  out.source_hashes[source] = file.header_hash;
   for (SafetensorsTensorInfo& t : file.tensors) {
     out.tensors.push_back({std::move(t.name), std::move(t.dtype), std::move(t.shape), source,
                            t.absolute_offset, t.bytes});
@@ -85,7 +90,8 @@ void AddSafetensors(SafetensorsFile& file, Collected& out) {
 Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
                                     const std::string& format) {
   // Tensor names are unique across the files of one model.
-  std::map<std::string_view, const Candidate*> seen;
+  std::unordered_map<std::string_view, const Candidate*> seen;
+  seen.reserve(collected.tensors.size());
   for (const Candidate& t : collected.tensors) {
     auto [it, inserted] = seen.emplace(t.name, &t);
     if (!inserted) {
@@ -100,6 +106,7 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
   plan.metadata_bytes_read = collected.header_bytes;
   plan.table.alignment = spec.alignment;
   plan.table.model_tensors_total = collected.tensors.size();
+  plan.table.tensors.reserve(collected.tensors.size());
   for (Candidate& t : collected.tensors) {
     plan.table.model_bytes_total += t.bytes;
     EA_ASSIGN_OR_RETURN(bool selected, selector.Selects(t.name));
@@ -122,12 +129,15 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
                            std::to_string(collected.tensors.size()) + " tensors) is selected by " +
                            selector.Describe() + "; use --all or --select REGEX");
   }
-  // File order: the loader then reads each file front to back.
-  std::stable_sort(plan.table.tensors.begin(), plan.table.tensors.end(),
-                   [](const format::TensorRecord& a, const format::TensorRecord& b) {
-                     return a.source_index != b.source_index ? a.source_index < b.source_index
-                                                             : a.source_offset < b.source_offset;
-                   });
+  // File order: the loader then reads each file front to back (the readers give each file's
+  // tensors in offset order, so this is mostly already so).
+  auto file_order = [](const format::TensorRecord& a, const format::TensorRecord& b) {
+    return a.source_index != b.source_index ? a.source_index < b.source_index
+                                            : a.source_offset < b.source_offset;
+  };
+  if (!std::is_sorted(plan.table.tensors.begin(), plan.table.tensors.end(), file_order)) {
+    std::stable_sort(plan.table.tensors.begin(), plan.table.tensors.end(), file_order);
+  }
   plan.table.sources = std::move(collected.sources);
   EA_RETURN_IF_ERROR(format::AssignArenaOffsets(plan.table));
   format::ComputeIdentity(plan.table);
@@ -164,6 +174,11 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   }
 
   // safetensors: shards named by indexes and files named directly, each read once.
+  std::vector<FingerprintFile> fingerprint_files;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    fingerprint_files.push_back(
+        {Absolute(paths[i]), kinds[i] == FileKind::kSafetensorsIndex, 0});
+  }
   std::vector<std::string> done;
   auto already = [&](const std::string& path) {
     std::string abs = Absolute(path);
@@ -175,6 +190,7 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
     if (kinds[i] == FileKind::kSafetensorsIndex) {
       EA_ASSIGN_OR_RETURN(SafetensorsIndex index, ReadSafetensorsIndex(paths[i]));
       collected.header_bytes += index.bytes_read;
+      fingerprint_files[i].index_hash = index.content_hash;
       EA_ASSIGN_OR_RETURN(std::vector<SafetensorsFile> shards, ReadShardedSafetensors(index));
       for (SafetensorsFile& shard : shards) {
         if (!already(shard.path)) AddSafetensors(shard, collected);
@@ -184,7 +200,37 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
       AddSafetensors(file, collected);
     }
   }
-  return PlanFromCollected(std::move(collected), spec, "safetensors");
+  std::vector<uint64_t> hashes = std::move(collected.source_hashes);
+  EA_ASSIGN_OR_RETURN(ModelPlan plan, PlanFromCollected(std::move(collected), spec, "safetensors"));
+  plan.table.fingerprint =
+      CombineFingerprint(spec, fingerprint_files, plan.table.sources, hashes);
+  return plan;
+}
+
+Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec) {
+  std::vector<ModelFile> files;
+  for (const std::string& given : spec.files) {
+    if (spec.format == ModelFormat::kRaw) {
+      files.push_back({Absolute(given), ModelFileKind::kRaw});
+      continue;
+    }
+    EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format));
+    ModelFileKind public_kind = ModelFileKind::kGguf;
+    switch (kind) {
+      case FileKind::kGguf:
+        public_kind = ModelFileKind::kGguf;
+        break;
+      case FileKind::kSafetensors:
+        public_kind = ModelFileKind::kSafetensors;
+        break;
+      case FileKind::kSafetensorsIndex:
+        public_kind = ModelFileKind::kSafetensorsIndex;
+        break;
+    }
+    files.push_back({Absolute(path), public_kind});
+  }
+  return files;
 }
 
 }  // namespace expert_arena::source

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
@@ -25,6 +26,16 @@ struct ModelPlan {
 // Reads the headers of spec.files, selects tensors, assigns arena offsets, computes the
 // identity. Errors name the file (and the tensor) that is wrong.
 Result<ModelPlan> PlanModel(const ModelSpec& spec);
+
+// The files of a spec as PlanModel sees them: resolved (a directory stands for its index or
+// model.safetensors), made absolute, and classified from their first bytes (kRaw: every file
+// when spec.format says raw).
+enum class ModelFileKind { kGguf, kSafetensors, kSafetensorsIndex, kRaw };
+struct ModelFile {
+  std::string path;
+  ModelFileKind kind;
+};
+Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec);
 
 // The raw reader (ModelFormat::kRaw): every file is one tensor of dtype "u8" named after the
 // file.

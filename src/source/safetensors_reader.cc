@@ -1,63 +1,100 @@
 #include "source/safetensors_reader.h"
 
+#include <simdjson.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
-#include <nlohmann/json.hpp>
+#include <map>
+#include <optional>
 #include <string_view>
 #include <unordered_set>
 
 #include "common/escape.h"
 #include "format/arena_table.h"
 #include "source/header_reader.h"
+#include "source/model_fingerprint.h"
 
 namespace expert_arena::source {
 namespace {
 
-using Json = nlohmann::json;
+// Headers are parsed with simdjson's DOM parser: a DeepSeek-V3-sized model has 18 MB of shard
+// headers and an 8 MB index, which a general-purpose JSON library takes about a second to
+// build maps of (docs/scale.md). The text is read into a buffer with simdjson's padding.
+namespace sj = simdjson;
+
+// A header or index text with the padding simdjson reads past its end.
+std::string PaddedText(uint64_t bytes) {
+  return std::string(static_cast<size_t>(bytes) + sj::SIMDJSON_PADDING, '\0');
+}
 
 Status Fail(const std::string& path, const std::string& message) {
   return Corrupt(path + ": " + message);
 }
 
-Result<Json> ParseJson(const std::string& text, const std::string& path, const char* what) {
-  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) return Fail(path, std::string(what) + " is not valid JSON");
-  if (!json.is_object()) return Fail(path, std::string(what) + " is not a JSON object");
-  return json;
+Result<sj::dom::object> ParseJson(sj::dom::parser& parser, const std::string& text,
+                                  uint64_t length, const std::string& path, const char* what) {
+  sj::dom::element root;
+  if (parser.parse(text.data(), static_cast<size_t>(length), false).get(root) != sj::SUCCESS) {
+    return Fail(path, std::string(what) + " is not valid JSON");
+  }
+  sj::dom::object object;
+  if (root.get_object().get(object) != sj::SUCCESS) {
+    return Fail(path, std::string(what) + " is not a JSON object");
+  }
+  return object;
 }
 
 // A JSON array of unsigned integers (non-negative, integral).
-bool ReadU64Array(const Json& value, std::vector<uint64_t>* out) {
-  if (!value.is_array()) return false;
+bool ReadU64Array(sj::dom::element value, std::vector<uint64_t>* out) {
+  sj::dom::array array;
+  if (value.get_array().get(array) != sj::SUCCESS) return false;
   out->clear();
-  for (const Json& v : value) {
-    if (!v.is_number_unsigned()) return false;
-    out->push_back(v.get<uint64_t>());
+  for (sj::dom::element v : array) {
+    uint64_t n = 0;
+    if (v.get_uint64().get(n) != sj::SUCCESS) return false;
+    out->push_back(n);
   }
   return true;
 }
 
-Status ParseTensor(const std::string& path, const std::string& name, const Json& entry,
+Status ParseTensor(const std::string& path, std::string_view key, sj::dom::element entry,
                    uint64_t data_bytes, SafetensorsTensorInfo* out) {
-  if (std::string problem = format::TensorNameProblem(name); !problem.empty()) {
+  if (std::string problem = format::TensorNameProblem(key); !problem.empty()) {
     return Fail(path, "a tensor key: " + problem);
   }
+  std::string name(key);
   const std::string what = "tensor " + name;
-  if (!entry.is_object()) return Fail(path, what + ": entry is not an object");
-  auto dtype = entry.find("dtype");
-  auto shape = entry.find("shape");
-  auto offsets = entry.find("data_offsets");
-  if (dtype == entry.end() || !dtype->is_string()) return Fail(path, what + ": no dtype string");
-  if (shape == entry.end() || !ReadU64Array(*shape, &out->shape)) {
+  sj::dom::object object;
+  if (entry.get_object().get(object) != sj::SUCCESS) {
+    return Fail(path, what + ": entry is not an object");
+  }
+  // The fields this reader uses, each at most once (a repeated one is refused, not guessed).
+  std::optional<sj::dom::element> dtype, shape, offsets;
+  for (sj::dom::key_value_pair field : object) {
+    std::optional<sj::dom::element>* slot = field.key == "dtype"          ? &dtype
+                                            : field.key == "shape"        ? &shape
+                                            : field.key == "data_offsets" ? &offsets
+                                                                          : nullptr;
+    if (slot == nullptr) continue;
+    if (slot->has_value()) {
+      return Fail(path, what + ": " + std::string(field.key) + " appears twice");
+    }
+    *slot = field.value;
+  }
+  std::string_view dtype_text;
+  if (!dtype || dtype->get_string().get(dtype_text) != sj::SUCCESS) {
+    return Fail(path, what + ": no dtype string");
+  }
+  if (!shape || !ReadU64Array(*shape, &out->shape)) {
     return Fail(path, what + ": shape is not an array of non-negative integers");
   }
   std::vector<uint64_t> range;
-  if (offsets == entry.end() || !ReadU64Array(*offsets, &range) || range.size() != 2) {
+  if (!offsets || !ReadU64Array(*offsets, &range) || range.size() != 2) {
     return Fail(path, what + ": data_offsets is not a pair of non-negative integers");
   }
-  out->name = name;
-  out->dtype = dtype->get<std::string>();
+  out->name = std::move(name);
+  out->dtype = std::string(dtype_text);
   const SafetensorsDtype* type = FindSafetensorsDtype(out->dtype);
   if (type == nullptr) {
     return Unsupported(path + ": " + what + ": unknown dtype " + EscapeForMessage(out->dtype));
@@ -120,29 +157,49 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
                                " runs past the end of the " + std::to_string(file_size) +
                                "-byte file");
   }
-  std::string text(static_cast<size_t>(file.header_bytes), '\0');
-  EA_RETURN_IF_ERROR(in.Read(text.data(), text.size(), "the safetensors header"));
+  std::string text = PaddedText(file.header_bytes);
+  EA_RETURN_IF_ERROR(in.Read(text.data(), file.header_bytes, "the safetensors header"));
   file.header_bytes_read = in.bytes_read();
+  file.header_hash = HashSafetensorsHeader(file.header_bytes, text.data());
   file.data_offset = 8 + file.header_bytes;
   const uint64_t data_bytes = file_size - file.data_offset;
-  EA_ASSIGN_OR_RETURN(Json json, ParseJson(text, file.path, "the safetensors header"));
+  sj::dom::parser parser;
+  EA_ASSIGN_OR_RETURN(sj::dom::object json, ParseJson(parser, text, file.header_bytes, file.path,
+                                                      "the safetensors header"));
 
   file.tensors.reserve(json.size());
-  for (auto it = json.begin(); it != json.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (!it->is_object()) return Fail(file.path, "__metadata__ is not an object");
-      for (auto m = it->begin(); m != it->end(); ++m) {
-        if (!m->is_string()) {
-          return Fail(file.path, "__metadata__ " + EscapeForMessage(m.key()) + " is not a string");
+  bool seen_metadata = false;
+  for (sj::dom::key_value_pair it : json) {
+    if (it.key == "__metadata__") {
+      sj::dom::object metadata;
+      if (seen_metadata) return Fail(file.path, "__metadata__ appears twice");
+      seen_metadata = true;
+      if (it.value.get_object().get(metadata) != sj::SUCCESS) {
+        return Fail(file.path, "__metadata__ is not an object");
+      }
+      for (sj::dom::key_value_pair m : metadata) {
+        std::string_view value;
+        if (m.value.get_string().get(value) != sj::SUCCESS) {
+          return Fail(file.path, "__metadata__ " + EscapeForMessage(m.key) + " is not a string");
         }
-        file.metadata[m.key()] = m->get<std::string>();
+        file.metadata[std::string(m.key)] = std::string(value);
       }
       continue;
     }
     SafetensorsTensorInfo info;
-    EA_RETURN_IF_ERROR(ParseTensor(file.path, it.key(), *it, data_bytes, &info));
+    EA_RETURN_IF_ERROR(ParseTensor(file.path, it.key, it.value, data_bytes, &info));
     info.absolute_offset = file.data_offset + info.begin;
     file.tensors.push_back(std::move(info));
+  }
+  {
+    // A name given twice is refused (which entry would be meant?).
+    std::unordered_set<std::string_view> names;
+    names.reserve(file.tensors.size());
+    for (const SafetensorsTensorInfo& t : file.tensors) {
+      if (!names.insert(t.name).second) {
+        return Fail(file.path, "tensor " + t.name + " appears twice in the header");
+      }
+    }
   }
   std::sort(file.tensors.begin(), file.tensors.end(),
             [](const SafetensorsTensorInfo& a, const SafetensorsTensorInfo& b) {
@@ -178,55 +235,86 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
   if (st.size > kMaxSafetensorsIndexBytes) {
     return Fail(path, "index of " + std::to_string(st.size) + " bytes exceeds the 64 MiB limit");
   }
-  std::string text(static_cast<size_t>(st.size), '\0');
+  std::string text = PaddedText(st.size);
   EA_RETURN_IF_ERROR(
-      platform::ReadFull(fd, 0, {reinterpret_cast<std::byte*>(text.data()), text.size()}));
+      platform::ReadFull(fd, 0, {reinterpret_cast<std::byte*>(text.data()), st.size}));
   SafetensorsIndex index;
   index.path = path;
   index.bytes_read = st.size;
-  EA_ASSIGN_OR_RETURN(Json json, ParseJson(text, path, "the index"));
-  auto map = json.find("weight_map");
-  if (map == json.end() || !map->is_object()) return Fail(path, "no weight_map object");
+  index.content_hash = HashIndexBytes(text.data(), st.size);
+  sj::dom::parser parser;
+  EA_ASSIGN_OR_RETURN(sj::dom::object json, ParseJson(parser, text, st.size, path, "the index"));
+  std::optional<sj::dom::object> map;
+  for (sj::dom::key_value_pair field : json) {
+    if (field.key != "weight_map") continue;
+    sj::dom::object object;
+    if (map || field.value.get_object().get(object) != sj::SUCCESS) {
+      return Fail(path, "no weight_map object (or more than one)");
+    }
+    map = object;
+  }
+  if (!map) return Fail(path, "no weight_map object");
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  for (auto it = map->begin(); it != map->end(); ++it) {
+  // Shards in order of first mention; few distinct ones, each name met thousands of times.
+  std::map<std::string, uint32_t, std::less<>> shard_of;  // name -> index into shards
+  std::unordered_set<std::string_view> keys;  // views into the parser's strings
+  keys.reserve(map->size());
+  for (sj::dom::key_value_pair it : *map) {
     // The keys are tensor names, held to the rule of the shards' own names (and quoted below).
-    if (std::string problem = format::TensorNameProblem(it.key()); !problem.empty()) {
+    if (std::string problem = format::TensorNameProblem(it.key); !problem.empty()) {
       return Fail(path, "a weight_map key: " + problem);
     }
-    if (!it->is_string()) return Fail(path, "weight_map " + it.key() + " is not a file name");
-    std::string shard = it->get<std::string>();
-    if (!PlainFileName(shard)) {
-      return Fail(path, "weight_map " + it.key() + " names " + EscapeForMessage(shard) +
-                            ", not a file name in the index's directory");
+    const std::string key(it.key);
+    std::string_view shard;
+    if (it.value.get_string().get(shard) != sj::SUCCESS) {
+      return Fail(path, "weight_map " + key + " is not a file name");
     }
-    std::string joined = (dir / shard).string();
-    index.weight_map[it.key()] = joined;
-    if (std::find(index.shards.begin(), index.shards.end(), joined) == index.shards.end()) {
+    auto known = shard_of.find(shard);
+    if (known == shard_of.end()) {
+      if (!PlainFileName(std::string(shard))) {
+        return Fail(path, "weight_map " + key + " names " + EscapeForMessage(std::string(shard)) +
+                              ", not a file name in the index's directory");
+      }
+      std::string joined = (dir / std::string(shard)).string();
+      known = shard_of.emplace(std::string(shard), static_cast<uint32_t>(index.shards.size())).first;
       index.shards.push_back(joined);
     }
+    if (!keys.insert(it.key).second) return Fail(path, "weight_map " + key + " appears twice");
+    index.weight_map.push_back({key, known->second});
   }
   if (index.shards.empty()) return Fail(path, "weight_map names no shard");
-  std::sort(index.shards.begin(), index.shards.end());
+  // Shards in name order (the loader reads them in this order); entries follow their shard.
+  std::vector<uint32_t> order(index.shards.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return index.shards[a] < index.shards[b]; });
+  std::vector<uint32_t> rank(order.size());
+  std::vector<std::string> sorted(order.size());
+  for (uint32_t i = 0; i < order.size(); ++i) {
+    rank[order[i]] = i;
+    sorted[i] = std::move(index.shards[order[i]]);
+  }
+  index.shards = std::move(sorted);
+  for (SafetensorsIndex::Entry& entry : index.weight_map) entry.shard = rank[entry.shard];
   return index;
 }
 
 Result<std::vector<SafetensorsFile>> ReadShardedSafetensors(const SafetensorsIndex& index) {
   std::vector<SafetensorsFile> shards;
-  std::map<std::string, size_t> by_path;
+  shards.reserve(index.shards.size());
   for (const std::string& shard : index.shards) {
     auto file = ReadSafetensors(shard);
     if (!file.ok()) return file.status().WithContext(index.path);
-    by_path[shard] = shards.size();
     shards.push_back(std::move(*file));
   }
   std::vector<std::unordered_set<std::string_view>> names(shards.size());
   for (size_t s = 0; s < shards.size(); ++s) {
     for (const SafetensorsTensorInfo& t : shards[s].tensors) names[s].insert(t.name);
   }
-  for (const auto& [name, shard] : index.weight_map) {
-    if (!names[by_path.at(shard)].contains(name)) {
-      return Corrupt(index.path + ": tensor " + name + " is mapped to " + shard +
-                     ", which does not hold it");
+  for (const SafetensorsIndex::Entry& entry : index.weight_map) {
+    if (!names[entry.shard].contains(entry.name)) {
+      return Corrupt(index.path + ": tensor " + entry.name + " is mapped to " +
+                     index.shards[entry.shard] + ", which does not hold it");
     }
   }
   return shards;

@@ -45,6 +45,7 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
   std::vector<SafetensorsTensorInfo> tensors;  // in order of data offset
   uint64_t header_bytes_read = 0;
+  uint64_t header_hash = 0;  // HashSafetensorsHeader of the bytes parsed (model_fingerprint.h)
 };
 
 // True when the first bytes look like a safetensors header: a u64 length that fits the file
@@ -57,8 +58,13 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
 struct SafetensorsIndex {
   std::string path;
   std::vector<std::string> shards;                // absolute or as joined with the index dir
-  std::map<std::string, std::string> weight_map;  // tensor name -> shard path (joined)
+  struct Entry {
+    std::string name;
+    uint32_t shard = 0;  // index into `shards`
+  };
+  std::vector<Entry> weight_map;  // every tensor and its shard, in the index's order
   uint64_t bytes_read = 0;
+  uint64_t content_hash = 0;  // HashIndexBytes of the bytes parsed (model_fingerprint.h)
 };
 
 // Reads model.safetensors.index.json: shard names must be plain file names in the index's

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 
 #include "platform/file.h"
@@ -18,13 +19,19 @@ namespace expert_arena::source {
 namespace {
 
 constexpr uint64_t kVocab = 64;
+// FP8 values are the synthetic values times 448 / 0.05 (E4M3's range), scales the inverse.
+constexpr float kFp8Scale = 448.0f / 0.05f;
+constexpr float kFp8ScaleInv = 0.05f / 448.0f;
 
-enum class Role { kEmbedding, kNorm, kRouter, kExpert };
+// kOther: attention projections, shared experts, dense MLPs (not selected by default).
+enum class Role { kEmbedding, kNorm, kRouter, kExpert, kExpertScale, kScale, kOther };
+
+bool IsExpert(Role r) { return r == Role::kExpert || r == Role::kExpertScale; }
 
 struct SynthTensor {
   std::string name;
   Role role;
-  std::string dtype;            // f32, f16, bf16, q8_0
+  std::string dtype;            // f32, f16, bf16, q8_0, f8_e4m3
   std::vector<uint64_t> shape;  // GGUF: ne order; safetensors: header order
   uint64_t seed = 0;
 };
@@ -36,6 +43,7 @@ uint64_t Mix(uint64_t z) {
 }
 
 float ValueFor(const SynthTensor& t, uint64_t index) {
+  if (t.role == Role::kScale || t.role == Role::kExpertScale) return kFp8ScaleInv;
   float v = SyntheticValue(t.seed, index);
   return t.role == Role::kNorm ? 1.0f + v : v;
 }
@@ -58,6 +66,10 @@ void FillTensor(const SynthTensor& t, uint64_t offset, std::span<std::byte> out)
       float v = ValueFor(t, first + k);
       uint16_t h = half ? FloatToHalf(v) : FloatToBFloat16(v);
       std::memcpy(p + 2 * k, &h, 2);
+    }
+  } else if (t.dtype == "f8_e4m3") {
+    for (size_t k = 0; k < out.size(); ++k) {
+      p[k] = static_cast<std::byte>(FloatToE4M3(ValueFor(t, offset + k) * kFp8Scale));
     }
   } else {  // q8_0: 34-byte blocks of an f16 scale and 32 int8
     uint64_t first_block = offset / 34;
@@ -82,7 +94,125 @@ void FillTensor(const SynthTensor& t, uint64_t offset, std::span<std::byte> out)
   }
 }
 
+struct LayoutInfo {
+  const char* name;
+  uint64_t layers, experts, hidden, ffn;
+  const char* dtype;
+};
+
+// The releases' own sizes (config.json of DeepSeek-V3, Qwen3-235B-A22B, Mixtral-8x7B).
+constexpr LayoutInfo kLayouts[] = {
+    {"deepseek-v3", 61, 256, 7168, 2048, "f8_e4m3"},
+    {"qwen3-moe", 94, 128, 4096, 1536, "bf16"},
+    {"mixtral", 32, 8, 4096, 14336, "bf16"},
+};
+// The data of a named layout is tiny unless asked: its metadata is what tests and benches want.
+constexpr uint64_t kLayoutDefaultHidden = 16;
+constexpr uint64_t kLayoutDefaultFfn = 16;
+constexpr uint64_t kLayoutDefaultGgufHidden = 64;
+
+const LayoutInfo* FindLayout(const std::string& name) {
+  for (const LayoutInfo& l : kLayouts) {
+    if (name == l.name) return &l;
+  }
+  return nullptr;
+}
+
+// The named layouts (see synthetic_model.h): real names, dtypes and shape rules, every real
+// dimension scaled by hidden / the family's hidden.
+std::vector<SynthTensor> PlanLayoutTensors(const SyntheticModelOptions& o) {
+  const LayoutInfo& info = *FindLayout(o.layout);
+  const uint64_t H = o.hidden, F = o.ffn, E = o.experts;
+  auto dim = [&](uint64_t real) {
+    return std::max<uint64_t>(1, static_cast<uint64_t>(static_cast<unsigned __int128>(real) * H /
+                                                       info.hidden));
+  };
+  std::vector<SynthTensor> out;
+  const bool fp8 = o.dtype == "f8_e4m3";
+  auto add = [&](std::string name, Role role, std::string dtype, std::vector<uint64_t> shape) {
+    uint64_t seed = SyntheticTensorSeed(name, o.seed);
+    out.push_back({std::move(name), role, std::move(dtype), std::move(shape), seed});
+  };
+  // A 2-D projection [out, in]; FP8 ones get their 128x128-block scale_inv beside them.
+  auto proj = [&](const std::string& name, Role role, uint64_t rows, uint64_t cols) {
+    add(name, role, o.dtype, {rows, cols});
+    if (fp8) add(name + "_scale_inv", role == Role::kExpert ? Role::kExpertScale : Role::kScale, "f32",
+                 {(rows + 127) / 128, (cols + 127) / 128});
+  };
+  const std::string norm_dtype = o.dtype == "f32" ? "f32" : "bf16";
+  add("model.embed_tokens.weight", Role::kEmbedding, norm_dtype, {kVocab, H});
+  for (uint64_t l = 0; l < o.layers; ++l) {
+    const std::string layer = "model.layers." + std::to_string(l) + ".";
+    add(layer + "input_layernorm.weight", Role::kNorm, norm_dtype, {H});
+    add(layer + "post_attention_layernorm.weight", Role::kNorm, norm_dtype, {H});
+    const std::string attn = layer + "self_attn.";
+    if (o.layout == "deepseek-v3") {
+      // MLA: q_lora_rank 1536, kv_lora_rank 512, 128 heads of 128 + 64 (rope) dims, v 128.
+      proj(attn + "q_a_proj.weight", Role::kOther, dim(1536), H);
+      add(attn + "q_a_layernorm.weight", Role::kNorm, norm_dtype, {dim(1536)});
+      proj(attn + "q_b_proj.weight", Role::kOther, dim(128 * 192), dim(1536));
+      proj(attn + "kv_a_proj_with_mqa.weight", Role::kOther, dim(512 + 64), H);
+      add(attn + "kv_a_layernorm.weight", Role::kNorm, norm_dtype, {dim(512)});
+      proj(attn + "kv_b_proj.weight", Role::kOther, dim(128 * 256), dim(512));
+      proj(attn + "o_proj.weight", Role::kOther, H, dim(128 * 128));
+      const uint64_t first_dense = o.layers > 3 ? 3 : 0;
+      const std::string mlp = layer + "mlp.";
+      if (l < first_dense) {
+        // Dense FFN: intermediate 18432 = 9 x the expert's 2048.
+        proj(mlp + "gate_proj.weight", Role::kOther, 9 * F, H);
+        proj(mlp + "up_proj.weight", Role::kOther, 9 * F, H);
+        proj(mlp + "down_proj.weight", Role::kOther, H, 9 * F);
+        continue;
+      }
+      add(mlp + "gate.weight", Role::kRouter, norm_dtype, {E, H});
+      add(mlp + "gate.e_score_correction_bias", Role::kRouter, "f32", {E});
+      for (uint64_t e = 0; e < E; ++e) {
+        const std::string expert = mlp + "experts." + std::to_string(e) + ".";
+        proj(expert + "gate_proj.weight", Role::kExpert, F, H);
+        proj(expert + "up_proj.weight", Role::kExpert, F, H);
+        proj(expert + "down_proj.weight", Role::kExpert, H, F);
+      }
+      proj(mlp + "shared_experts.gate_proj.weight", Role::kOther, F, H);
+      proj(mlp + "shared_experts.up_proj.weight", Role::kOther, F, H);
+      proj(mlp + "shared_experts.down_proj.weight", Role::kOther, H, F);
+    } else if (o.layout == "qwen3-moe") {
+      // 64 query heads, 4 key/value heads, head_dim 128.
+      proj(attn + "q_proj.weight", Role::kOther, dim(64 * 128), H);
+      proj(attn + "k_proj.weight", Role::kOther, dim(4 * 128), H);
+      proj(attn + "v_proj.weight", Role::kOther, dim(4 * 128), H);
+      proj(attn + "o_proj.weight", Role::kOther, H, dim(64 * 128));
+      add(attn + "q_norm.weight", Role::kNorm, norm_dtype, {dim(128)});
+      add(attn + "k_norm.weight", Role::kNorm, norm_dtype, {dim(128)});
+      const std::string mlp = layer + "mlp.";
+      add(mlp + "gate.weight", Role::kRouter, norm_dtype, {E, H});
+      for (uint64_t e = 0; e < E; ++e) {
+        const std::string expert = mlp + "experts." + std::to_string(e) + ".";
+        proj(expert + "gate_proj.weight", Role::kExpert, F, H);
+        proj(expert + "up_proj.weight", Role::kExpert, F, H);
+        proj(expert + "down_proj.weight", Role::kExpert, H, F);
+      }
+    } else {  // mixtral: 32 heads, 8 key/value heads, head_dim 128
+      proj(attn + "q_proj.weight", Role::kOther, H, H);
+      proj(attn + "k_proj.weight", Role::kOther, dim(8 * 128), H);
+      proj(attn + "v_proj.weight", Role::kOther, dim(8 * 128), H);
+      proj(attn + "o_proj.weight", Role::kOther, H, H);
+      const std::string moe = layer + "block_sparse_moe.";
+      add(moe + "gate.weight", Role::kRouter, norm_dtype, {E, H});
+      for (uint64_t e = 0; e < E; ++e) {
+        const std::string expert = moe + "experts." + std::to_string(e) + ".";
+        proj(expert + "w1.weight", Role::kExpert, F, H);
+        proj(expert + "w2.weight", Role::kExpert, H, F);
+        proj(expert + "w3.weight", Role::kExpert, F, H);
+      }
+    }
+  }
+  add("model.norm.weight", Role::kNorm, norm_dtype, {H});
+  add("lm_head.weight", Role::kEmbedding, norm_dtype, {kVocab, H});
+  return out;
+}
+
 std::vector<SynthTensor> PlanTensors(const SyntheticModelOptions& o, bool gguf) {
+  if (o.layout != "synthetic") return PlanLayoutTensors(o);
   const uint64_t H = o.hidden, F = o.ffn, E = o.experts;
   std::vector<SynthTensor> out;
   auto add = [&](std::string name, Role role, std::string dtype, std::vector<uint64_t> shape) {
@@ -119,6 +249,7 @@ std::vector<SynthTensor> PlanTensors(const SyntheticModelOptions& o, bool gguf) 
 std::string SafetensorsDtypeName(const std::string& dtype) {
   if (dtype == "f32") return "F32";
   if (dtype == "f16") return "F16";
+  if (dtype == "f8_e4m3") return "F8_E4M3";
   return "BF16";
 }
 
@@ -130,8 +261,12 @@ Status CheckOptions(const SyntheticModelOptions& o) {
   if (o.layers == 0 || o.experts == 0 || o.hidden == 0 || o.ffn == 0) {
     return InvalidArgument("--layers, --experts, --hidden and --ffn must be at least 1");
   }
-  if (o.dtype != "f32" && o.dtype != "f16" && o.dtype != "bf16" && o.dtype != "q8_0") {
-    return InvalidArgument("--dtype must be f32, f16, bf16 or q8_0, not " + o.dtype);
+  if (o.dtype != "f32" && o.dtype != "f16" && o.dtype != "bf16" && o.dtype != "q8_0" &&
+      o.dtype != "f8_e4m3") {
+    return InvalidArgument("--dtype must be f32, f16, bf16, q8_0 or f8_e4m3, not " + o.dtype);
+  }
+  if (o.dtype == "f8_e4m3" && o.layout != "deepseek-v3") {
+    return InvalidArgument("--dtype f8_e4m3 (with weight_scale_inv) is the deepseek-v3 layout's");
   }
   if (o.format == "safetensors" && o.dtype == "q8_0") {
     return InvalidArgument(
@@ -177,7 +312,7 @@ Result<SyntheticModelReport> WriteGguf(const SyntheticModelOptions& o) {
     EA_RETURN_IF_ERROR(writer.AddTensor(t.name, *FindGgmlTypeByName(t.dtype), t.shape));
     const GgufTensorInfo& info = writer.tensors().back();
     report.tensor_bytes += info.bytes;
-    if (t.role == Role::kExpert) {
+    if (IsExpert(t.role)) {
       report.expert_tensors++;
       report.expert_bytes += info.bytes;
     }
@@ -208,7 +343,7 @@ Result<SyntheticModelReport> WriteSafetensors(const SyntheticModelOptions& o) {
     if (!b) return InvalidArgument("tensor " + tensors[i].name + ": " + why);
     bytes[i] = *b;
     report.tensor_bytes += *b;
-    if (tensors[i].role == Role::kExpert) {
+    if (IsExpert(tensors[i].role)) {
       report.expert_tensors++;
       report.expert_bytes += *b;
     }
@@ -343,16 +478,68 @@ void FillSyntheticTensor(std::string_view dtype, uint64_t tensor_seed, bool norm
   FillTensor(t, offset, out);
 }
 
-Result<SyntheticModelReport> WriteSyntheticModel(const SyntheticModelOptions& options) {
-  EA_RETURN_IF_ERROR(CheckOptions(options));
-  if (options.layout != "synthetic") {
-    if (options.format != "gguf") {
-      return InvalidArgument("--layout " + options.layout +
-                             " is written as GGUF here; use --format gguf");
-    }
-    return WriteLayoutGguf(options);
+uint8_t FloatToE4M3(float value) {
+  uint32_t x;
+  std::memcpy(&x, &value, 4);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80);
+  if (std::isnan(value)) return static_cast<uint8_t>(sign | 0x7f);
+  float a = std::fabs(value);
+  if (a >= 448.0f) return static_cast<uint8_t>(sign | 0x7e);  // saturate (no infinity)
+  if (a < std::ldexp(1.0f, -6)) {
+    // Subnormal: steps of 2^-9; 8 steps round up into the smallest normal (exponent field 1).
+    int m = static_cast<int>(std::nearbyint(a * 512.0f));
+    return static_cast<uint8_t>(sign | m);
   }
-  return options.format == "gguf" ? WriteGguf(options) : WriteSafetensors(options);
+  int e = 0;
+  float frac = std::frexp(a, &e);  // a = frac * 2^e, frac in [0.5, 1)
+  int exponent = e - 1;             // a = (2 * frac) * 2^exponent
+  int mant = static_cast<int>(std::nearbyint((2.0f * frac - 1.0f) * 8.0f));
+  if (mant == 8) {
+    mant = 0;
+    ++exponent;
+  }
+  int field = exponent + 7;
+  if (field > 15 || (field == 15 && mant > 6)) return static_cast<uint8_t>(sign | 0x7e);
+  return static_cast<uint8_t>(sign | (field << 3) | mant);
+}
+
+float E4M3ToFloat(uint8_t v) {
+  const float sign = (v & 0x80) ? -1.0f : 1.0f;
+  const int field = (v >> 3) & 0xf;
+  const int mant = v & 7;
+  if (field == 15 && mant == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (field == 0) return sign * std::ldexp(static_cast<float>(mant), -9);
+  return sign * std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, field - 7);
+}
+
+Status ApplyLayoutDefaults(SyntheticModelOptions& o) {
+  if (o.layout == "synthetic") {
+    if (o.dtype.empty()) o.dtype = "f32";
+    return Status::Ok();
+  }
+  const LayoutInfo* info = FindLayout(o.layout);
+  if (info == nullptr) {
+    return InvalidArgument("--layout must be synthetic, deepseek-v3, qwen3-moe or mixtral, not " +
+                           o.layout);
+  }
+  if (o.layers == 0) o.layers = info->layers;
+  if (o.experts == 0) o.experts = info->experts;
+  // The GGUF writer (layout_gguf.cc) needs a hidden size that is a multiple of 32.
+  const bool gguf = o.format == "gguf";
+  if (o.hidden == 0) o.hidden = gguf ? kLayoutDefaultGgufHidden : kLayoutDefaultHidden;
+  if (o.ffn == 0) o.ffn = gguf ? kLayoutDefaultGgufHidden : kLayoutDefaultFfn;
+  if (o.dtype.empty()) o.dtype = gguf ? "f32" : info->dtype;
+  return Status::Ok();
+}
+
+Result<SyntheticModelReport> WriteSyntheticModel(const SyntheticModelOptions& given) {
+  SyntheticModelOptions options = given;
+  EA_RETURN_IF_ERROR(ApplyLayoutDefaults(options));
+  EA_RETURN_IF_ERROR(CheckOptions(options));
+  if (options.format == "gguf") {
+    return options.layout == "synthetic" ? WriteGguf(options) : WriteLayoutGguf(options);
+  }
+  return WriteSafetensors(options);
 }
 
 }  // namespace expert_arena::source

@@ -8,7 +8,9 @@
 // the header's own file_bytes field.
 //
 // Checks: an accepted header's regions lie inside the file, every tensor inside the data
-// region, and the decoded table survives EncodeHeader/DecodeHeader unchanged.
+// region, and the decoded table survives EncodeHeader/DecodeHeader unchanged. TableView (the
+// in-place reader attach uses) accepts exactly what DecodeHeader accepts, reads the same
+// tensors, and its name index finds every name of a table it wrote.
 #include <xxhash.h>
 
 #include <algorithm>
@@ -39,6 +41,11 @@ void FixChecksums(std::vector<std::byte>& region) {
     uint64_t span = fixed.strings_offset + fixed.strings_bytes - fixed.sources_offset;
     fixed.table_checksum = XXH3_64bits(region.data() + fixed.sources_offset, span);
   }
+  if (fixed.name_index_slots != 0 && fixed.name_index_slots < region.size() / 4 &&
+      Inside(fixed.name_index_offset, fixed.name_index_slots * 4, region.size())) {
+    fixed.name_index_checksum =
+        XXH3_64bits(region.data() + fixed.name_index_offset, fixed.name_index_slots * 4);
+  }
   fixed.header_checksum = 0;
   fixed.header_checksum = XXH3_64bits(&fixed, sizeof fixed);
   std::memcpy(region.data(), &fixed, sizeof fixed);
@@ -67,6 +74,12 @@ void CheckRoundTrip(const format::ArenaTable& table) {
     FUZZ_CHECK(a.name == b.name && a.dtype == b.dtype && a.shape == b.shape);
     FUZZ_CHECK(a.source_index == b.source_index && a.source_offset == b.source_offset);
     FUZZ_CHECK(a.arena_offset == b.arena_offset && a.bytes == b.bytes && a.checksum == b.checksum);
+  }
+  auto view = format::TableView::Open(region, layout->file_bytes, "again");
+  FUZZ_CHECK(view.ok() && view->in_place() && view->tensor_count() == table.tensors.size());
+  for (size_t i = 0; i < table.tensors.size(); ++i) {
+    auto found = view->Find(table.tensors[i].name);
+    FUZZ_CHECK(found.has_value() && view->name(*found) == table.tensors[i].name);
   }
 }
 
@@ -105,7 +118,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Status status = format::DecodeHeader(region, file_size, "fuzz-arena", &table, &decoded_summary);
   if (!status.ok()) {
     fuzz::CheckRefusal(status);
+    FUZZ_CHECK(!format::TableView::Open(region, file_size, "fuzz-arena").ok());
     return 0;
+  }
+  // The in-place reader agrees with the decoder.
+  auto view = format::TableView::Open(region, file_size, "fuzz-arena");
+  FUZZ_CHECK(view.ok());
+  FUZZ_CHECK(view->tensor_count() == table.tensors.size());
+  for (size_t i = 0; i < table.tensors.size(); ++i) {
+    FUZZ_CHECK(view->dtype(i) == table.tensors[i].dtype);
+    FUZZ_CHECK(view->entry(i).arena_offset == table.tensors[i].arena_offset);
+    if (!view->in_place()) continue;
+    FUZZ_CHECK(view->name(i) == table.tensors[i].name);
+    auto found = view->Find(table.tensors[i].name);
+    if (found) FUZZ_CHECK(view->name(*found) == table.tensors[i].name);
   }
   const format::ArenaLayout& layout = decoded_summary.layout;
   FUZZ_CHECK(decoded_summary.our_magic);

@@ -292,10 +292,10 @@ void ArenaHeaderSeeds() {
   std::vector<std::byte> region(layout->header_bytes);
   for (auto state : {format::FileState::kPublished, format::FileState::kLoading}) {
     Check(format::EncodeHeader(table, *layout, state, 42, 43, 44, 45, region));
-    // Only the bytes up to the end of the strings: the target zero-extends the rest.
+    // Only the bytes up to the end of the name index: the target zero-extends the rest.
     format::HeaderFixed fixed;
     std::memcpy(&fixed, region.data(), sizeof fixed);
-    uint64_t used = fixed.strings_offset + fixed.strings_bytes;
+    uint64_t used = fixed.name_index_offset + fixed.name_index_slots * sizeof(uint32_t);
     for (uint8_t flags : {0, 1, 2}) {
       std::vector<std::byte> input(9 + used);
       input[0] = std::byte{flags};

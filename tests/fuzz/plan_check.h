@@ -50,7 +50,7 @@ inline void CheckPlanTable(const format::ArenaTable& table,
     FUZZ_CHECK(t.source_index < table.sources.size());
     const uint64_t file_size = table.sources[t.source_index].size;
     FUZZ_CHECK(t.source_offset <= file_size && t.bytes <= file_size - t.source_offset);
-    FUZZ_CHECK(t.arena_offset % table.alignment == 0);
+    FUZZ_CHECK(t.arena_offset % format::TensorAlignment(table.alignment, t.bytes) == 0);
     FUZZ_CHECK(t.arena_offset <= table.data_bytes && t.bytes <= table.data_bytes - t.arena_offset);
     FUZZ_CHECK(t.shape.size() <= format::kMaxDims);
     if (t.bytes > 0) by_source.push_back(&t);

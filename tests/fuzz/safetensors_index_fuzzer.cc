@@ -3,6 +3,8 @@
 // own directory. The shards themselves are not opened here: the index lives in /proc/self/fd,
 // where a shard named "0" would be this process's stdin.
 #include <algorithm>
+#include <set>
+#include <string_view>
 #include <filesystem>
 
 #include "fuzz_util.h"
@@ -29,8 +31,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(!name.empty() && name != "." && name != "..");
     FUZZ_CHECK(name.find('/') == std::string::npos && name.find('\0') == std::string::npos);
   }
-  for (const auto& [tensor, shard] : index->weight_map) {
-    FUZZ_CHECK(std::binary_search(index->shards.begin(), index->shards.end(), shard));
+  std::set<std::string_view> names;
+  for (const source::SafetensorsIndex::Entry& entry : index->weight_map) {
+    FUZZ_CHECK(entry.shard < index->shards.size());
+    FUZZ_CHECK(names.insert(entry.name).second);  // each name once
   }
   return 0;
 }

@@ -166,10 +166,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
       }
       for (const auto& entry : index->weight_map) {
-        FUZZ_CHECK(by_path.contains(entry.second));
-        const auto& tensors = by_path[entry.second]->tensors;
+        FUZZ_CHECK(entry.shard < index->shards.size());
+        FUZZ_CHECK(by_path.contains(index->shards[entry.shard]));
+        const auto& tensors = by_path[index->shards[entry.shard]]->tensors;
         FUZZ_CHECK(std::any_of(tensors.begin(), tensors.end(),
-                               [&](const auto& t) { return t.name == entry.first; }));
+                               [&](const auto& t) { return t.name == entry.name; }));
       }
     }
   }

@@ -188,5 +188,152 @@ TEST(GenModelTest, HalfAndBFloat16Conversions) {
   EXPECT_EQ(FloatToBFloat16(-0.5f), 0xbf00);
 }
 
+// --layout deepseek-v3: the FP8 release's names, dtypes and shape rules at any size: dense
+// first layers, MLA attention, shared experts, a router with its bias, and a weight_scale_inv
+// beside every FP8 projection; the default selection takes the routed experts and their scales.
+TEST(GenModelTest, DeepSeekV3Layout) {
+  ScopedDir dir("gen-dsv3");
+  const std::string out = dir.File("m");
+  ASSERT_EQ(GenModel({"gen-model", "--format", "safetensors", "--layout", "deepseek-v3", "--out",
+                      out, "--layers", "5", "--experts", "4", "--hidden", "256", "--ffn", "128",
+                      "--shards", "4", "--seed", "3"}),
+            0);
+  ASSERT_OK_AND_ASSIGN(SafetensorsIndex index, ReadSafetensorsIndex(out + "/" + kSafetensorsIndexName));
+  EXPECT_EQ(index.shards.size(), 4u);
+  std::map<std::string, std::pair<std::string, std::vector<uint64_t>>> seen;
+  std::map<std::string, std::string> file_of;
+  for (const std::string& shard : index.shards) {
+    ASSERT_OK_AND_ASSIGN(SafetensorsFile f, ReadSafetensors(shard));
+    for (const auto& t : f.tensors) {
+      seen[t.name] = {t.dtype, t.shape};
+      file_of[t.name] = shard;
+    }
+  }
+  // Per layer 2 norms + 5 attention projections (+ scales) + 2 attention norms; 3 dense
+  // layers of 3 projections; 2 MoE layers of router + bias, 4 x 3 experts and 3 shared
+  // projections; embed, norm, lm_head.
+  const size_t attention = 2 + 5 * 2 + 2;
+  EXPECT_EQ(seen.size(), 5 * attention + 3 * 3 * 2 + 2 * (2 + 4 * 3 * 2 + 3 * 2) + 3);
+  using Shape = std::vector<uint64_t>;
+  auto expect = [&](const std::string& name, const std::string& dtype, const Shape& shape) {
+    auto it = seen.find(name);
+    ASSERT_NE(it, seen.end()) << name;
+    EXPECT_EQ(it->second.first, dtype) << name;
+    EXPECT_EQ(it->second.second, shape) << name;
+  };
+  // Dimensions scale by hidden / 7168: q_lora_rank 1536 -> 54, kv 576 -> 20.
+  expect("model.layers.0.self_attn.q_a_proj.weight", "F8_E4M3", Shape{54, 256});
+  expect("model.layers.0.self_attn.q_a_proj.weight_scale_inv", "F32", Shape{1, 2});
+  expect("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "F8_E4M3", Shape{20, 256});
+  expect("model.layers.0.self_attn.kv_a_layernorm.weight", "BF16", Shape{18});
+  expect("model.layers.2.mlp.gate_proj.weight", "F8_E4M3", Shape{9 * 128, 256});
+  expect("model.layers.2.mlp.down_proj.weight_scale_inv", "F32", Shape{2, 9});
+  expect("model.layers.3.mlp.gate.weight", "BF16", Shape{4, 256});
+  expect("model.layers.3.mlp.gate.e_score_correction_bias", "F32", Shape{4});
+  expect("model.layers.4.mlp.experts.3.down_proj.weight", "F8_E4M3", Shape{256, 128});
+  expect("model.layers.4.mlp.experts.3.down_proj.weight_scale_inv", "F32", Shape{2, 1});
+  expect("model.layers.4.mlp.shared_experts.up_proj.weight", "F8_E4M3", Shape{128, 256});
+  expect("lm_head.weight", "BF16", Shape{64, 256});
+  EXPECT_EQ(seen.count("model.layers.2.mlp.gate.weight"), 0u) << "dense layers have no router";
+  EXPECT_EQ(seen.count("model.layers.2.mlp.experts.0.up_proj.weight"), 0u);
+  // Values: FP8 times its scale_inv is the synthetic value to E4M3's precision.
+  const std::string name = "model.layers.3.mlp.experts.2.up_proj.weight";
+  auto tensors = testing::ParseSafetensorsIndependently(file_of[name]);
+  auto fp8 = testing::ReadRange(file_of[name], tensors.at(name).offset, 64);
+  auto scale_bytes = testing::ReadRange(file_of[name + "_scale_inv"],
+                                        testing::ParseSafetensorsIndependently(
+                                            file_of[name + "_scale_inv"])
+                                            .at(name + "_scale_inv")
+                                            .offset,
+                                        4);
+  float scale;
+  std::memcpy(&scale, scale_bytes.data(), 4);
+  uint64_t seed = SyntheticTensorSeed(name, 3);
+  for (int k = 0; k < 64; ++k) {
+    float x = SyntheticValue(seed, k);
+    float got = E4M3ToFloat(static_cast<uint8_t>(fp8[k])) * scale;
+    EXPECT_NEAR(got, x, std::fabs(x) / 16 + 1e-5) << k;
+  }
+  // The routed experts and their scales are the default selection.
+  ASSERT_OK_AND_ASSIGN(ModelPlan plan, PlanModel({.files = {out}}));
+  EXPECT_EQ(plan.table.tensors.size(), 2u * 4 * 3 * 2);
+}
+
+TEST(GenModelTest, QwenAndMixtralLayouts) {
+  ScopedDir dir("gen-layouts");
+  ASSERT_EQ(GenModel({"gen-model", "--format", "safetensors", "--layout", "qwen3-moe", "--out",
+                      dir.File("q.safetensors"), "--layers", "2", "--experts", "3"}),
+            0);
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile q, ReadSafetensors(dir.File("q.safetensors")));
+  std::map<std::string, SafetensorsTensorInfo> qs;
+  for (const auto& t : q.tensors) qs[t.name] = t;
+  // Per layer: 2 norms, q/k/v/o, q_norm, k_norm, router, 3 x 3 experts; embed, norm, lm_head.
+  EXPECT_EQ(qs.size(), 2u * (2 + 4 + 2 + 1 + 9) + 3);
+  EXPECT_EQ(qs.at("model.layers.1.mlp.experts.2.down_proj.weight").dtype, "BF16");
+  EXPECT_EQ(qs.at("model.layers.1.mlp.experts.2.down_proj.weight").shape,
+            (std::vector<uint64_t>{16, 16}));
+  EXPECT_EQ(qs.at("model.layers.0.self_attn.k_norm.weight").shape, (std::vector<uint64_t>{1}));
+  EXPECT_EQ(qs.count("model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"), 0u);
+
+  ASSERT_EQ(GenModel({"gen-model", "--format", "safetensors", "--layout", "mixtral", "--out",
+                      dir.File("x.safetensors"), "--layers", "2", "--hidden", "64", "--ffn", "224",
+                      "--dtype", "f16"}),
+            0);
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile x, ReadSafetensors(dir.File("x.safetensors")));
+  std::map<std::string, SafetensorsTensorInfo> xs;
+  for (const auto& t : x.tensors) xs[t.name] = t;
+  EXPECT_EQ(xs.size(), 2u * (2 + 4 + 1 + 8 * 3) + 3);  // 8 experts by default
+  EXPECT_EQ(xs.at("model.layers.1.block_sparse_moe.experts.7.w2.weight").shape,
+            (std::vector<uint64_t>{64, 224}));
+  EXPECT_EQ(xs.at("model.layers.1.block_sparse_moe.experts.7.w2.weight").dtype, "F16");
+  EXPECT_EQ(xs.at("model.layers.1.self_attn.k_proj.weight").shape,
+            (std::vector<uint64_t>{16, 64}));
+  ASSERT_OK_AND_ASSIGN(ModelPlan plan, PlanModel({.files = {dir.File("x.safetensors")}}));
+  EXPECT_EQ(plan.table.tensors.size(), 2u * 8 * 3);
+}
+
+TEST(GenModelTest, LayoutUsageErrors) {
+  ScopedDir dir("gen-layout-usage");
+  // deepseek-v3 has no GGUF writer (qwen3-moe and mixtral do: layout_gguf.cc): a clear
+  // refusal, nothing left behind.
+  EXPECT_EQ(GenModel({"gen-model", "--format", "gguf", "--layout", "deepseek-v3", "--out",
+                      dir.File("g")}),
+            2);
+  EXPECT_FALSE(std::filesystem::exists(dir.File("g")));
+  SyntheticModelOptions o;
+  o.format = "gguf";
+  o.layout = "deepseek-v3";
+  o.out = dir.File("g");
+  auto written = WriteSyntheticModel(o);
+  ASSERT_FALSE(written.ok());
+  EXPECT_NE(written.status().message().find("--layout deepseek-v3 has no GGUF writer"),
+            std::string::npos)
+      << written.status().message();
+  // FP8 belongs to deepseek-v3; unknown layouts; synthetic still needs its sizes.
+  EXPECT_EQ(GenModel({"gen-model", "--format", "safetensors", "--layout", "mixtral", "--out",
+                      dir.File("x"), "--dtype", "f8_e4m3"}),
+            2);
+  EXPECT_EQ(GenModel({"gen-model", "--format", "safetensors", "--layout", "llama", "--out",
+                      dir.File("x")}),
+            2);
+  EXPECT_EQ(GenModel({"gen-model", "--format", "safetensors", "--out", dir.File("x")}), 2);
+  EXPECT_FALSE(std::filesystem::exists(dir.File("x")));
+}
+
+TEST(GenModelTest, E4M3Conversions) {
+  EXPECT_EQ(FloatToE4M3(0.0f), 0x00);
+  EXPECT_EQ(FloatToE4M3(1.0f), 0x38);
+  EXPECT_EQ(FloatToE4M3(-2.0f), 0xc0);
+  EXPECT_EQ(FloatToE4M3(448.0f), 0x7e);
+  EXPECT_EQ(FloatToE4M3(1e6f), 0x7e) << "saturates: E4M3 has no infinity";
+  EXPECT_EQ(FloatToE4M3(std::ldexp(1.0f, -9)), 0x01) << "smallest subnormal";
+  EXPECT_EQ(FloatToE4M3(1.0625f), 0x38) << "halfway rounds to even";
+  EXPECT_EQ(FloatToE4M3(1.1875f), 0x3a) << "halfway rounds to even";
+  for (int v = 0; v < 256; ++v) {
+    if ((v & 0x7f) == 0x7f) continue;  // NaN
+    EXPECT_EQ(FloatToE4M3(E4M3ToFloat(static_cast<uint8_t>(v))), v == 0x80 ? 0x80 : v) << v;
+  }
+}
+
 }  // namespace
 }  // namespace expert_arena::source

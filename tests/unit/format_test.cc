@@ -1,5 +1,6 @@
 // The V2 arena format: round trips, multi-page tables, and every way a header can lie.
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "common/units.h"
@@ -200,6 +201,76 @@ TEST_F(CorruptHeaderTest, ShortHeader) {
   ArenaTable out;
   Status s = DecodeHeader(std::span<const std::byte>(header_).first(100), 100, "f", &out, nullptr);
   EXPECT_EQ(s.code(), StatusCode::kCorrupt);
+}
+
+
+// The table read in place: the same tensors as DecodeHeader, every name found through the
+// stored index in O(1), absent names not found, and the fingerprint carried.
+TEST(TableViewTest, ReadsInPlaceAndFindsEveryName) {
+  ArenaTable table = MakeTable(5000, 100);
+  table.fingerprint = 0xfeedface;
+  ArenaLayout layout;
+  auto header = Encode(table, &layout);
+  ASSERT_OK_AND_ASSIGN(TableView view, TableView::Open(header, layout.file_bytes, "x"));
+  ASSERT_TRUE(view.in_place());
+  ASSERT_EQ(view.tensor_count(), table.tensors.size());
+  EXPECT_EQ(view.fixed().fingerprint, 0xfeedfaceu);
+  EXPECT_NE(view.fixed().name_index_slots, 0u);
+  EXPECT_GT(view.fixed().name_index_slots, 2 * table.tensors.size());
+  for (size_t i = 0; i < table.tensors.size(); ++i) {
+    ASSERT_EQ(view.name(i), table.tensors[i].name);
+    EXPECT_EQ(view.name(i).data()[view.name(i).size()], '\0') << "a C string in place";
+    EXPECT_EQ(view.dtype(i), "q8_0");
+    EXPECT_EQ(std::vector<uint64_t>(view.shape(i).begin(), view.shape(i).end()),
+              table.tensors[i].shape);
+    EXPECT_EQ(view.entry(i).arena_offset, table.tensors[i].arena_offset);
+    auto found = view.Find(table.tensors[i].name);
+    ASSERT_TRUE(found.has_value()) << table.tensors[i].name;
+    EXPECT_EQ(*found, i);
+  }
+  EXPECT_FALSE(view.Find("blk.0.ffn_up_exps.9999.weight").has_value());
+  EXPECT_FALSE(view.Find("").has_value());
+  EXPECT_EQ(view.source(0).path, "/models/m.gguf");
+  EXPECT_EQ(view.Summary().identity_hash, table.identity_hash);
+  ArenaTable decoded;
+  ASSERT_OK(DecodeHeader(header, layout.file_bytes, "x", &decoded, nullptr));
+  EXPECT_EQ(decoded.fingerprint, 0xfeedfaceu);
+}
+
+// A file written before the name index (zero in the former reserved bytes) is still valid: it
+// is decoded (the view says it cannot be read in place).
+TEST(TableViewTest, FileWithoutANameIndexIsDecoded) {
+  ArenaTable table = MakeTable(300, 100);
+  ArenaLayout layout;
+  auto header = Encode(table, &layout);
+  HeaderFixed f;
+  std::memcpy(&f, header.data(), sizeof f);
+  f.name_index_offset = f.name_index_slots = f.name_index_checksum = 0;
+  f.header_checksum = 0;
+  f.header_checksum = Checksum({reinterpret_cast<const std::byte*>(&f), sizeof f});
+  std::memcpy(header.data(), &f, sizeof f);
+  ASSERT_OK_AND_ASSIGN(TableView view, TableView::Open(header, layout.file_bytes, "x"));
+  EXPECT_FALSE(view.in_place());
+  ArenaTable decoded;
+  ASSERT_OK(DecodeHeader(header, layout.file_bytes, "x", &decoded, nullptr));
+  ASSERT_EQ(decoded.tensors.size(), table.tensors.size());
+  EXPECT_EQ(decoded.tensors[299].name, table.tensors[299].name);
+}
+
+TEST_F(CorruptHeaderTest, DamagedNameIndexIsRefused) {
+  HeaderFixed f = Fixed();
+  header_[f.name_index_offset + 4 * 3] ^= std::byte{0x5a};
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("name index checksum"), std::string::npos);
+  // Slots that are no power of two, or an index outside the header region.
+  f.name_index_slots = 1000;
+  Store(f);
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("name index"), std::string::npos);
+  f = Fixed();
+  f.name_index_slots = 1ull << 60;
+  Store(f);
+  EXPECT_NE(DecodeError(layout_.file_bytes).find("name index"), std::string::npos);
+  // TableView refuses what DecodeHeader refuses.
+  EXPECT_FALSE(TableView::Open(header_, layout_.file_bytes, "x").ok());
 }
 
 }  // namespace
