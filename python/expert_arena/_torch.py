@@ -35,6 +35,17 @@ def _writes_in_place(name):
 class ReadOnlyTensor(torch.Tensor):
     """A tensor over shared memory that must not be written: in-place operations raise."""
 
+    def as_subclass(self, cls):
+        # torch does not route as_subclass through __torch_function__: without this, a plain
+        # tensor over the read-only mapping would escape the guard and a write through it
+        # would end the process with SIGSEGV instead of raising.
+        if isinstance(cls, type) and issubclass(cls, ReadOnlyTensor):
+            return torch.Tensor.as_subclass(self, cls)
+        raise ValueError(
+            "expert_arena: as_subclass(%s) would drop the read-only guard of a view of shared "
+            "memory (an arena or a stream segment); make a copy first (tensor.clone())"
+            % getattr(cls, "__name__", cls))
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -67,12 +78,12 @@ def _rewrap(out, args, cls):
     """Results that point into a read-only tensor's memory stay read-only."""
     if isinstance(out, torch.Tensor):
         if out.device.type != "cpu":
-            return out if type(out) is torch.Tensor else out.as_subclass(torch.Tensor)
+            return out if type(out) is torch.Tensor else torch.Tensor.as_subclass(out, torch.Tensor)
         p = out.data_ptr()
         for start, size in _ranges(args):
             if start <= p < start + max(size, 1):
-                return out.as_subclass(cls)
-        return out if type(out) is torch.Tensor else out.as_subclass(torch.Tensor)
+                return torch.Tensor.as_subclass(out, cls)
+        return out if type(out) is torch.Tensor else torch.Tensor.as_subclass(out, torch.Tensor)
     if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
         return type(out)(_rewrap(o, args, cls) for o in out)
     return out
@@ -106,7 +117,7 @@ def view(buffer: np.ndarray, layout) -> torch.Tensor:
     dtype = torch_dtype(layout.torch_name, layout.numpy_dtype)
     if t.dtype != dtype:
         t = t.view(dtype)
-    return t.reshape(layout.shape).as_subclass(ReadOnlyTensor)
+    return torch.Tensor.as_subclass(t.reshape(layout.shape), ReadOnlyTensor)
 
 
 def source(tensor):

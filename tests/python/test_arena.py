@@ -170,7 +170,9 @@ def test_writing_through_a_view_raises_and_the_file_is_unchanged(gen_model, shm_
         attempts = [lambda: t.add_(1), lambda: t.zero_(), lambda: t.__setitem__(0, 1.0),
                     lambda: t[1].fill_(3), lambda: t.view(-1).copy_(torch.zeros(t.numel())),
                     lambda: torch.add(t, 1, out=t), lambda: t[0].t().mul_(2),
-                    lambda: t.numpy().__setitem__((0, 0, 0), 1.0)]
+                    lambda: t.numpy().__setitem__((0, 0, 0), 1.0),
+                    lambda: t.as_subclass(torch.Tensor).add_(1),
+                    lambda: t[0].as_subclass(torch.Tensor).fill_(0)]
         for attempt in attempts:
             with pytest.raises(ValueError):
                 attempt()
