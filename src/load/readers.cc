@@ -25,17 +25,22 @@ size_t ReadJob::TakePiece(size_t& run_next) {
   const size_t index = ClaimPiece(run_next);
   if (index == kNone || ready_front == nullptr) return index;
   const ReadPiece& piece = plan->pieces[index];
-  const uint64_t end = ready_base + piece.arena_offset + piece.bytes;
-  if (ready_front->ready() >= end) return index;
+  return WaitReady(piece.arena_offset + piece.bytes) ? index : kNone;
+}
+
+bool ReadJob::WaitReady(uint64_t end) {
+  if (ready_front == nullptr) return true;
+  end += ready_base;
+  if (ready_front->ready() >= end) return true;
   const auto start = std::chrono::steady_clock::now();
   Status ready = ready_front->WaitFor(end);
   ready_wait_nanos.fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count(),
       std::memory_order_relaxed);
-  if (ready.ok()) return index;
+  if (ready.ok()) return true;
   Fail(ready);
-  return kNone;
+  return false;
 }
 
 size_t ReadJob::ClaimPiece(size_t& run_next) {
@@ -53,8 +58,9 @@ size_t ReadJob::ClaimPiece(size_t& run_next) {
       // A run of hot pieces starts here: move next_piece past it, so that the other workers
       // start other tensors instead of taking this tensor's pieces (which they could not hash
       // while hot: a tensor's hash is sequential).
+      // A tiny tensor's batch (HotBatchEnd) is left to this worker the same way.
       const uint32_t tensor = plan->pieces[index].tensor;
-      size_t end = index + 1;
+      size_t end = HotBatchEnd(index);
       while (end < n && plan->pieces[end].tensor == tensor && Hot(end)) ++end;
       size_t at = next_piece.load();
       while (at < end && !next_piece.compare_exchange_weak(at, end)) {
@@ -71,8 +77,71 @@ size_t ReadJob::ClaimPiece(size_t& run_next) {
   return kNone;
 }
 
+size_t ReadJob::HotBatchEnd(size_t index) const {
+  const std::vector<ReadPiece>& pieces = plan->pieces;
+  auto tiny_whole = [&](size_t k) {
+    const uint32_t t = pieces[k].tensor;
+    return pieces[k].bytes <= kBatchPieceBytes &&
+           plan->tensor_first[t + 1] - plan->tensor_first[t] == 1 && Hot(k);
+  };
+  if (!tiny_whole(index)) return index + 1;
+  const ReadPiece& first = pieces[index];
+  uint64_t file_end = first.source_offset + first.bytes;
+  size_t end = index + 1;
+  const size_t limit = std::min(pieces.size(), index + kBatchPieces);
+  while (end < limit) {
+    const ReadPiece& next = pieces[end];
+    if (next.source != first.source || next.source_offset < file_end ||
+        next.source_offset - file_end > kBatchGapBytes ||
+        next.source_offset + next.bytes - first.source_offset > hot_block_bytes ||
+        !tiny_whole(end)) {
+      break;
+    }
+    file_end = next.source_offset + next.bytes;
+    ++end;
+  }
+  return end;
+}
+
 void ReadJob::CopyHot(size_t index, size_t& run_next) {
   const ReadPiece& piece = plan->pieces[index];
+  const size_t batch_end = HotBatchEnd(index);
+  if (batch_end > index + 1) {
+    // Claim what is left of the batch (a worker that took one of its pieces before ClaimPiece
+    // moved next_piece past it copies that one itself).
+    std::vector<size_t> batch;
+    batch.reserve(batch_end - index);
+    batch.push_back(index);
+    for (size_t k = index + 1; k < batch_end; ++k) {
+      if (claimed[k].load(std::memory_order_relaxed) == 0 && claimed[k].exchange(1) == 0) {
+        batch.push_back(k);
+      }
+    }
+    const ReadPiece& last = plan->pieces[batch.back()];
+    if (!WaitReady(last.arena_offset + last.bytes)) return;
+    const std::byte* base = mapped[piece.source];
+    const uintptr_t page = platform::BasePageSize();
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base + piece.source_offset) / page * page;
+    const uintptr_t end = reinterpret_cast<uintptr_t>(base + last.source_offset + last.bytes);
+    const bool faulted_in =
+        platform::AdviseRange(reinterpret_cast<void*>(first), end - first,
+                              platform::Advice::kPopulateRead, buffered[piece.source]->path())
+            .ok();
+    for (size_t k : batch) {
+      const ReadPiece& p = plan->pieces[k];
+      if (!faulted_in) {
+        // Truncated since planned: the reads report the short file by name (see below).
+        Status s = FinishPiece(p, 0);
+        if (!s.ok()) return Fail(s);
+        PieceDone(k);
+        continue;
+      }
+      std::memcpy(data.data() + p.arena_offset, base + p.source_offset, p.bytes);
+      hasher->HashWhole(k);
+      bytes_done.fetch_add(p.bytes, std::memory_order_relaxed);
+    }
+    return;
+  }
   const std::byte* from = mapped[piece.source] + piece.source_offset;
   std::byte* to = data.data() + piece.arena_offset;
   // Fault the piece's source pages in first: if the file was truncated since it was planned

@@ -66,10 +66,23 @@ struct ReadJob {
   size_t TakePiece(size_t& run_next);
   // TakePiece without waiting for the pages.
   size_t ClaimPiece(size_t& run_next);
+  // Waits until the arena's pages up to data offset `end` are made (ready_front); false after
+  // failing the job when they never will be.
+  bool WaitReady(uint64_t end);
   // Copies hot piece `index` from the mapping, hashing it on the way when its tensor's hash
   // has reached it, and marks it done; sets run_next to the tensor's following piece when
-  // that one is hot too.
+  // that one is hot too. A tiny tensor starts a batch (HotBatchEnd): the following tiny
+  // tensors still unclaimed are claimed and copied with it, their source pages faulted in by
+  // one madvise and each hashed right after its copy.
   void CopyHot(size_t index, size_t& run_next);
+  // The end of the batch of hot tensors that piece `index` starts: index + 1, or more when it
+  // and the pieces after it are whole tiny tensors (one piece each, at most kBatchPieceBytes)
+  // of the same source, hot, each starting at most kBatchGapBytes after the previous one ends
+  // in the file, spanning at most hot_block_bytes of it and kBatchPieces pieces.
+  size_t HotBatchEnd(size_t index) const;
+  static constexpr uint64_t kBatchPieceBytes = 16 * 1024;
+  static constexpr uint64_t kBatchGapBytes = 4096;
+  static constexpr size_t kBatchPieces = 4096;
 
   void Fail(const Status& s);
   // Reads what a read left undone ([done, bytes) of the piece) with pread on the buffered
