@@ -58,10 +58,16 @@ size_t ReadJob::ClaimPiece(size_t& run_next) {
       // A run of hot pieces starts here: move next_piece past it, so that the other workers
       // start other tensors instead of taking this tensor's pieces (which they could not hash
       // while hot: a tensor's hash is sequential).
-      // A tiny tensor's batch (HotBatchEnd) is left to this worker the same way.
       const uint32_t tensor = plan->pieces[index].tensor;
-      size_t end = HotBatchEnd(index);
+      size_t end = index + 1;
       while (end < n && plan->pieces[end].tensor == tensor && Hot(end)) ++end;
+      size_t at = next_piece.load();
+      while (at < end && !next_piece.compare_exchange_weak(at, end)) {
+      }
+    }
+    // A batch of tiny tensors (BatchEnd) is left to this worker the same way.
+    const size_t end = BatchEnd(index);
+    if (end > index + 1) {
       size_t at = next_piece.load();
       while (at < end && !next_piece.compare_exchange_weak(at, end)) {
       }
@@ -77,12 +83,13 @@ size_t ReadJob::ClaimPiece(size_t& run_next) {
   return kNone;
 }
 
-size_t ReadJob::HotBatchEnd(size_t index) const {
+size_t ReadJob::BatchEnd(size_t index) const {
   const std::vector<ReadPiece>& pieces = plan->pieces;
+  const bool hot = Hot(index);
   auto tiny_whole = [&](size_t k) {
     const uint32_t t = pieces[k].tensor;
     return pieces[k].bytes <= kBatchPieceBytes &&
-           plan->tensor_first[t + 1] - plan->tensor_first[t] == 1 && Hot(k);
+           plan->tensor_first[t + 1] - plan->tensor_first[t] == 1 && Hot(k) == hot;
   };
   if (!tiny_whole(index)) return index + 1;
   const ReadPiece& first = pieces[index];
@@ -103,20 +110,46 @@ size_t ReadJob::HotBatchEnd(size_t index) const {
   return end;
 }
 
+std::vector<size_t> ReadJob::ClaimBatch(size_t index, size_t end) {
+  // A worker that took one of the batch's pieces before ClaimPiece moved next_piece past the
+  // batch handles that one itself.
+  std::vector<size_t> batch;
+  batch.reserve(end - index);
+  batch.push_back(index);
+  for (size_t k = index + 1; k < end; ++k) {
+    if (claimed[k].load(std::memory_order_relaxed) == 0 && claimed[k].exchange(1) == 0) {
+      batch.push_back(k);
+    }
+  }
+  return batch;
+}
+
+void ReadJob::ReadBatch(size_t index, size_t end, std::vector<std::byte>& buffer) {
+  const std::vector<size_t> batch = ClaimBatch(index, end);
+  const ReadPiece& first = plan->pieces[index];
+  const ReadPiece& last = plan->pieces[batch.back()];
+  const uint64_t span = last.source_offset + last.bytes - first.source_offset;
+  if (buffer.size() < span) buffer.resize(span);
+  Status s = platform::ReadFull(*buffered[first.source], first.source_offset,
+                                std::span(buffer).first(span));
+  if (!s.ok()) return Fail(s);
+  if (!WaitReady(last.arena_offset + last.bytes)) return;
+  for (size_t k : batch) {
+    const ReadPiece& p = plan->pieces[k];
+    std::memcpy(data.data() + p.arena_offset, buffer.data() + (p.source_offset - first.source_offset),
+                p.bytes);
+    hasher->HashWhole(k);
+    bytes_done.fetch_add(p.bytes, std::memory_order_relaxed);
+    if (p.direct) batched_direct_bytes.fetch_add(p.bytes, std::memory_order_relaxed);
+    if (p.bounce) batched_bounce_bytes.fetch_add(p.bytes, std::memory_order_relaxed);
+  }
+}
+
 void ReadJob::CopyHot(size_t index, size_t& run_next) {
   const ReadPiece& piece = plan->pieces[index];
-  const size_t batch_end = HotBatchEnd(index);
+  const size_t batch_end = BatchEnd(index);
   if (batch_end > index + 1) {
-    // Claim what is left of the batch (a worker that took one of its pieces before ClaimPiece
-    // moved next_piece past it copies that one itself).
-    std::vector<size_t> batch;
-    batch.reserve(batch_end - index);
-    batch.push_back(index);
-    for (size_t k = index + 1; k < batch_end; ++k) {
-      if (claimed[k].load(std::memory_order_relaxed) == 0 && claimed[k].exchange(1) == 0) {
-        batch.push_back(k);
-      }
-    }
+    const std::vector<size_t> batch = ClaimBatch(index, batch_end);
     const ReadPiece& last = plan->pieces[batch.back()];
     if (!WaitReady(last.arena_offset + last.bytes)) return;
     const std::byte* base = mapped[piece.source];
@@ -262,6 +295,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
   const ReadPlan& plan = *job.plan;
   BouncePool bounces(job.bounce_buffer_bytes, kBouncedInFlight);
   std::vector<std::pair<size_t, std::byte*>> bounced;  // in flight: piece -> buffer
+  std::vector<std::byte> batch_buffer;  // for ReadBatch
   unsigned in_flight = 0;
   bool exhausted = false;
   size_t run_next = ReadJob::kNone;
@@ -278,6 +312,11 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
       if (job.Hot(index)) {
         job.CopyHot(index, run_next);
         // Let reads in flight complete between hot pieces.
+        if (in_flight > 0) break;
+        continue;
+      }
+      if (const size_t end = job.BatchEnd(index); end > index + 1) {
+        job.ReadBatch(index, end, batch_buffer);
         if (in_flight > 0) break;
         continue;
       }
@@ -347,6 +386,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
 void PreadWorker(ReadJob& job) {
   const ReadPlan& plan = *job.plan;
   BouncePool bounces(job.bounce_buffer_bytes, 1);
+  std::vector<std::byte> batch_buffer;  // for ReadBatch
   size_t run_next = ReadJob::kNone;
   for (;;) {
     if (job.failed.load(std::memory_order_relaxed)) return;
@@ -356,6 +396,10 @@ void PreadWorker(ReadJob& job) {
     Status s;
     if (job.Hot(index)) {
       job.CopyHot(index, run_next);
+      continue;
+    }
+    if (const size_t end = job.BatchEnd(index); end > index + 1) {
+      job.ReadBatch(index, end, batch_buffer);
       continue;
     }
     if (piece.direct) {

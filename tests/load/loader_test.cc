@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "common/ready_front.h"
@@ -189,10 +190,11 @@ TEST_P(LoaderReadersTest, HotCopyGivesTheSameArenaAsReads) {
   }
 }
 
-// A DeepSeek-V3-shaped checkpoint of tiny tensors (FP8 weights of 256 bytes, 4-byte scales),
-// cached: runs of tiny tensors adjacent in a shard are copied in batches (one madvise a
-// batch, each tensor hashed on its own), across the arena's padding between them and never
-// across shards. Same arena and checksums as reading every tensor, whatever the threads and
+// A DeepSeek-V3-shaped checkpoint of tiny tensors (FP8 weights of 256 bytes, 4-byte scales):
+// runs of tiny tensors adjacent in a shard are handled in batches, never across shards: cached
+// ones copied from the mapping (one madvise a batch), others read with one pread of the range
+// they span (hot_copy off); each tensor copied into place across the arena's padding between
+// them and hashed on its own. Every byte and checksum is the file's, whatever the threads and
 // the block size that bounds a batch.
 TEST_P(LoaderReadersTest, TinyTensorsAreCopiedInBatches) {
   if (GetParam() == "io_uring" && !IoUringWorks()) GTEST_SKIP() << "io_uring is not allowed here";
@@ -224,24 +226,28 @@ TEST_P(LoaderReadersTest, TinyTensorsAreCopiedInBatches) {
               b.arena_offset > a.arena_offset + a.bytes;
   }
   ASSERT_TRUE(padded);
-  LoadRequest plain;
-  plain.reader = GetParam();
-  plain.hot_copy = false;
-  ASSERT_OK_AND_ASSIGN(Loaded reference, LoadWith(plan, plain));
-  ExpectMatchesSources(reference, independent);
-  for (unsigned threads : {1u, 2u, 3u}) {
-    for (uint64_t block : {uint64_t{4096}, 128 * kKiB}) {
-      LoadRequest hot = plain;
-      hot.hot_copy = true;
-      hot.hot_block_bytes = block;
-      hot.threads = threads;
-      ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadWith(plan, hot));
-      SCOPED_TRACE(std::to_string(threads) + " threads, block " + std::to_string(block));
-      EXPECT_EQ(loaded.result.hot_bytes, loaded.result.bytes_read);
-      ASSERT_EQ(loaded.memory.size(), reference.memory.size());
-      EXPECT_EQ(std::memcmp(loaded.memory.data(), reference.memory.data(), loaded.memory.size()),
-                0);
-      ExpectMatchesSources(loaded, independent);
+  std::optional<Loaded> reference;
+  for (bool hot_copy : {false, true}) {
+    for (unsigned threads : {1u, 2u, 3u}) {
+      for (uint64_t block : {uint64_t{4096}, 128 * kKiB}) {
+        LoadRequest request;
+        request.reader = GetParam();
+        request.hot_copy = hot_copy;
+        request.hot_block_bytes = block;
+        request.threads = threads;
+        ASSERT_OK_AND_ASSIGN(Loaded loaded, LoadWith(plan, request));
+        SCOPED_TRACE(std::string(hot_copy ? "hot" : "read") + ", " + std::to_string(threads) +
+                     " threads, block " + std::to_string(block));
+        EXPECT_EQ(loaded.result.hot_bytes, hot_copy ? loaded.result.bytes_read : 0);
+        ExpectMatchesSources(loaded, independent);
+        if (!reference) {
+          reference = std::move(loaded);
+          continue;
+        }
+        ASSERT_EQ(loaded.memory.size(), reference->memory.size());
+        EXPECT_EQ(
+            std::memcmp(loaded.memory.data(), reference->memory.data(), loaded.memory.size()), 0);
+      }
     }
   }
 }
@@ -529,8 +535,8 @@ TEST(LoaderTest, SourceTruncatedDuringTheLoadIsAnError) {
       << loaded.status().ToString();
 }
 
-// The same for a shard of tiny tensors cut short inside a batch of hot copies: the error names
-// the shard.
+// The same for a shard of tiny tensors cut short inside a batch, copied or read: the error
+// names the shard.
 TEST(LoaderTest, ShardTruncatedInsideABatchIsAnError) {
   ScopedDir dir("load-batch-cut");
   source::SyntheticModelOptions o{.format = "safetensors",
@@ -550,10 +556,12 @@ TEST(LoaderTest, ShardTruncatedInsideABatchIsAnError) {
   const std::string shard = plan.table.sources[s].path;
   const uint64_t size = std::filesystem::file_size(shard);
   (void)testing::ReadRange(shard, 0, size);
-  for (const char* reader : {"io_uring", "pread"}) {
-    if (std::string(reader) == "io_uring" && !IoUringWorks()) continue;
+  for (const char* reader : {"io_uring", "pread", "io_uring-read", "pread-read"}) {
+    const std::string name = reader;
+    if (name.starts_with("io_uring") && !IoUringWorks()) continue;
     LoadRequest request;
-    request.reader = reader;
+    request.reader = name.substr(0, name.find('-'));
+    request.hot_copy = !name.ends_with("-read");  // batches copied or batches read
     request.threads = 1;
     request.after_plan_for_testing = [&] { std::filesystem::resize_file(shard, size / 2); };
     auto loaded = LoadWith(plan, request);
