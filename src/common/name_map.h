@@ -64,7 +64,7 @@ class NameMap {
   void Reset(size_t expected) {
     size_t capacity = 16;
     while (capacity < expected * 2 + 2) capacity <<= 1;
-    slots_.assign(capacity, Slot());
+    slots_ = std::vector<Slot>(capacity);
     mask_ = capacity - 1;
     size_ = 0;
   }

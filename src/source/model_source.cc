@@ -191,6 +191,9 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
       collected.header_bytes += index.bytes_read;
       fingerprint_files[i].index_hash = index.content_hash;
       EA_ASSIGN_OR_RETURN(std::vector<SafetensorsFile> shards, ReadShardedSafetensors(index));
+      size_t count = collected.tensors.size();
+      for (const SafetensorsFile& shard : shards) count += shard.tensors.size();
+      collected.tensors.reserve(count);
       for (SafetensorsFile& shard : shards) {
         if (!already(shard.path)) AddSafetensors(shard, collected);
       }
