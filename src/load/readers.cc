@@ -136,8 +136,8 @@ void ReadJob::ReadBatch(size_t index, size_t end, std::vector<std::byte>& buffer
   if (!WaitReady(last.arena_offset + last.bytes)) return;
   for (size_t k : batch) {
     const ReadPiece& p = plan->pieces[k];
-    std::memcpy(data.data() + p.arena_offset, buffer.data() + (p.source_offset - first.source_offset),
-                p.bytes);
+    std::memcpy(data.data() + p.arena_offset,
+                buffer.data() + (p.source_offset - first.source_offset), p.bytes);
     hasher->HashWhole(k);
     bytes_done.fetch_add(p.bytes, std::memory_order_relaxed);
     if (p.direct) batched_direct_bytes.fetch_add(p.bytes, std::memory_order_relaxed);
@@ -295,7 +295,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
   const ReadPlan& plan = *job.plan;
   BouncePool bounces(job.bounce_buffer_bytes, kBouncedInFlight);
   std::vector<std::pair<size_t, std::byte*>> bounced;  // in flight: piece -> buffer
-  std::vector<std::byte> batch_buffer;  // for ReadBatch
+  std::vector<std::byte> batch_buffer;                 // for ReadBatch
   unsigned in_flight = 0;
   bool exhausted = false;
   size_t run_next = ReadJob::kNone;

@@ -256,7 +256,7 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   // Shards in order of first mention; few distinct ones, each name met thousands of times.
   std::map<std::string, uint32_t, std::less<>> shard_of;  // name -> index into shards
-  NameMap<char> keys(map->size());  // views into the parser's strings
+  NameMap<char> keys(map->size());                        // views into the parser's strings
   for (sj::dom::key_value_pair it : *map) {
     // The keys are tensor names, held to the rule of the shards' own names (and quoted below).
     if (std::string problem = format::TensorNameProblem(it.key); !problem.empty()) {

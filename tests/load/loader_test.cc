@@ -245,8 +245,8 @@ TEST_P(LoaderReadersTest, TinyTensorsAreCopiedInBatches) {
           continue;
         }
         ASSERT_EQ(loaded.memory.size(), reference->memory.size());
-        EXPECT_EQ(
-            std::memcmp(loaded.memory.data(), reference->memory.data(), loaded.memory.size()), 0);
+        EXPECT_EQ(std::memcmp(loaded.memory.data(), reference->memory.data(), loaded.memory.size()),
+                  0);
       }
     }
   }

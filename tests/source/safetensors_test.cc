@@ -138,16 +138,18 @@ TEST(SafetensorsTest, IndexErrors) {
   SafetensorsWriter w2;
   ASSERT_OK(w2.AddTensor("a.experts.1.w1", "F32", {4}));
   ASSERT_OK(w2.WriteFile(dir.File("s2.safetensors"), FillPattern));
-  ExpectError(Plan({write_index(
-                  R"({"weight_map": {"a.experts.0.w1": "s1.safetensors", "a.experts.1.w1": "s1.safetensors"}})")}),
-              {"index.json", "tensor a.experts.1.w1", "does not hold it"});
+  ExpectError(
+      Plan({write_index(
+          R"({"weight_map": {"a.experts.0.w1": "s1.safetensors", "a.experts.1.w1": "s1.safetensors"}})")}),
+      {"index.json", "tensor a.experts.1.w1", "does not hold it"});
   SafetensorsWriter both;
   ASSERT_OK(both.AddTensor("a.experts.0.w1", "F32", {4}));
   ASSERT_OK(both.AddTensor("a.experts.1.w1", "F32", {4}));
   ASSERT_OK(both.WriteFile(dir.File("s2.safetensors"), FillPattern));
-  ExpectError(Plan({write_index(
-                  R"({"weight_map": {"a.experts.0.w1": "s1.safetensors", "a.experts.1.w1": "s2.safetensors"}})")}),
-              {"a.experts.0.w1", "appears in both", "s1.safetensors", "s2.safetensors"});
+  ExpectError(
+      Plan({write_index(
+          R"({"weight_map": {"a.experts.0.w1": "s1.safetensors", "a.experts.1.w1": "s2.safetensors"}})")}),
+      {"a.experts.0.w1", "appears in both", "s1.safetensors", "s2.safetensors"});
   {
     SafetensorsWriter s1;  // s1 also holds a tensor only it has, so the index can name it
     ASSERT_OK(s1.AddTensor("a.experts.0.w1", "F32", {4}));
