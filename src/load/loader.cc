@@ -241,8 +241,9 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
 
   sources.mapped.clear();  // unmapped inside the timing
   result.bytes_read = plan.total_bytes;
-  result.direct_bytes = plan.direct_bytes;
-  result.bounce_bytes = plan.bounce_bytes;
+  // Batches of tiny tensors planned direct were read buffered (ReadJob::ReadBatch).
+  result.direct_bytes = plan.direct_bytes - job.batched_direct_bytes.load();
+  result.bounce_bytes = plan.bounce_bytes - job.batched_bounce_bytes.load();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (request.logger != nullptr) {
     request.logger->debug(
@@ -250,7 +251,7 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
         "through bounce buffers, {} direct reads redone buffered, {} copied from the page "
         "cache and hashed while hot)",
         FormatBytes(result.bytes_read), result.seconds, result.reader, threads,
-        FormatBytes(result.direct_bytes), FormatBytes(plan.bounce_bytes),
+        FormatBytes(result.direct_bytes), FormatBytes(result.bounce_bytes),
         job.direct_fallbacks.load(), FormatBytes(result.hot_bytes));
   }
   return result;

@@ -25,17 +25,22 @@ size_t ReadJob::TakePiece(size_t& run_next) {
   const size_t index = ClaimPiece(run_next);
   if (index == kNone || ready_front == nullptr) return index;
   const ReadPiece& piece = plan->pieces[index];
-  const uint64_t end = ready_base + piece.arena_offset + piece.bytes;
-  if (ready_front->ready() >= end) return index;
+  return WaitReady(piece.arena_offset + piece.bytes) ? index : kNone;
+}
+
+bool ReadJob::WaitReady(uint64_t end) {
+  if (ready_front == nullptr) return true;
+  end += ready_base;
+  if (ready_front->ready() >= end) return true;
   const auto start = std::chrono::steady_clock::now();
   Status ready = ready_front->WaitFor(end);
   ready_wait_nanos.fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count(),
       std::memory_order_relaxed);
-  if (ready.ok()) return index;
+  if (ready.ok()) return true;
   Fail(ready);
-  return kNone;
+  return false;
 }
 
 size_t ReadJob::ClaimPiece(size_t& run_next) {
@@ -60,6 +65,13 @@ size_t ReadJob::ClaimPiece(size_t& run_next) {
       while (at < end && !next_piece.compare_exchange_weak(at, end)) {
       }
     }
+    // A batch of tiny tensors (BatchEnd) is left to this worker the same way.
+    const size_t end = BatchEnd(index);
+    if (end > index + 1) {
+      size_t at = next_piece.load();
+      while (at < end && !next_piece.compare_exchange_weak(at, end)) {
+      }
+    }
     return index;
   }
   // Nothing left in plan order: steal from the back of the runs still being read.
@@ -71,8 +83,98 @@ size_t ReadJob::ClaimPiece(size_t& run_next) {
   return kNone;
 }
 
+size_t ReadJob::BatchEnd(size_t index) const {
+  const std::vector<ReadPiece>& pieces = plan->pieces;
+  const bool hot = Hot(index);
+  auto tiny_whole = [&](size_t k) {
+    const uint32_t t = pieces[k].tensor;
+    return pieces[k].bytes <= kBatchPieceBytes &&
+           plan->tensor_first[t + 1] - plan->tensor_first[t] == 1 && Hot(k) == hot;
+  };
+  if (!tiny_whole(index)) return index + 1;
+  const ReadPiece& first = pieces[index];
+  uint64_t file_end = first.source_offset + first.bytes;
+  size_t end = index + 1;
+  const size_t limit = std::min(pieces.size(), index + kBatchPieces);
+  while (end < limit) {
+    const ReadPiece& next = pieces[end];
+    if (next.source != first.source || next.source_offset < file_end ||
+        next.source_offset - file_end > kBatchGapBytes ||
+        next.source_offset + next.bytes - first.source_offset > hot_block_bytes ||
+        !tiny_whole(end)) {
+      break;
+    }
+    file_end = next.source_offset + next.bytes;
+    ++end;
+  }
+  return end;
+}
+
+std::vector<size_t> ReadJob::ClaimBatch(size_t index, size_t end) {
+  // A worker that took one of the batch's pieces before ClaimPiece moved next_piece past the
+  // batch handles that one itself.
+  std::vector<size_t> batch;
+  batch.reserve(end - index);
+  batch.push_back(index);
+  for (size_t k = index + 1; k < end; ++k) {
+    if (claimed[k].load(std::memory_order_relaxed) == 0 && claimed[k].exchange(1) == 0) {
+      batch.push_back(k);
+    }
+  }
+  return batch;
+}
+
+void ReadJob::ReadBatch(size_t index, size_t end, std::vector<std::byte>& buffer) {
+  const std::vector<size_t> batch = ClaimBatch(index, end);
+  const ReadPiece& first = plan->pieces[index];
+  const ReadPiece& last = plan->pieces[batch.back()];
+  const uint64_t span = last.source_offset + last.bytes - first.source_offset;
+  if (buffer.size() < span) buffer.resize(span);
+  Status s = platform::ReadFull(*buffered[first.source], first.source_offset,
+                                std::span(buffer).first(span));
+  if (!s.ok()) return Fail(s);
+  if (!WaitReady(last.arena_offset + last.bytes)) return;
+  for (size_t k : batch) {
+    const ReadPiece& p = plan->pieces[k];
+    std::memcpy(data.data() + p.arena_offset,
+                buffer.data() + (p.source_offset - first.source_offset), p.bytes);
+    hasher->HashWhole(k);
+    bytes_done.fetch_add(p.bytes, std::memory_order_relaxed);
+    if (p.direct) batched_direct_bytes.fetch_add(p.bytes, std::memory_order_relaxed);
+    if (p.bounce) batched_bounce_bytes.fetch_add(p.bytes, std::memory_order_relaxed);
+  }
+}
+
 void ReadJob::CopyHot(size_t index, size_t& run_next) {
   const ReadPiece& piece = plan->pieces[index];
+  const size_t batch_end = BatchEnd(index);
+  if (batch_end > index + 1) {
+    const std::vector<size_t> batch = ClaimBatch(index, batch_end);
+    const ReadPiece& last = plan->pieces[batch.back()];
+    if (!WaitReady(last.arena_offset + last.bytes)) return;
+    const std::byte* base = mapped[piece.source];
+    const uintptr_t page = platform::BasePageSize();
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base + piece.source_offset) / page * page;
+    const uintptr_t end = reinterpret_cast<uintptr_t>(base + last.source_offset + last.bytes);
+    const bool faulted_in =
+        platform::AdviseRange(reinterpret_cast<void*>(first), end - first,
+                              platform::Advice::kPopulateRead, buffered[piece.source]->path())
+            .ok();
+    for (size_t k : batch) {
+      const ReadPiece& p = plan->pieces[k];
+      if (!faulted_in) {
+        // Truncated since planned: the reads report the short file by name (see below).
+        Status s = FinishPiece(p, 0);
+        if (!s.ok()) return Fail(s);
+        PieceDone(k);
+        continue;
+      }
+      std::memcpy(data.data() + p.arena_offset, base + p.source_offset, p.bytes);
+      hasher->HashWhole(k);
+      bytes_done.fetch_add(p.bytes, std::memory_order_relaxed);
+    }
+    return;
+  }
   const std::byte* from = mapped[piece.source] + piece.source_offset;
   std::byte* to = data.data() + piece.arena_offset;
   // Fault the piece's source pages in first: if the file was truncated since it was planned
@@ -193,6 +295,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
   const ReadPlan& plan = *job.plan;
   BouncePool bounces(job.bounce_buffer_bytes, kBouncedInFlight);
   std::vector<std::pair<size_t, std::byte*>> bounced;  // in flight: piece -> buffer
+  std::vector<std::byte> batch_buffer;                 // for ReadBatch
   unsigned in_flight = 0;
   bool exhausted = false;
   size_t run_next = ReadJob::kNone;
@@ -209,6 +312,11 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
       if (job.Hot(index)) {
         job.CopyHot(index, run_next);
         // Let reads in flight complete between hot pieces.
+        if (in_flight > 0) break;
+        continue;
+      }
+      if (const size_t end = job.BatchEnd(index); end > index + 1) {
+        job.ReadBatch(index, end, batch_buffer);
         if (in_flight > 0) break;
         continue;
       }
@@ -278,6 +386,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
 void PreadWorker(ReadJob& job) {
   const ReadPlan& plan = *job.plan;
   BouncePool bounces(job.bounce_buffer_bytes, 1);
+  std::vector<std::byte> batch_buffer;  // for ReadBatch
   size_t run_next = ReadJob::kNone;
   for (;;) {
     if (job.failed.load(std::memory_order_relaxed)) return;
@@ -287,6 +396,10 @@ void PreadWorker(ReadJob& job) {
     Status s;
     if (job.Hot(index)) {
       job.CopyHot(index, run_next);
+      continue;
+    }
+    if (const size_t end = job.BatchEnd(index); end > index + 1) {
+      job.ReadBatch(index, end, batch_buffer);
       continue;
     }
     if (piece.direct) {

@@ -49,6 +49,9 @@ struct ReadJob {
   std::atomic<size_t> next_piece{0};
   std::atomic<uint64_t> bytes_done{0};
   std::atomic<uint64_t> direct_fallbacks{0};
+  // Bytes of pieces planned direct (and bounced) that ReadBatch read buffered instead.
+  std::atomic<uint64_t> batched_direct_bytes{0};
+  std::atomic<uint64_t> batched_bounce_bytes{0};
   std::atomic<bool> failed{false};
   std::mutex mu;
   Status first_error;
@@ -64,12 +67,33 @@ struct ReadJob {
   // stolen from another worker's run; kNone when every piece is claimed. Returns only when the
   // piece's pages are ready (ready_front); kNone after failing the job when they never will be.
   size_t TakePiece(size_t& run_next);
+  // The pieces of the batch [index, end) this worker gets: index (already claimed) and those
+  // of the rest it claims now.
+  std::vector<size_t> ClaimBatch(size_t index, size_t end);
   // TakePiece without waiting for the pages.
   size_t ClaimPiece(size_t& run_next);
+  // Waits until the arena's pages up to data offset `end` are made (ready_front); false after
+  // failing the job when they never will be.
+  bool WaitReady(uint64_t end);
   // Copies hot piece `index` from the mapping, hashing it on the way when its tensor's hash
   // has reached it, and marks it done; sets run_next to the tensor's following piece when
-  // that one is hot too.
+  // that one is hot too. A tiny tensor starts a batch (BatchEnd): the following tiny tensors
+  // still unclaimed are claimed and copied with it, their source pages faulted in by one
+  // madvise and each hashed right after its copy.
   void CopyHot(size_t index, size_t& run_next);
+  // The end of the batch that piece `index` starts: index + 1, or more when it and the pieces
+  // after it are whole tiny tensors (one piece each, at most kBatchPieceBytes) of the same
+  // source, all hot or all read, each starting at most kBatchGapBytes after the previous one
+  // ends in the file, spanning at most hot_block_bytes of it and kBatchPieces pieces.
+  size_t BatchEnd(size_t index) const;
+  // Reads the batch [index, end) of tiny tensors that are not hot with one pread of the file
+  // range they span (buffered: a few KiB to hot_block_bytes, read ahead by the page cache)
+  // into `buffer`, then copies each into place and hashes it. Claims the batch's other pieces
+  // still unclaimed; `index` is claimed by the caller.
+  void ReadBatch(size_t index, size_t end, std::vector<std::byte>& buffer);
+  static constexpr uint64_t kBatchPieceBytes = 16 * 1024;
+  static constexpr uint64_t kBatchGapBytes = 4096;
+  static constexpr size_t kBatchPieces = 4096;
 
   void Fail(const Status& s);
   // Reads what a read left undone ([done, bytes) of the piece) with pread on the buffered

@@ -110,6 +110,15 @@ void TensorHasher::EndPiece(size_t piece) {
   Release(t);
 }
 
+void TensorHasher::HashWhole(size_t piece) {
+  TensorState& s = tensors_[plan_.pieces[piece].tensor];
+  const ReadPiece& p = plan_.pieces[piece];
+  arrived_[piece].store(1, std::memory_order_relaxed);
+  s.checksum = FastXxh3(data_.data() + p.arena_offset, p.bytes);
+  s.next = piece + 1;
+  s.done = true;
+}
+
 Result<std::vector<uint64_t>> TensorHasher::Finish(const format::ArenaTable& table) {
   std::vector<uint64_t> checksums(tensor_count_);
   for (size_t t = 0; t < tensor_count_; ++t) {

@@ -49,6 +49,10 @@ class TensorHasher {
   void HashBlock(size_t piece, const std::byte* block, size_t bytes);
   void EndPiece(size_t piece);
 
+  // Piece `piece` is in place and is its tensor's only piece, and no other thread hashes the
+  // tensor (the caller claimed it): hashes it now, in one call, with no streaming state.
+  void HashWhole(size_t piece);
+
   // Completes every hash (all pieces must have arrived) and returns one checksum per tensor;
   // kInternal naming the tensor if a piece never arrived.
   Result<std::vector<uint64_t>> Finish(const format::ArenaTable& table);

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <unordered_map>
 #include <numeric>
 
+#include "common/name_map.h"
 #include "platform/file.h"
 #include "source/gguf_reader.h"
 #include "source/model_fingerprint.h"
@@ -90,13 +90,12 @@ void AddSafetensors(SafetensorsFile& file, Collected& out) {
 Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
                                     const std::string& format) {
   // Tensor names are unique across the files of one model.
-  std::unordered_map<std::string_view, const Candidate*> seen;
-  seen.reserve(collected.tensors.size());
+  NameMap<const Candidate*> seen(collected.tensors.size());
   for (const Candidate& t : collected.tensors) {
-    auto [it, inserted] = seen.emplace(t.name, &t);
+    auto [first, inserted] = seen.Insert(t.name, &t);
     if (!inserted) {
       return Corrupt("tensor " + t.name + " appears in both " +
-                     collected.sources[it->second->source_index].path + " and " +
+                     collected.sources[(*first)->source_index].path + " and " +
                      collected.sources[t.source_index].path);
     }
   }
@@ -192,6 +191,9 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
       collected.header_bytes += index.bytes_read;
       fingerprint_files[i].index_hash = index.content_hash;
       EA_ASSIGN_OR_RETURN(std::vector<SafetensorsFile> shards, ReadShardedSafetensors(index));
+      size_t count = collected.tensors.size();
+      for (const SafetensorsFile& shard : shards) count += shard.tensors.size();
+      collected.tensors.reserve(count);
       for (SafetensorsFile& shard : shards) {
         if (!already(shard.path)) AddSafetensors(shard, collected);
       }

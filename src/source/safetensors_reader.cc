@@ -8,9 +8,9 @@
 #include <map>
 #include <optional>
 #include <string_view>
-#include <unordered_set>
 
 #include "common/escape.h"
+#include "common/name_map.h"
 #include "format/arena_table.h"
 #include "source/header_reader.h"
 #include "source/model_fingerprint.h"
@@ -193,10 +193,9 @@ Result<SafetensorsFile> ReadSafetensors(const platform::UniqueFd& fd, uint64_t f
   }
   {
     // A name given twice is refused (which entry would be meant?).
-    std::unordered_set<std::string_view> names;
-    names.reserve(file.tensors.size());
+    NameMap<char> names(file.tensors.size());
     for (const SafetensorsTensorInfo& t : file.tensors) {
-      if (!names.insert(t.name).second) {
+      if (!names.Insert(t.name).second) {
         return Fail(file.path, "tensor " + t.name + " appears twice in the header");
       }
     }
@@ -257,14 +256,13 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   // Shards in order of first mention; few distinct ones, each name met thousands of times.
   std::map<std::string, uint32_t, std::less<>> shard_of;  // name -> index into shards
-  std::unordered_set<std::string_view> keys;  // views into the parser's strings
-  keys.reserve(map->size());
+  NameMap<char> keys(map->size());                        // views into the parser's strings
   for (sj::dom::key_value_pair it : *map) {
     // The keys are tensor names, held to the rule of the shards' own names (and quoted below).
     if (std::string problem = format::TensorNameProblem(it.key); !problem.empty()) {
       return Fail(path, "a weight_map key: " + problem);
     }
-    const std::string key(it.key);
+    std::string key(it.key);
     std::string_view shard;
     if (it.value.get_string().get(shard) != sj::SUCCESS) {
       return Fail(path, "weight_map " + key + " is not a file name");
@@ -279,8 +277,8 @@ Result<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
       known = shard_of.emplace(std::string(shard), static_cast<uint32_t>(index.shards.size())).first;
       index.shards.push_back(joined);
     }
-    if (!keys.insert(it.key).second) return Fail(path, "weight_map " + key + " appears twice");
-    index.weight_map.push_back({key, known->second});
+    if (!keys.Insert(it.key).second) return Fail(path, "weight_map " + key + " appears twice");
+    index.weight_map.push_back({std::move(key), known->second});
   }
   if (index.shards.empty()) return Fail(path, "weight_map names no shard");
   // Shards in name order (the loader reads them in this order); entries follow their shard.
@@ -307,12 +305,31 @@ Result<std::vector<SafetensorsFile>> ReadShardedSafetensors(const SafetensorsInd
     if (!file.ok()) return file.status().WithContext(index.path);
     shards.push_back(std::move(*file));
   }
-  std::vector<std::unordered_set<std::string_view>> names(shards.size());
-  for (size_t s = 0; s < shards.size(); ++s) {
-    for (const SafetensorsTensorInfo& t : shards[s].tensors) names[s].insert(t.name);
+  // Which shard holds each name. A name held by two shards (refused later, when the model is
+  // planned) is checked against each shard's own names.
+  size_t count = 0;
+  for (const SafetensorsFile& shard : shards) count += shard.tensors.size();
+  NameMap<uint32_t> holder(count);
+  bool held_twice = false;
+  for (uint32_t s = 0; s < shards.size(); ++s) {
+    for (const SafetensorsTensorInfo& t : shards[s].tensors) {
+      held_twice |= !holder.Insert(t.name, s).second;
+    }
   }
+  std::vector<NameMap<char>> names;  // per shard, only when a name is held twice
+  if (held_twice) {
+    for (const SafetensorsFile& shard : shards) {
+      names.emplace_back(shard.tensors.size());
+      for (const SafetensorsTensorInfo& t : shard.tensors) names.back().Insert(t.name);
+    }
+  }
+  auto holds = [&](uint32_t s, const std::string& name) {
+    if (held_twice) return names[s].Contains(name);
+    const uint32_t* found = holder.Find(name);
+    return found != nullptr && *found == s;
+  };
   for (const SafetensorsIndex::Entry& entry : index.weight_map) {
-    if (!names[entry.shard].contains(entry.name)) {
+    if (!holds(entry.shard, entry.name)) {
       return Corrupt(index.path + ": tensor " + entry.name + " is mapped to " +
                      index.shards[entry.shard] + ", which does not hold it");
     }

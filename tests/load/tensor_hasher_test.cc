@@ -94,6 +94,40 @@ TEST(TensorHasherTest, HotAndLateHashingInAnyOrderOnAnyThreadGiveXxh3) {
   }
 }
 
+// Whole tensors of one piece hashed at once (HashWhole, the loader's batches of tiny tensors)
+// beside tensors hashed piece by piece: every checksum is XXH3_64bits of its bytes, and a
+// tensor never hashed is still reported.
+TEST(TensorHasherTest, WholeTinyTensorsHashedAtOnce) {
+  const std::vector<uint64_t> sizes = {256, 4, 0, 1, 70000, 256, 4};
+  const ReadPlan plan = MakePlan(sizes, 16384);
+  std::vector<std::byte> data(plan.total_bytes);
+  std::mt19937_64 rng(7);
+  for (auto& b : data) b = std::byte(rng());
+  format::ArenaTable table;
+  table.tensors.resize(sizes.size());
+  table.tensors[6].name = "last";
+  TensorHasher hasher(plan, data);
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    const size_t first = plan.tensor_first[t], end = plan.tensor_first[t + 1];
+    if (t == 6) continue;  // never hashed
+    if (end - first == 1) {
+      hasher.HashWhole(first);
+    } else {
+      for (size_t p = first; p < end; ++p) hasher.PieceArrived(p);
+    }
+  }
+  auto missing = hasher.Finish(table);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("last"), std::string::npos);
+  hasher.HashWhole(plan.tensor_first[6]);
+  ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> checksums, hasher.Finish(table));
+  uint64_t offset = 0;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    EXPECT_EQ(checksums[t], XXH3_64bits(data.data() + offset, sizes[t])) << t;
+    offset += sizes[t];
+  }
+}
+
 TEST(TensorHasherTest, MissingPieceIsAnError) {
   const ReadPlan plan = MakePlan({100, 200}, 64);
   std::vector<std::byte> data(300);

@@ -24,7 +24,7 @@ Status FillPattern(size_t tensor, uint64_t offset, std::span<std::byte> out) {
 }
 
 void ExpectError(const Status& s, std::initializer_list<const char*> words) {
-  ASSERT_FALSE(s.ok());
+  ASSERT_FALSE(s.ok()) << "expected an error with " << *words.begin();
   for (const char* w : words) {
     EXPECT_NE(s.message().find(w), std::string::npos)
         << "missing '" << w << "' in: " << s.message();
@@ -133,6 +133,38 @@ TEST(SafetensorsTest, IndexErrors) {
   ExpectError(Plan({write_index(R"({"weight_map": {"a.experts.0.w1": "missing.safetensors"}})")}),
               {"missing.safetensors"});
   ExpectError(Plan({write_index(R"({"weight_map": [1, 2]})")}), {"weight_map"});
+  // A second shard: a name mapped to the shard that does not hold it; a name held by both
+  // shards (mapped to either) is refused when the model is planned, naming both.
+  SafetensorsWriter w2;
+  ASSERT_OK(w2.AddTensor("a.experts.1.w1", "F32", {4}));
+  ASSERT_OK(w2.WriteFile(dir.File("s2.safetensors"), FillPattern));
+  ExpectError(
+      Plan({write_index(
+          R"({"weight_map": {"a.experts.0.w1": "s1.safetensors", "a.experts.1.w1": "s1.safetensors"}})")}),
+      {"index.json", "tensor a.experts.1.w1", "does not hold it"});
+  SafetensorsWriter both;
+  ASSERT_OK(both.AddTensor("a.experts.0.w1", "F32", {4}));
+  ASSERT_OK(both.AddTensor("a.experts.1.w1", "F32", {4}));
+  ASSERT_OK(both.WriteFile(dir.File("s2.safetensors"), FillPattern));
+  ExpectError(
+      Plan({write_index(
+          R"({"weight_map": {"a.experts.0.w1": "s1.safetensors", "a.experts.1.w1": "s2.safetensors"}})")}),
+      {"a.experts.0.w1", "appears in both", "s1.safetensors", "s2.safetensors"});
+  {
+    SafetensorsWriter s1;  // s1 also holds a tensor only it has, so the index can name it
+    ASSERT_OK(s1.AddTensor("a.experts.0.w1", "F32", {4}));
+    ASSERT_OK(s1.AddTensor("a.experts.2.w1", "F32", {4}));
+    ASSERT_OK(s1.WriteFile(dir.File("s1.safetensors"), FillPattern));
+    ExpectError(
+        Plan({write_index(
+            R"({"weight_map": {"a.experts.0.w1": "s2.safetensors", "a.experts.1.w1": "s2.safetensors", "a.experts.2.w1": "s1.safetensors"}})")}),
+        {"a.experts.0.w1", "appears in both", "s1.safetensors", "s2.safetensors"});
+    ExpectError(
+        Plan({write_index(
+            R"({"weight_map": {"a.experts.0.w1": "s2.safetensors", "a.experts.1.w1": "s1.safetensors", "a.experts.2.w1": "s1.safetensors"}})")}),
+        {"index.json", "tensor a.experts.1.w1", "does not hold it"});
+    ASSERT_OK(w.WriteFile(dir.File("s1.safetensors"), FillPattern));
+  }
   ExpectError(Plan({write_index(R"({not json)")}), {"index.json", "not valid JSON"});
   EXPECT_OK(Plan(
       {write_index(R"({"metadata": {}, "weight_map": {"a.experts.0.w1": "s1.safetensors"}})")}));
