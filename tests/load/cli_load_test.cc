@@ -202,7 +202,7 @@ TEST(CliLoadTest, NotAModelIsRefusedAndRawIsLoadedOnlyWhenAsked) {
     SCOPED_TRACE(c.name);
     const std::string path = dir.File(c.name);
     std::vector<std::byte> bytes(c.bytes.size());
-    std::memcpy(bytes.data(), c.bytes.data(), bytes.size());
+    if (!bytes.empty()) std::memcpy(bytes.data(), c.bytes.data(), bytes.size());
     testing::WriteFileBytes(path, bytes);
     std::string out;
     EXPECT_EQ(Shell(testing::BinDir() + "/expert-arena load --model '" + path + "' --arena " +

@@ -22,7 +22,8 @@ using testing::ScopedDir;
 std::string Write(const ScopedDir& dir, const std::string& name, const std::string& bytes) {
   std::string path = dir.File(name);
   std::vector<std::byte> data(bytes.size());
-  std::memcpy(data.data(), bytes.data(), bytes.size());
+  // An empty file's vector has no storage: memcpy of 0 bytes from or to null is still UB.
+  if (!bytes.empty()) std::memcpy(data.data(), bytes.data(), bytes.size());
   testing::WriteFileBytes(path, data);
   return path;
 }
