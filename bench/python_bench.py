@@ -10,7 +10,8 @@ uses today, in one run (docs/python.md "Benchmark" has results and how to read t
    puts every tensor of the shape and sends the descriptors over a multiprocessing pipe; a
    consumer process opens each as a NumPy view, releases it, and acknowledges the round.
    - "fresh": each round's tensors are new (torch.empty + fill_, made before the clock
-     starts), as an engine hands over new activations; the peer, a torch.multiprocessing
+     starts; with --fresh-source numpy-thp, torch over NumPy memory, which NumPy puts on
+     transparent huge pages), as an engine hands over new activations; the peer, a torch.multiprocessing
      queue in the same two processes, carries the same fresh tensors (put -> get, then the
      same ack; the queue moves each new tensor's storage into shared memory).
      Goal: the stream >= 20x faster than the queue for every shape.
@@ -19,7 +20,8 @@ uses today, in one run (docs/python.md "Benchmark" has results and how to read t
      Goal: within 1.5x of C++.
 
     flock /tmp/expert-arena-bench.lock /usr/bin/python3 bench/python_bench.py \\
-        [--bin build/bin] [--dir /dev/shm] [--rounds-scale 1] [--skip-cxx]
+        [--bin build/bin] [--dir /dev/shm] [--rounds-scale 1] [--skip-cxx] \\
+        [--fresh-source torch|numpy-thp]
 
 Needs the package on PYTHONPATH (build/python) and torch (python3-torch).
 """
@@ -127,8 +129,15 @@ def queue_consumer(queue, conn):
         conn.send(b"k")
 
 
-def bench_stream(directory, scale):
+def bench_stream(directory, scale, fresh_source="torch"):
     import torch
+
+    def make_fresh(nbytes, value):
+        if fresh_source == "numpy-thp":
+            # NumPy asks for transparent huge pages (madvise) for arrays of 4 MiB and more;
+            # torch 1.13's allocator does not: see docs/python.md on the fresh-source put.
+            return torch.from_numpy(np.empty(nbytes, np.uint8)).fill_(value)
+        return torch.empty(nbytes, dtype=torch.uint8).fill_(value)
     import torch.multiprocessing as tmp
     ctx = mp.get_context("spawn")
     results = {}
@@ -150,8 +159,7 @@ def bench_stream(directory, scale):
             fresh_t, reused_t, queue_t = [], [], []
             for r in range(rounds * scale + WARMUP):
                 # fresh tensors through the stream (made before the clock starts)
-                fresh = [torch.empty(nbytes, dtype=torch.uint8).fill_(r & 0xFF)
-                         for _ in range(count)]
+                fresh = [make_fresh(nbytes, r & 0xFF) for _ in range(count)]
                 t0 = time.perf_counter()
                 batch = []
                 for x in fresh:
@@ -173,8 +181,7 @@ def bench_stream(directory, scale):
                     fresh_t.append(t1 - t0)
                     reused_t.append(t2 - t1)
             for r in range(PEER_ROUNDS[name] * scale + WARMUP):
-                fresh = [torch.empty(nbytes, dtype=torch.uint8).fill_(r & 0xFF)
-                         for _ in range(count)]
+                fresh = [make_fresh(nbytes, r & 0xFF) for _ in range(count)]
                 t0 = time.perf_counter()
                 qhere.send(count)
                 for x in fresh:
@@ -216,6 +223,9 @@ def main():
     parser.add_argument("--rounds-scale", type=int, default=1)
     parser.add_argument("--skip-cxx", action="store_true", help="no stream_bench run")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--fresh-source", choices=("torch", "numpy-thp"), default="torch",
+                        help="how the fresh tensors (stream and queue alike) are made: "
+                             "torch.empty (default) or torch over NumPy memory (huge pages)")
     args = parser.parse_args()
 
     print("python_bench: expert_arena %s, Python %s, NumPy %s, %s, %d CPUs, %s"
@@ -232,10 +242,12 @@ def main():
           % (attach["cxx_ms"], attach["py_open_ms"], attach["py_open_report_ms"],
              attach["py_attach_ms"], attach["py_open_ms"] - attach["cxx_ms"]))
 
-    stream = bench_stream(args.dir, args.rounds_scale)
+    stream = bench_stream(args.dir, args.rounds_scale, args.fresh_source)
     cxx, cxx_raw = ({}, "") if args.skip_cxx else bench_cxx_stream(args.bin, args.dir)
     print("\nStream round, producer and consumer in two processes, descriptors over a pipe "
-          "(median per round):\n")
+          "(median per round; fresh tensors made by %s):\n"
+          % ("torch.empty" if args.fresh_source == "torch" else
+             "torch.from_numpy(numpy.empty), huge pages"))
     print("| shape | stream, fresh tensors | torch.multiprocessing queue, same fresh tensors | "
           "queue / stream (goal >= 20x) | stream, reused source | C++ stream_bench view round "
           "| Python / C++ (goal <= 1.5x) |")

@@ -221,7 +221,7 @@ def _numpy_source(array):
         raise ValueError("put(): the array is not C-contiguous (shape %s, strides %s); call "
                          "numpy.ascontiguousarray() first" % (list(array.shape),
                                                               list(array.strides)))
-    return array.ctypes.data, array.nbytes, name, list(array.shape)
+    return _core.array_address(array), array.nbytes, name, list(array.shape)
 
 
 class StreamProducer:
@@ -263,7 +263,8 @@ class StreamProducer:
             raise TypeError("put(): expected a torch.Tensor or a numpy.ndarray, got %s"
                             % type(tensor).__name__)
         # `tensor` stays referenced by this frame while the copy runs without the GIL.
-        return self._core.put(key, address, nbytes, dtype, shape, int(readers))
+        return self._core.put(key, address, nbytes, dtype, shape,
+                              readers if type(readers) is int else int(readers))
 
     def abort(self, key: str) -> int:
         """Frees exactly the blocks `key` owns (no prefix matching), each once its current
@@ -310,10 +311,19 @@ class StreamTensor:
 
     __slots__ = ("_core", "_layout", "key", "dtype", "shape", "nbytes")
 
-    def __init__(self, core):
+    def __init__(self, core, summary=None):
         self._core = core
-        self.key, self.dtype, self.shape, self.nbytes = core.summary()
+        self.key, self.dtype, self.shape, self.nbytes = summary or core.summary()
         self._layout = None
+
+    @classmethod
+    def _opened(cls, opened):
+        # (handle, key, dtype, shape, nbytes) from _core's open_summary, without __init__'s
+        # second call into the module.
+        self = object.__new__(cls)
+        self._core, self.key, self.dtype, self.shape, self.nbytes = opened
+        self._layout = None
+        return self
 
     @property
     def descriptor(self) -> dict:
@@ -339,7 +349,8 @@ class StreamTensor:
 
     def numpy(self):
         """A read-only NumPy view (bf16 as uint16, unknown dtypes as raw uint8 bytes)."""
-        return _dtypes.as_numpy(self._core.buffer(False), self._get_layout())
+        layout = self._layout or self._get_layout()
+        return self._core.view(False, layout.numpy_dtype, layout.shape)
 
     def torch(self):
         """A read-only torch tensor over the bytes (no copy); in-place operations raise."""
@@ -358,6 +369,9 @@ class StreamTensor:
     def release(self) -> None:
         """Gives this reader's share back once the views made from it are gone (idempotent)."""
         self._core.release()
+
+
+_opened_tensor = StreamTensor._opened
 
 
 class StreamConsumer:
@@ -383,9 +397,12 @@ class StreamConsumer:
         """Validates `descriptor` and maps its tensor (GIL released). ValueError for a
         damaged or forged descriptor, FileNotFoundError when its segment is gone, BusyError
         or ValueError for an aborted or fully released block, each naming the key."""
-        if not isinstance(descriptor, (bytes, bytearray, memoryview)):
-            raise TypeError("open(): a descriptor is bytes, got %s" % type(descriptor).__name__)
-        return StreamTensor(self._core.open(bytes(descriptor)))
+        if type(descriptor) is not bytes:
+            if not isinstance(descriptor, (bytes, bytearray, memoryview)):
+                raise TypeError("open(): a descriptor is bytes, got %s"
+                                % type(descriptor).__name__)
+            descriptor = bytes(descriptor)
+        return _opened_tensor(self._core.open_summary(descriptor))
 
     def poll_releases(self) -> int:
         return self._core.poll_releases()

@@ -125,7 +125,7 @@ def source(tensor):
     if tensor.layout != torch.strided:
         raise ValueError("put(): a %s tensor has no contiguous bytes; call .to_dense() first"
                          % tensor.layout)
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:  # (tensor.device builds an object: 10x the cost)
         raise ValueError(
             "put(): the tensor is on %s; put() copies CPU memory (copy it to the host first, "
             "e.g. tensor.cpu(), or into a pinned buffer)" % tensor.device)

@@ -470,6 +470,28 @@ class PyStreamTensor {
     return ByteArray(opened->tensor.bytes(), opened, writable);
   }
 
+  // A read-only (or writable) C-contiguous array of `dtype` and `shape` over the bytes, made in
+  // one step (the caller's layout has checked that dtype and shape cover exactly the bytes).
+  py::array View(bool writable, const py::dtype& dtype, const std::vector<py::ssize_t>& shape) const {
+    const auto& opened = Get();
+    std::span<const std::byte> bytes = opened->tensor.bytes();
+    py::ssize_t count = 1;
+    for (py::ssize_t d : shape) count *= d;
+    if (count * dtype.itemsize() != static_cast<py::ssize_t>(bytes.size())) {
+      throw py::value_error("stream tensor " + descriptor_.key + ": " +
+                            std::to_string(bytes.size()) + " bytes, but the view takes " +
+                            std::to_string(count * dtype.itemsize()));
+    }
+    auto* holder = new std::shared_ptr<OpenedTensor>(opened);
+    py::capsule base(holder,
+                     [](void* p) { delete static_cast<std::shared_ptr<OpenedTensor>*>(p); });
+    py::array array(dtype, shape, reinterpret_cast<const void*>(bytes.data()), base);
+    if (!writable) {
+      py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    }
+    return array;
+  }
+
   void Release() { opened_.reset(); }
   bool released() const { return opened_ == nullptr; }
   const TensorDescriptor& descriptor() const { return descriptor_; }
@@ -509,13 +531,30 @@ class PyConsumer {
 
   PyStreamTensor Open(const py::bytes& descriptor) {
     auto consumer = Get();
-    std::string wire = descriptor;
+    // A view of the bytes object's buffer: the caller's reference keeps it alive meanwhile.
+    char* data = nullptr;
+    py::ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(descriptor.ptr(), &data, &size) != 0) {
+      throw py::error_already_set();
+    }
+    std::string_view wire(data, static_cast<size_t>(size));
     std::optional<Result<StreamTensor>> tensor;
     {
       py::gil_scoped_release release;
       tensor.emplace(consumer->Open(wire));
     }
     return PyStreamTensor(Take(std::move(*tensor)));
+  }
+
+  // Open plus the summary in one call: (handle, key, dtype, shape, nbytes).
+  py::tuple OpenSummary(const py::bytes& descriptor) {
+    PyStreamTensor tensor = Open(descriptor);
+    const TensorDescriptor& d = tensor.descriptor();
+    py::str key(d.key);
+    py::str dtype(d.dtype);
+    py::tuple shape = Shape(d.shape);
+    py::int_ length(d.length);
+    return py::make_tuple(py::cast(std::move(tensor)), key, dtype, shape, length);
   }
 
   uint64_t PollReleases() {
@@ -649,6 +688,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PyStreamTensor>(m, "StreamTensor")
       .def("buffer", &PyStreamTensor::Buffer, py::arg("writable") = false)
+      .def("view", &PyStreamTensor::View, py::arg("writable"), py::arg("dtype"), py::arg("shape"))
       .def("release", &PyStreamTensor::Release)
       .def("address", &PyStreamTensor::Address)
       .def_property_readonly("released", &PyStreamTensor::released)
@@ -665,6 +705,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("directory"), py::arg("spill_directory"), py::arg("gpu"),
            py::arg("pin_budget_bytes"), py::arg("allow_foreign_owner"), py::arg("quiet"))
       .def("open", &PyConsumer::Open)
+      .def("open_summary", &PyConsumer::OpenSummary)
       .def("poll_releases", &PyConsumer::PollReleases)
       .def("stats", &PyConsumer::Stats)
       .def("close", &PyConsumer::Close)
@@ -705,5 +746,8 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release release;
     return static_cast<uint64_t>(XXH3_64bits(data, bytes));
   }, "xxh3-64 of a contiguous buffer's bytes (the checksum of the arena's tensor table)");
+  m.def("array_address", [](const py::array& array) {
+    return reinterpret_cast<uintptr_t>(array.data());
+  }, "Address of a NumPy array's first byte (what array.ctypes.data gives, without ctypes)");
   m.def("is_stream_segment", [](const std::string& path) { return IsStreamSegment(path); });
 }
