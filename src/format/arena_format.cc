@@ -319,6 +319,19 @@ Status ValidateHeader(std::span<const std::byte> region, uint64_t file_size,
   return Status::Ok();
 }
 
+// The table's scalars as the fixed header records them (no sources, no tensors).
+ArenaTable TableScalars(const HeaderFixed& fixed) {
+  ArenaTable table;
+  table.alignment = fixed.alignment;
+  table.data_bytes = fixed.data_bytes;
+  table.identity_hash = fixed.identity_hash;
+  table.identity_text = fixed.identity_text;
+  table.model_bytes_total = fixed.model_bytes_total;
+  table.model_tensors_total = fixed.model_tensors_total;
+  table.fingerprint = fixed.fingerprint;
+  return table;
+}
+
 }  // namespace
 
 Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const std::string& path,
@@ -331,14 +344,7 @@ Status DecodeHeader(std::span<const std::byte> region, uint64_t file_size, const
   auto get_string = [&](uint64_t offset, uint64_t bytes, std::string* out) {
     out->assign(reinterpret_cast<const char*>(base + fixed.strings_offset + offset), bytes);
   };
-  ArenaTable decoded;
-  decoded.alignment = fixed.alignment;
-  decoded.data_bytes = fixed.data_bytes;
-  decoded.identity_hash = fixed.identity_hash;
-  decoded.identity_text = fixed.identity_text;
-  decoded.model_bytes_total = fixed.model_bytes_total;
-  decoded.model_tensors_total = fixed.model_tensors_total;
-  decoded.fingerprint = fixed.fingerprint;
+  ArenaTable decoded = TableScalars(fixed);
   decoded.sources.resize(fixed.source_count);
   for (uint64_t i = 0; i < fixed.source_count; ++i) {
     SourceEntry entry{};
@@ -427,16 +433,6 @@ std::optional<size_t> TableView::Find(std::string_view wanted) const {
   return std::nullopt;
 }
 
-ArenaTable TableView::Summary() const {
-  ArenaTable table;
-  table.alignment = fixed_.alignment;
-  table.data_bytes = fixed_.data_bytes;
-  table.identity_hash = fixed_.identity_hash;
-  table.identity_text = fixed_.identity_text;
-  table.model_bytes_total = fixed_.model_bytes_total;
-  table.model_tensors_total = fixed_.model_tensors_total;
-  table.fingerprint = fixed_.fingerprint;
-  return table;
-}
+ArenaTable TableView::Summary() const { return TableScalars(fixed_); }
 
 }  // namespace expert_arena::format
