@@ -75,6 +75,13 @@ struct TensorInfo {
   std::vector<uint64_t> shape;
 };
 
+// One tensor of a PutMany: the bytes are read during the call only.
+struct PutItem {
+  std::string_view key;
+  std::span<const std::byte> bytes;
+  TensorInfo info;
+};
+
 struct StreamOptions {
   // The shared directory segments live in (tmpfs for speed; hugetlbfs works too).
   std::string directory = "/dev/shm";
@@ -206,6 +213,12 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   // 1024 bytes, at most 16 dimensions) are checked before anything is reserved.
   Result<std::string> Put(std::string_view key, std::span<const std::byte> bytes,
                           const TensorInfo& info, uint32_t readers = 1);
+  // Put of several tensors, all or none: every key and info is checked first, then the space
+  // of each is reserved and its bytes copied, then all are published under one lock (a
+  // consumer never sees part of the batch). When a step fails nothing is published, the space
+  // reserved so far is given back, and the error names the item's index and key. Each item
+  // gets its own descriptor, in order, each for `readers` releases.
+  Result<std::vector<std::string>> PutMany(std::span<const PutItem> items, uint32_t readers = 1);
   // Frees exactly the blocks `key` owns (exact match), each once the readers holding it now
   // have released it; blocks still being written are refused at Publish. Returns how many
   // blocks were marked. Safe while other keys are written.

@@ -821,47 +821,119 @@ void Reservation::GiveBack() noexcept {
 std::span<std::byte> Reservation::bytes() const { return state_->bytes; }
 bool Reservation::spilled() const { return state_->spilled; }
 
-Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t readers) {
-  if (!state_ || state_->done) return InvalidArgument("stream publish: reservation already used");
+namespace {
+
+// Publishes `st`'s block for `readers` releases (p.mu held; readers and info checked) and
+// fills `d`. Fails with kBusy, the space given back, when the key was aborted meanwhile.
+Status PublishLocked(StreamProducer::Impl& p, Reservation::State& st, const TensorInfo& info,
+                     uint32_t readers, TensorDescriptor& d) {
+  auto it = p.segments.find(st.segment);
+  if (it == p.segments.end()) return Internal("stream publish: segment gone");
+  ProducerSegment& seg = *it->second;
+  BlockRecord& rec = seg.blocks[st.slot];
+  if (rec.aborted) {
+    st.done = true;
+    p.FreeBlock(seg, st.slot);
+    return Busy("stream publish: key " + st.key +
+                " was aborted while its tensor was written; the space was given back");
+  }
+  rec.published = true;
+  rec.published_index = seg.published.size();
+  seg.published.push_back(st.slot);
+  BlockSlot& s = seg.file.view.slots[st.slot];
+  // Release: the bytes written before this store are visible to a reader that sees it.
+  Control(s).store(ControlWord::Make(BlockState::kPublished, readers, st.generation),
+                   std::memory_order_seq_cst);
+  st.done = true;
+  d.segment = st.segment_name;
+  d.spilled = st.spilled;
+  d.slot = st.slot;
+  d.generation = st.generation;
+  d.offset = st.offset;
+  d.length = st.length;
+  d.dtype = info.dtype;
+  d.shape = info.shape;
+  d.key = st.key;
+  return Status::Ok();
+}
+
+Status CheckReaders(uint32_t readers) {
   if (readers == 0 || readers > stream::kMaxPending) {
     return InvalidArgument("stream publish: readers " + std::to_string(readers) + " outside 1.." +
                            std::to_string(stream::kMaxPending));
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t readers) {
+  if (!state_ || state_->done) return InvalidArgument("stream publish: reservation already used");
+  EA_RETURN_IF_ERROR(CheckReaders(readers));
   // Before the block is published: the caller may fix `info` and publish again.
   EA_RETURN_IF_ERROR(CheckInfo("stream publish", state_->key, info));
   auto& p = *state_->producer;
   TensorDescriptor d;
   {
     std::lock_guard lock(p.mu);
-    auto it = p.segments.find(state_->segment);
-    if (it == p.segments.end()) return Internal("stream publish: segment gone");
-    ProducerSegment& seg = *it->second;
-    BlockRecord& rec = seg.blocks[state_->slot];
-    if (rec.aborted) {
-      state_->done = true;
-      p.FreeBlock(seg, state_->slot);
-      return Busy("stream publish: key " + state_->key +
-                  " was aborted while its tensor was written; the space was given back");
-    }
-    rec.published = true;
-    rec.published_index = seg.published.size();
-    seg.published.push_back(state_->slot);
-    BlockSlot& s = seg.file.view.slots[state_->slot];
-    // Release: the bytes written before this store are visible to a reader that sees it.
-    Control(s).store(ControlWord::Make(BlockState::kPublished, readers, state_->generation),
-                     std::memory_order_seq_cst);
-    state_->done = true;
+    EA_RETURN_IF_ERROR(PublishLocked(p, *state_, info, readers, d));
   }
-  d.segment = state_->segment_name;
-  d.spilled = state_->spilled;
-  d.slot = state_->slot;
-  d.generation = state_->generation;
-  d.offset = state_->offset;
-  d.length = state_->length;
-  d.dtype = info.dtype;
-  d.shape = info.shape;
-  d.key = state_->key;
   return d.Encode();
+}
+
+Result<std::vector<std::string>> StreamProducer::PutMany(std::span<const PutItem> items,
+                                                         uint32_t readers) {
+  EA_RETURN_IF_ERROR(CheckReaders(readers));
+  auto item_error = [&](size_t i, const Status& s) {
+    return Status(s.code(), "stream put_many: item " + std::to_string(i) + " of " +
+                                std::to_string(items.size()) + ": " + s.message() +
+                                (i > 0 ? " (nothing of the batch was published)" : ""));
+  };
+  for (size_t i = 0; i < items.size(); ++i) {
+    Status s = CheckKey("stream put", items[i].key);
+    if (s.ok()) s = CheckInfo("stream put", items[i].key, items[i].info);
+    if (!s.ok()) return item_error(i, s);
+  }
+  // Dropped unpublished on any failure below: each gives its space back.
+  std::vector<Reservation> held;
+  held.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    Result<Reservation> r = Reserve(items[i].key, items[i].bytes.size());
+    if (!r.ok()) return item_error(i, r.status());
+    if (!items[i].bytes.empty()) {
+      CopyParallel(r->bytes().data(), items[i].bytes.data(), items[i].bytes.size(),
+                   impl_->copy_threads, impl_->non_temporal_from);
+    }
+    held.push_back(std::move(r).value());
+  }
+  std::vector<TensorDescriptor> published(items.size());
+  {
+    std::lock_guard lock(impl_->mu);
+    // An abort of one key while the batch was written refuses the whole batch.
+    for (size_t i = 0; i < items.size(); ++i) {
+      Reservation::State& st = *held[i].state_;
+      auto it = impl_->segments.find(st.segment);
+      if (it != impl_->segments.end() && it->second->blocks[st.slot].aborted) {
+        for (Reservation& r : held) {
+          Reservation::State& other = *r.state_;
+          auto it = impl_->segments.find(other.segment);
+          if (it != impl_->segments.end()) impl_->FreeBlock(*it->second, other.slot);
+          other.done = true;
+        }
+        return item_error(i, Busy("stream publish: key " + st.key +
+                                  " was aborted while its tensor was written; the space of "
+                                  "the whole batch was given back"));
+      }
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      Status s = PublishLocked(*impl_, *held[i].state_, items[i].info, readers, published[i]);
+      if (!s.ok()) return item_error(i, s);  // not reached: aborts were checked above
+    }
+  }
+  std::vector<std::string> out;
+  out.reserve(items.size());
+  for (const TensorDescriptor& d : published) out.push_back(d.Encode());
+  return out;
 }
 
 }  // namespace expert_arena

@@ -30,6 +30,8 @@ using stream::Block;
 using stream::BlockAllocator;
 using testing::PrintableAscii;
 using testing::StreamDirs;
+using testing::CheckPattern;
+using testing::FillPattern;
 
 TEST(BlockAllocator, CoalescesNeighboursBackToOneBlock) {
   BlockAllocator a;
@@ -779,6 +781,79 @@ TEST(StreamProducer, AtTheCapSpillsWithoutWaitingOutTheStrictBound) {
   ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("more", 1 << 20));
   EXPECT_TRUE(r.spilled());
   EXPECT_EQ(producer.Stats().spills, 1u);
+}
+
+// PutMany hands out one descriptor per item, in order, each with its own dtype and shape.
+TEST(StreamProducer, PutManyPublishesEveryItemWithItsInfo) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::vector<std::byte>> data;
+  for (uint64_t n : {uint64_t{100}, uint64_t{64} << 10, uint64_t{3} << 20}) {
+    data.emplace_back(n);
+    FillPattern(data.back(), "item" + std::to_string(n));
+  }
+  std::vector<std::string> keys = {"item100", "item65536", "item3145728"};
+  std::vector<PutItem> items;
+  items.push_back({keys[0], data[0], {"u8", {100}}});
+  items.push_back({keys[1], data[1], {"f32", {128, 128}}});
+  items.push_back({keys[2], data[2], {"bf16", {1536, 1024}}});
+  ASSERT_OK_AND_ASSIGN(auto descriptors, producer.PutMany(items, 2));
+  ASSERT_EQ(descriptors.size(), 3u);
+  for (int reader = 0; reader < 2; ++reader) {
+    for (size_t i = 0; i < 3; ++i) {
+      ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(descriptors[i]));
+      EXPECT_EQ(t.descriptor().key, keys[i]);
+      EXPECT_EQ(t.descriptor().dtype, items[i].info.dtype);
+      EXPECT_EQ(t.descriptor().shape, items[i].info.shape);
+      ASSERT_EQ(t.bytes().size(), data[i].size());
+      EXPECT_TRUE(CheckPattern(t.bytes(), keys[i])) << keys[i];
+    }
+  }
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);  // two readers each released every item
+  ASSERT_OK_AND_ASSIGN(auto none, producer.PutMany({}));
+  EXPECT_TRUE(none.empty());
+}
+
+// All or nothing: a batch whose third tensor does not fit (strict mode at the cap) publishes
+// nothing, gives the first two blocks back, and says which item failed.
+TEST(StreamProducer, PutManyThatFailsPartWayPublishesNothing) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 1;
+  o.strict = true;
+  o.strict_wait_seconds = 0.05;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  std::vector<std::byte> mib(1 << 20);
+  std::vector<PutItem> items = {{"a", mib, {}}, {"b", std::span(mib).first(512 << 10), {}},
+                                {"c", mib, {}}};
+  auto failed = producer.PutMany(items);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(failed.status().message().find("item 2 of 3"), std::string::npos)
+      << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("nothing of the batch was published"),
+            std::string::npos);
+  StreamStats st = producer.Stats();
+  EXPECT_EQ(st.live_blocks, 0u);
+  EXPECT_EQ(st.free_bytes, st.total_bytes);
+  // The keys of the refused batch own nothing: an abort finds no block.
+  ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("a"));
+  EXPECT_EQ(marked, 0u);
+  // A bad key later in a batch is refused before anything is reserved.
+  std::vector<PutItem> bad = {{"ok", mib, {}}, {"bad\nkey", mib, {}}};
+  auto refused = producer.PutMany(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("item 1 of 2"), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  // The batch that fits goes through whole.
+  ASSERT_OK_AND_ASSIGN(auto fits, producer.PutMany(std::span(items).first(2)));
+  EXPECT_EQ(fits.size(), 2u);
+  EXPECT_EQ(producer.Stats().live_blocks, 2u);
 }
 
 // ---- peers' strings in messages --------------------------------------------------------------
