@@ -15,9 +15,13 @@ uses today, in one run (docs/python.md "Benchmark" has results and how to read t
      queue in the same two processes, carries the same fresh tensors (put -> get, then the
      same ack; the queue moves each new tensor's storage into shared memory).
      Goal: the stream >= 20x faster than the queue for every shape.
-   - "reused": the producer puts the same source tensor each time, as `stream_bench` does;
-     compared with the C++ `stream_bench` zero-copy view round measured in the same run.
-     Goal: within 1.5x of C++.
+   - "in place": each round's fresh tensors are made in reservations (producer.reserve, the
+     fill not timed, then publish): no copy; against the same queue, also with the making
+     (torch.empty + fill_ for the queue, reserve + fill_ for the stream) in the time.
+   - "reused": the producer puts the same source tensor each time, as `stream_bench` does,
+     with put_many + open_many(view="numpy") (one call per batch each side) and with one
+     put/open/numpy/release per tensor; compared with the C++ `stream_bench` zero-copy view round measured in the same
+     run. Goal: within 1.5x of C++.
 
     flock /tmp/expert-arena-bench.lock /usr/bin/python3 bench/python_bench.py \\
         [--bin build/bin] [--dir /dev/shm] [--rounds-scale 1] [--skip-cxx] \\
@@ -106,14 +110,20 @@ def bench_attach(bin_dir, runs, directory):
 def stream_consumer(conn, directory):
     consumer = expert_arena.StreamConsumer(directory, quiet=True)
     while True:
-        batch = conn.recv()
-        if batch is None:
+        msg = conn.recv()
+        if msg is None:
             return
-        for d in batch:
-            t = consumer.open(d)
-            view = t.numpy()
-            del view
-            t.release()
+        many, batch = msg
+        if many:
+            # read-only arrays; each gives its reader's share back when it is dropped
+            views = consumer.open_many(batch, view="numpy")
+            del views
+        else:
+            for d in batch:
+                t = consumer.open(d)
+                view = t.numpy()
+                del view
+                t.release()
         conn.send(b"k")
 
 
@@ -156,31 +166,57 @@ def bench_stream(directory, scale, fresh_source="torch"):
     try:
         for name, count, nbytes, rounds in SHAPES:
             source = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
-            fresh_t, reused_t, queue_t = [], [], []
+            fresh_t, inplace_t, inplace_make_t, reused_t, reused_one_t = [], [], [], [], []
+            queue_t, queue_make_t = [], []
             for r in range(rounds * scale + WARMUP):
-                # fresh tensors through the stream (made before the clock starts)
+                # fresh tensors copied in by put() (made before the clock starts)
                 fresh = [make_fresh(nbytes, r & 0xFF) for _ in range(count)]
                 t0 = time.perf_counter()
                 batch = []
                 for x in fresh:
                     batch.append(producer.put("f%d" % seq, x))
                     seq += 1
-                here.send(batch)
+                here.send((False, batch))
                 here.recv()
                 t1 = time.perf_counter()
                 del fresh
-                # the same source tensor each time (what stream_bench puts)
+                # fresh tensors made in place: reserve (timed), fill (the making, timed
+                # apart), publish + hand over (timed)
+                t2 = time.perf_counter()
+                held = [producer.reserve("p%d" % (seq + k), (nbytes,), torch.uint8)
+                        for k in range(count)]
+                seq += count
+                t3 = time.perf_counter()
+                for h in held:
+                    h.torch().fill_(r & 0xFF)
+                t4 = time.perf_counter()
+                here.send((True, [h.publish() for h in held]))
+                here.recv()
+                t5 = time.perf_counter()
+                del held
+                # the same source tensor each time (what stream_bench puts): one batch call
+                # each side, then one call per tensor
+                t6 = time.perf_counter()
+                batch = producer.put_many([("r%d" % (seq + k), source) for k in range(count)])
+                seq += count
+                here.send((True, batch))
+                here.recv()
+                t7 = time.perf_counter()
                 batch = []
                 for _ in range(count):
-                    batch.append(producer.put("r%d" % seq, source))
+                    batch.append(producer.put("s%d" % seq, source))
                     seq += 1
-                here.send(batch)
+                here.send((False, batch))
                 here.recv()
-                t2 = time.perf_counter()
+                t8 = time.perf_counter()
                 if r >= WARMUP:
                     fresh_t.append(t1 - t0)
-                    reused_t.append(t2 - t1)
+                    inplace_t.append((t3 - t2) + (t5 - t4))
+                    inplace_make_t.append(t5 - t2)
+                    reused_t.append(t7 - t6)
+                    reused_one_t.append(t8 - t7)
             for r in range(PEER_ROUNDS[name] * scale + WARMUP):
+                tm = time.perf_counter()
                 fresh = [make_fresh(nbytes, r & 0xFF) for _ in range(count)]
                 t0 = time.perf_counter()
                 qhere.send(count)
@@ -191,8 +227,13 @@ def bench_stream(directory, scale, fresh_source="torch"):
                 del fresh
                 if r >= WARMUP:
                     queue_t.append(t1 - t0)
-            results[name] = {"fresh_ms": median_ms(fresh_t), "reused_ms": median_ms(reused_t),
-                             "queue_ms": median_ms(queue_t), "rounds": len(fresh_t),
+                    queue_make_t.append(t1 - tm)
+            results[name] = {"fresh_ms": median_ms(fresh_t), "inplace_ms": median_ms(inplace_t),
+                             "inplace_make_ms": median_ms(inplace_make_t),
+                             "reused_ms": median_ms(reused_t),
+                             "reused_one_call_ms": median_ms(reused_one_t),
+                             "queue_ms": median_ms(queue_t),
+                             "queue_make_ms": median_ms(queue_make_t), "rounds": len(fresh_t),
                              "queue_rounds": len(queue_t)}
     finally:
         here.send(None)
@@ -248,17 +289,30 @@ def main():
           "(median per round; fresh tensors made by %s):\n"
           % ("torch.empty" if args.fresh_source == "torch" else
              "torch.from_numpy(numpy.empty), huge pages"))
-    print("| shape | stream, fresh tensors | torch.multiprocessing queue, same fresh tensors | "
-          "queue / stream (goal >= 20x) | stream, reused source | C++ stream_bench view round "
-          "| Python / C++ (goal <= 1.5x) |")
-    print("|---|---|---|---|---|---|---|")
+    print("Fresh tensors against a torch.multiprocessing queue carrying the same fresh tensors "
+          "(goal: queue / stream >= 20x). put() copies a tensor made elsewhere; in place, the "
+          "tensor is made in a reservation (reserve + publish timed, the fill not):\n")
+    print("| shape | queue | stream, put() | queue / put() | stream, in place | "
+          "queue / in place | queue incl. making | in place incl. making | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, _, _, _ in SHAPES:
+        s = stream[name]
+        print("| %s | %.2f ms | %.3f ms | %.0fx | %.3f ms | %.0fx | %.2f ms | %.3f ms | %.0fx |"
+              % (name, s["queue_ms"], s["fresh_ms"], s["queue_ms"] / s["fresh_ms"],
+                 s["inplace_ms"], s["queue_ms"] / s["inplace_ms"], s["queue_make_ms"],
+                 s["inplace_make_ms"], s["queue_make_ms"] / s["inplace_make_ms"]))
+    print("\nThe same source each round, against C++ `stream_bench`'s zero-copy view round in "
+          "the same run (goal: Python / C++ <= 1.5x):\n")
+    print("| shape | C++ view round | Python, put_many + open_many | Python / C++ | "
+          "Python, one put/open per tensor | Python / C++ |")
+    print("|---|---|---|---|---|---|")
     for name, _, _, _ in SHAPES:
         s = stream[name]
         c = cxx.get(name)
-        print("| %s | %.3f ms | %.2f ms | %.0fx | %.3f ms | %s | %s |"
-              % (name, s["fresh_ms"], s["queue_ms"], s["queue_ms"] / s["fresh_ms"],
-                 s["reused_ms"], "%.3f ms" % c if c else "-",
-                 "%.2fx" % (s["reused_ms"] / c) if c else "-"))
+        print("| %s | %s | %.3f ms | %s | %.3f ms | %s |"
+              % (name, "%.3f ms" % c if c else "-", s["reused_ms"],
+                 "%.2fx" % (s["reused_ms"] / c) if c else "-", s["reused_one_call_ms"],
+                 "%.2fx" % (s["reused_one_call_ms"] / c) if c else "-"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"attach": attach, "stream": stream, "cxx_stream_view_ms": cxx}, f,

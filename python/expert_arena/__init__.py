@@ -37,7 +37,8 @@ from ._core import BusyError, NoSpaceError
 __version__ = _core.__version__
 
 __all__ = [
-    "Arena", "BusyError", "NoSpaceError", "StreamConsumer", "StreamProducer", "StreamTensor",
+    "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer", "StreamProducer",
+    "StreamTensor",
     "attach", "decode_descriptor", "inspect_segment", "open", "sweep", "xxh3_64", "__version__",
 ]
 
@@ -266,6 +267,38 @@ class StreamProducer:
         return self._core.put(key, address, nbytes, dtype, shape,
                               readers if type(readers) is int else int(readers))
 
+    def put_many(self, items, readers: int = 1) -> list:
+        """put() of a batch in one call, all or none: `items` is a dict {key: tensor} or an
+        iterable of (key, tensor) pairs; returns the descriptors in order. Every tensor is
+        checked first; then each is copied into its own block and all are published together
+        (the GIL released meanwhile). When any fails nothing is published, the space taken so
+        far is given back, and the exception names the item's index and key."""
+        if isinstance(items, dict):
+            pairs = list(items.items())
+        else:
+            pairs = [p if type(p) is tuple else _pair(i, p) for i, p in enumerate(items)]
+        torch_type, strided, torch_names = _torch_fast_path()
+        # `pairs` keeps every tensor referenced while the copies run without the GIL.
+        return self._core.put_many_pairs(pairs, readers if type(readers) is int else int(readers),
+                                         _dtypes.STREAM_NAMES, torch_type, strided, torch_names,
+                                         _slow_source)
+
+    def reserve(self, key: str, shape, dtype="u8") -> "Reservation":
+        """Space for one tensor of `shape` and `dtype` (a torch or NumPy dtype, or a stream
+        name such as "bf16"), to be written in place and then published: no copy at all.
+
+            r = producer.reserve("req-17", (4, 4096), torch.bfloat16)
+            torch.matmul(x, w, out=r.torch())      # the result lands in shared memory
+            descriptor = r.publish()
+
+        The space goes back when the reservation is cancelled (or its `with` block ends
+        unpublished) and no view of it is left. NoSpaceError in strict mode at the cap."""
+        name = _stream_name(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = _dtypes.element_bytes(name, shape, key)
+        layout = _dtypes.stream_layout(name, shape, nbytes, key)
+        return Reservation(self._core.reserve(key, nbytes), key, name, layout)
+
     def abort(self, key: str) -> int:
         """Frees exactly the blocks `key` owns (no prefix matching), each once its current
         readers release it; returns how many were marked."""
@@ -294,9 +327,133 @@ class StreamProducer:
         self._core.close()
 
 
+def _pair(index, item):
+    try:
+        key, tensor = item
+    except (TypeError, ValueError):
+        raise TypeError("put_many(): item %d is not a (key, tensor) pair: %s"
+                        % (index, type(item).__name__)) from None
+    return key, tensor
+
+
+def _slow_source(index, key, tensor):
+    """(address, nbytes, dtype, shape) of an item put_many's fast path did not take, or the
+    error that says why it cannot be put."""
+    if isinstance(tensor, _np.ndarray):
+        return _numpy_source(tensor)
+    if _is_torch(tensor):
+        return _load_torch().source(tensor)
+    raise TypeError("put_many(): item %d (key %r): expected a torch.Tensor or a numpy.ndarray, "
+                    "got %s" % (index, key, type(tensor).__name__))
+
+
+_TORCH_FAST = None
+
+
+def _torch_fast_path():
+    """(torch.Tensor, torch.strided, {torch dtype: stream name}) once torch is imported, for
+    put_many's fast path; (None, None, {}) before (no tensor can be a torch tensor then)."""
+    global _TORCH_FAST
+    if _TORCH_FAST is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None, None, {}
+        _TORCH_FAST = (torch.Tensor, torch.strided, dict(_load_torch()._STREAM_NAMES))
+    return _TORCH_FAST
+
+
 def _is_torch(obj) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _stream_name(dtype) -> str:
+    """The stream dtype name of a torch dtype, a NumPy dtype (or type) or a name."""
+    if isinstance(dtype, str):
+        name = dtype.lower()
+        if not _dtypes.is_plain(name):
+            raise TypeError("reserve(): dtype %r has no element size; reserve \"u8\" bytes "
+                            "instead" % dtype)
+        return name
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        name = _load_torch()._STREAM_NAMES.get(dtype)
+        if name is None:
+            raise TypeError("reserve(): torch dtype %s has no stream name" % dtype)
+        return name
+    try:
+        np_dtype = _np.dtype(dtype)
+    except TypeError:
+        raise TypeError("reserve(): expected a torch dtype, a NumPy dtype or a dtype name, got "
+                        "%r" % (dtype,)) from None
+    name = _dtypes.STREAM_NAMES.get(np_dtype)
+    if name is None:
+        raise TypeError("reserve(): NumPy dtype %s has no stream name" % np_dtype)
+    return name
+
+
+class Reservation:
+    """Space for one tensor in a producer's segment, written in place, then published.
+
+    `.numpy()` and `.torch()` give writable views of the space (bf16 as uint16 in NumPy);
+    `publish(readers=1)` makes it readable and returns the descriptor; `cancel()` (or the end
+    of a `with` block without publish) gives the space back once no view of it is left. Write
+    only before publish(): afterwards the bytes belong to the readers, and the views made
+    before stay valid memory but must not be written (as with C++'s Reservation).
+    """
+
+    __slots__ = ("_core", "key", "dtype", "shape", "nbytes", "_layout")
+
+    def __init__(self, core, key, dtype, layout):
+        self._core = core
+        self.key = key
+        self.dtype = dtype
+        self.shape = layout.shape
+        self.nbytes = core.nbytes
+        self._layout = layout
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self._core.published:
+            self._core.cancel()
+
+    def __repr__(self):
+        state = "published" if self.published else ("open" if self._core.open else "cancelled")
+        return "<expert_arena.Reservation %r %s %s %s>" % (self.key, self.dtype,
+                                                          list(self.shape), state)
+
+    def numpy(self):
+        """A writable NumPy view of the space (ValueError after publish() or cancel())."""
+        return self._core.view(self._layout.numpy_dtype, self._layout.shape)
+
+    def torch(self):
+        """A writable torch tensor over the space (ValueError after publish() or cancel())."""
+        return _load_torch().writable_view(self._core.view(_np.dtype(_np.uint8), [self.nbytes]),
+                                           self._layout)
+
+    def publish(self, readers: int = 1) -> bytes:
+        """Makes the tensor readable by `readers` releases and returns its descriptor.
+        BusyError when its key was aborted meanwhile (the space is given back)."""
+        return self._core.publish(self.dtype, list(self.shape), int(readers))
+
+    def cancel(self) -> None:
+        """Gives the space back once no view of it is left (idempotent; not after publish)."""
+        self._core.cancel()
+
+    @property
+    def published(self) -> bool:
+        return self._core.published
+
+    @property
+    def spilled(self) -> bool:
+        """True when the space is in a spill file (the producer was at its cap)."""
+        return self._core.spilled
+
+    @property
+    def address(self) -> int:
+        return self._core.address()
 
 
 class StreamTensor:
@@ -355,7 +512,10 @@ class StreamTensor:
     def torch(self):
         """A read-only torch tensor over the bytes (no copy); in-place operations raise."""
         t = _load_torch()
-        return t.view(self._core.buffer(True), self._get_layout())
+        layout = self._layout or self._get_layout()
+        if t.direct(layout):
+            return t.wrap(self._core.view(True, layout.numpy_dtype, layout.shape))
+        return t.view(self._core.buffer(True), layout)
 
     @property
     def address(self) -> int:
@@ -403,6 +563,24 @@ class StreamConsumer:
                                 % type(descriptor).__name__)
             descriptor = bytes(descriptor)
         return _opened_tensor(self._core.open_summary(descriptor))
+
+    def open_many(self, descriptors, view=None) -> list:
+        """open() of a batch in one call (the GIL released once), all or none: when one
+        fails, those opened before it are released and the exception names its index.
+
+        view=None gives StreamTensors; view="numpy" gives read-only NumPy arrays and
+        view="torch" read-only tensors, each holding its reader's share until it (and every
+        view made from it) is gone, which is the fastest way to read a batch."""
+        if type(descriptors) is not list:
+            descriptors = list(descriptors)
+        if view is None:
+            return [_opened_tensor(o) for o in self._core.open_many_summary(descriptors)]
+        if view == "numpy":
+            return self._core.open_many_arrays(descriptors, _dtypes.NUMPY_VIEW_DTYPES)
+        if view == "torch":
+            return [t.torch() for t in
+                    [_opened_tensor(o) for o in self._core.open_many_summary(descriptors)]]
+        raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 
     def poll_releases(self) -> int:
         return self._core.poll_releases()

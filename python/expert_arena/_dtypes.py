@@ -39,6 +39,9 @@ _PLAIN = {
     "f8_e8m0": (np.uint8, "float8_e8m0fnu"),
 }
 
+# lower-case stream name -> the NumPy dtype of its view (open_many(view="numpy")).
+NUMPY_VIEW_DTYPES = {name: np.dtype(v[0]) for name, v in _PLAIN.items()}
+
 # NumPy dtype -> the stream name put() writes.
 STREAM_NAMES = {
     np.dtype(np.float64): "f64", np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -70,6 +73,20 @@ def _count(shape):
 
 def _plain(name):
     return _PLAIN.get(name.lower())
+
+
+def is_plain(name: str) -> bool:
+    """True for a name with an element type (f32, bf16, u8, ...), not blocks or raw bytes."""
+    return name.lower() in _PLAIN
+
+
+def element_bytes(name: str, shape, key: str) -> int:
+    """Bytes of a tensor of a plain dtype and shape (ValueError for a negative dimension)."""
+    for d in shape:
+        if d < 0:
+            raise ValueError("reserve() of key %r: shape %s has a negative dimension"
+                             % (key, list(shape)))
+    return _count(shape) * np.dtype(_PLAIN[name.lower()][0]).itemsize
 
 
 def arena_layout(dtype: str, shape, nbytes: int, tensor: str) -> Layout:

@@ -120,6 +120,39 @@ def view(buffer: np.ndarray, layout) -> torch.Tensor:
     return torch.Tensor.as_subclass(t.reshape(layout.shape), ReadOnlyTensor)
 
 
+_DIRECT = {}
+
+
+def direct(layout) -> bool:
+    """True when torch.from_numpy of an array of the layout's NumPy dtype gives the layout's
+    torch dtype (f32, f16, the integers torch has, ...), so a typed array can be wrapped as
+    it is; bf16, FP8 and raw blocks go through view()."""
+    key = (layout.numpy_dtype, layout.torch_name)
+    ok = _DIRECT.get(key)
+    if ok is None:
+        try:
+            ok = torch.from_numpy(np.zeros(1, layout.numpy_dtype)).dtype == \
+                torch_dtype(layout.torch_name, layout.numpy_dtype)
+        except TypeError:
+            ok = False
+        _DIRECT[key] = ok
+    return ok
+
+
+def wrap(array: np.ndarray) -> torch.Tensor:
+    """A ReadOnlyTensor over a writable typed array (never handed out) of a direct layout."""
+    return torch.Tensor.as_subclass(torch.from_numpy(array), ReadOnlyTensor)
+
+
+def writable_view(buffer: np.ndarray, layout) -> torch.Tensor:
+    """A plain (writable) tensor over the writable uint8 `buffer` with `layout`."""
+    t = torch.from_numpy(buffer)
+    dtype = torch_dtype(layout.torch_name, layout.numpy_dtype)
+    if t.dtype != dtype:
+        t = t.view(dtype)
+    return t.reshape(layout.shape)
+
+
 def source(tensor):
     """(address, nbytes, stream dtype name, shape) of a CPU tensor put() may copy."""
     if tensor.layout != torch.strided:

@@ -17,6 +17,7 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <memory>
@@ -136,6 +137,52 @@ std::vector<uint64_t> ShapeFrom(const std::vector<int64_t>& dims) {
     shape.push_back(static_cast<uint64_t>(d));
   }
   return shape;
+}
+
+// A C-contiguous array of `dtype` and `shape` over `bytes`, whose base keeps `owner` alive,
+// made in one step (the caller's layout has checked that dtype and shape cover the bytes;
+// this checks it again and names `what` when they do not).
+template <typename Owner>
+py::array TypedArray(std::span<const std::byte> bytes, std::shared_ptr<Owner> owner,
+                     bool writable, const py::dtype& dtype, const std::vector<py::ssize_t>& shape,
+                     const std::string& what) {
+  py::ssize_t count = 1;
+  for (py::ssize_t d : shape) count *= d;
+  if (count * dtype.itemsize() != static_cast<py::ssize_t>(bytes.size())) {
+    throw py::value_error(what + ": " + std::to_string(bytes.size()) +
+                          " bytes, but the view takes " + std::to_string(count * dtype.itemsize()));
+  }
+  auto* holder = new std::shared_ptr<Owner>(std::move(owner));
+  py::capsule base(holder, [](void* p) { delete static_cast<std::shared_ptr<Owner>*>(p); });
+  py::array array(dtype, shape, reinterpret_cast<const void*>(bytes.data()), base);
+  if (!writable) {
+    py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  }
+  return array;
+}
+
+// The bytes of a Python bytes object, borrowed (the caller keeps the object alive).
+std::string_view BytesView(PyObject* object, const char* what) {
+  char* data = nullptr;
+  py::ssize_t size = 0;
+  if (!PyBytes_Check(object)) {
+    throw py::type_error(std::string(what) + ": a descriptor is bytes, got " +
+                         Py_TYPE(object)->tp_name);
+  }
+  if (PyBytes_AsStringAndSize(object, &data, &size) != 0) throw py::error_already_set();
+  return {data, static_cast<size_t>(size)};
+}
+
+// Bytes of one element of a stream dtype name put() writes (0: not one of them).
+uint64_t ElementBytes(const std::string& name) {
+  static const std::pair<const char*, uint64_t> kSizes[] = {
+      {"f64", 8}, {"f32", 4}, {"f16", 2}, {"bf16", 2}, {"i64", 8}, {"i32", 4},
+      {"i16", 2}, {"i8", 1}, {"u64", 8}, {"u32", 4}, {"u16", 2}, {"u8", 1},
+      {"bool", 1}, {"c64", 8}, {"c128", 16}, {"f8_e4m3", 1}, {"f8_e5m2", 1}, {"f8_e8m0", 1}};
+  for (const auto& [n, size] : kSizes) {
+    if (name == n) return size;
+  }
+  return 0;
 }
 
 ModelFormat ParseFormat(const std::string& format) {
@@ -348,6 +395,67 @@ py::dict StatsDict(const StreamStats& s) {
   return d;
 }
 
+// Space reserved in a segment, written in place through writable views, then published.
+// The views and the Python Reservation share the C++ Reservation: unpublished, its space goes
+// back when the last of them is gone (cancel() drops only the handle's share), so no view ever
+// writes into space another tensor was given; it also keeps the producer's segments mapped.
+struct HeldReservation {
+  Reservation reservation;
+};
+
+class PyReservation {
+ public:
+  PyReservation(Reservation reservation, std::string key)
+      : key_(std::move(key)),
+        bytes_(reservation.bytes()),
+        spilled_(reservation.spilled()),
+        held_(std::make_shared<HeldReservation>(HeldReservation{std::move(reservation)})) {}
+
+  const std::shared_ptr<HeldReservation>& Get() const {
+    if (!held_) {
+      throw py::value_error("reservation of key " + key_ +
+                            (published_ ? " was published: write before publish(), and make a "
+                                          "new reservation for the next tensor"
+                                        : " was cancelled"));
+    }
+    return held_;
+  }
+
+  py::array View(const py::dtype& dtype, const std::vector<py::ssize_t>& shape) const {
+    return TypedArray(std::span<const std::byte>(bytes_), Get(), true, dtype, shape,
+                      "reservation of key " + key_);
+  }
+
+  py::bytes Publish(const std::string& dtype, const std::vector<int64_t>& shape,
+                    uint32_t readers) {
+    const auto& held = Get();
+    TensorInfo info;
+    info.dtype = dtype;
+    info.shape = ShapeFrom(shape);
+    Result<std::string> descriptor = held->reservation.Publish(info, readers);
+    if (descriptor.ok() || descriptor.status().code() == StatusCode::kBusy) {
+      // Published, or aborted meanwhile (its space given back): either way it is done.
+      published_ = descriptor.ok();
+      held_.reset();
+    }
+    return py::bytes(Take(std::move(descriptor)));
+  }
+
+  void Cancel() { held_.reset(); }
+  bool published() const { return published_; }
+  bool open() const { return held_ != nullptr; }
+  bool spilled() const { return spilled_; }
+  uintptr_t Address() const { return reinterpret_cast<uintptr_t>(bytes_.data()); }
+  uint64_t nbytes() const { return bytes_.size(); }
+
+ private:
+  std::string key_;
+  std::span<std::byte> bytes_;
+  bool spilled_ = false;
+  bool published_ = false;
+  std::shared_ptr<HeldReservation> held_;
+};
+
 class PyProducer {
  public:
   PyProducer(const std::string& directory, const std::string& logical_name,
@@ -400,6 +508,140 @@ class PyProducer {
       descriptor.emplace(producer->Put(key, bytes, info, readers));
     }
     return py::bytes(Take(std::move(*descriptor)));
+  }
+
+  // Put of a batch, all or none (StreamProducer::PutMany): `items` is a list of
+  // (key, address, nbytes, dtype, shape) tuples whose buffers the caller keeps alive.
+  py::list PutMany(const py::list& items, uint32_t readers) {
+    auto producer = Get();
+    const size_t n = items.size();
+    std::vector<std::string> keys(n);
+    std::vector<PutItem> puts(n);
+    for (size_t i = 0; i < n; ++i) {
+      py::handle item = items[i];
+      if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 5) {
+        throw py::type_error("put_many: item " + std::to_string(i) +
+                             " is not a (key, address, nbytes, dtype, shape) tuple");
+      }
+      py::tuple t = py::reinterpret_borrow<py::tuple>(item);
+      keys[i] = t[0].cast<std::string>();
+      puts[i].key = keys[i];
+      puts[i].bytes = std::span<const std::byte>(
+          reinterpret_cast<const std::byte*>(t[1].cast<uintptr_t>()), t[2].cast<uint64_t>());
+      puts[i].info.dtype = t[3].cast<std::string>();
+      puts[i].info.shape = ShapeFrom(t[4].cast<std::vector<int64_t>>());
+    }
+    std::optional<Result<std::vector<std::string>>> descriptors;
+    {
+      py::gil_scoped_release release;
+      descriptors.emplace(producer->PutMany(puts, readers));
+    }
+    std::vector<std::string> out = Take(std::move(*descriptors));
+    py::list list(out.size());
+    for (size_t i = 0; i < out.size(); ++i) list[i] = py::bytes(out[i]);
+    return list;
+  }
+
+  // put_many from the caller's (key, tensor) pairs. A C-contiguous NumPy array of a dtype in
+  // `numpy_names`, and a CPU, strided, contiguous torch tensor (`torch_type`, `strided`) of a
+  // dtype in `torch_names`, are read here, with no Python code run per item; anything else is
+  // handed to `slow(index, key, object)`, which returns (address, nbytes, dtype, shape) or
+  // raises the error that names what the object is. `pairs` keeps every buffer alive.
+  py::list PutManyPairs(const py::list& pairs, uint32_t readers, const py::dict& numpy_names,
+                        const py::object& torch_type, const py::object& strided,
+                        const py::dict& torch_names, const py::object& slow) {
+    auto producer = Get();
+    static const py::str kIsCpu("is_cpu"), kLayout("layout"), kIsContiguous("is_contiguous"),
+        kDtype("dtype"), kDataPtr("data_ptr"), kShape("shape");
+    const size_t n = pairs.size();
+    std::vector<std::string> keys(n), dtypes(n);
+    std::vector<PutItem> puts(n);
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* pair = PyList_GET_ITEM(pairs.ptr(), static_cast<py::ssize_t>(i));
+      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        throw py::type_error("put_many(): item " + std::to_string(i) +
+                             " is not a (key, tensor) pair: " + Py_TYPE(pair)->tp_name);
+      }
+      PyObject* key = PyTuple_GET_ITEM(pair, 0);
+      py::handle tensor = PyTuple_GET_ITEM(pair, 1);
+      py::ssize_t key_size = 0;
+      const char* key_data = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &key_size)
+                                                  : nullptr;
+      if (key_data == nullptr) {
+        PyErr_Clear();
+        throw py::type_error("put_many(): the key of item " + std::to_string(i) +
+                             " is not a str: " + Py_TYPE(key)->tp_name);
+      }
+      keys[i].assign(key_data, static_cast<size_t>(key_size));
+      PutItem& put = puts[i];
+      bool done = false;
+      if (py::isinstance<py::array>(tensor)) {
+        auto array = py::reinterpret_borrow<py::array>(tensor);
+        PyObject* name = PyDict_GetItem(numpy_names.ptr(), array.dtype().ptr());
+        if (name != nullptr && (array.flags() & py::array::c_style) != 0) {
+          dtypes[i] = py::reinterpret_borrow<py::str>(name);
+          put.bytes = std::span<const std::byte>(static_cast<const std::byte*>(array.data()),
+                                                 static_cast<size_t>(array.nbytes()));
+          put.info.shape.assign(array.shape(), array.shape() + array.ndim());
+          done = true;
+        }
+      } else if (!torch_type.is_none() &&
+                 PyObject_TypeCheck(tensor.ptr(),
+                                    reinterpret_cast<PyTypeObject*>(torch_type.ptr())) &&
+                 tensor.attr(kIsCpu).ptr() == Py_True &&
+                 tensor.attr(kLayout).ptr() == strided.ptr() &&
+                 tensor.attr(kIsContiguous)().ptr() == Py_True) {
+        PyObject* name = PyDict_GetItem(torch_names.ptr(), tensor.attr(kDtype).ptr());
+        if (name != nullptr) {
+          dtypes[i] = py::reinterpret_borrow<py::str>(name);
+          py::tuple shape = py::tuple(tensor.attr(kShape));
+          uint64_t count = 1;
+          put.info.shape.reserve(shape.size());
+          for (py::handle d : shape) {
+            put.info.shape.push_back(d.cast<uint64_t>());
+            count *= put.info.shape.back();
+          }
+          uint64_t item_size = ElementBytes(dtypes[i]);
+          put.bytes = std::span<const std::byte>(
+              reinterpret_cast<const std::byte*>(tensor.attr(kDataPtr)().cast<uintptr_t>()),
+              count * item_size);
+          done = item_size != 0;
+        }
+      }
+      if (!done) {
+        py::tuple source = slow(i, py::handle(key), tensor);
+        put.bytes = std::span<const std::byte>(
+            reinterpret_cast<const std::byte*>(source[0].cast<uintptr_t>()),
+            source[1].cast<uint64_t>());
+        dtypes[i] = source[2].cast<std::string>();
+        put.info.shape = ShapeFrom(source[3].cast<std::vector<int64_t>>());
+      }
+      put.key = keys[i];
+      put.info.dtype = dtypes[i];
+    }
+    std::optional<Result<std::vector<std::string>>> descriptors;
+    {
+      py::gil_scoped_release release;
+      descriptors.emplace(producer->PutMany(puts, readers));
+    }
+    std::vector<std::string> out = Take(std::move(*descriptors));
+    py::list list(out.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      PyObject* b = PyBytes_FromStringAndSize(out[i].data(), static_cast<py::ssize_t>(out[i].size()));
+      if (b == nullptr) throw py::error_already_set();
+      PyList_SET_ITEM(list.ptr(), static_cast<py::ssize_t>(i), b);
+    }
+    return list;
+  }
+
+  PyReservation Reserve(const std::string& key, uint64_t nbytes) {
+    auto producer = Get();
+    std::optional<Result<Reservation>> reservation;
+    {
+      py::gil_scoped_release release;
+      reservation.emplace(producer->Reserve(key, nbytes));
+    }
+    return PyReservation(Take(std::move(*reservation)), key);
   }
 
   uint64_t Abort(const std::string& key) {
@@ -474,22 +716,8 @@ class PyStreamTensor {
   // one step (the caller's layout has checked that dtype and shape cover exactly the bytes).
   py::array View(bool writable, const py::dtype& dtype, const std::vector<py::ssize_t>& shape) const {
     const auto& opened = Get();
-    std::span<const std::byte> bytes = opened->tensor.bytes();
-    py::ssize_t count = 1;
-    for (py::ssize_t d : shape) count *= d;
-    if (count * dtype.itemsize() != static_cast<py::ssize_t>(bytes.size())) {
-      throw py::value_error("stream tensor " + descriptor_.key + ": " +
-                            std::to_string(bytes.size()) + " bytes, but the view takes " +
-                            std::to_string(count * dtype.itemsize()));
-    }
-    auto* holder = new std::shared_ptr<OpenedTensor>(opened);
-    py::capsule base(holder,
-                     [](void* p) { delete static_cast<std::shared_ptr<OpenedTensor>*>(p); });
-    py::array array(dtype, shape, reinterpret_cast<const void*>(bytes.data()), base);
-    if (!writable) {
-      py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-    }
-    return array;
+    return TypedArray(opened->tensor.bytes(), opened, writable, dtype, shape,
+                      "stream tensor " + descriptor_.key);
   }
 
   void Release() { opened_.reset(); }
@@ -532,12 +760,7 @@ class PyConsumer {
   PyStreamTensor Open(const py::bytes& descriptor) {
     auto consumer = Get();
     // A view of the bytes object's buffer: the caller's reference keeps it alive meanwhile.
-    char* data = nullptr;
-    py::ssize_t size = 0;
-    if (PyBytes_AsStringAndSize(descriptor.ptr(), &data, &size) != 0) {
-      throw py::error_already_set();
-    }
-    std::string_view wire(data, static_cast<size_t>(size));
+    std::string_view wire = BytesView(descriptor.ptr(), "open");
     std::optional<Result<StreamTensor>> tensor;
     {
       py::gil_scoped_release release;
@@ -546,9 +769,97 @@ class PyConsumer {
     return PyStreamTensor(Take(std::move(*tensor)));
   }
 
+  // Open of a batch, all or none: [(handle, key, dtype, shape, nbytes), ...] in order. When one
+  // fails, those opened before it are released and the error names its index.
+  py::list OpenManySummary(const py::list& descriptors) {
+    auto consumer = Get();
+    const size_t n = descriptors.size();
+    std::vector<std::string_view> wires(n);
+    for (size_t i = 0; i < n; ++i) wires[i] = BytesView(descriptors[i].ptr(), "open_many");
+    std::vector<StreamTensor> opened;
+    opened.reserve(n);
+    Status failed;
+    size_t failed_at = 0;
+    {
+      py::gil_scoped_release release;
+      for (size_t i = 0; i < n; ++i) {
+        Result<StreamTensor> t = consumer->Open(wires[i]);
+        if (!t.ok()) {
+          failed = t.status();
+          failed_at = i;
+          opened.clear();  // gives back the reader's share of each opened before it
+          break;
+        }
+        opened.push_back(std::move(t).value());
+      }
+    }
+    if (!failed.ok()) RaiseOpenMany(failed, failed_at, n);
+    py::list out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = Summary(PyStreamTensor(std::move(opened[i])));
+    return out;
+  }
+
+  // Open of a batch straight to read-only NumPy arrays, all or none: each array's base holds
+  // its opened tensor, so the reader's share goes back when the array (and every view of it)
+  // is gone. `layouts` maps a lower-case dtype name to its NumPy dtype (_dtypes); a name not
+  // in it gives the raw bytes as uint8.
+  py::list OpenManyArrays(const py::list& descriptors, const py::dict& layouts) {
+    auto consumer = Get();
+    const size_t n = descriptors.size();
+    std::vector<std::string_view> wires(n);
+    for (size_t i = 0; i < n; ++i) wires[i] = BytesView(descriptors[i].ptr(), "open_many");
+    std::vector<std::shared_ptr<OpenedTensor>> opened;
+    opened.reserve(n);
+    Status failed;
+    size_t failed_at = 0;
+    {
+      py::gil_scoped_release release;
+      for (size_t i = 0; i < n; ++i) {
+        Result<StreamTensor> t = consumer->Open(wires[i]);
+        if (!t.ok()) {
+          failed = t.status();
+          failed_at = i;
+          opened.clear();
+          break;
+        }
+        opened.push_back(std::make_shared<OpenedTensor>(OpenedTensor{std::move(t).value()}));
+      }
+    }
+    if (!failed.ok()) RaiseOpenMany(failed, failed_at, n);
+    static const py::dtype kBytes = py::dtype::of<uint8_t>();
+    py::list out(n);
+    std::string lower;
+    std::vector<py::ssize_t> shape;
+    for (size_t i = 0; i < n; ++i) {
+      const TensorDescriptor& d = opened[i]->tensor.descriptor();
+      std::span<const std::byte> bytes = opened[i]->tensor.bytes();
+      lower.assign(d.dtype);
+      for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      PyObject* dtype = PyDict_GetItemString(layouts.ptr(), lower.c_str());
+      shape.clear();
+      if (dtype != nullptr) {
+        shape.assign(d.shape.begin(), d.shape.end());
+        out[i] = TypedArray(bytes, opened[i], false, py::reinterpret_borrow<py::dtype>(dtype),
+                            shape, "stream tensor " + d.key + " (" + d.dtype + ")");
+      } else {
+        shape.push_back(static_cast<py::ssize_t>(bytes.size()));
+        out[i] = TypedArray(bytes, opened[i], false, kBytes, shape, "stream tensor " + d.key);
+      }
+    }
+    return out;
+  }
+
+  [[noreturn]] static void RaiseOpenMany(const Status& failed, size_t at, size_t n) {
+    RaiseStatus(Status(failed.code(),
+                       "stream open_many: item " + std::to_string(at) + " of " +
+                           std::to_string(n) + ": " + failed.message() +
+                           (at > 0 ? " (the items opened before it were released)" : "")));
+  }
+
   // Open plus the summary in one call: (handle, key, dtype, shape, nbytes).
-  py::tuple OpenSummary(const py::bytes& descriptor) {
-    PyStreamTensor tensor = Open(descriptor);
+  py::tuple OpenSummary(const py::bytes& descriptor) { return Summary(Open(descriptor)); }
+
+  static py::tuple Summary(PyStreamTensor tensor) {
     const TensorDescriptor& d = tensor.descriptor();
     py::str key(d.key);
     py::str dtype(d.dtype);
@@ -678,6 +989,11 @@ PYBIND11_MODULE(_core, m) {
            py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"))
       .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
            py::arg("dtype"), py::arg("shape"), py::arg("readers"))
+      .def("put_many", &PyProducer::PutMany, py::arg("items"), py::arg("readers"))
+      .def("put_many_pairs", &PyProducer::PutManyPairs, py::arg("pairs"), py::arg("readers"),
+           py::arg("numpy_names"), py::arg("torch_type"), py::arg("strided"),
+           py::arg("torch_names"), py::arg("slow"))
+      .def("reserve", &PyProducer::Reserve, py::arg("key"), py::arg("nbytes"))
       .def("abort", &PyProducer::Abort)
       .def("reclaim", &PyProducer::Reclaim)
       .def("stats", &PyProducer::Stats)
@@ -685,6 +1001,17 @@ PYBIND11_MODULE(_core, m) {
       .def("instance_name", &PyProducer::InstanceName)
       .def("close", &PyProducer::Close)
       .def_property_readonly("closed", &PyProducer::closed);
+
+  py::class_<PyReservation>(m, "Reservation")
+      .def("view", &PyReservation::View, py::arg("dtype"), py::arg("shape"))
+      .def("publish", &PyReservation::Publish, py::arg("dtype"), py::arg("shape"),
+           py::arg("readers"))
+      .def("cancel", &PyReservation::Cancel)
+      .def("address", &PyReservation::Address)
+      .def_property_readonly("published", &PyReservation::published)
+      .def_property_readonly("open", &PyReservation::open)
+      .def_property_readonly("spilled", &PyReservation::spilled)
+      .def_property_readonly("nbytes", &PyReservation::nbytes);
 
   py::class_<PyStreamTensor>(m, "StreamTensor")
       .def("buffer", &PyStreamTensor::Buffer, py::arg("writable") = false)
@@ -706,6 +1033,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("pin_budget_bytes"), py::arg("allow_foreign_owner"), py::arg("quiet"))
       .def("open", &PyConsumer::Open)
       .def("open_summary", &PyConsumer::OpenSummary)
+      .def("open_many_summary", &PyConsumer::OpenManySummary)
+      .def("open_many_arrays", &PyConsumer::OpenManyArrays)
       .def("poll_releases", &PyConsumer::PollReleases)
       .def("stats", &PyConsumer::Stats)
       .def("close", &PyConsumer::Close)
