@@ -358,7 +358,9 @@ def _torch_fast_path():
         torch = sys.modules.get("torch")
         if torch is None:
             return None, None, {}
-        _TORCH_FAST = (torch.Tensor, torch.strided, dict(_load_torch()._STREAM_NAMES))
+        # Complex tensors take the slow path, which refuses lazy conjugate views.
+        names = {k: v for k, v in _load_torch()._STREAM_NAMES.items() if not k.is_complex}
+        _TORCH_FAST = (torch.Tensor, torch.strided, names)
     return _TORCH_FAST
 
 

@@ -168,6 +168,10 @@ def source(tensor):
     name = _STREAM_NAMES.get(tensor.dtype)
     if name is None:
         raise TypeError("put(): torch dtype %s has no stream name" % tensor.dtype)
+    if tensor.is_complex() and (tensor.is_conj() or tensor.is_neg()):
+        # The bytes are the unconjugated (or unnegated) values: putting them would be wrong.
+        raise ValueError("put(): the tensor is a lazy conjugate or negative view; call "
+                         ".resolve_conj() / .resolve_neg() first")
     return (tensor.data_ptr(), tensor.numel() * tensor.element_size(), name,
             list(tensor.shape))
 

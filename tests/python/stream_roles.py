@@ -5,6 +5,12 @@
                                   then "ready"; exits when stdin closes (or is killed)
     stream_roles.py consume DIR   reads descriptor hex lines; prints
                                   "<key> <dtype> <shape,..> <xxh3 of the view's bytes>"
+    stream_roles.py produce-batch DIR
+                                  as produce, with every tensor in one put_many and a second
+                                  copy of each written in place (reserve, write, publish)
+    stream_roles.py consume-many DIR VIEW
+                                  as consume, opening all lines with one open_many(view=VIEW)
+                                  (tensor, numpy or torch)
 """
 
 import sys
@@ -26,11 +32,10 @@ def shape_text(shape):
     return ",".join(str(d) for d in shape) or "-"
 
 
-def produce(directory):
+def sources():
+    """(key, dtype, shape, source, raw bytes) per case: NumPy and torch sources alternate."""
     import torch
     rng = np.random.default_rng(99)
-    producer = expert_arena.StreamProducer(directory, "pypeer", segment_bytes=8 << 20,
-                                           max_segments=4, sweep_at_start=False, quiet=True)
     for i, (dtype, shape) in enumerate(CASES):
         if dtype == "bf16":
             source = torch.randn(shape, dtype=torch.float32).to(torch.bfloat16)
@@ -45,10 +50,49 @@ def produce(directory):
             # Every other tensor goes in as a torch tensor, the rest as NumPy arrays.
             source = torch.from_numpy(array) if i % 2 and dtype not in ("u16", "u32", "u64") \
                 else array
-        key = "py-%s-%d" % (dtype, i)
+        yield "py-%s-%d" % (dtype, i), dtype, shape, source, raw
+
+
+def checksum(raw):
+    return "%016x" % expert_arena.xxh3_64(np.frombuffer(raw, np.uint8))
+
+
+def new_producer(directory):
+    return expert_arena.StreamProducer(directory, "pypeer", segment_bytes=8 << 20,
+                                       max_segments=4, sweep_at_start=False, quiet=True)
+
+
+def produce(directory):
+    producer = new_producer(directory)
+    for key, dtype, shape, source, raw in sources():
         d = producer.put(key, source)
-        print(key, dtype, shape_text(shape), "%016x" % expert_arena.xxh3_64(
-            np.frombuffer(raw, np.uint8)), d.hex(), flush=True)
+        print(key, dtype, shape_text(shape), checksum(raw), d.hex(), flush=True)
+    print("ready", flush=True)
+    sys.stdin.read()
+    producer.close()
+
+
+def produce_batch(directory):
+    import torch
+    producer = new_producer(directory)
+    cases = list(sources())
+    descriptors = producer.put_many([(key, source) for key, _, _, source, _ in cases])
+    for (key, dtype, shape, _, raw), d in zip(cases, descriptors):
+        print(key, dtype, shape_text(shape), checksum(raw), d.hex(), flush=True)
+    for i, (key, dtype, shape, source, raw) in enumerate(cases):
+        key = "in-place-" + key
+        # by stream name, torch dtype or NumPy dtype, in turn
+        spec = dtype if i % 3 == 0 else (source.dtype if isinstance(source, torch.Tensor)
+                                         else source.dtype.type)
+        with producer.reserve(key, shape, spec) as r:
+            if i % 2:
+                t = r.torch()
+                assert type(t) is torch.Tensor and tuple(t.shape) == shape
+                t.copy_(torch.frombuffer(bytearray(raw), dtype=t.dtype).reshape(t.shape))
+            else:
+                r.numpy().reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, np.uint8)
+            d = r.publish()
+        print(key, dtype, shape_text(shape), checksum(raw), d.hex(), flush=True)
     print("ready", flush=True)
     sys.stdin.read()
     producer.close()
@@ -77,5 +121,31 @@ def consume(directory):
             print("error %s: %s" % (type(e).__name__, e), flush=True)
 
 
+def consume_many(directory, view):
+    import torch
+    consumer = expert_arena.StreamConsumer(directory, quiet=True)
+    lines = [bytes.fromhex(line.strip()) for line in sys.stdin if line.strip()]
+    opened = consumer.open_many(lines, view=None if view == "tensor" else view)
+    for d, o in zip(lines, opened):
+        fields = expert_arena.decode_descriptor(d)
+        if view == "tensor":
+            o = o.numpy()
+        if view == "torch":
+            assert isinstance(o, torch.Tensor)
+            with_bits = o.contiguous()
+            if with_bits.dtype == torch.bfloat16:
+                with_bits = with_bits.view(torch.int16)
+            raw = with_bits.numpy().reshape(-1).view(np.uint8)
+        else:
+            assert not o.flags.writeable
+            raw = np.ascontiguousarray(o).reshape(-1).view(np.uint8)
+        print(fields["key"], fields["dtype"], shape_text(fields["shape"]),
+              "%016x" % expert_arena.xxh3_64(raw), flush=True)
+
+
 if __name__ == "__main__":
-    {"produce": produce, "consume": consume}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "consume-many":
+        consume_many(sys.argv[2], sys.argv[3])
+    else:
+        {"produce": produce, "consume": consume,
+         "produce-batch": produce_batch}[sys.argv[1]](sys.argv[2])

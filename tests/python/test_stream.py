@@ -59,6 +59,166 @@ def test_streaming_between_processes_is_bit_exact_for_every_dtype(stream_dir, pr
     assert os.listdir(stream_dir) == []  # the producer unlinked its segments at exit
 
 
+@pytest.mark.parametrize("consumer", ["py-tensor", "py-numpy", "py-torch", "cxx"])
+def test_batches_and_in_place_tensors_cross_processes_bit_exact(stream_dir, consumer):
+    cmd = [sys.executable, ROLES, "produce-batch", stream_dir]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=child_env())
+    rows = []
+    try:
+        for line in p.stdout:
+            if line.strip() == "ready":
+                break
+            rows.append(line.split())
+        descriptors = [r[4] for r in rows]
+        if consumer == "cxx":
+            got = consume("cxx", stream_dir, descriptors)
+        else:
+            out = subprocess.run([sys.executable, ROLES, "consume-many", stream_dir,
+                                  consumer[3:]], input="".join(d + "\n" for d in descriptors),
+                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=child_env(), timeout=120)
+            assert out.returncode == 0, out.stderr
+            got = [line.split() for line in out.stdout.splitlines()]
+    finally:
+        p.stdin.close()
+        p.wait(30)
+    assert p.returncode == 0
+    # one put_many of every case, then each case again written in place
+    assert len(rows) == 30 and sum(r[0].startswith("in-place-") for r in rows) == 15
+    assert [r[:4] for r in got] == [r[:4] for r in rows]
+    assert os.listdir(stream_dir) == []
+
+
+def test_put_many_is_all_or_none(stream_dir):
+    with expert_arena.StreamProducer(stream_dir, "many", segment_bytes=2 << 20, max_segments=1,
+                                     strict=True, strict_wait_seconds=0.05, quiet=True) as p, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+        mib = np.ones(1 << 20, np.uint8)
+        with pytest.raises(expert_arena.NoSpaceError, match=r"item 2 of 3.*'?c'?") as e:
+            p.put_many([("a", mib), ("b", torch.ones(1 << 18)), ("c", mib)])
+        assert "nothing of the batch was published" in str(e.value)
+        assert p.stats()["live_blocks"] == 0 and p.abort("a") == 0
+        # What cannot be put is refused before anything is reserved, naming the item.
+        with pytest.raises(ValueError, match="not contiguous"):
+            p.put_many({"a": mib, "t": torch.randn(8, 8).t()})
+        with pytest.raises(TypeError, match="item 1 .*list"):
+            p.put_many([("a", mib), ("l", [1, 2])])
+        with pytest.raises(TypeError, match="item 0 is not a"):
+            p.put_many([mib])
+        with pytest.raises(ValueError, match="item 1 of 2.*key"):
+            p.put_many([("a", mib), ("bad\n", mib)])
+        with pytest.raises(ValueError, match="resolve_conj"):
+            p.put_many({"z": torch.randn(4, dtype=torch.complex64).conj()})
+        assert p.stats()["live_blocks"] == 0
+        # A batch that fits: each tensor with its own dtype and shape, in order, for 2 readers.
+        x, y = torch.randn(16, 8, dtype=torch.float16), np.arange(12, dtype=np.int64).reshape(3, 4)
+        ds = p.put_many({"x": x, "y": y}, readers=2)
+        for _ in range(2):
+            tx, ty = c.open_many(ds)
+            assert (tx.key, tx.dtype, tx.shape, ty.key, ty.dtype, ty.shape) == \
+                ("x", "f16", (16, 8), "y", "i64", (3, 4))
+            assert torch.equal(tx.torch(), x) and np.array_equal(ty.numpy(), y)
+            tx.release()
+            ty.release()
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0
+        assert p.put_many([]) == []
+
+
+def test_open_many_is_all_or_none_and_views_hold_their_share(stream_dir):
+    with expert_arena.StreamProducer(stream_dir, "open", segment_bytes=2 << 20,
+                                     max_segments=2, quiet=True) as p, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+        good = p.put("good", np.arange(100, dtype=np.float32))
+        gone = p.put("gone", np.zeros(100, np.float32))
+        assert p.abort("gone") == 1
+        with pytest.raises((ValueError, OSError), match="item 1 of 2.*gone") as e:
+            c.open_many([good, gone])
+        assert "opened before it were released" in str(e.value)
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0  # good's one reader released it, gone aborted
+        with pytest.raises(TypeError):
+            c.open_many(["not bytes"])
+        with pytest.raises(ValueError, match="view"):
+            c.open_many([], view="pandas")
+        # Views from open_many hold the reader's share until they are dropped.
+        ds = p.put_many({"n": np.arange(6, dtype=np.int16).reshape(2, 3),
+                         "t": torch.arange(4, dtype=torch.bfloat16)})
+        n, t = c.open_many(ds[:1], view="numpy") + c.open_many(ds[1:], view="torch")
+        assert n.dtype == np.int16 and n.shape == (2, 3) and not n.flags.writeable
+        assert t.dtype == torch.bfloat16 and torch.equal(t, torch.arange(4, dtype=torch.bfloat16))
+        with pytest.raises(ValueError):
+            n[0, 0] = 1
+        with pytest.raises(ValueError):
+            t.add_(1)
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 2
+        del n
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 1
+        del t
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0
+
+
+def test_reservations_are_written_in_place_and_given_back_when_unused(stream_dir):
+    with expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+        p = expert_arena.StreamProducer(stream_dir, "inplace", segment_bytes=2 << 20,
+                                        max_segments=1, strict=True, strict_wait_seconds=0.05,
+                                        quiet=True)
+        r = p.reserve("h", (4, 8), torch.float32)
+        assert (r.key, r.dtype, r.shape, r.nbytes) == ("h", "f32", (4, 8), 128)
+        w = r.torch()
+        assert type(w) is torch.Tensor and w.data_ptr() == r.address  # in the segment
+        torch.randn(4, 8, out=w)
+        expected = w.clone()
+        d = r.publish()
+        assert r.published
+        with pytest.raises(ValueError, match="published"):
+            r.numpy()
+        with c.open(d) as t:
+            assert t.shape == (4, 8) and torch.equal(t.torch(), expected)
+        del w  # (a writable view after publish is the engine's to drop: see docs/python.md)
+        # Cancelled (here: a `with` block left without publish), the space goes back once
+        # the last view of it is gone, never while a view could still write into it.
+        with p.reserve("c", (1000,), "i32") as r2:
+            v = r2.numpy()
+            v[:] = 7
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 2 - 1  # h was released; c is held by v
+        del v
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0
+        with pytest.raises(TypeError, match="no element size"):
+            p.reserve("q", (32,), "q8_0")
+        with pytest.raises(ValueError, match="negative"):
+            p.reserve("n", (-1, 4), np.float32)
+        with pytest.raises(ValueError, match="key"):
+            p.reserve("", (4,), "u8")
+        big = p.reserve("big", (2 << 20,), np.uint8)
+        with pytest.raises(expert_arena.NoSpaceError):
+            p.reserve("more", (1,), np.uint8)
+        big.cancel()
+        # An abort while the tensor is written refuses its publish and gives the space back.
+        r3 = p.reserve("abc", (16,), torch.int64)
+        assert p.abort("abc") == 1
+        with pytest.raises(expert_arena.BusyError, match="abc"):
+            r3.publish()
+        assert p.stats()["live_blocks"] == 0
+        # A view that outlives close() writes into memory that is still mapped; the files go
+        # when it is gone.
+        r4 = p.reserve("late", (1 << 16,), np.uint8)
+        late = r4.numpy()
+        p.close()
+        del r4
+        late[:] = 1
+        assert late.sum() == 1 << 16
+        assert os.listdir(stream_dir) != []
+        del late
+        assert os.listdir(stream_dir) == []
+
+
 def test_views_are_zero_copy_read_only_and_outlive_release(stream_dir):
     with expert_arena.StreamProducer(stream_dir, "views", segment_bytes=2 << 20,
                                      max_segments=2, quiet=True) as p, \
