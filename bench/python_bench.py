@@ -25,7 +25,7 @@ uses today, in one run (docs/python.md "Benchmark" has results and how to read t
 
     flock /tmp/expert-arena-bench.lock /usr/bin/python3 bench/python_bench.py \\
         [--bin build/bin] [--dir /dev/shm] [--rounds-scale 1] [--skip-cxx] \\
-        [--fresh-source torch|numpy-thp]
+        [--fresh-source torch|numpy-thp] [--copy-threads N]
 
 Needs the package on PYTHONPATH (build/python) and torch (python3-torch).
 """
@@ -139,7 +139,7 @@ def queue_consumer(queue, conn):
         conn.send(b"k")
 
 
-def bench_stream(directory, scale, fresh_source="torch"):
+def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
     import torch
 
     def make_fresh(nbytes, value):
@@ -153,7 +153,7 @@ def bench_stream(directory, scale, fresh_source="torch"):
     results = {}
     producer = expert_arena.StreamProducer(directory, "pybench", segment_bytes=128 << 20,
                                            max_segments=2, spill_directory=directory,
-                                           quiet=True)
+                                           copy_threads=copy_threads, quiet=True)
     here, there = ctx.Pipe()
     consumer = ctx.Process(target=stream_consumer, args=(there, directory))
     consumer.start()
@@ -267,6 +267,8 @@ def main():
     parser.add_argument("--fresh-source", choices=("torch", "numpy-thp"), default="torch",
                         help="how the fresh tensors (stream and queue alike) are made: "
                              "torch.empty (default) or torch over NumPy memory (huge pages)")
+    parser.add_argument("--copy-threads", type=int, default=0,
+                        help="the producer's copy_threads (0: the library's choice)")
     args = parser.parse_args()
 
     print("python_bench: expert_arena %s, Python %s, NumPy %s, %s, %d CPUs, %s"
@@ -283,7 +285,7 @@ def main():
           % (attach["cxx_ms"], attach["py_open_ms"], attach["py_open_report_ms"],
              attach["py_attach_ms"], attach["py_open_ms"] - attach["cxx_ms"]))
 
-    stream = bench_stream(args.dir, args.rounds_scale, args.fresh_source)
+    stream = bench_stream(args.dir, args.rounds_scale, args.fresh_source, args.copy_threads)
     cxx, cxx_raw = ({}, "") if args.skip_cxx else bench_cxx_stream(args.bin, args.dir)
     print("\nStream round, producer and consumer in two processes, descriptors over a pipe "
           "(median per round; fresh tensors made by %s):\n"
