@@ -580,8 +580,10 @@ class StreamConsumer:
         if view == "numpy":
             return self._core.open_many_arrays(descriptors, _dtypes.NUMPY_VIEW_DTYPES)
         if view == "torch":
-            return [t.torch() for t in
-                    [_opened_tensor(o) for o in self._core.open_many_summary(descriptors)]]
+            t = _load_torch()
+            return [t.wrap(a) if type(a) is not tuple else
+                    t.view(a[0], _dtypes.cached_stream_layout(a[1], a[2], a[0].nbytes, a[3]))
+                    for a in self._core.open_many_arrays(descriptors, t.direct_dtypes(), True)]
         raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 
     def poll_releases(self) -> int:

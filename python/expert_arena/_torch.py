@@ -139,6 +139,23 @@ def direct(layout) -> bool:
     return ok
 
 
+_DIRECT_DTYPES = None
+
+
+def direct_dtypes() -> dict:
+    """{stream dtype name: NumPy dtype} of the names whose arrays torch.from_numpy takes as
+    they are (open_many(view="torch") makes those typed; the rest come as bytes)."""
+    global _DIRECT_DTYPES
+    if _DIRECT_DTYPES is None:
+        from . import _dtypes
+        _DIRECT_DTYPES = {}
+        for name, numpy_dtype in _dtypes.NUMPY_VIEW_DTYPES.items():
+            layout = _dtypes.stream_layout(name, (1,), numpy_dtype.itemsize, name)
+            if direct(layout):
+                _DIRECT_DTYPES[name] = numpy_dtype
+    return _DIRECT_DTYPES
+
+
 def wrap(array: np.ndarray) -> torch.Tensor:
     """A ReadOnlyTensor over a writable typed array (never handed out) of a direct layout."""
     return torch.Tensor.as_subclass(torch.from_numpy(array), ReadOnlyTensor)

@@ -803,7 +803,11 @@ class PyConsumer {
   // its opened tensor, so the reader's share goes back when the array (and every view of it)
   // is gone. `layouts` maps a lower-case dtype name to its NumPy dtype (_dtypes); a name not
   // in it gives the raw bytes as uint8.
-  py::list OpenManyArrays(const py::list& descriptors, const py::dict& layouts) {
+  //
+  // With `for_torch` the arrays are writable (the package wraps each in a read-only tensor and
+  // never hands the array out), and a tensor whose dtype is not in `layouts` comes as a
+  // (uint8 array of its bytes, dtype, shape, key) tuple for the package to view.
+  py::list OpenManyArrays(const py::list& descriptors, const py::dict& layouts, bool for_torch) {
     auto consumer = Get();
     const size_t n = descriptors.size();
     std::vector<std::string_view> wires(n);
@@ -839,11 +843,18 @@ class PyConsumer {
       shape.clear();
       if (dtype != nullptr) {
         shape.assign(d.shape.begin(), d.shape.end());
-        out[i] = TypedArray(bytes, opened[i], false, py::reinterpret_borrow<py::dtype>(dtype),
-                            shape, "stream tensor " + d.key + " (" + d.dtype + ")");
+        out[i] = TypedArray(bytes, opened[i], for_torch,
+                            py::reinterpret_borrow<py::dtype>(dtype), shape,
+                            "stream tensor " + d.key + " (" + d.dtype + ")");
       } else {
         shape.push_back(static_cast<py::ssize_t>(bytes.size()));
-        out[i] = TypedArray(bytes, opened[i], false, kBytes, shape, "stream tensor " + d.key);
+        py::array raw = TypedArray(bytes, opened[i], for_torch, kBytes, shape,
+                                   "stream tensor " + d.key);
+        if (for_torch) {
+          out[i] = py::make_tuple(raw, py::str(d.dtype), Shape(d.shape), py::str(d.key));
+        } else {
+          out[i] = raw;
+        }
       }
     }
     return out;
@@ -1034,7 +1045,8 @@ PYBIND11_MODULE(_core, m) {
       .def("open", &PyConsumer::Open)
       .def("open_summary", &PyConsumer::OpenSummary)
       .def("open_many_summary", &PyConsumer::OpenManySummary)
-      .def("open_many_arrays", &PyConsumer::OpenManyArrays)
+      .def("open_many_arrays", &PyConsumer::OpenManyArrays, py::arg("descriptors"),
+           py::arg("layouts"), py::arg("for_torch") = false)
       .def("poll_releases", &PyConsumer::PollReleases)
       .def("stats", &PyConsumer::Stats)
       .def("close", &PyConsumer::Close)

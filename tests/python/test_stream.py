@@ -160,6 +160,14 @@ def test_open_many_is_all_or_none_and_views_hold_their_share(stream_dir):
         del t
         p.reclaim()
         assert p.stats()["live_blocks"] == 0
+        # A dtype torch takes as it is (no byte view): still read-only, still zero-copy.
+        (w,) = c.open_many([p.put("w", np.arange(8, dtype=np.float32))], view="torch")
+        assert w.dtype == torch.float32 and w.shape == (8,) and w[7] == 7
+        with pytest.raises(ValueError):
+            w.mul_(2)
+        del w
+        p.reclaim()
+        assert p.stats()["live_blocks"] == 0
 
 
 def test_reservations_are_written_in_place_and_given_back_when_unused(stream_dir):
