@@ -769,9 +769,10 @@ class PyConsumer {
     return PyStreamTensor(Take(std::move(*tensor)));
   }
 
-  // Open of a batch, all or none: [(handle, key, dtype, shape, nbytes), ...] in order. When one
-  // fails, those opened before it are released and the error names its index.
-  py::list OpenManySummary(const py::list& descriptors) {
+  // Opens every descriptor of `descriptors` (bytes objects the caller keeps alive) with the
+  // GIL released once, all or none: when one fails, those opened before it are released and
+  // the error names its index.
+  std::vector<StreamTensor> OpenAll(const py::list& descriptors) {
     auto consumer = Get();
     const size_t n = descriptors.size();
     std::vector<std::string_view> wires(n);
@@ -793,9 +794,23 @@ class PyConsumer {
         opened.push_back(std::move(t).value());
       }
     }
-    if (!failed.ok()) RaiseOpenMany(failed, failed_at, n);
-    py::list out(n);
-    for (size_t i = 0; i < n; ++i) out[i] = Summary(PyStreamTensor(std::move(opened[i])));
+    if (!failed.ok()) {
+      RaiseStatus(Status(failed.code(),
+                         "stream open_many: item " + std::to_string(failed_at) + " of " +
+                             std::to_string(n) + ": " + failed.message() +
+                             (failed_at > 0 ? " (the items opened before it were released)"
+                                            : "")));
+    }
+    return opened;
+  }
+
+  // Open of a batch, all or none: [(handle, key, dtype, shape, nbytes), ...] in order.
+  py::list OpenManySummary(const py::list& descriptors) {
+    std::vector<StreamTensor> opened = OpenAll(descriptors);
+    py::list out(opened.size());
+    for (size_t i = 0; i < opened.size(); ++i) {
+      out[i] = Summary(PyStreamTensor(std::move(opened[i])));
+    }
     return out;
   }
 
@@ -808,28 +823,13 @@ class PyConsumer {
   // never hands the array out), and a tensor whose dtype is not in `layouts` comes as a
   // (uint8 array of its bytes, dtype, shape, key) tuple for the package to view.
   py::list OpenManyArrays(const py::list& descriptors, const py::dict& layouts, bool for_torch) {
-    auto consumer = Get();
-    const size_t n = descriptors.size();
-    std::vector<std::string_view> wires(n);
-    for (size_t i = 0; i < n; ++i) wires[i] = BytesView(descriptors[i].ptr(), "open_many");
+    std::vector<StreamTensor> tensors = OpenAll(descriptors);
+    const size_t n = tensors.size();
     std::vector<std::shared_ptr<OpenedTensor>> opened;
     opened.reserve(n);
-    Status failed;
-    size_t failed_at = 0;
-    {
-      py::gil_scoped_release release;
-      for (size_t i = 0; i < n; ++i) {
-        Result<StreamTensor> t = consumer->Open(wires[i]);
-        if (!t.ok()) {
-          failed = t.status();
-          failed_at = i;
-          opened.clear();
-          break;
-        }
-        opened.push_back(std::make_shared<OpenedTensor>(OpenedTensor{std::move(t).value()}));
-      }
+    for (StreamTensor& t : tensors) {
+      opened.push_back(std::make_shared<OpenedTensor>(OpenedTensor{std::move(t)}));
     }
-    if (!failed.ok()) RaiseOpenMany(failed, failed_at, n);
     static const py::dtype kBytes = py::dtype::of<uint8_t>();
     py::list out(n);
     std::string lower;
@@ -860,12 +860,6 @@ class PyConsumer {
     return out;
   }
 
-  [[noreturn]] static void RaiseOpenMany(const Status& failed, size_t at, size_t n) {
-    RaiseStatus(Status(failed.code(),
-                       "stream open_many: item " + std::to_string(at) + " of " +
-                           std::to_string(n) + ": " + failed.message() +
-                           (at > 0 ? " (the items opened before it were released)" : "")));
-  }
 
   // Open plus the summary in one call: (handle, key, dtype, shape, nbytes).
   py::tuple OpenSummary(const py::bytes& descriptor) { return Summary(Open(descriptor)); }
