@@ -860,7 +860,6 @@ class PyConsumer {
     return out;
   }
 
-
   // Open plus the summary in one call: (handle, key, dtype, shape, nbytes).
   py::tuple OpenSummary(const py::bytes& descriptor) { return Summary(Open(descriptor)); }
 
