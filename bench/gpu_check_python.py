@@ -3,7 +3,9 @@
 registered host memory, so torch sees it as pinned and
 `arena.torch(name).to("cuda", non_blocking=True)` is an asynchronous DMA copy. Timed against
 the same copy from pageable memory (a clone of the tensor in ordinary process memory), and
-the device copy is compared with the host bytes.
+the device copy is compared with the host bytes. Then a device tensor is streamed in place:
+copied into a reservation of a producer registered with the device (a DMA copy, timed against
+the same copy into pageable memory) and copied back to the device from the consumer's view.
 
     PYTHONPATH=BUILD/python python3 bench/gpu_check_python.py --bin BUILD/bin [--device cuda:0]
         [--size-mib 512] [--dir /dev/shm]
@@ -104,7 +106,7 @@ def main():
             if not same:
                 print("python step: FAILED: the device copy differs from the host bytes")
                 return 1
-            return 0
+        return stream_step(expert_arena, torch, args)
     except (OSError, ValueError, subprocess.CalledProcessError) as e:
         print("python step: could not run: %s" % e)
         return 2
@@ -113,6 +115,66 @@ def main():
             if os.path.exists(p):
                 os.unlink(p)
         os.rmdir(work)
+
+
+def stream_step(expert_arena, torch, args):
+    """A device tensor handed over in place: the producer's segments are registered
+    (gpu=DEVICE), so copying a device tensor into a reservation is a DMA copy; the consumer
+    (gpu=DEVICE too) copies it back to the device from the segment. Timed against the same
+    device-to-host copy into pageable memory; the round trip is compared byte for byte."""
+    device = torch.device(args.device)
+    nbytes = min(args.size_mib, 256) << 20
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    directory = tempfile.mkdtemp(prefix="ea-gpu-py-stream-", dir=args.dir)
+    try:
+        with expert_arena.StreamProducer(directory, "gpucheck", segment_bytes=nbytes + (2 << 20),
+                                         max_segments=2, gpu=args.device,
+                                         spill_directory=directory, quiet=True) as producer, \
+                expert_arena.StreamConsumer(directory, spill_directory=directory,
+                                            gpu=args.device, quiet=True) as consumer:
+            times, page_times, descriptor, pinned = [], [], None, False
+            for rep in range(args.reps + 1):
+                with producer.reserve("d2h-%d" % rep, (nbytes,), torch.uint8) as r:
+                    host = r.torch()
+                    pinned = host.is_pinned()
+                    torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    host.copy_(source, non_blocking=True)
+                    torch.cuda.synchronize(device)  # before publish: the bytes are written
+                    times.append(time.perf_counter() - t0)
+                    del host
+                    if rep == args.reps:
+                        descriptor = r.publish()
+                pageable = torch.empty(nbytes, dtype=torch.uint8)
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                pageable.copy_(source, non_blocking=True)
+                torch.cuda.synchronize(device)
+                page_times.append(time.perf_counter() - t0)
+            with consumer.open(descriptor) as t:
+                back = t.torch().to(device, non_blocking=True)
+                torch.cuda.synchronize(device)  # before release: the copy has read the bytes
+            same = bool(torch.equal(back, source))
+            reg_s, page_s = statistics.median(times[1:]), statistics.median(page_times[1:])
+            print("python step: stream, %.0f MiB device tensor copied into a reservation: "
+                  "pinned %s, %.2f ms (%.1f GB/s) against %.2f ms (%.1f GB/s) into pageable "
+                  "memory, %.2fx; back to the device from the consumer's view: bytes %s"
+                  % (nbytes / 2**20, pinned, reg_s * 1e3, nbytes / reg_s / 1e9, page_s * 1e3,
+                     nbytes / page_s / 1e9, page_s / reg_s, "equal" if same else "DIFFER"))
+            if not pinned:
+                print("python step: FAILED: torch does not see the stream segment as pinned")
+                return 1
+            if not same:
+                print("python step: FAILED: the streamed bytes differ on the device")
+                return 1
+            return 0
+    except (OSError, ValueError) as e:
+        print("python step: stream part could not run: %s" % e)
+        return 2
+    finally:
+        for f in os.listdir(directory):
+            os.unlink(os.path.join(directory, f))
+        os.rmdir(directory)
 
 
 if __name__ == "__main__":
