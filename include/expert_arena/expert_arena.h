@@ -18,6 +18,10 @@
  *   ... v.data, v.bytes ...
  *   ea_arena_close(arena);
  *
+ * Tensor streaming between processes (producer, reservation, consumer, sweep) is declared in
+ * expert_arena/expert_arena_stream.h, included at the end of this header, in the same
+ * conventions.
+ *
  * Conventions:
  * - Every call that can fail returns 0 or a negative errno value (-EINVAL bad argument,
  *   -ENOENT no such file or tensor, -EBUSY in use by another engine, -ETIMEDOUT waiting for
@@ -155,5 +159,8 @@ EXPERT_ARENA_EXPORT const char* ea_version(void);
 #ifdef __cplusplus
 }
 #endif
+
+/* The streaming part of the C interface (it includes this header for what both share). */
+#include "expert_arena/expert_arena_stream.h"
 
 #endif /* EXPERT_ARENA_EXPERT_ARENA_H_ */

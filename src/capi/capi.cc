@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 
+#include "capi/capi_internal.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/expert_arena.h"
 
@@ -27,65 +28,9 @@ struct ea_arena {
 namespace expert_arena {
 namespace {
 
-thread_local std::string last_error;
-
-int ErrnoFor(StatusCode code) {
-  switch (code) {
-    case StatusCode::kOk:
-      return 0;
-    case StatusCode::kInvalidArgument:
-      return -EINVAL;
-    case StatusCode::kNotFound:
-      return -ENOENT;
-    case StatusCode::kCorrupt:
-      return -EBADMSG;
-    case StatusCode::kBusy:
-      return -EBUSY;
-    case StatusCode::kTimedOut:
-      return -ETIMEDOUT;
-    case StatusCode::kNoSpace:
-      return -ENOSPC;
-    case StatusCode::kUnsupported:
-      return -ENOTSUP;
-    case StatusCode::kPermission:
-      return -EACCES;
-    case StatusCode::kIoError:
-      return -EIO;
-    case StatusCode::kInternal:
-      return -EIO;
-  }
-  return -EIO;
-}
-
-int Fail(int rc, std::string message) {
-  last_error = std::move(message);
-  return rc;
-}
-
-int Fail(const Status& status) { return Fail(ErrnoFor(status.code()), status.message()); }
-
-// Runs `body`, turning any exception into an error code.
-template <typename F>
-int Guarded(const char* what, F&& body) {
-  try {
-    return body();
-  } catch (const std::bad_alloc&) {
-    return Fail(-ENOMEM, std::string(what) + ": out of memory");
-  } catch (const std::exception& e) {
-    return Fail(-EIO, std::string(what) + ": " + e.what());
-  } catch (...) {
-    return Fail(-EIO, std::string(what) + ": unexpected error");
-  }
-}
-
-// Copies the first `caller_size` bytes of `ours` out to the caller, whose struct may be an
-// older (shorter) version; the caller's `size` field is kept.
-template <typename T>
-void CopyOut(const T& ours, T* out) {
-  size_t caller_size = out->size;
-  std::memcpy(static_cast<void*>(out), &ours, std::min(caller_size, sizeof(T)));
-  out->size = caller_size;
-}
+using capi::CopyOut;
+using capi::Fail;
+using capi::last_error;
 
 int FillView(const TensorView& v, ea_tensor_view* out) {
   ea_tensor_view view{};
@@ -112,8 +57,8 @@ constexpr size_t kMinInfoSize = offsetof(ea_arena_info, gpu_registered_bytes) + 
 }  // namespace
 }  // namespace expert_arena
 
-using expert_arena::Fail;
-using expert_arena::Guarded;
+using expert_arena::capi::Fail;
+using expert_arena::capi::Guarded;
 
 extern "C" {
 
@@ -298,7 +243,7 @@ int ea_arena_find(const ea_arena* arena, const char* name, ea_tensor_view* out) 
   });
 }
 
-const char* ea_last_error(void) { return expert_arena::last_error.c_str(); }
+const char* ea_last_error(void) { return expert_arena::capi::last_error.c_str(); }
 
 const char* ea_version(void) { return EXPERT_ARENA_VERSION_STRING; }
 
