@@ -49,8 +49,9 @@ constexpr size_t kMinReservationInfoSize =
     offsetof(ea_stream_reservation_info, key) + sizeof(const char*);
 constexpr size_t kMinTensorInfoSize = offsetof(ea_stream_tensor_info, spilled) + sizeof(int);
 
-// The longest file name a segment can have (NAME_MAX on Linux filesystems).
-constexpr size_t kLongestSegmentName = 255;
+// The longest segment name a descriptor may carry (stream::IsValidSegmentName, which Decode
+// applies).
+constexpr size_t kLongestSegmentName = 200;
 
 std::shared_ptr<spdlog::logger> QuietLogger() {
   return std::make_shared<spdlog::logger>("expert_arena_c_stream",

@@ -1,5 +1,5 @@
-// The C interface from outside the library: a C program that includes only
-// expert_arena.h and links only libexpert_arena.so. Python's ctypes use of the same library
+// The C interface from outside the library: C programs that include only expert_arena.h
+// and link only libexpert_arena.so (capi_c_program: arenas; capi_stream_c_program: streaming). Python's ctypes use of the same library
 // is tested in tests/python/test_capi_ctypes.py.
 #include <gtest/gtest.h>
 
@@ -38,6 +38,19 @@ TEST(CApiTest, CProgramSeesFilesThatAreNotModelsRefused) {
     EXPECT_NE(child.Output().find("all checks passed"), std::string::npos) << child.Output();
     EXPECT_TRUE(arenas.entries().empty());
   }
+}
+
+// The C interface of tensor streaming (expert_arena_stream.h): every call in one process, then
+// the same program as a consumer child, a producer child whose tensor outlives its exit, and a
+// killed producer whose segments a sweep removes. Private directories, empty at the end.
+TEST(CApiTest, CStreamProgramPassesEveryCheck) {
+  ScopedArenaDir dir("capi-stream");
+  ScopedArenaDir spill("capi-stream-spill");
+  Child c = SpawnProgram(BinDir() + "/capi_stream_c_program", {"check", dir.path(), spill.path()});
+  EXPECT_EQ(c.Wait(60), 0) << c.Output();
+  EXPECT_NE(c.Output().find("all checks passed"), std::string::npos) << c.Output();
+  EXPECT_TRUE(dir.entries().empty());
+  EXPECT_TRUE(spill.entries().empty());
 }
 
 }  // namespace
