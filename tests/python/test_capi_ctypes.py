@@ -1,14 +1,18 @@
 """The C ABI from Python through ctypes (what engines without the package use): attach with
-libexpert_arena.so, read a tensor, and compare it with the model file and with the package."""
+libexpert_arena.so, read a tensor, and compare it with the model file and with the package;
+stream tensors through the C ABI to and from the package in other processes; and the C
+program's stream roles against the package's and the C++ peer's."""
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import expert_arena
-from conftest import BUILD, arena_table
+from conftest import BUILD, arena_table, child_env, tool
 
 
 class OpenParams(ctypes.Structure):
@@ -89,3 +93,269 @@ def test_ctypes_reports_a_missing_arena(lib, shm_path):
     rc, _ = ctypes_attach(lib, path)
     assert rc == -2
     assert path.encode() in lib.ea_last_error()
+
+
+# ---- tensor streaming through the C ABI (expert_arena_stream.h) ----------------------------
+
+ROLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_roles.py")
+DESCRIPTOR_MAX = 4096  # EA_STREAM_DESCRIPTOR_MAX
+
+
+class StreamParams(ctypes.Structure):
+    """ea_stream_params."""
+    _fields_ = [("size", ctypes.c_size_t), ("directory", ctypes.c_char_p),
+                ("logical_name", ctypes.c_char_p), ("segment_bytes", ctypes.c_uint64),
+                ("max_segments", ctypes.c_uint32), ("block_alignment", ctypes.c_uint64),
+                ("spill_directory", ctypes.c_char_p), ("strict", ctypes.c_int),
+                ("strict_wait_seconds", ctypes.c_double), ("huge_pages", ctypes.c_int),
+                ("gpu", ctypes.c_char_p), ("pin_budget_bytes", ctypes.c_uint64),
+                ("copy_threads", ctypes.c_uint32), ("non_temporal_copy_from", ctypes.c_uint64),
+                ("grow_ahead", ctypes.c_int), ("warning_interval_seconds", ctypes.c_double),
+                ("sweep_at_start", ctypes.c_int), ("allow_foreign_owner", ctypes.c_int),
+                ("quiet", ctypes.c_int)]
+
+
+class StreamStats(ctypes.Structure):
+    """ea_stream_stats."""
+    _fields_ = [("size", ctypes.c_size_t)] + [(name, ctypes.c_uint64) for name in (
+        "total_bytes", "free_bytes", "largest_free_block", "segments", "dedicated_segments",
+        "live_blocks", "pinned_bytes", "spills", "spill_files", "fragmentation_failures",
+        "reclaimed_blocks", "dead_readers_cleared", "segments_grown_ahead")]
+
+
+class StreamTensorInfo(ctypes.Structure):
+    """ea_stream_tensor_info."""
+    _fields_ = [("size", ctypes.c_size_t), ("data", ctypes.c_void_p),
+                ("bytes", ctypes.c_uint64), ("key", ctypes.c_char_p), ("dtype", ctypes.c_char_p),
+                ("shape", ctypes.POINTER(ctypes.c_uint64)), ("ndim", ctypes.c_uint32),
+                ("spilled", ctypes.c_int)]
+
+
+@pytest.fixture(scope="module")
+def slib(lib):
+    """The stream calls' signatures on the same library."""
+    P, vp, u64, u32, sz = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, \
+        ctypes.c_size_t
+    pvp, psz = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    lib.ea_stream_params_init_sized.argtypes = [ctypes.POINTER(StreamParams), sz]
+    lib.ea_stream_params_init_sized.restype = None
+    for name in ("ea_stream_producer_create", "ea_stream_consumer_create"):
+        getattr(lib, name).argtypes = [ctypes.POINTER(StreamParams), pvp]
+    for name in ("ea_stream_producer_destroy", "ea_stream_consumer_destroy",
+                 "ea_stream_release", "ea_stream_reservation_destroy"):
+        getattr(lib, name).argtypes = [P]
+        getattr(lib, name).restype = None
+    lib.ea_stream_put.argtypes = [P, ctypes.c_char_p, vp, u64, ctypes.c_char_p, u64p, u32, u32,
+                                  vp, sz, psz]
+    lib.ea_stream_reserve.argtypes = [P, ctypes.c_char_p, u64, pvp, pvp]
+    lib.ea_stream_publish.argtypes = [P, ctypes.c_char_p, u64p, u32, u32, vp, sz, psz]
+    lib.ea_stream_reclaim.argtypes = [P]
+    lib.ea_stream_get_stats.argtypes = [P, ctypes.POINTER(StreamStats)]
+    lib.ea_stream_open.argtypes = [P, vp, sz, pvp]
+    lib.ea_stream_tensor_get_info.argtypes = [P, ctypes.POINTER(StreamTensorInfo)]
+    return lib
+
+
+def stream_params(lib, directory, **fields):
+    p = StreamParams()
+    lib.ea_stream_params_init_sized(ctypes.byref(p), ctypes.sizeof(p))
+    p.directory = os.fsencode(directory)
+    p.logical_name = b"ctypes"
+    p.segment_bytes = 8 << 20
+    p.max_segments = 4
+    p.sweep_at_start = 0
+    p.quiet = 1
+    for k, v in fields.items():
+        setattr(p, k, v)
+    return p
+
+
+def ctypes_producer(lib, directory):
+    handle = ctypes.c_void_p()
+    rc = lib.ea_stream_producer_create(ctypes.byref(stream_params(lib, directory)),
+                                       ctypes.byref(handle))
+    assert rc == 0, lib.ea_last_error()
+    return handle
+
+
+def ctypes_put(lib, producer, key, array, dtype):
+    raw = np.ascontiguousarray(array)
+    shape = (ctypes.c_uint64 * max(raw.ndim, 1))(*raw.shape)
+    buf = ctypes.create_string_buffer(DESCRIPTOR_MAX)
+    n = ctypes.c_size_t()
+    rc = lib.ea_stream_put(producer, key.encode(), raw.ctypes.data, raw.nbytes, dtype.encode(),
+                           shape, raw.ndim, 1, buf, len(buf), ctypes.byref(n))
+    assert rc == 0, lib.ea_last_error()
+    return buf.raw[:n.value]
+
+
+def live_blocks(lib, producer):
+    assert lib.ea_stream_reclaim(producer) == 0
+    stats = StreamStats()
+    stats.size = ctypes.sizeof(stats)
+    assert lib.ea_stream_get_stats(producer, ctypes.byref(stats)) == 0, lib.ea_last_error()
+    return stats.live_blocks
+
+
+def checksum(raw):
+    return "%016x" % expert_arena.xxh3_64(np.frombuffer(raw, np.uint8))
+
+
+def shape_text(shape):
+    return ",".join(str(d) for d in shape) or "-"
+
+
+def test_ctypes_streams_to_the_package_consumer_in_another_process(slib, stream_dir):
+    """A producer made through the C ABI from Python; a Python process with the package opens
+    its descriptors bit-exact, and its releases give the space back."""
+    lib = slib
+    rng = np.random.default_rng(7)
+    cases = [("ct-f32", rng.standard_normal((7, 3, 2)).astype(np.float32), "f32"),
+             ("ct-f16", rng.standard_normal((9, 4)).astype(np.float16), "f16"),
+             ("ct-i8", rng.integers(-128, 128, (3, 17), dtype=np.int8), "i8"),
+             ("ct-u8", rng.integers(0, 256, 257, dtype=np.uint8), "u8"),
+             ("ct-bf16", rng.integers(0, 1 << 16, (4, 11), dtype=np.uint16), "bf16"),
+             ("ct-big", rng.standard_normal((512, 1024)).astype(np.float32), "f32")]
+    producer = ctypes_producer(lib, stream_dir)
+    try:
+        sent = []
+        for key, array, dtype in cases:
+            d = ctypes_put(lib, producer, key, array, dtype)
+            sent.append((key, dtype, shape_text(array.shape), checksum(array.tobytes()), d))
+        # One written in place: reserve, fill the C pointer, publish.
+        reservation, at = ctypes.c_void_p(), ctypes.c_void_p()
+        payload = rng.integers(0, 256, 4096, dtype=np.uint8)
+        assert lib.ea_stream_reserve(producer, b"ct-in-place", payload.nbytes,
+                                     ctypes.byref(reservation), ctypes.byref(at)) == 0
+        ctypes.memmove(at, payload.ctypes.data, payload.nbytes)
+        buf, n = ctypes.create_string_buffer(DESCRIPTOR_MAX), ctypes.c_size_t()
+        shape = (ctypes.c_uint64 * 2)(64, 64)
+        assert lib.ea_stream_publish(reservation, b"u8", shape, 2, 1, buf, len(buf),
+                                     ctypes.byref(n)) == 0, lib.ea_last_error()
+        lib.ea_stream_reservation_destroy(reservation)
+        sent.append(("ct-in-place", "u8", "64,64", checksum(payload.tobytes()), buf.raw[:n.value]))
+        assert live_blocks(lib, producer) == len(sent)
+
+        out = subprocess.run([sys.executable, ROLES, "consume", stream_dir],
+                             input="".join(s[4].hex() + "\n" for s in sent), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        got = [line.split() for line in out.stdout.splitlines()]
+        assert got == [list(s[:4]) for s in sent]
+        # Every block was released by the other process.
+        assert live_blocks(lib, producer) == 0
+    finally:
+        lib.ea_stream_producer_destroy(producer)
+    assert os.listdir(stream_dir) == []
+
+
+def test_ctypes_consumer_opens_what_the_package_produced(slib, stream_dir):
+    """The reverse: a package producer in another process, a C ABI consumer here."""
+    lib = slib
+    p = subprocess.Popen([sys.executable, ROLES, "produce", stream_dir], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=child_env())
+    consumer = ctypes.c_void_p()
+    try:
+        rows = []
+        for line in p.stdout:
+            if line.strip() == "ready":
+                break
+            rows.append(line.split())
+        assert len(rows) >= 15
+        assert lib.ea_stream_consumer_create(ctypes.byref(stream_params(lib, stream_dir)),
+                                             ctypes.byref(consumer)) == 0, lib.ea_last_error()
+        for key, dtype, shape, xxh, hex_descriptor in rows:
+            d = bytes.fromhex(hex_descriptor)
+            tensor = ctypes.c_void_p()
+            assert lib.ea_stream_open(consumer, d, len(d), ctypes.byref(tensor)) == 0, \
+                lib.ea_last_error()
+            info = StreamTensorInfo()
+            info.size = ctypes.sizeof(info)
+            assert lib.ea_stream_tensor_get_info(tensor, ctypes.byref(info)) == 0
+            got = [info.key.decode(), info.dtype.decode(),
+                   shape_text([info.shape[i] for i in range(info.ndim)]),
+                   checksum(ctypes.string_at(info.data, info.bytes))]
+            lib.ea_stream_release(tensor)
+            assert got == [key, dtype, shape, xxh]
+        # A descriptor the producer never made: refused with the reason, nothing mapped.
+        garbage = bytes(range(64))
+        tensor = ctypes.c_void_p()
+        assert lib.ea_stream_open(consumer, garbage, len(garbage), ctypes.byref(tensor)) == -22
+        assert b"tensor descriptor refused" in lib.ea_last_error()
+    finally:
+        lib.ea_stream_consumer_destroy(consumer)
+        p.stdin.close()
+        p.wait(30)
+    assert os.listdir(stream_dir) == []
+
+
+def test_ctypes_stream_errors_carry_the_library_message(slib, stream_dir):
+    lib = slib
+    producer = ctypes_producer(lib, stream_dir)
+    try:
+        data = np.zeros(16, np.uint8)
+        buf, n = ctypes.create_string_buffer(DESCRIPTOR_MAX), ctypes.c_size_t()
+        rc = lib.ea_stream_put(producer, b"bad\x01key", data.ctypes.data, 16, b"u8", None, 0, 1,
+                               buf, len(buf), ctypes.byref(n))
+        assert rc == -22 and b"control" in lib.ea_last_error()
+        # A buffer too small: -ERANGE with the size needed, nothing reserved; that size works.
+        small = ctypes.create_string_buffer(8)
+        rc = lib.ea_stream_put(producer, b"k", data.ctypes.data, 16, b"u8", None, 0, 1, small,
+                               len(small), ctypes.byref(n))
+        assert rc == -34 and n.value > 8 and live_blocks(lib, producer) == 0
+        exact = ctypes.create_string_buffer(n.value)
+        assert lib.ea_stream_put(producer, b"k", data.ctypes.data, 16, b"u8", None, 0, 1, exact,
+                                 len(exact), ctypes.byref(n)) == 0
+        assert n.value <= len(exact)
+        decoded = expert_arena.decode_descriptor(exact.raw[:n.value])
+        assert decoded["key"] == "k" and decoded["dtype"] == "u8"
+    finally:
+        lib.ea_stream_producer_destroy(producer)
+    assert os.listdir(stream_dir) == []
+
+
+# The C program's produce and consume roles against the package's (stream_roles.py) and the
+# C++ peer's (python_peer): one protocol, every pairing with a C side.
+def start_producer(kind, directory):
+    cmd = {"c": [tool("capi_stream_c_program"), "produce", directory],
+           "cxx": [tool("python_peer"), "produce", directory],
+           "py": [sys.executable, ROLES, "produce", directory]}[kind]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=child_env())
+    rows = []
+    for line in p.stdout:
+        if line.strip() == "ready":
+            return p, rows
+        rows.append(line.split())
+    p.wait(30)
+    raise AssertionError("%s producer exited with %s before it was ready" % (kind, p.returncode))
+
+
+def consume(kind, directory, descriptors):
+    cmd = {"c": [tool("capi_stream_c_program"), "consume", directory],
+           "cxx": [tool("python_peer"), "consume", directory],
+           "py": [sys.executable, ROLES, "consume", directory]}[kind]
+    out = subprocess.run(cmd, input="".join(d + "\n" for d in descriptors), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [line.split() for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("producer,consumer",
+                         [("c", "c"), ("c", "py"), ("py", "c"), ("c", "cxx"), ("cxx", "c")])
+def test_c_program_streams_with_python_and_cxx_processes(stream_dir, producer, consumer):
+    p, rows = start_producer(producer, stream_dir)
+    try:
+        got = consume(consumer, stream_dir, [r[4] for r in rows])
+    finally:
+        p.stdin.close()
+        p.wait(30)
+    assert p.returncode == 0
+    assert len(got) == len(rows) >= 9
+    for sent, received in zip(rows, got):
+        assert received[0] != "error", received
+        assert received == sent[:4]  # key, dtype, shape, xxh3 of the bytes
+    assert os.listdir(stream_dir) == []
