@@ -40,11 +40,13 @@
  * - Structs passed in or out start with `size`, set by the caller to its sizeof; the library
  *   reads and writes only that many bytes. ea_stream_params_init_sized is the FFI form of the
  *   inline ea_stream_params_init.
- * - Descriptors are written into the caller's buffer: EA_STREAM_DESCRIPTOR_MAX bytes always
- *   suffice. A smaller buffer is checked before anything is reserved or published: when it
- *   may be too small for this tensor the call fails with -ERANGE, stores the size it needs in
- *   *descriptor_len and changes nothing (a reservation stays unpublished). A descriptor is
- *   never truncated.
+ * - Descriptors are written into the caller's buffer (no allocation to free):
+ *   EA_STREAM_DESCRIPTOR_MAX bytes always suffice. A smaller buffer is checked before anything
+ *   is reserved or published: when it may be too small for this tensor (the bound counts the
+ *   key, dtype and shape and the longest segment name, so it can exceed the descriptor by up
+ *   to about 150 bytes) the call fails with -ERANGE, stores the size it needs in
+ *   *descriptor_len and changes nothing (a reservation stays unpublished); a NULL buffer
+ *   asks for that size. A descriptor is never truncated.
  * - Keys and dtypes are NUL-terminated strings.
  * - Handles are opaque; no C++ exception crosses this interface.
  *
