@@ -43,10 +43,10 @@
  * - Descriptors are written into the caller's buffer (no allocation to free):
  *   EA_STREAM_DESCRIPTOR_MAX bytes always suffice. A smaller buffer is checked before anything
  *   is reserved or published: when it may be too small for this tensor (the bound counts the
- *   key, dtype and shape and the longest segment name, so it can exceed the descriptor by up
- *   to about 150 bytes) the call fails with -ERANGE, stores the size it needs in
- *   *descriptor_len and changes nothing (a reservation stays unpublished); a NULL buffer
- *   asks for that size. A descriptor is never truncated.
+ *   key, dtype and shape and the longest segment name a descriptor may carry, so it can exceed
+ *   the descriptor by up to about 170 bytes) the call fails with -ERANGE, stores the size it
+ *   needs in *descriptor_len and changes nothing (a reservation stays unpublished); a NULL
+ *   buffer asks for that size. A descriptor is never truncated.
  * - Keys and dtypes are NUL-terminated strings.
  * - Handles are opaque; no C++ exception crosses this interface.
  *
@@ -129,6 +129,17 @@ typedef struct ea_stream_stats {
   uint64_t segments_grown_ahead;
 } ea_stream_stats;
 
+/* One tensor of ea_stream_put_many; its bytes are read during the call only. */
+typedef struct ea_stream_put_item {
+  size_t size; /* the caller's sizeof(ea_stream_put_item), the same in every item */
+  const char* key;
+  const void* data;
+  uint64_t bytes;
+  const char* dtype; /* NULL: "u8" */
+  const uint64_t* shape;
+  uint32_t ndim;
+} ea_stream_put_item;
+
 typedef struct ea_stream_reservation_info {
   size_t size; /* set by the caller */
   void* data;  /* writable until ea_stream_reservation_destroy */
@@ -174,6 +185,20 @@ EXPERT_ARENA_EXPORT int ea_stream_put(ea_stream_producer* producer, const char* 
                                       const uint64_t* shape, uint32_t ndim, uint32_t readers,
                                       void* out_descriptor, size_t descriptor_capacity,
                                       size_t* descriptor_len);
+
+/* ea_stream_put of `count` tensors, all or none: every key and info is checked, then each
+ * tensor's space reserved and its bytes copied, then all are published at once (a consumer
+ * never sees part of the batch). When a step fails nothing is published, the space reserved
+ * so far goes back, and the message names the item's index and key. The descriptors are
+ * written back to back into out_descriptors, descriptor_lens[i] (count values, the caller's
+ * array) the length of the i-th; *total_len the bytes written. -ERANGE when the buffer may be
+ * too small, with the bytes needed in *total_len (count x EA_STREAM_DESCRIPTOR_MAX always
+ * suffices). `items` is an array of the caller's structs: its stride is items[0].size. */
+EXPERT_ARENA_EXPORT int ea_stream_put_many(ea_stream_producer* producer,
+                                           const ea_stream_put_item* items, size_t count,
+                                           uint32_t readers, void* out_descriptors,
+                                           size_t descriptors_capacity, size_t* descriptor_lens,
+                                           size_t* total_len);
 
 /* Space for `bytes` bytes owned by `key`: write into *data (NULL: not wanted; also in
  * ea_stream_reservation_get_info), then ea_stream_publish. */

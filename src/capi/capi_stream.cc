@@ -47,6 +47,7 @@ constexpr size_t kMinStatsSize =
     offsetof(ea_stream_stats, segments_grown_ahead) + sizeof(uint64_t);
 constexpr size_t kMinReservationInfoSize =
     offsetof(ea_stream_reservation_info, key) + sizeof(const char*);
+constexpr size_t kMinPutItemSize = offsetof(ea_stream_put_item, ndim) + sizeof(uint32_t);
 constexpr size_t kMinTensorInfoSize = offsetof(ea_stream_tensor_info, spilled) + sizeof(int);
 
 // The longest segment name a descriptor may carry (stream::IsValidSegmentName, which Decode
@@ -249,6 +250,77 @@ int ea_stream_put(ea_stream_producer* producer, const char* key, const void* dat
     auto d = producer->producer.Put(key, span, info, readers);
     if (!d.ok()) return Fail(d.status());
     return capi::WriteDescriptor(kWhat, *d, out_descriptor, descriptor_capacity, descriptor_len);
+  });
+}
+
+int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* items,
+                       size_t count, uint32_t readers, void* out_descriptors,
+                       size_t descriptors_capacity, size_t* descriptor_lens, size_t* total_len) {
+  using namespace expert_arena;
+  constexpr const char* kWhat = "ea_stream_put_many";
+  if (producer == nullptr || total_len == nullptr || (count > 0 && items == nullptr) ||
+      (count > 0 && descriptor_lens == nullptr)) {
+    return Fail(-EINVAL, std::string(kWhat) + ": producer, items, descriptor_lens or total_len "
+                                              "is NULL");
+  }
+  *total_len = 0;
+  if (count == 0) return 0;
+  const size_t stride = items[0].size;
+  if (stride < capi::kMinPutItemSize) {
+    return Fail(-EINVAL, std::string(kWhat) + ": items[0].size " + std::to_string(stride) +
+                             " is smaller than any version of ea_stream_put_item");
+  }
+  return Guarded(kWhat, [&]() -> int {
+    std::vector<PutItem> batch(count);
+    size_t need = 0;
+    for (size_t i = 0; i < count; ++i) {
+      // The caller's array has the caller's stride; fields it lacks stay zero.
+      ea_stream_put_item item{};
+      const char* at = reinterpret_cast<const char*>(items) + i * stride;
+      std::memcpy(static_cast<void*>(&item), at, std::min(stride, sizeof item));
+      const std::string where = std::string(kWhat) + ": item " + std::to_string(i);
+      if (item.size != stride) {
+        return Fail(-EINVAL, where + ": size " + std::to_string(item.size) +
+                                 " differs from items[0].size " + std::to_string(stride));
+      }
+      if (item.key == nullptr) return Fail(-EINVAL, where + ": key is NULL");
+      if (item.data == nullptr && item.bytes > 0) {
+        return Fail(-EINVAL, where + ": data is NULL with " + std::to_string(item.bytes) +
+                                 " bytes");
+      }
+      batch[i].key = item.key;
+      batch[i].bytes =
+          std::span<const std::byte>(static_cast<const std::byte*>(item.data), item.bytes);
+      if (int rc = capi::ReadInfo(where.c_str(), item.dtype, item.shape, item.ndim,
+                                  &batch[i].info);
+          rc != 0) {
+        return rc;
+      }
+      need += capi::DescriptorBound(batch[i].key, batch[i].info);
+    }
+    if (out_descriptors == nullptr || descriptors_capacity < need) {
+      *total_len = need;
+      return Fail(-ERANGE, std::string(kWhat) + ": descriptor buffer of " +
+                               std::to_string(out_descriptors == nullptr ? 0
+                                                                         : descriptors_capacity) +
+                               " bytes; the " + std::to_string(count) +
+                               " descriptors may take " + std::to_string(need) +
+                               "; nothing was reserved or published");
+    }
+    auto ds = producer->producer.PutMany(batch, readers);
+    if (!ds.ok()) return Fail(ds.status());
+    size_t written = 0;
+    for (size_t i = 0; i < ds->size(); ++i) {
+      const std::string& d = (*ds)[i];
+      if (d.size() > descriptors_capacity - written) {  // not reached: bounded above
+        return Fail(-EIO, std::string(kWhat) + ": descriptors longer than their bound");
+      }
+      std::memcpy(static_cast<char*>(out_descriptors) + written, d.data(), d.size());
+      descriptor_lens[i] = d.size();
+      written += d.size();
+    }
+    *total_len = written;
+    return 0;
   });
 }
 

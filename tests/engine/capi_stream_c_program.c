@@ -572,6 +572,61 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   CHECK(ea_stream_open(NULL, d, len, &t) == -EINVAL);
   CHECK(ea_stream_abort(producer, "k", NULL) == 0);
 
+  /* put_many: all or none, the descriptors back to back; a newer caller's wider items. */
+  struct WideItem {
+    ea_stream_put_item item;
+    unsigned char extra[24];
+  } wide[3];
+  memset(wide, 0x5A, sizeof wide);
+  static unsigned char src[3][300];
+  const char* keys[3] = {"batch-0", "batch-1", "batch-2"};
+  const uint64_t bshape[2] = {10, 30};
+  for (int i = 0; i < 3; ++i) {
+    Fill(src[i], 300, 40 + (uint64_t)i);
+    wide[i].item.size = sizeof wide[0];
+    wide[i].item.key = keys[i];
+    wide[i].item.data = src[i];
+    wide[i].item.bytes = 300;
+    wide[i].item.dtype = i == 1 ? "i8" : NULL;
+    wide[i].item.shape = bshape;
+    wide[i].item.ndim = 2;
+  }
+  static unsigned char all[3 * EA_STREAM_DESCRIPTOR_MAX];
+  size_t lens[3] = {0, 0, 0}, total = 0;
+  before = Stats(producer);
+  CHECK(ea_stream_put_many(producer, &wide[0].item, 3, 1, all, 100, lens, &total) == -ERANGE);
+  CHECK(total > 100 && Stats(producer).live_blocks == before.live_blocks);
+  CHECK(ea_stream_put_many(producer, &wide[0].item, 3, 1, all, sizeof all, lens, &total) == 0);
+  CHECK(lens[0] + lens[1] + lens[2] == total && lens[0] > 16);
+  CHECK(Stats(producer).live_blocks == before.live_blocks + 3);
+  size_t offset = 0;
+  for (int i = 0; i < 3; ++i) {
+    CHECK(ea_stream_open(consumer, all + offset, lens[i], &t) == 0);
+    memset(&info, 0, sizeof info);
+    info.size = sizeof info;
+    CHECK(ea_stream_tensor_get_info(t, &info) == 0 && strcmp(info.key, keys[i]) == 0);
+    CHECK(strcmp(info.dtype, i == 1 ? "i8" : "u8") == 0 && info.ndim == 2);
+    CHECK(info.shape[0] == 10 && info.shape[1] == 30);
+    CHECK(info.bytes == 300 && memcmp(info.data, src[i], 300) == 0);
+    ea_stream_release(t);
+    offset += lens[i];
+  }
+  CHECK(Stats(producer).live_blocks == before.live_blocks);
+  wide[1].item.key = "bad\x01";
+  CHECK(ea_stream_put_many(producer, &wide[0].item, 3, 1, all, sizeof all, lens, &total) ==
+        -EINVAL);
+  CHECK(Contains(ea_last_error(), "item 1") && Contains(ea_last_error(), "control"));
+  wide[1].item.key = keys[1];
+  wide[2].item.size = sizeof(ea_stream_put_item);
+  CHECK(ea_stream_put_many(producer, &wide[0].item, 3, 1, all, sizeof all, lens, &total) ==
+        -EINVAL);
+  CHECK(Contains(ea_last_error(), "item 2") && Contains(ea_last_error(), "differs"));
+  wide[2].item.size = sizeof wide[0];
+  CHECK(ea_stream_put_many(producer, &wide[0].item, 3, 0, all, sizeof all, lens, &total) ==
+        -EINVAL);
+  CHECK(Stats(producer).live_blocks == before.live_blocks); /* none of the failed batches */
+  CHECK(ea_stream_put_many(producer, NULL, 0, 1, NULL, 0, NULL, &total) == 0 && total == 0);
+
   /* Lifetimes: a tensor outlives its consumer handle, a reservation its producer handle. */
   CHECK(ea_stream_put(producer, "outlives", data, sizeof data, "u8", NULL, 0, 1, d, sizeof d,
                       &len) == 0);
