@@ -61,7 +61,7 @@
  *   ea_stream_consumer_destroy (the mapping stays until the tensor is released).
  *
  * Thread-safety: calls on one producer or one consumer may run concurrently from any threads
- * (put, reserve, abort, reclaim, stats, open); a reservation or a tensor is used by one thread
+ * (put, put_many, reserve, abort, reclaim, stats, open); a reservation or a tensor is used by one thread
  * at a time; a destroy or release must not race with other calls on the same handle.
  */
 #ifndef EXPERT_ARENA_EXPERT_ARENA_STREAM_H_

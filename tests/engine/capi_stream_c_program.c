@@ -572,6 +572,30 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   CHECK(ea_stream_open(NULL, d, len, &t) == -EINVAL);
   CHECK(ea_stream_abort(producer, "k", NULL) == 0);
 
+  /* The longest key and dtype and the most dimensions a descriptor carries: it fits in
+   * EA_STREAM_DESCRIPTOR_MAX, and one byte more of key is refused. */
+  static char long_key[1026], long_dtype[1025];
+  memset(long_key, 'k', 1024);
+  long_key[1024] = '\0';
+  memset(long_dtype, 'd', 1024);
+  long_dtype[1024] = '\0';
+  uint64_t dims16[16];
+  for (int i = 0; i < 16; ++i) dims16[i] = 1;
+  CHECK(ea_stream_put(producer, long_key, data, 1, long_dtype, dims16, 16, 1, d, sizeof d,
+                      &len) == 0);
+  CHECK(len > 2048 && len <= EA_STREAM_DESCRIPTOR_MAX);
+  CHECK(ea_stream_open(consumer, d, len, &t) == 0);
+  memset(&info, 0, sizeof info);
+  info.size = sizeof info;
+  CHECK(ea_stream_tensor_get_info(t, &info) == 0 && strlen(info.key) == 1024);
+  CHECK(strlen(info.dtype) == 1024 && info.ndim == 16);
+  ea_stream_release(t);
+  long_key[1024] = 'k';
+  long_key[1025] = '\0';
+  CHECK(ea_stream_put(producer, long_key, data, 1, "u8", NULL, 0, 1, d, sizeof d, &len) ==
+        -EINVAL);
+  CHECK(Contains(ea_last_error(), "1025 bytes"));
+
   /* put_many: all or none, the descriptors back to back; a newer caller's wider items. */
   struct WideItem {
     ea_stream_put_item item;
@@ -638,6 +662,7 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   CHECK(info.data != NULL && memcmp(info.data, data, sizeof data) == 0);
   CHECK(ea_stream_reserve(producer, "late", 4096, &r, &at) == 0);
   ea_stream_producer_destroy(producer);
+  CHECK(CountEntries(dir) == 1); /* the reservation keeps the producer's state and segment */
   /* The unlinked segment stays mapped for the open tensor and the live reservation. */
   CHECK(info.data != NULL && memcmp(info.data, data, sizeof data) == 0);
   if (at != NULL) memset(at, 7, 4096);
