@@ -88,15 +88,18 @@ int ReadInfo(const char* what, const char* dtype, const uint64_t* shape, uint32_
   return 0;
 }
 
-// A descriptor of this tensor can take at most this many bytes: what Encode writes with the
-// longest segment name. Checked before anything is reserved or published.
+// A descriptor of this tensor can take at most this many bytes: what Encode writes for an
+// empty key, dtype and shape with the longest segment name (measured once), plus the key's and
+// dtype's bytes and 8 per dimension (the wire form carries each as is, after a length).
+// Checked before anything is reserved or published.
 size_t DescriptorBound(std::string_view key, const TensorInfo& info) {
-  TensorDescriptor probe;
-  probe.segment.assign(kLongestSegmentName, 'x');
-  probe.key = key;
-  probe.dtype = info.dtype;
-  probe.shape = info.shape;
-  return probe.Encode().size();
+  static const size_t base = [] {
+    TensorDescriptor probe;
+    probe.segment.assign(kLongestSegmentName, 'x');
+    probe.dtype.clear();
+    return probe.Encode().size();
+  }();
+  return base + key.size() + info.dtype.size() + sizeof(uint64_t) * info.shape.size();
 }
 
 int CheckCapacity(const char* what, std::string_view key, const TensorInfo& info,
