@@ -10,6 +10,8 @@
 //
 // Usage: flock /tmp/expert-arena-bench.lock build/bin/capi_stream_bench [--rounds N]
 //            [--dir /dev/shm]
+#include <spdlog/sinks/null_sink.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,9 +23,6 @@
 #include <filesystem>
 #include <string>
 #include <vector>
-
-#include <spdlog/sinks/null_sink.h>
-#include <spdlog/spdlog.h>
 
 #include "expert_arena/expert_arena.h"
 #include "expert_arena/stream.h"
@@ -64,15 +63,17 @@ int Run(const std::string& dir, int rounds) {
   so.segment_bytes = 64ull << 20;
   so.max_segments = 2;
   so.sweep_at_start = false;
-  so.logger = std::make_shared<spdlog::logger>("bench", std::make_shared<spdlog::sinks::null_sink_mt>());
+  so.logger =
+      std::make_shared<spdlog::logger>("bench", std::make_shared<spdlog::sinks::null_sink_mt>());
   auto cxxprod = expert_arena::StreamProducer::Create(so);
   if (!cxxprod.ok()) return Fail("C++ producer", cxxprod.status().message());
   auto cxxcons = expert_arena::StreamConsumer::Create({.directory = dir, .spill_directory = dir});
   if (!cxxcons.ok()) return Fail("C++ consumer", cxxcons.status().message());
 
-  std::printf("# capi_stream_bench: %d rounds per size; round = put + open + release, one "
-              "process\n",
-              rounds);
+  std::printf(
+      "# capi_stream_bench: %d rounds per size; round = put + open + release, one "
+      "process\n",
+      rounds);
   std::printf("%-10s %14s %14s %10s\n", "bytes", "C median us", "C++ median us", "C / C++");
   for (uint64_t bytes : {uint64_t{4096}, uint64_t{256} << 10, uint64_t{8} << 20}) {
     std::vector<std::byte> data(bytes);

@@ -61,8 +61,9 @@
  *   ea_stream_consumer_destroy (the mapping stays until the tensor is released).
  *
  * Thread-safety: calls on one producer or one consumer may run concurrently from any threads
- * (put, put_many, reserve, abort, reclaim, stats, open); a reservation or a tensor is used by one thread
- * at a time; a destroy or release must not race with other calls on the same handle.
+ * (put, put_many, reserve, abort, reclaim, stats, open); a reservation or a tensor is used by
+ * one thread at a time; a destroy or release must not race with other calls on the same
+ * handle. ea_last_error() is per thread.
  */
 #ifndef EXPERT_ARENA_EXPERT_ARENA_STREAM_H_
 #define EXPERT_ARENA_EXPERT_ARENA_STREAM_H_
@@ -90,19 +91,19 @@ typedef struct ea_stream_tensor ea_stream_tensor;
  * name the producers' directories (descriptors carry file names only). NULL strings take the
  * default. */
 typedef struct ea_stream_params {
-  size_t size;                 /* the caller's sizeof; set by ea_stream_params_init */
-  const char* directory;       /* segments' shared directory; NULL: "/dev/shm" */
-  const char* logical_name;    /* part of segment names, [A-Za-z0-9_.]{1,48}; NULL: "stream" */
-  uint64_t segment_bytes;      /* data bytes of a segment, a multiple of 2 MiB; 256 MiB */
-  uint32_t max_segments;       /* cap on segment files; 32 */
-  uint64_t block_alignment;    /* of every tensor, a power of two 64 B .. 2 MiB; 4096 */
-  const char* spill_directory; /* where tensors go at the cap; NULL: "/var/tmp" */
-  int strict;                  /* nonzero: at the cap wait, then -ENOSPC instead of spilling */
-  double strict_wait_seconds;  /* that wait; 1.0 */
-  int huge_pages;              /* enum ea_huge_pages; EA_HUGE_AUTO */
-  const char* gpu;             /* "none", "cuda[:N]", "hip[:N]"; NULL: "none" */
-  uint64_t pin_budget_bytes;   /* GPU registration budget of the process; 4 GiB, 0: no bound */
-  uint32_t copy_threads;       /* put's copy threads for 8 MiB and more; 0: automatic */
+  size_t size;                     /* the caller's sizeof; set by ea_stream_params_init */
+  const char* directory;           /* segments' shared directory; NULL: "/dev/shm" */
+  const char* logical_name;        /* part of segment names, [A-Za-z0-9_.]{1,48}; NULL: "stream" */
+  uint64_t segment_bytes;          /* data bytes of a segment, a multiple of 2 MiB; 256 MiB */
+  uint32_t max_segments;           /* cap on segment files; 32 */
+  uint64_t block_alignment;        /* of every tensor, a power of two 64 B .. 2 MiB; 4096 */
+  const char* spill_directory;     /* where tensors go at the cap; NULL: "/var/tmp" */
+  int strict;                      /* nonzero: at the cap wait, then -ENOSPC instead of spilling */
+  double strict_wait_seconds;      /* that wait; 1.0 */
+  int huge_pages;                  /* enum ea_huge_pages; EA_HUGE_AUTO */
+  const char* gpu;                 /* "none", "cuda[:N]", "hip[:N]"; NULL: "none" */
+  uint64_t pin_budget_bytes;       /* GPU registration budget of the process; 4 GiB, 0: no bound */
+  uint32_t copy_threads;           /* put's copy threads for 8 MiB and more; 0: automatic */
   uint64_t non_temporal_copy_from; /* 0: automatic; UINT64_MAX: never */
   int grow_ahead;                  /* nonzero: make the next segment ahead of need; 1 */
   double warning_interval_seconds; /* fragmentation warning rate limit; 10 */
@@ -149,8 +150,8 @@ typedef struct ea_stream_reservation_info {
 } ea_stream_reservation_info;
 
 typedef struct ea_stream_tensor_info {
-  size_t size;           /* set by the caller: sizeof(ea_stream_tensor_info) */
-  const void* data;      /* read-only; every field is valid until ea_stream_release */
+  size_t size;      /* set by the caller: sizeof(ea_stream_tensor_info) */
+  const void* data; /* read-only; every field is valid until ea_stream_release */
   uint64_t bytes;
   const char* key;       /* NUL-terminated, no control bytes */
   const char* dtype;     /* as the producer gave it */
@@ -203,8 +204,7 @@ EXPERT_ARENA_EXPORT int ea_stream_put_many(ea_stream_producer* producer,
 /* Space for `bytes` bytes owned by `key`: write into *data (NULL: not wanted; also in
  * ea_stream_reservation_get_info), then ea_stream_publish. */
 EXPERT_ARENA_EXPORT int ea_stream_reserve(ea_stream_producer* producer, const char* key,
-                                          uint64_t bytes, ea_stream_reservation** out,
-                                          void** data);
+                                          uint64_t bytes, ea_stream_reservation** out, void** data);
 
 EXPERT_ARENA_EXPORT int ea_stream_reservation_get_info(const ea_stream_reservation* reservation,
                                                        ea_stream_reservation_info* out);

@@ -43,8 +43,7 @@ namespace {
 
 // The fields of the first version of each struct: a caller's size below these is refused.
 constexpr size_t kMinParamsSize = offsetof(ea_stream_params, quiet) + sizeof(int);
-constexpr size_t kMinStatsSize =
-    offsetof(ea_stream_stats, segments_grown_ahead) + sizeof(uint64_t);
+constexpr size_t kMinStatsSize = offsetof(ea_stream_stats, segments_grown_ahead) + sizeof(uint64_t);
 constexpr size_t kMinReservationInfoSize =
     offsetof(ea_stream_reservation_info, key) + sizeof(const char*);
 constexpr size_t kMinPutItemSize = offsetof(ea_stream_put_item, ndim) + sizeof(uint32_t);
@@ -228,18 +227,17 @@ const char* ea_stream_producer_name(const ea_stream_producer* producer) {
   return producer == nullptr ? nullptr : producer->producer.instance_name().c_str();
 }
 
-int ea_stream_put(ea_stream_producer* producer, const char* key, const void* data,
-                  uint64_t bytes, const char* dtype, const uint64_t* shape, uint32_t ndim,
-                  uint32_t readers, void* out_descriptor, size_t descriptor_capacity,
-                  size_t* descriptor_len) {
+int ea_stream_put(ea_stream_producer* producer, const char* key, const void* data, uint64_t bytes,
+                  const char* dtype, const uint64_t* shape, uint32_t ndim, uint32_t readers,
+                  void* out_descriptor, size_t descriptor_capacity, size_t* descriptor_len) {
   using namespace expert_arena;
   constexpr const char* kWhat = "ea_stream_put";
   if (producer == nullptr || key == nullptr) {
     return Fail(-EINVAL, std::string(kWhat) + ": producer or key is NULL");
   }
   if (data == nullptr && bytes > 0) {
-    return Fail(-EINVAL, std::string(kWhat) + ": data is NULL with " + std::to_string(bytes) +
-                             " bytes");
+    return Fail(-EINVAL,
+                std::string(kWhat) + ": data is NULL with " + std::to_string(bytes) + " bytes");
   }
   return Guarded(kWhat, [&]() -> int {
     TensorInfo info;
@@ -256,15 +254,16 @@ int ea_stream_put(ea_stream_producer* producer, const char* key, const void* dat
   });
 }
 
-int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* items,
-                       size_t count, uint32_t readers, void* out_descriptors,
-                       size_t descriptors_capacity, size_t* descriptor_lens, size_t* total_len) {
+int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* items, size_t count,
+                       uint32_t readers, void* out_descriptors, size_t descriptors_capacity,
+                       size_t* descriptor_lens, size_t* total_len) {
   using namespace expert_arena;
   constexpr const char* kWhat = "ea_stream_put_many";
   if (producer == nullptr || total_len == nullptr || (count > 0 && items == nullptr) ||
       (count > 0 && descriptor_lens == nullptr)) {
-    return Fail(-EINVAL, std::string(kWhat) + ": producer, items, descriptor_lens or total_len "
-                                              "is NULL");
+    return Fail(-EINVAL, std::string(kWhat) +
+                             ": producer, items, descriptor_lens or total_len "
+                             "is NULL");
   }
   *total_len = 0;
   if (count == 0) return 0;
@@ -288,14 +287,13 @@ int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* i
       }
       if (item.key == nullptr) return Fail(-EINVAL, where + ": key is NULL");
       if (item.data == nullptr && item.bytes > 0) {
-        return Fail(-EINVAL, where + ": data is NULL with " + std::to_string(item.bytes) +
-                                 " bytes");
+        return Fail(-EINVAL,
+                    where + ": data is NULL with " + std::to_string(item.bytes) + " bytes");
       }
       batch[i].key = item.key;
       batch[i].bytes =
           std::span<const std::byte>(static_cast<const std::byte*>(item.data), item.bytes);
-      if (int rc = capi::ReadInfo(where.c_str(), item.dtype, item.shape, item.ndim,
-                                  &batch[i].info);
+      if (int rc = capi::ReadInfo(where.c_str(), item.dtype, item.shape, item.ndim, &batch[i].info);
           rc != 0) {
         return rc;
       }
@@ -303,12 +301,11 @@ int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* i
     }
     if (out_descriptors == nullptr || descriptors_capacity < need) {
       *total_len = need;
-      return Fail(-ERANGE, std::string(kWhat) + ": descriptor buffer of " +
-                               std::to_string(out_descriptors == nullptr ? 0
-                                                                         : descriptors_capacity) +
-                               " bytes; the " + std::to_string(count) +
-                               " descriptors may take " + std::to_string(need) +
-                               "; nothing was reserved or published");
+      return Fail(-ERANGE,
+                  std::string(kWhat) + ": descriptor buffer of " +
+                      std::to_string(out_descriptors == nullptr ? 0 : descriptors_capacity) +
+                      " bytes; the " + std::to_string(count) + " descriptors may take " +
+                      std::to_string(need) + "; nothing was reserved or published");
     }
     auto ds = producer->producer.PutMany(batch, readers);
     if (!ds.ok()) return Fail(ds.status());
@@ -368,15 +365,15 @@ int ea_stream_reservation_get_info(const ea_stream_reservation* reservation,
   return 0;
 }
 
-int ea_stream_publish(ea_stream_reservation* reservation, const char* dtype,
-                      const uint64_t* shape, uint32_t ndim, uint32_t readers,
-                      void* out_descriptor, size_t descriptor_capacity, size_t* descriptor_len) {
+int ea_stream_publish(ea_stream_reservation* reservation, const char* dtype, const uint64_t* shape,
+                      uint32_t ndim, uint32_t readers, void* out_descriptor,
+                      size_t descriptor_capacity, size_t* descriptor_len) {
   using namespace expert_arena;
   constexpr const char* kWhat = "ea_stream_publish";
   if (reservation == nullptr) return Fail(-EINVAL, std::string(kWhat) + ": reservation is NULL");
   if (reservation->published) {
-    return Fail(-EINVAL, std::string(kWhat) + ": key " + reservation->key +
-                             " was published already");
+    return Fail(-EINVAL,
+                std::string(kWhat) + ": key " + reservation->key + " was published already");
   }
   return Guarded(kWhat, [&]() -> int {
     TensorInfo info;

@@ -168,8 +168,8 @@ static int ProduceInto(ea_stream_producer* producer, FILE* out) {
     int rc;
     if (i % 2 == 0) {
       snprintf(key, sizeof key, "c-%s-%zu", c->dtype, i);
-      rc = ea_stream_put(producer, key, bytes, n, c->dtype, c->shape, c->ndim, 1, d, sizeof d,
-                         &len);
+      rc =
+          ea_stream_put(producer, key, bytes, n, c->dtype, c->shape, c->ndim, 1, d, sizeof d, &len);
     } else {
       snprintf(key, sizeof key, "c-in-place-%s-%zu", c->dtype, i);
       ea_stream_reservation* r = NULL;
@@ -330,7 +330,7 @@ static void CheckParamsAndSizes(const char* dir) {
   CHECK(older.params.size == older_size && older.params.max_segments == 32);
   CHECK(older.params.strict_wait_seconds == 1.0 && older.params.directory == NULL);
   for (size_t i = older_size; i < sizeof older.bytes; ++i) CHECK(older.bytes[i] == 0xAB);
-  ea_stream_params_init_sized(NULL, sizeof p); /* ignored */
+  ea_stream_params_init_sized(NULL, sizeof p);   /* ignored */
   ea_stream_params_init_sized(&older.params, 4); /* too small to hold size: ignored */
   CHECK(older.params.size == older_size);
 
@@ -450,15 +450,15 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   ea_stream_stats before = Stats(producer);
   unsigned char small[16];
   len = 0;
-  CHECK(ea_stream_put(producer, "small", data, sizeof data, "f16", shape, 2, 1, small,
-                      sizeof small, &len) == -ERANGE);
+  CHECK(ea_stream_put(producer, "small", data, sizeof data, "f16", shape, 2, 1, small, sizeof small,
+                      &len) == -ERANGE);
   CHECK(len > sizeof small && len <= EA_STREAM_DESCRIPTOR_MAX);
   CHECK(Contains(ea_last_error(), "descriptor buffer of 16 bytes"));
   ea_stream_stats after = Stats(producer);
   CHECK(after.live_blocks == before.live_blocks && after.free_bytes == before.free_bytes);
   size_t needed = 0;
-  CHECK(ea_stream_put(producer, "small", data, sizeof data, "f16", shape, 2, 1, NULL, 0,
-                      &needed) == -ERANGE); /* a NULL buffer asks for the size */
+  CHECK(ea_stream_put(producer, "small", data, sizeof data, "f16", shape, 2, 1, NULL, 0, &needed) ==
+        -ERANGE); /* a NULL buffer asks for the size */
   CHECK(needed == len);
   unsigned char* exact = malloc(needed);
   size_t got = 0;
@@ -543,8 +543,7 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   CHECK(Contains(ea_last_error(), "control"));
   CHECK(ea_stream_put(producer, "", data, 10, "u8", NULL, 0, 1, d, sizeof d, &len) == -EINVAL);
   CHECK(Contains(ea_last_error(), "empty"));
-  CHECK(ea_stream_put(producer, "k", data, 10, "f\x7f", NULL, 0, 1, d, sizeof d, &len) ==
-        -EINVAL);
+  CHECK(ea_stream_put(producer, "k", data, 10, "f\x7f", NULL, 0, 1, d, sizeof d, &len) == -EINVAL);
   CHECK(Contains(ea_last_error(), "dtype"));
   uint64_t many[17];
   for (int i = 0; i < 17; ++i) many[i] = 1;
@@ -581,8 +580,8 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   long_dtype[1024] = '\0';
   uint64_t dims16[16];
   for (int i = 0; i < 16; ++i) dims16[i] = 1;
-  CHECK(ea_stream_put(producer, long_key, data, 1, long_dtype, dims16, 16, 1, d, sizeof d,
-                      &len) == 0);
+  CHECK(ea_stream_put(producer, long_key, data, 1, long_dtype, dims16, 16, 1, d, sizeof d, &len) ==
+        0);
   CHECK(len > 2048 && len <= EA_STREAM_DESCRIPTOR_MAX);
   CHECK(ea_stream_open(consumer, d, len, &t) == 0);
   memset(&info, 0, sizeof info);
@@ -592,8 +591,7 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   ea_stream_release(t);
   long_key[1024] = 'k';
   long_key[1025] = '\0';
-  CHECK(ea_stream_put(producer, long_key, data, 1, "u8", NULL, 0, 1, d, sizeof d, &len) ==
-        -EINVAL);
+  CHECK(ea_stream_put(producer, long_key, data, 1, "u8", NULL, 0, 1, d, sizeof d, &len) == -EINVAL);
   CHECK(Contains(ea_last_error(), "1025 bytes"));
 
   /* put_many: all or none, the descriptors back to back; a newer caller's wider items. */
@@ -712,8 +710,8 @@ static void CheckStrictAndSpill(const char* dir, const char* spill) {
   p.strict = 0;
   CHECK(ea_stream_producer_create(&p, &producer) == 0);
   if (producer != NULL) {
-    CHECK(ea_stream_put(producer, "first", big, 1536 * 1024, "u8", NULL, 0, 1, d, sizeof d,
-                        &len) == 0);
+    CHECK(ea_stream_put(producer, "first", big, 1536 * 1024, "u8", NULL, 0, 1, d, sizeof d, &len) ==
+          0);
     CHECK(ea_stream_open(consumer, d, len, &t) == 0);
     ea_stream_tensor* s = NULL;
     CHECK(ea_stream_put(producer, "spilled", big, 1024 * 1024, "u8", NULL, 0, 1, d2, sizeof d2,
@@ -805,8 +803,7 @@ static void CheckProcesses(const char* self, const char* dir) {
         FILE* out = fmemopen(got, sizeof got, "w");
         CHECK(ConsumeLine(consumer2, row.hex, out) == 0);
         fclose(out);
-        snprintf(expect, sizeof expect, "%s %s %s %s\n", row.key, row.dtype, row.shape,
-                 row.xxh);
+        snprintf(expect, sizeof expect, "%s %s %s %s\n", row.key, row.dtype, row.shape, row.xxh);
         CHECK(strcmp(got, expect) == 0);
       }
       ++n;

@@ -1,6 +1,6 @@
 // The C interface from outside the library: C programs that include only expert_arena.h
-// and link only libexpert_arena.so (capi_c_program: arenas; capi_stream_c_program: streaming). Python's ctypes use of the same library
-// is tested in tests/python/test_capi_ctypes.py.
+// and link only libexpert_arena.so (capi_c_program: arenas; capi_stream_c_program: streaming).
+// Python's ctypes use of the same library is tested in tests/python/test_capi_ctypes.py.
 #include <gtest/gtest.h>
 
 #include <fstream>
