@@ -21,6 +21,7 @@
  * passed"); each failure is printed. */
 #define _POSIX_C_SOURCE 200809L
 
+#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
 #include <spawn.h>
@@ -113,16 +114,15 @@ static ea_stream_stats Stats(ea_stream_producer* producer) {
   return s;
 }
 
-/* Entries of `dir` other than . and .. (0 when empty). */
+/* Entries of `dir` other than . and .. (0 when empty, -1 when it cannot be read). */
 static int CountEntries(const char* dir) {
-  char cmd[4200];
-  snprintf(cmd, sizeof cmd, "ls -A '%s' | wc -l", dir);
-  FILE* f = popen(cmd, "r");
-  int n = -1;
-  if (f != NULL) {
-    if (fscanf(f, "%d", &n) != 1) n = -1;
-    pclose(f);
+  DIR* d = opendir(dir);
+  if (d == NULL) return -1;
+  int n = 0;
+  for (struct dirent* e = readdir(d); e != NULL; e = readdir(d)) {
+    if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) ++n;
   }
+  closedir(d);
   return n;
 }
 
