@@ -106,7 +106,9 @@ int CheckCapacity(const char* what, std::string_view key, const TensorInfo& info
   if (descriptor_len == nullptr) {
     return Fail(-EINVAL, std::string(what) + ": descriptor_len is NULL");
   }
-  size_t need = DescriptorBound(key, info);
+  // EA_STREAM_DESCRIPTOR_MAX holds any descriptor the producer can make: a larger bound means
+  // a key, dtype or shape that the put refuses with its own message.
+  size_t need = std::min<size_t>(DescriptorBound(key, info), EA_STREAM_DESCRIPTOR_MAX);
   if (out_descriptor == nullptr || capacity < need) {
     *descriptor_len = need;
     return Fail(-ERANGE, std::string(what) + ": descriptor buffer of " +
@@ -297,7 +299,8 @@ int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* i
           rc != 0) {
         return rc;
       }
-      need += capi::DescriptorBound(batch[i].key, batch[i].info);
+      need += std::min<size_t>(capi::DescriptorBound(batch[i].key, batch[i].info),
+                               EA_STREAM_DESCRIPTOR_MAX);
     }
     if (out_descriptors == nullptr || descriptors_capacity < need) {
       *total_len = need;

@@ -593,6 +593,14 @@ static void CheckPutOpenReserve(const char* dir, const char* spill) {
   long_key[1025] = '\0';
   CHECK(ea_stream_put(producer, long_key, data, 1, "u8", NULL, 0, 1, d, sizeof d, &len) == -EINVAL);
   CHECK(Contains(ea_last_error(), "1025 bytes"));
+  /* A key far too long: refused as such, not as a buffer too small for it. */
+  static char huge_key[5001];
+  memset(huge_key, 'h', 5000);
+  huge_key[5000] = '\0';
+  CHECK(ea_stream_put(producer, huge_key, data, 1, "u8", NULL, 0, 1, d, sizeof d, &len) == -EINVAL);
+  CHECK(Contains(ea_last_error(), "5000 bytes"));
+  CHECK(ea_stream_put(producer, huge_key, data, 1, "u8", NULL, 0, 1, NULL, 0, &len) == -ERANGE);
+  CHECK(len == EA_STREAM_DESCRIPTOR_MAX);
 
   /* put_many: all or none, the descriptors back to back; a newer caller's wider items. */
   struct WideItem {
