@@ -131,6 +131,13 @@ class StreamTensorInfo(ctypes.Structure):
                 ("spilled", ctypes.c_int)]
 
 
+class StreamPutItem(ctypes.Structure):
+    """ea_stream_put_item."""
+    _fields_ = [("size", ctypes.c_size_t), ("key", ctypes.c_char_p), ("data", ctypes.c_void_p),
+                ("bytes", ctypes.c_uint64), ("dtype", ctypes.c_char_p),
+                ("shape", ctypes.POINTER(ctypes.c_uint64)), ("ndim", ctypes.c_uint32)]
+
+
 @pytest.fixture(scope="module")
 def slib(lib):
     """The stream calls' signatures on the same library."""
@@ -148,6 +155,8 @@ def slib(lib):
         getattr(lib, name).restype = None
     lib.ea_stream_put.argtypes = [P, ctypes.c_char_p, vp, u64, ctypes.c_char_p, u64p, u32, u32,
                                   vp, sz, psz]
+    lib.ea_stream_put_many.argtypes = [P, ctypes.POINTER(StreamPutItem), sz, u32, vp, sz, psz,
+                                       psz]
     lib.ea_stream_reserve.argtypes = [P, ctypes.c_char_p, u64, pvp, pvp]
     lib.ea_stream_publish.argtypes = [P, ctypes.c_char_p, u64p, u32, u32, vp, sz, psz]
     lib.ea_stream_reclaim.argtypes = [P]
@@ -368,4 +377,45 @@ def test_c_program_streams_with_python_and_cxx_processes(stream_dir, producer, c
     for sent, received in zip(rows, got):
         assert received[0] != "error", received
         assert received == sent[:4]  # key, dtype, shape, xxh3 of the bytes
+    assert os.listdir(stream_dir) == []
+
+
+def test_ctypes_put_many_opens_in_the_package_consumer(slib, stream_dir):
+    """A batch through ea_stream_put_many, all or none, opened by the package's consumer."""
+    lib = slib
+    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5, dtype=np.int64)]
+    items = (StreamPutItem * 2)()
+    shapes = []
+    for i, (item, a) in enumerate(zip(items, arrays)):
+        shapes.append((ctypes.c_uint64 * a.ndim)(*a.shape))
+        item.size = ctypes.sizeof(StreamPutItem)
+        item.key = b"batch-%d" % i
+        item.data = a.ctypes.data
+        item.bytes = a.nbytes
+        item.dtype = b"f32" if i == 0 else b"i64"
+        item.shape = shapes[-1]
+        item.ndim = a.ndim
+    buf = ctypes.create_string_buffer(2 * DESCRIPTOR_MAX)
+    lens, total = (ctypes.c_size_t * 2)(), ctypes.c_size_t()
+    producer = ctypes_producer(lib, stream_dir)
+    consumer = expert_arena.StreamConsumer(stream_dir, quiet=True)
+    try:
+        items[1].key = b"bad\x01"  # refuses the whole batch, naming the item
+        assert lib.ea_stream_put_many(producer, items, 2, 1, buf, len(buf), lens,
+                                      ctypes.byref(total)) == -22
+        assert b"item 1" in lib.ea_last_error() and live_blocks(lib, producer) == 0
+        items[1].key = b"batch-1"
+        assert lib.ea_stream_put_many(producer, items, 2, 1, buf, len(buf), lens,
+                                      ctypes.byref(total)) == 0, lib.ea_last_error()
+        assert lens[0] + lens[1] == total.value
+        at = 0
+        for i, a in enumerate(arrays):
+            with consumer.open(buf.raw[at:at + lens[i]]) as t:
+                assert t.key == "batch-%d" % i and tuple(t.shape) == a.shape
+                assert np.array_equal(t.numpy(), a)
+            at += lens[i]
+        assert live_blocks(lib, producer) == 0
+    finally:
+        consumer.close()
+        lib.ea_stream_producer_destroy(producer)
     assert os.listdir(stream_dir) == []
