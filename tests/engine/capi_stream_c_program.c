@@ -4,9 +4,9 @@
  * Usage: capi_stream_c_program check DIR SPILL_DIR
  *            every call of the C stream interface in this process (put and open bit-exact,
  *            reserve/publish, cancel, abort of an exact key, errors and their messages,
- *            strict mode at the cap, descriptor buffers, struct sizes, lifetimes), then real
- *            processes: this program as a consumer and as a producer in a child, and a killed
- *            producer's segments swept. DIR and SPILL_DIR must be empty private directories;
+ *            strict mode at the cap, descriptor buffers, struct sizes, lifetimes, four threads
+ *            on one producer and consumer), then real processes: this program as a consumer
+ *            and as a producer in a child, and a killed producer's segments swept. DIR and SPILL_DIR must be empty private directories;
  *            they are empty again at the end.
  *        capi_stream_c_program produce DIR
  *            puts one tensor per case (half with ea_stream_put, half reserved, written in
@@ -23,6 +23,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stddef.h>
@@ -740,6 +741,73 @@ static void CheckStrictAndSpill(const char* dir, const char* spill) {
   CHECK(CountEntries(dir) == 0 && CountEntries(spill) == 0);
 }
 
+/* Threads: one producer and one consumer shared by four threads that put, open and release
+ * at once, each checking its own bytes and its own thread's error message. */
+typedef struct ThreadJob {
+  ea_stream_producer* producer;
+  ea_stream_consumer* consumer;
+  int index;
+  int failures;
+} ThreadJob;
+
+static void* ThreadRounds(void* arg) {
+  ThreadJob* job = arg;
+  unsigned char data[3000], d[EA_STREAM_DESCRIPTOR_MAX];
+  for (int round = 0; round < 200; ++round) {
+    char key[64];
+    snprintf(key, sizeof key, "thread-%d-%d", job->index, round);
+    size_t n = 100 + (size_t)((job->index * 7 + round * 13) % 2900);
+    Fill(data, n, (uint64_t)(job->index * 1000 + round));
+    size_t len = 0;
+    ea_stream_tensor* t = NULL;
+    if (ea_stream_put(job->producer, key, data, n, "u8", NULL, 0, 1, d, sizeof d, &len) != 0 ||
+        ea_stream_open(job->consumer, d, len, &t) != 0) {
+      ++job->failures;
+      continue;
+    }
+    ea_stream_tensor_info info;
+    memset(&info, 0, sizeof info);
+    info.size = sizeof info;
+    if (ea_stream_tensor_get_info(t, &info) != 0 || info.bytes != n ||
+        memcmp(info.data, data, n) != 0 || strcmp(info.key, key) != 0) {
+      ++job->failures;
+    }
+    ea_stream_release(t);
+    /* This thread's own failure and message, whatever the others do meanwhile. */
+    char bad[64];
+    snprintf(bad, sizeof bad, "bad\x01%d", job->index);
+    if (ea_stream_put(job->producer, bad, data, 1, "u8", NULL, 0, 1, d, sizeof d, &len) !=
+            -EINVAL ||
+        strstr(ea_last_error(), "control") == NULL) {
+      ++job->failures;
+    }
+  }
+  return NULL;
+}
+
+static void CheckThreads(const char* dir) {
+  ea_stream_params p = Params(dir, NULL);
+  ea_stream_producer* producer = NULL;
+  ea_stream_consumer* consumer = NULL;
+  CHECK(ea_stream_producer_create(&p, &producer) == 0);
+  CHECK(ea_stream_consumer_create(&p, &consumer) == 0);
+  if (producer == NULL || consumer == NULL) return;
+  ThreadJob jobs[4];
+  pthread_t threads[4];
+  for (int i = 0; i < 4; ++i) {
+    jobs[i] = (ThreadJob){producer, consumer, i, 0};
+    CHECK(pthread_create(&threads[i], NULL, ThreadRounds, &jobs[i]) == 0);
+  }
+  for (int i = 0; i < 4; ++i) {
+    pthread_join(threads[i], NULL);
+    CHECK(jobs[i].failures == 0);
+  }
+  CHECK(Stats(producer).live_blocks == 0);
+  ea_stream_consumer_destroy(consumer);
+  ea_stream_producer_destroy(producer);
+  CHECK(CountEntries(dir) == 0);
+}
+
 /* Real processes: a C consumer child reads what this process puts; this process reads what a
  * C producer child puts, and keeps reading a tensor after that producer exited; a killed
  * producer's segments are swept. */
@@ -879,6 +947,7 @@ int main(int argc, char** argv) {
   CheckParamsAndSizes(dir);
   CheckPutOpenReserve(dir, spill);
   CheckStrictAndSpill(dir, spill);
+  CheckThreads(dir);
   CheckProcesses(argv[0], dir);
   CHECK(CountEntries(dir) == 0 && CountEntries(spill) == 0);
   if (failures == 0) printf("capi_stream: all checks passed\n");
