@@ -200,7 +200,8 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   StreamProducer(const StreamProducer&) = delete;
   StreamProducer& operator=(const StreamProducer&) = delete;
   // Unlinks this producer's segments and spill files; consumers that mapped them keep their
-  // views until they release them.
+  // views until they release them. A Reservation still alive holds the producer's state, so
+  // the segments (and their files) stay until the last Reservation is gone.
   ~StreamProducer();
 
   // Space for `bytes` owned by `key`: in a segment, a new segment (up to the cap), a dedicated

@@ -834,7 +834,7 @@ Status PublishLocked(StreamProducer::Impl& p, Reservation::State& st, const Tens
   if (rec.aborted) {
     st.done = true;
     p.FreeBlock(seg, st.slot);
-    return Busy("stream publish: key " + st.key +
+    return Busy("stream publish: key " + QuoteForMessage(st.key) +
                 " was aborted while its tensor was written; the space was given back");
   }
   rec.published = true;
@@ -920,7 +920,7 @@ Result<std::vector<std::string>> StreamProducer::PutMany(std::span<const PutItem
           if (it != impl_->segments.end()) impl_->FreeBlock(*it->second, other.slot);
           other.done = true;
         }
-        return item_error(i, Busy("stream publish: key " + st.key +
+        return item_error(i, Busy("stream publish: key " + QuoteForMessage(st.key) +
                                   " was aborted while its tensor was written; the space of "
                                   "the whole batch was given back"));
       }
