@@ -300,10 +300,11 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
     refusal = "its key " + QuoteForMessage(d.key) + " was aborted";
   } else if (st != BlockState::kPublished) {
     refusal = std::string("the block is ") + stream::BlockStateName(st) +
-              " (released by every reader, or never published)";
+              " (released by every reader, aborted with no reader holding it, or never published)";
   } else if (ControlWord::Generation(c) != static_cast<uint32_t>(d.generation) ||
              Relaxed(s.generation) != d.generation) {
-    refusal = "the block was reused (a stale descriptor)";
+    refusal =
+        "the block was reused (a stale descriptor: released by every reader or aborted before)";
   } else if (ControlWord::Pending(c) == 0) {
     refusal = "every reader already released it";
   } else if (Relaxed(s.offset) != d.offset || Relaxed(s.length) != d.length) {
