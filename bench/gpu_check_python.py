@@ -151,9 +151,14 @@ def stream_step(expert_arena, torch, args):
                 pageable.copy_(source, non_blocking=True)
                 torch.cuda.synchronize(device)
                 page_times.append(time.perf_counter() - t0)
-            with consumer.open(descriptor) as t:
-                back = t.torch().to(device, non_blocking=True)
-                torch.cuda.synchronize(device)  # before release: the copy has read the bytes
+            t = consumer.open(descriptor)
+            back = t.torch().to(device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            t.release_after(copied)  # released once the copy has read the bytes
+            del t
+            torch.cuda.synchronize(device)
+            consumer.poll_releases()
             same = bool(torch.equal(back, source))
             reg_s, page_s = statistics.median(times[1:]), statistics.median(page_times[1:])
             print("python step: stream, %.0f MiB device tensor copied into a reservation: "

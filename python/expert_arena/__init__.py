@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import numpy as _np
 
@@ -468,12 +470,13 @@ class StreamTensor:
     until they are dropped, so none ever reads memory given back to the producer.
     """
 
-    __slots__ = ("_core", "_layout", "key", "dtype", "shape", "nbytes")
+    __slots__ = ("_core", "_layout", "_release_later", "key", "dtype", "shape", "nbytes")
 
     def __init__(self, core, summary=None):
         self._core = core
         self.key, self.dtype, self.shape, self.nbytes = summary or core.summary()
         self._layout = None
+        self._release_later = False
 
     @classmethod
     def _opened(cls, opened):
@@ -482,6 +485,7 @@ class StreamTensor:
         self = object.__new__(cls)
         self._core, self.key, self.dtype, self.shape, self.nbytes = opened
         self._layout = None
+        self._release_later = False
         return self
 
     @property
@@ -494,7 +498,8 @@ class StreamTensor:
         return self
 
     def __exit__(self, *exc):
-        self.release()
+        if not self._release_later:
+            self.release()
 
     def __repr__(self):
         return "<expert_arena.StreamTensor %r %s %s%s>" % (
@@ -532,8 +537,58 @@ class StreamTensor:
         """Gives this reader's share back once the views made from it are gone (idempotent)."""
         self._core.release()
 
+    def release_after(self, event) -> None:
+        """Gives this reader's share back once `event` has completed, as C++'s ReleaseWhen:
+        `event` is anything with query() -> bool, such as a torch.cuda.Event recorded after an
+        asynchronous copy from this tensor's views (the copy may outlive the views, which
+        torch does not know to keep). Checked by every consumer's open(), open_many() and
+        poll_releases(); a consumer's close() waits for it. The end of a `with` block no
+        longer releases this tensor; release() still does, at once."""
+        if not callable(getattr(event, "query", None)):
+            raise TypeError("release_after(): expected an event with query(), such as a "
+                            "torch.cuda.Event recorded after the copy, got %s"
+                            % type(event).__name__)
+        if self._core.released:
+            raise ValueError("stream tensor %s was released" % self.key)
+        self._release_later = True
+        with _deferred_lock:
+            _deferred.append((event, self))
+
 
 _opened_tensor = StreamTensor._opened
+
+# Stream tensors waiting for an event (release_after), settled by every consumer's calls and
+# waited for by close(). Kept module-wide: a consumer dropped without close() must not drop
+# them while a copy may still read their bytes.
+_deferred = []
+_deferred_lock = threading.Lock()
+
+
+def _wait_for(event):
+    synchronize = getattr(event, "synchronize", None)
+    if callable(synchronize):
+        synchronize()
+        return
+    while not event.query():
+        time.sleep(0.0002)
+
+
+def _settle_deferred(wait=False) -> int:
+    """Releases the deferred tensors whose events completed (all of them, waiting, with
+    `wait`); returns how many."""
+    with _deferred_lock:
+        done, keep = [], []
+        for entry in _deferred:
+            if wait:
+                _wait_for(entry[0])
+            if wait or entry[0].query():
+                done.append(entry[1])
+            else:
+                keep.append(entry)
+        _deferred[:] = keep
+    for t in done:
+        t.release()
+    return len(done)
 
 
 class StreamConsumer:
@@ -564,6 +619,8 @@ class StreamConsumer:
                 raise TypeError("open(): a descriptor is bytes, got %s"
                                 % type(descriptor).__name__)
             descriptor = bytes(descriptor)
+        if _deferred:
+            _settle_deferred()
         return _opened_tensor(self._core.open_summary(descriptor))
 
     def open_many(self, descriptors, view=None) -> list:
@@ -575,6 +632,8 @@ class StreamConsumer:
         view made from it) is gone, which is the fastest way to read a batch."""
         if type(descriptors) is not list:
             descriptors = list(descriptors)
+        if _deferred:
+            _settle_deferred()
         if view is None:
             return [_opened_tensor(o) for o in self._core.open_many_summary(descriptors)]
         if view == "numpy":
@@ -587,7 +646,8 @@ class StreamConsumer:
         raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 
     def poll_releases(self) -> int:
-        return self._core.poll_releases()
+        """Gives back the shares whose release_after() events completed; returns how many."""
+        return _settle_deferred() + self._core.poll_releases()
 
     def stats(self) -> dict:
         return self._core.stats()
@@ -597,7 +657,10 @@ class StreamConsumer:
         return self._core.closed
 
     def close(self) -> None:
-        """Drops this handle; tensors opened from it keep the consumer's state alive."""
+        """Waits for the events of tensors given to release_after() and releases them, then
+        drops this handle; tensors opened from it keep the consumer's state alive."""
+        if _deferred:
+            _settle_deferred(wait=True)
         self._core.close()
 
 

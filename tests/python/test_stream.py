@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -335,3 +336,74 @@ def test_bad_inputs_get_their_exceptions(stream_dir):
             p.put("k", np.zeros(4))
     with pytest.raises(FileNotFoundError):
         expert_arena.StreamProducer(os.path.join(stream_dir, "absent"), quiet=True)
+
+
+class FakeEvent:
+    """What release_after() needs of a torch.cuda.Event: query(), and synchronize() for close()."""
+
+    def __init__(self, can_synchronize=True):
+        self.done = False
+        if can_synchronize:
+            self.synchronize = self._synchronize
+
+    def query(self):
+        return self.done
+
+    def _synchronize(self):
+        self.done = True
+
+
+def test_release_after_an_event_holds_the_share_until_it_completes(stream_dir):
+    p = expert_arena.StreamProducer(stream_dir, "later", segment_bytes=2 << 20, max_segments=2,
+                                    quiet=True)
+    c = expert_arena.StreamConsumer(stream_dir, quiet=True)
+    try:
+        def live():
+            p.reclaim()
+            return p.stats()["live_blocks"]
+
+        # An asynchronous copy reads the bytes after the views are gone: the share waits for
+        # its event, also past the end of the `with` block.
+        copying = FakeEvent()
+        with c.open(p.put("a", np.arange(64, dtype=np.float32))) as t:
+            view = t.numpy()
+            t.release_after(copying)
+            del view
+        assert live() == 1
+        assert c.poll_releases() == 0 and live() == 1
+        copying.done = True
+        assert c.poll_releases() >= 1
+        assert live() == 0
+        # Settled by the next open() as well, and by open_many().
+        e1, e2 = FakeEvent(), FakeEvent()
+        t1 = c.open(p.put("b", np.zeros(16, np.int32)))
+        t1.release_after(e1)
+        del t1
+        e1.done = True
+        t2 = c.open(p.put("c", np.zeros(16, np.int32)))
+        assert live() == 1  # b released by that open; c is held by t2
+        t2.release_after(e2)
+        del t2
+        e2.done = True
+        assert c.open_many([]) == [] and live() == 0
+        # close() waits for the events (synchronize(), or query() until it says done).
+        for event in (FakeEvent(can_synchronize=True), FakeEvent(can_synchronize=False)):
+            t3 = c.open(p.put("d", np.zeros(16, np.int8)))
+            t3.release_after(event)
+            del t3
+            if not hasattr(event, "synchronize"):
+                threading.Timer(0.05, setattr, (event, "done", True)).start()
+            c.close()
+            assert event.done and live() == 0
+            c = expert_arena.StreamConsumer(stream_dir, quiet=True)
+        # Bad uses say what is wrong.
+        t4 = c.open(p.put("e", np.zeros(4, np.int8)))
+        with pytest.raises(TypeError, match="query"):
+            t4.release_after(object())
+        t4.release()
+        with pytest.raises(ValueError, match="released"):
+            t4.release_after(FakeEvent())
+        assert live() == 0
+    finally:
+        c.close()
+        p.close()
