@@ -13,18 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "c_check.h"
 #include "expert_arena/expert_arena.h"
-
-static int failures = 0;
-
-#define CHECK(cond)                                                                            \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
-              ea_last_error());                                                                \
-      ++failures;                                                                              \
-    }                                                                                          \
-  } while (0)
 
 static unsigned char* ReadFile(const char* path, size_t* size) {
   FILE* f = fopen(path, "rb");

@@ -36,20 +36,10 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "c_check.h"
 #include "expert_arena/expert_arena.h"
 
 extern char** environ;
-
-static int failures = 0;
-
-#define CHECK(cond)                                                                            \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
-              ea_last_error());                                                                \
-      ++failures;                                                                              \
-    }                                                                                          \
-  } while (0)
 
 #define MIB (1024u * 1024u)
 

@@ -120,3 +120,37 @@ def arena_table(path):
     out = subprocess.run([tool("expert-arena"), "info", "--json", path], check=True,
                          stdout=subprocess.PIPE).stdout
     return json.loads(out)
+
+
+# The streaming peers, one protocol (see stream_roles.py): "py" the package's roles, "cxx"
+# the C++ library's (python_peer), "c" the C interface's (capi_stream_c_program).
+ROLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_roles.py")
+
+
+def peer_command(kind, role, directory):
+    return {"c": [tool("capi_stream_c_program"), role, directory],
+            "cxx": [tool("python_peer"), role, directory],
+            "py": [sys.executable, ROLES, role, directory]}[kind]
+
+
+def start_producer(kind, directory):
+    """Starts a producer peer; returns (process, rows) once it printed "ready"."""
+    p = subprocess.Popen(peer_command(kind, "produce", directory), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=child_env())
+    rows = []
+    for line in p.stdout:
+        if line.strip() == "ready":
+            return p, rows
+        rows.append(line.split())
+    p.wait(30)
+    raise AssertionError("%s producer exited with %s before it was ready" % (kind, p.returncode))
+
+
+def consume(kind, directory, descriptors):
+    """Runs a consumer peer over descriptor hex lines; returns its rows."""
+    out = subprocess.run(peer_command(kind, "consume", directory),
+                         input="".join(d + "\n" for d in descriptors), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [line.split() for line in out.stdout.splitlines()]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import expert_arena
-from conftest import BUILD, arena_table, child_env, tool
+from conftest import BUILD, ROLES, arena_table, child_env, consume, start_producer
 
 
 class OpenParams(ctypes.Structure):
@@ -97,7 +97,6 @@ def test_ctypes_reports_a_missing_arena(lib, shm_path):
 
 # ---- tensor streaming through the C ABI (expert_arena_stream.h) ----------------------------
 
-ROLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_roles.py")
 DESCRIPTOR_MAX = 4096  # EA_STREAM_DESCRIPTOR_MAX
 
 
@@ -334,31 +333,7 @@ def test_ctypes_stream_errors_carry_the_library_message(slib, stream_dir):
 
 
 # The C program's produce and consume roles against the package's (stream_roles.py) and the
-# C++ peer's (python_peer): one protocol, every pairing with a C side.
-def start_producer(kind, directory):
-    cmd = {"c": [tool("capi_stream_c_program"), "produce", directory],
-           "cxx": [tool("python_peer"), "produce", directory],
-           "py": [sys.executable, ROLES, "produce", directory]}[kind]
-    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         env=child_env())
-    rows = []
-    for line in p.stdout:
-        if line.strip() == "ready":
-            return p, rows
-        rows.append(line.split())
-    p.wait(30)
-    raise AssertionError("%s producer exited with %s before it was ready" % (kind, p.returncode))
-
-
-def consume(kind, directory, descriptors):
-    cmd = {"c": [tool("capi_stream_c_program"), "consume", directory],
-           "cxx": [tool("python_peer"), "consume", directory],
-           "py": [sys.executable, ROLES, "consume", directory]}[kind]
-    out = subprocess.run(cmd, input="".join(d + "\n" for d in descriptors), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return [line.split() for line in out.stdout.splitlines()]
+# C++ peer's (python_peer): one protocol, every pairing with a C side (conftest's peers).
 
 
 @pytest.mark.parametrize("producer,consumer",

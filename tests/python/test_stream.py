@@ -10,34 +10,9 @@ import numpy as np
 import pytest
 
 import expert_arena
-from conftest import child_env, tool
+from conftest import ROLES, child_env, consume, start_producer
 
 torch = pytest.importorskip("torch") if os.environ.get("CI") != "true" else __import__("torch")
-ROLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_roles.py")
-
-
-def start_producer(kind, directory):
-    cmd = [tool("python_peer"), "produce", directory] if kind == "cxx" else \
-        [sys.executable, ROLES, "produce", directory]
-    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         env=child_env())
-    rows = []
-    for line in p.stdout:
-        if line.strip() == "ready":
-            return p, rows
-        rows.append(line.split())
-    p.wait(30)
-    raise AssertionError("%s producer exited with %s before it was ready" % (kind, p.returncode))
-
-
-def consume(kind, directory, descriptors):
-    cmd = [tool("python_peer"), "consume", directory] if kind == "cxx" else \
-        [sys.executable, ROLES, "consume", directory]
-    out = subprocess.run(cmd, input="".join(d + "\n" for d in descriptors), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return [line.split() for line in out.stdout.splitlines()]
 
 
 @pytest.mark.parametrize("producer,consumer", [("py", "py"), ("cxx", "py"), ("py", "cxx")])
