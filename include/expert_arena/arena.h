@@ -89,6 +89,16 @@ struct ArenaOptions {
   bool progress = true;
   // The logger for the start line and notes; null uses the "expert_arena" logger.
   std::shared_ptr<spdlog::logger> logger;
+  // HOST:PORT of a peer serving this model's arena (`expert-arena serve`): a loader fills the
+  // arena from the peer over UCX instead of reading the model files, checking every tensor's
+  // checksum as it lands (docs/cross-host.md). Without model files the peer's table is used;
+  // with them their layout must be the peer's. If the fill fails nothing is published and the
+  // model files, when given, are read instead (the start line says so).
+  std::string from_peer;
+  // The peer's shared token, when it asks for one.
+  std::string peer_token;
+  // The longest wait for the peer (connect, answer, next chunk) before the fill is abandoned.
+  double peer_stall_seconds = 30.0;
 };
 
 enum class ArenaRole { kLoaded, kAttached, kPrivate };
@@ -131,6 +141,9 @@ struct ArenaReport {
   double gpu_seconds = 0;
   uint64_t pinned_bytes = 0;  // VmPin after registration
   uint32_t waited_for_pid = 0;
+  std::string from_peer;    // the peer filled from (options.from_peer), when it did
+  uint64_t peer_bytes = 0;  // bytes received from the peer (header region and data)
+  std::string peer_note;    // why the fill from options.from_peer failed, when it fell back
 
   // The one start line an operator reads.
   EXPERT_ARENA_EXPORT std::string StartLine() const;

@@ -13,6 +13,7 @@
 #include "expert_arena/gpu.h"
 #include "gpu/runtime.h"
 #include "platform/system_info.h"
+#include "remote/peer_fill.h"
 #include "source/model_fingerprint.h"
 
 namespace expert_arena {
@@ -49,6 +50,18 @@ std::string ArenaReport::StartLine() const {
   std::string line = "expert-arena: ";
   switch (role) {
     case ArenaRole::kLoaded:
+      if (!from_peer.empty()) {
+        double rate = load_seconds > 0 ? gib(tensor_bytes) / load_seconds : 0;
+        std::snprintf(buf, sizeof buf,
+                      "filled %s (%s) from peer %s: %llu tensors, %.2f GiB in %.2f s (%.2f GiB/s, "
+                      "ucx), checksums verified, %llu model bytes read",
+                      path.c_str(), backing.c_str(), from_peer.c_str(),
+                      static_cast<unsigned long long>(tensors), gib(tensor_bytes), seconds, rate,
+                      static_cast<unsigned long long>(bytes_read));
+        line += buf;
+        break;
+      }
+      [[fallthrough]];
     case ArenaRole::kPrivate: {
       double rate = load_seconds > 0 ? gib(tensor_bytes) / load_seconds : 0;
       std::snprintf(
@@ -79,6 +92,7 @@ std::string ArenaReport::StartLine() const {
   line += buf;
   if (!huge_note.empty()) line += " (" + huge_note + ")";
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
+  if (!peer_note.empty()) line += "; " + peer_note;
   return line;
 }
 
@@ -191,6 +205,20 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
     return Finish(std::move(impl), options, *logger, start);
   }
+  std::string peer_note;
+  if (!options.from_peer.empty()) {
+    auto filled = remote::FillFromPeer(model, options, *logger);
+    if (filled.ok()) return Finish(std::move(*filled), options, *logger, start);
+    if (model.files.empty()) {
+      return Status(filled.status().code(), "fill of " + options.shared_path + " from peer " +
+                                                options.from_peer +
+                                                " failed, nothing published: " +
+                                                filled.status().message());
+    }
+    peer_note = "fill from peer " + options.from_peer + " failed (" + filled.status().message() +
+                "); read the model files instead";
+    logger->warn("expert-arena: {}", peer_note);
+  }
   // A model with a fingerprint is planned only when no published arena holds it.
   arena::ModelWant want{.spec = &model};
   EA_ASSIGN_OR_RETURN(bool fingerprinted, source::HasFingerprint(model));
@@ -200,6 +228,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
     impl->report.bytes_read =
         want.plan ? want.plan->metadata_bytes_read : want.fingerprint_bytes_read;
   }
+  impl->report.peer_note = std::move(peer_note);
   return Finish(std::move(impl), options, *logger, start);
 }
 

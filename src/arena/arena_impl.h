@@ -3,6 +3,7 @@
 // description holds this engine's USER lock).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -12,6 +13,7 @@
 #include "format/arena_format.h"
 #include "format/arena_table.h"
 #include "gpu/gpu.h"
+#include "load/loader.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
 #include "source/model_source.h"
@@ -51,6 +53,9 @@ struct ModelWant {
   const ModelSpec* spec = nullptr;
   std::optional<source::ModelPlan> plan;
   uint64_t fingerprint_bytes_read = 0;  // read to match an arena's fingerprint
+  // When set, fills the data region in place of load::LoadTensors (a fill from a peer,
+  // src/remote): the same request, the plan's table, checksums already set and verified.
+  std::function<Result<load::LoadResult>(const load::LoadRequest&, format::ArenaTable&)> fill;
   Status MakePlan();
 };
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -31,6 +32,9 @@ struct LoadArgs {
   bool json = false;
   std::string reader = "auto";
   uint64_t alignment = 4096;
+  std::string from_peer;
+  std::string token;
+  double peer_stall = 30;
 };
 
 // Blocks until SIGINT/SIGTERM arrives or stdin closes. Closing counts only for a stdin that
@@ -59,6 +63,10 @@ void HoldUntilReleased() {
 }
 
 int RunLoad(const LoadArgs& args) {
+  if (args.models.empty() && args.from_peer.empty()) {
+    std::fprintf(stderr, "expert-arena load: --model is required (or --from-peer HOST:PORT)\n");
+    return 2;
+  }
   ModelSpec model;
   model.files = args.models;
   for (ModelFormat format :
@@ -78,6 +86,13 @@ int RunLoad(const LoadArgs& args) {
   options.gpu = args.gpu;
   options.reader = args.reader;
   options.progress = !args.json && isatty(STDERR_FILENO);
+  options.from_peer = args.from_peer;
+  options.peer_token = args.token;
+  if (options.peer_token.empty()) {
+    const char* token = std::getenv("EXPERT_ARENA_TOKEN");
+    if (token != nullptr) options.peer_token = token;
+  }
+  options.peer_stall_seconds = args.peer_stall;
   auto result = Arena::Open(model, options);
   if (!result.ok()) {
     std::fprintf(stderr, "expert-arena load: %s\n", result.status().message().c_str());
@@ -109,6 +124,11 @@ int RunLoad(const LoadArgs& args) {
     j["gpu"] = r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
     j["pid"] = getpid();
+    if (!args.from_peer.empty()) {
+      j["from_peer"] = r.from_peer;  // empty when the fill failed and the files were read
+      j["peer_bytes"] = r.peer_bytes;
+      j["peer_note"] = r.peer_note;
+    }
     std::cout << j.dump() << std::endl;
   }
   if (args.hold) HoldUntilReleased();
@@ -121,7 +141,8 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<LoadArgs>();
   CLI::App* cmd =
       app.add_subcommand("load", "Load the arena, or attach when another engine loaded it");
-  cmd->add_option("--model", args->models, "Model file (repeat for shards)")->required();
+  cmd->add_option("--model", args->models,
+                  "Model file (repeat for shards); required unless --from-peer");
   cmd->add_option("--format", args->format,
                   "auto|gguf|safetensors|raw: auto reads GGUF, safetensors or an index and "
                   "refuses anything else; raw loads each file's bytes as one u8 tensor")
@@ -142,6 +163,13 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   cmd->add_option("--alignment", args->alignment, "Tensor alignment in the arena (bytes)");
   cmd->add_flag("--hold", args->hold, "Keep it mapped until SIGINT/SIGTERM or stdin closes");
   cmd->add_flag("--json", args->json, "Print one JSON object");
+  cmd->add_option("--from-peer", args->from_peer,
+                  "Fill the arena from `expert-arena serve` at HOST:PORT over UCX (checksums "
+                  "verified); with --model, falls back to the files if the fill fails");
+  cmd->add_option("--token", args->token,
+                  "The peer's shared token (default: $EXPERT_ARENA_TOKEN)");
+  cmd->add_option("--peer-stall-timeout", args->peer_stall,
+                  "Seconds without progress from the peer before the fill is abandoned");
   cmd->callback([args, &exit_code] { exit_code = RunLoad(*args); });
 }
 

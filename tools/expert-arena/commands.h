@@ -13,5 +13,6 @@ void RegisterSweep(CLI::App& app, int& exit_code);
 int RunSegmentInfo(const std::string& path, bool json);
 void RegisterGenModel(CLI::App& app, int& exit_code);
 void RegisterList(CLI::App& app, int& exit_code);  // ls
+void RegisterServe(CLI::App& app, int& exit_code);
 
 }  // namespace expert_arena::cli

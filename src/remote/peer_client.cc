@@ -1,0 +1,349 @@
+#include "remote/peer_client.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "common/ready_front.h"
+#include "common/units.h"
+#include "format/arena_format.h"
+#include "load/fast_xxh3.h"
+#include "platform/file.h"
+#include "platform/net.h"
+#include "remote/ucx_worker.h"
+#include "remote/wire.h"
+
+namespace expert_arena::remote {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Pieces of the data region read by one ucp_get_nbx, and how many are in flight.
+constexpr uint64_t kChunkBytes = 8 * kMiB;
+constexpr size_t kWindow = 8;
+
+std::chrono::nanoseconds Seconds(double s) {
+  return std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9));
+}
+
+// Test only: when EXPERT_ARENA_TEST_PEER_PAUSE_FILE names a path, the fill creates that file
+// once half the data has landed and waits (at most 60 s) until it is removed, so a test can
+// kill the server at a known point mid-transfer.
+void PauseForTest(const std::string& pause_file) {
+  auto fd = platform::OpenFile(pause_file, {.write = true, .create = true});
+  if (!fd.ok()) return;
+  fd->Reset();
+  for (int i = 0; i < 600 && platform::StatPath(pause_file).ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace
+
+struct PeerSource::State {
+  PeerOptions options;
+  std::unique_ptr<UcxWorker> ucx;
+  ucp_ep_h ep = nullptr;
+  bool failed = false;
+  ucs_status_t failure = UCS_OK;
+  ucp_rkey_h rkey = nullptr;
+  Offer offer{};
+  bool offered = false;
+  std::vector<std::byte> offer_bytes;
+  format::ArenaTable table;
+  uint64_t received = 0;
+  double fill_seconds = 0;
+
+  ~State() {
+    if (rkey != nullptr) ucp_rkey_destroy(rkey);
+    if (ucx) CloseEndpoint(*ucx, ep, failed, Clock::now() + std::chrono::seconds(2));
+  }
+
+  Status PeerGone(const std::string& doing) const {
+    return Status(failure == UCS_ERR_ENDPOINT_TIMEOUT ? StatusCode::kTimedOut
+                                                      : StatusCode::kIoError,
+                  "peer " + options.address + " went away " + doing + " (" +
+                      ucs_status_string(failure) + ")");
+  }
+
+  // One bounded get of [remote, +bytes) into `local`.
+  Status Get(void* local, uint64_t bytes, uint64_t remote, const std::string& what) {
+    ucp_request_param_t param{};
+    ucs_status_ptr_t r = ucp_get_nbx(ep, local, bytes, offer.region_address + remote, rkey, &param);
+    Status s = ucx->Wait(r, Clock::now() + Seconds(options.stall_seconds),
+                         "reading " + what + " from peer " + options.address);
+    if (!s.ok() && failed) return PeerGone("while reading " + what);
+    if (s.ok()) received += bytes;
+    return s;
+  }
+};
+
+PeerSource::PeerSource(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PeerSource::~PeerSource() = default;
+PeerSource::PeerSource(PeerSource&&) noexcept = default;
+PeerSource& PeerSource::operator=(PeerSource&&) noexcept = default;
+const format::ArenaTable& PeerSource::table() const { return state_->table; }
+const std::string& PeerSource::address() const { return state_->options.address; }
+uint64_t PeerSource::bytes_received() const { return state_->received; }
+double PeerSource::fill_seconds() const { return state_->fill_seconds; }
+bool RemoteBuilt() { return true; }
+
+Result<PeerSource> ConnectPeer(const PeerOptions& options) {
+  auto state = std::make_unique<PeerSource::State>();
+  PeerSource::State& st = *state;
+  st.options = options;
+  const std::string& peer = options.address;
+  if (options.token.size() > kMaxTokenBytes) {
+    return InvalidArgument("token of " + std::to_string(options.token.size()) + " bytes; at most " +
+                           std::to_string(kMaxTokenBytes));
+  }
+  EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(peer));
+  EA_ASSIGN_OR_RETURN(st.ucx, UcxWorker::Create());
+
+  ucp_am_handler_param_t am{};
+  am.field_mask =
+      UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  am.id = kOfferId;
+  am.arg = &st;
+  am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
+             const ucp_am_recv_param_t* param) -> ucs_status_t {
+    auto* s = static_cast<PeerSource::State*>(arg);
+    if (s->offered || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
+    s->offered = true;
+    auto* bytes = static_cast<const std::byte*>(data);
+    s->offer_bytes.assign(bytes, bytes + std::min<size_t>(length, sizeof(Offer) + kMaxRkeyBytes));
+    return UCS_OK;
+  };
+  ucs_status_t s = ucp_worker_set_am_recv_handler(st.ucx->worker(), &am);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  params.sockaddr.addr = address.get();
+  params.sockaddr.addrlen = address.length;
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler.arg = &st;
+  params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* s = static_cast<PeerSource::State*>(arg);
+    s->failed = true;
+    s->failure = status;
+  };
+  s = ucp_ep_create(st.ucx->worker(), &params, &st.ep);
+  if (s != UCS_OK) return UcxStatus(s, "connect to peer " + peer);
+
+  // Hello: the token goes first; nothing is offered before the server checked it.
+  std::vector<std::byte> hello_bytes(sizeof(Hello) + options.token.size());
+  Hello hello{kWireMagic, kWireVersion, static_cast<uint32_t>(options.token.size())};
+  std::memcpy(hello_bytes.data(), &hello, sizeof hello);
+  std::memcpy(hello_bytes.data() + sizeof hello, options.token.data(), options.token.size());
+  ucp_request_param_t send{};
+  send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  send.flags = UCP_AM_SEND_FLAG_REPLY;
+  const auto deadline = Clock::now() + Seconds(options.stall_seconds);
+  Status sent = st.ucx->Wait(
+      ucp_am_send_nbx(st.ep, kHelloId, nullptr, 0, hello_bytes.data(), hello_bytes.size(), &send),
+      deadline, "hello to peer " + peer);
+  if (!sent.ok()) {
+    if (st.failed) {
+      return Status(StatusCode::kIoError, "cannot reach peer " + peer + " (" +
+                                              ucs_status_string(st.failure) +
+                                              "): is `expert-arena serve` listening there?");
+    }
+    return sent;
+  }
+  while (!st.offered && !st.failed) {
+    if (Clock::now() > deadline) {
+      return TimedOut("peer " + peer + " did not answer within " +
+                      std::to_string(static_cast<int>(options.stall_seconds)) + " s");
+    }
+    st.ucx->Progress(10);
+  }
+  if (!st.offered) return st.PeerGone("before answering (a refused token hangs up too)");
+
+  if (st.offer_bytes.size() < sizeof(Offer)) return Corrupt("peer " + peer + ": short offer");
+  std::memcpy(&st.offer, st.offer_bytes.data(), sizeof(Offer));
+  const Offer& offer = st.offer;
+  if (offer.magic != kWireMagic || offer.version != kWireVersion) {
+    return Unsupported("peer " + peer + " speaks another protocol version (" +
+                       std::to_string(offer.version) + ", this is " +
+                       std::to_string(kWireVersion) + ")");
+  }
+  if (offer.payload_bytes > st.offer_bytes.size() - sizeof(Offer)) {
+    return Corrupt("peer " + peer + ": offer shorter than its payload");
+  }
+  const std::byte* payload = st.offer_bytes.data() + sizeof(Offer);
+  if (offer.status != static_cast<uint32_t>(OfferStatus::kOk)) {
+    std::string why(reinterpret_cast<const char*>(payload),
+                    std::min<size_t>(offer.payload_bytes, kMaxRefusalBytes));
+    for (char& c : why)
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+    return PermissionDenied("peer " + peer + " refused: " + why);
+  }
+  if (offer.header_bytes < sizeof(format::HeaderFixed) || offer.header_bytes > 1024 * kMiB ||
+      offer.header_bytes % 8 != 0 || offer.data_bytes > offer.region_bytes ||
+      offer.header_bytes > offer.region_bytes - offer.data_bytes) {
+    return Corrupt("peer " + peer + ": offer sizes do not fit (header " +
+                   std::to_string(offer.header_bytes) + ", data " +
+                   std::to_string(offer.data_bytes) + ", region " +
+                   std::to_string(offer.region_bytes) + ")");
+  }
+  s = ucp_ep_rkey_unpack(st.ep, payload, &st.rkey);
+  if (s != UCS_OK) return UcxStatus(s, "peer " + peer + ": unpack its rkey");
+
+  // The header region, validated like a local one: the peer's file size is header + data.
+  std::vector<uint64_t> region(offer.header_bytes / 8);
+  EA_RETURN_IF_ERROR(st.Get(region.data(), offer.header_bytes, 0, "the header region"));
+  std::span<const std::byte> header(reinterpret_cast<const std::byte*>(region.data()),
+                                    offer.header_bytes);
+  auto summary = format::SummarizeHeader(header.first(sizeof(format::HeaderFixed)));
+  if (summary.state != format::FileState::kPublished) {
+    return Corrupt("peer " + peer + ": its arena is not published");
+  }
+  EA_RETURN_IF_ERROR(format::DecodeHeader(header, offer.header_bytes + offer.data_bytes,
+                                          "peer " + peer, &st.table, nullptr));
+  if (st.table.data_bytes != offer.data_bytes || st.table.identity_hash != offer.identity_hash) {
+    return Corrupt("peer " + peer + ": its header does not match its offer");
+  }
+  return PeerSource(std::move(state));
+}
+
+Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& table,
+                        const ReadyFront* front, uint64_t front_base) {
+  State& st = *state_;
+  const auto start = Clock::now();
+  const std::string& peer = st.options.address;
+  // Tensors in data order, and the end of the last one: the padding after it is not read.
+  std::vector<size_t> order(table.tensors.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return table.tensors[a].arena_offset < table.tensors[b].arena_offset;
+  });
+  uint64_t end = 0;
+  for (const auto& t : table.tensors) end = std::max(end, t.arena_offset + t.bytes);
+  if (end > data.size() || end > st.offer.data_bytes) {
+    return InvalidArgument("peer " + peer + ": tensors end at " + std::to_string(end) +
+                           " past the data region");
+  }
+  const char* pause_env = std::getenv("EXPERT_ARENA_TEST_PEER_PAUSE_FILE");
+  std::string pause_file = pause_env != nullptr ? pause_env : "";
+
+  const uint64_t chunks = (end + kChunkBytes - 1) / kChunkBytes;
+  std::vector<uint8_t> done(chunks, 0);
+  struct InFlight {
+    uint64_t chunk;
+    ucs_status_ptr_t request;
+  };
+  std::vector<InFlight> flight;
+  uint64_t next = 0;      // the next chunk to ask for
+  uint64_t landed = 0;    // chunks [0, landed) are all in place
+  size_t hashed = 0;      // tensors (in `order`) checked so far
+  Status error = Status::Ok();
+  auto last_progress = Clock::now();
+  const uint64_t remote_data = st.offer.header_bytes;
+
+  while (error.ok() && (landed < chunks || hashed < order.size())) {
+    while (error.ok() && flight.size() < kWindow && next < chunks) {
+      uint64_t offset = next * kChunkBytes;
+      uint64_t bytes = std::min(kChunkBytes, end - offset);
+      if (front != nullptr) {
+        error = front->WaitFor(front_base + offset + bytes);
+        if (!error.ok()) break;
+      }
+      ucp_request_param_t param{};
+      ucs_status_ptr_t r =
+          ucp_get_nbx(st.ep, data.data() + offset, bytes, st.offer.region_address + remote_data +
+                                                              offset, st.rkey, &param);
+      if (UCS_PTR_IS_ERR(r)) {
+        error = st.failed ? st.PeerGone("mid-transfer")
+                          : UcxStatus(UCS_PTR_STATUS(r), "read from peer " + peer);
+        break;
+      }
+      if (r == nullptr) {
+        done[next] = 1;
+        st.received += bytes;
+      } else {
+        flight.push_back({next, r});
+      }
+      ++next;
+    }
+    if (!error.ok()) break;
+    st.ucx->Progress(flight.empty() ? 0 : 1);
+    for (size_t i = 0; i < flight.size();) {
+      ucs_status_t s = ucp_request_check_status(flight[i].request);
+      if (s == UCS_INPROGRESS) {
+        ++i;
+        continue;
+      }
+      ucp_request_free(flight[i].request);
+      if (s != UCS_OK) {
+        error = st.failed ? st.PeerGone("mid-transfer after " + FormatBytes(st.received))
+                          : UcxStatus(s, "read from peer " + peer);
+        flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
+        continue;
+      }
+      uint64_t offset = flight[i].chunk * kChunkBytes;
+      st.received += std::min(kChunkBytes, end - offset);
+      done[flight[i].chunk] = 1;
+      last_progress = Clock::now();
+      flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
+    }
+    if (!error.ok()) break;
+    if (st.failed) {
+      error = st.PeerGone("mid-transfer after " + FormatBytes(st.received));
+      break;
+    }
+    uint64_t before = landed;
+    while (landed < chunks && done[landed]) ++landed;
+    // Every tensor whose last byte landed is checked now.
+    const uint64_t landed_bytes = std::min(end, landed * kChunkBytes);
+    while (hashed < order.size()) {
+      const format::TensorRecord& t = table.tensors[order[hashed]];
+      if (t.arena_offset + t.bytes > landed_bytes) break;
+      uint64_t sum = load::FastXxh3(data.data() + t.arena_offset, t.bytes);
+      if (sum != t.checksum) {
+        char text[96];
+        std::snprintf(text, sizeof text, "%016llx, expected %016llx",
+                      static_cast<unsigned long long>(sum),
+                      static_cast<unsigned long long>(t.checksum));
+        error = Corrupt("tensor " + t.name + " from peer " + peer + ": checksum " + text +
+                        "; not published");
+        break;
+      }
+      ++hashed;
+    }
+    if (!pause_file.empty() && landed * 2 >= chunks && before * 2 < chunks) {
+      PauseForTest(pause_file);
+      last_progress = Clock::now();
+    }
+    if (error.ok() && !flight.empty() &&
+        Clock::now() - last_progress > Seconds(st.options.stall_seconds)) {
+      error = TimedOut("peer " + peer + ": no data for " +
+                       std::to_string(static_cast<int>(st.options.stall_seconds)) + " s after " +
+                       FormatBytes(st.received));
+    }
+  }
+  if (!flight.empty()) {
+    // Nothing may land in `data` after we return (the caller unmaps it on failure): a forced
+    // close fails every request on the endpoint, and they complete before we leave.
+    CloseEndpoint(*st.ucx, st.ep, true, Clock::now() + std::chrono::seconds(5));
+    st.ep = nullptr;
+    for (InFlight& f : flight) {
+      for (int i = 0; i < 500 && ucp_request_check_status(f.request) == UCS_INPROGRESS; ++i) {
+        st.ucx->Progress(10);
+      }
+      ucp_request_free(f.request);
+    }
+  }
+  st.fill_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return error;
+}
+
+}  // namespace expert_arena::remote

@@ -1,0 +1,320 @@
+#include "remote/peer_server.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <list>
+#include <vector>
+
+#include "arena/arena_locks.h"
+#include "common/logging.h"
+#include "common/units.h"
+#include "format/arena_format.h"
+#include "platform/file.h"
+#include "platform/mapping.h"
+#include "platform/net.h"
+#include "platform/ofd_lock.h"
+#include "platform/system_info.h"
+#include "remote/ucx_worker.h"
+#include "remote/wire.h"
+
+namespace expert_arena::remote {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One peer's endpoint, from its connection request to its close.
+struct Connection {
+  ucp_ep_h ep = nullptr;
+  std::string peer;  // its address, for the log
+  Clock::time_point since;
+  bool failed = false;  // the endpoint's error callback ran
+  ucs_status_t failure = UCS_OK;
+  bool hello = false;  // a hello arrived (checked in the main loop)
+  std::string token;
+  bool hello_ok = false;
+  bool answered = false;  // offer or refusal sent
+  bool closing = false;
+  std::vector<std::byte> reply;  // kept until the send completes
+  ucs_status_ptr_t send = nullptr;
+};
+
+bool SameToken(const std::string& a, const std::string& b) {
+  // Length first (it is not secret); then every byte, whatever the first difference.
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+struct PeerServer::State {
+  ServeInfo info;
+  std::string token;
+  double hello_timeout_seconds = 10;
+  std::shared_ptr<spdlog::logger> log;
+  platform::UniqueFd fd;  // holds USER shared: the file cannot be replaced while served
+  platform::Mapping mapping;
+  std::unique_ptr<UcxWorker> ucx;
+  ucp_mem_h memory = nullptr;
+  void* rkey = nullptr;
+  size_t rkey_bytes = 0;
+  ucp_listener_h listener = nullptr;
+  std::vector<ucp_conn_request_h> requests;  // accepted in the main loop
+  std::list<Connection> connections;
+  uint64_t offered = 0;
+
+  ~State() {
+    auto deadline = Clock::now() + std::chrono::seconds(2);
+    for (Connection& c : connections) {
+      if (c.send != nullptr && !UCS_PTR_IS_ERR(c.send)) ucp_request_free(c.send);
+      CloseEndpoint(*ucx, c.ep, true, deadline);
+    }
+    connections.clear();
+    if (listener != nullptr) ucp_listener_destroy(listener);
+    if (rkey != nullptr) ucp_rkey_buffer_release(rkey);
+    if (memory != nullptr) ucp_mem_unmap(ucx->context(), memory);
+    ucx.reset();
+  }
+
+  Connection* Find(ucp_ep_h ep) {
+    for (Connection& c : connections)
+      if (c.ep == ep) return &c;
+    return nullptr;
+  }
+
+  void Accept(ucp_conn_request_h request) {
+    ucp_conn_request_attr_t attr{};
+    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+    std::string peer = "?";
+    if (ucp_conn_request_query(request, &attr) == UCS_OK)
+      peer = platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.client_address));
+    Connection& c = connections.emplace_back();
+    c.peer = peer;
+    c.since = Clock::now();
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.conn_request = request;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+      auto* conn = static_cast<Connection*>(arg);
+      conn->failed = true;
+      conn->failure = status;
+    };
+    params.err_handler.arg = &c;
+    ucs_status_t s = ucp_ep_create(ucx->worker(), &params, &c.ep);
+    if (s != UCS_OK) {
+      log->warn("expert-arena serve: peer {}: cannot accept: {}", peer, ucs_status_string(s));
+      c.ep = nullptr;
+      c.closing = true;
+      return;
+    }
+    log->info("expert-arena serve: peer {} connected", peer);
+  }
+
+  void Answer(Connection& c) {
+    Offer offer{};
+    offer.magic = kWireMagic;
+    offer.version = kWireVersion;
+    std::string refusal;
+    if (!c.hello_ok) {
+      refusal = token.empty() ? "bad hello (another version of expert-arena?)"
+                              : "wrong token: the server asks for a shared token (--token)";
+      offer.status = static_cast<uint32_t>(OfferStatus::kRefused);
+      offer.payload_bytes = static_cast<uint32_t>(refusal.size());
+    } else {
+      offer.status = static_cast<uint32_t>(OfferStatus::kOk);
+      offer.region_address = reinterpret_cast<uint64_t>(mapping.data());
+      offer.region_bytes = mapping.size();
+      offer.header_bytes = info.file_bytes - info.data_bytes;
+      offer.data_bytes = info.data_bytes;
+      offer.identity_hash = info.identity_hash;
+      offer.payload_bytes = static_cast<uint32_t>(rkey_bytes);
+    }
+    c.reply.resize(sizeof offer + offer.payload_bytes);
+    std::memcpy(c.reply.data(), &offer, sizeof offer);
+    if (c.hello_ok) {
+      std::memcpy(c.reply.data() + sizeof offer, rkey, rkey_bytes);
+    } else {
+      std::memcpy(c.reply.data() + sizeof offer, refusal.data(), refusal.size());
+    }
+    ucp_request_param_t param{};
+    c.send = ucp_am_send_nbx(c.ep, kOfferId, nullptr, 0, c.reply.data(), c.reply.size(), &param);
+    c.answered = true;
+    if (c.hello_ok) {
+      ++offered;
+      log->info("expert-arena serve: peer {}: offered {} ({})", c.peer,
+                FormatBytes(info.file_bytes), info.identity);
+    } else {
+      log->warn("expert-arena serve: peer {}: refused: {}", c.peer, refusal);
+    }
+  }
+
+  // One pass over the connections: answers hellos, finishes sends, closes the dead.
+  void Tend() {
+    for (ucp_conn_request_h r : requests) Accept(r);
+    requests.clear();
+    const auto now = Clock::now();
+    for (auto it = connections.begin(); it != connections.end();) {
+      Connection& c = *it;
+      if (c.send != nullptr) {
+        if (UCS_PTR_IS_ERR(c.send)) {
+          c.failed = true;
+          c.failure = UCS_PTR_STATUS(c.send);
+          c.send = nullptr;
+        } else if (ucp_request_check_status(c.send) != UCS_INPROGRESS) {
+          ucp_request_free(c.send);
+          c.send = nullptr;
+          if (!c.hello_ok) c.closing = true;  // the refusal is out: hang up
+        }
+      }
+      if (!c.failed && !c.closing && c.hello && !c.answered) Answer(c);
+      if (!c.failed && !c.closing && !c.hello &&
+          std::chrono::duration<double>(now - c.since).count() > hello_timeout_seconds) {
+        log->warn("expert-arena serve: peer {}: no hello within {} s; disconnected", c.peer,
+                  hello_timeout_seconds);
+        c.closing = true;
+      }
+      if ((c.failed || c.closing) && c.send == nullptr) {
+        if (c.failed) {
+          // A peer that finished closes its endpoint: that reaches us as a reset.
+          log->info("expert-arena serve: peer {} disconnected ({})", c.peer,
+                    ucs_status_string(c.failure));
+        }
+        CloseEndpoint(*ucx, c.ep, true, Clock::now() + std::chrono::seconds(2));
+        it = connections.erase(it);
+        continue;
+      }
+      ++it;
+    }
+  }
+};
+
+Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
+                                                      const ServeOptions& options) {
+  auto state = std::make_unique<State>();
+  state->log = ResolveLogger(options.logger);
+  state->token = options.token;
+  state->hello_timeout_seconds = options.hello_timeout_seconds;
+  if (options.token.size() > kMaxTokenBytes) {
+    return InvalidArgument("token of " + std::to_string(options.token.size()) +
+                           " bytes; at most " + std::to_string(kMaxTokenBytes));
+  }
+  EA_ASSIGN_OR_RETURN(platform::SocketAddress listen, platform::ResolveHostPort(options.listen));
+
+  // Attach like an engine: USER shared, then a published header validated against the size.
+  EA_ASSIGN_OR_RETURN(state->fd, platform::OpenFile(path, {}));
+  EA_ASSIGN_OR_RETURN(bool user,
+                      platform::TryLockByte(state->fd, arena::kUserByte,
+                                            platform::LockMode::kShared));
+  if (!user) return Busy(path + ": an engine is loading or replacing it; serve it once published");
+  EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(state->fd));
+  if (st.size < sizeof(format::HeaderFixed)) return Corrupt(path + ": not an arena (too small)");
+  auto fs = platform::StatFilesystem(arena::DirectoryOf(path));
+  uint64_t alignment = fs.ok() && fs->kind == platform::FsKind::kHugetlbfs
+                           ? std::max(fs->block_bytes, kHugePageBytes)
+                           : kHugePageBytes;
+  EA_ASSIGN_OR_RETURN(state->mapping,
+                      platform::Mapping::MapFile(state->fd, st.size, false, alignment));
+  auto summary = format::SummarizeHeader(
+      state->mapping.bytes().first(sizeof(format::HeaderFixed)));
+  if (!summary.our_magic) return Corrupt(path + ": not an expert-arena file");
+  if (summary.state != format::FileState::kPublished)
+    return Corrupt(path + ": not published (a load did not finish); nothing to serve");
+  uint64_t header_bytes = summary.layout.header_bytes;
+  if (header_bytes == 0 || header_bytes > st.size)
+    return Corrupt(path + ": header size " + std::to_string(header_bytes) +
+                   " does not fit the file");
+  // Validates the whole table (checksums, every range) before serving a byte of it.
+  EA_RETURN_IF_ERROR(format::TableView::Open(state->mapping.bytes().first(header_bytes), st.size,
+                                             path)
+                         .status());
+  state->info.path = path;
+  state->info.identity = summary.identity_text;
+  state->info.identity_hash = summary.identity_hash;
+  state->info.data_bytes = summary.layout.data_bytes;
+  state->info.file_bytes = header_bytes + summary.layout.data_bytes;
+  if (state->info.file_bytes > st.size) return Corrupt(path + ": data region past the file's end");
+
+  EA_ASSIGN_OR_RETURN(state->ucx, UcxWorker::Create());
+  // Registered once, read-only: peers may read the file, never write it.
+  ucp_mem_map_params_t map{};
+  map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_PROT;
+  map.address = state->mapping.data();
+  map.length = state->info.file_bytes;
+  map.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ;
+  ucs_status_t s = ucp_mem_map(state->ucx->context(), &map, &state->memory);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_mem_map of " + path);
+  s = ucp_rkey_pack(state->ucx->context(), state->memory, &state->rkey, &state->rkey_bytes);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_rkey_pack of " + path);
+  if (state->rkey_bytes > kMaxRkeyBytes) return Internal("packed rkey too large");
+
+  ucp_am_handler_param_t am{};
+  am.field_mask =
+      UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  am.id = kHelloId;
+  am.arg = state.get();
+  am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
+             const ucp_am_recv_param_t* param) -> ucs_status_t {
+    auto* st = static_cast<State*>(arg);
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+    Connection* c = st->Find(param->reply_ep);
+    if (c == nullptr || c->hello) return UCS_OK;
+    c->hello = true;
+    Hello hello{};
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length < sizeof hello) return UCS_OK;
+    std::memcpy(&hello, data, sizeof hello);
+    if (hello.magic != kWireMagic || hello.version != kWireVersion ||
+        hello.token_bytes > kMaxTokenBytes || hello.token_bytes != length - sizeof hello) {
+      return UCS_OK;
+    }
+    c->token.assign(static_cast<const char*>(data) + sizeof hello, hello.token_bytes);
+    c->hello_ok = SameToken(c->token, st->token);
+    return UCS_OK;
+  };
+  s = ucp_worker_set_am_recv_handler(state->ucx->worker(), &am);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+
+  ucp_listener_params_t listener{};
+  listener.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  listener.sockaddr.addr = listen.get();
+  listener.sockaddr.addrlen = listen.length;
+  listener.conn_handler.arg = state.get();
+  listener.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+    static_cast<State*>(arg)->requests.push_back(request);
+  };
+  s = ucp_listener_create(state->ucx->worker(), &listener, &state->listener);
+  if (s != UCS_OK) return UcxStatus(s, "listen on " + options.listen);
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  s = ucp_listener_query(state->listener, &attr);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_listener_query");
+  state->info.address = platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
+  state->info.port = platform::AddressPort(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
+  return std::unique_ptr<PeerServer>(new PeerServer(std::move(state)));
+}
+
+PeerServer::PeerServer(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PeerServer::~PeerServer() = default;
+const ServeInfo& PeerServer::info() const { return state_->info; }
+uint64_t PeerServer::peers_offered() const { return state_->offered; }
+
+Status PeerServer::Run(const std::function<bool()>& stop) {
+  while (!stop()) {
+    // Busy while peers read (tcp's get is served by this worker), asleep on the event fd
+    // otherwise.
+    for (int i = 0; i < 64 && state_->ucx->Progress(0); ++i) {
+    }
+    state_->Tend();
+    state_->ucx->Progress(state_->connections.empty() ? 100 : 1);
+    state_->Tend();
+  }
+  return Status::Ok();
+}
+
+}  // namespace expert_arena::remote

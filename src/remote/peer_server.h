@@ -1,0 +1,70 @@
+// Serving a published arena to peers over UCX (`expert-arena serve`).
+//
+// The server holds USER on the arena file like an engine (so nobody replaces or removes it
+// while it is served), maps it read-only, registers the mapping with UCX once and packs its
+// rkey. A peer connects to the listener, sends a hello with the shared token (when one is
+// set); only then does it get the offer (sizes, identity, rkey) and read the file with
+// ucp_get_nbx. Many peers may read at once. See docs/cross-host.md.
+//
+// Thread-safety: none; Run() progresses the worker on the calling thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "expert_arena/status.h"
+
+namespace spdlog {
+class logger;
+}
+
+namespace expert_arena::remote {
+
+struct ServeOptions {
+  // ADDR:PORT to listen on (port 0: any free port, reported in info()). Required: nothing
+  // listens on all interfaces by default.
+  std::string listen;
+  // When not empty, a peer must present it before it is offered anything.
+  std::string token;
+  // A peer that has not said hello by then is disconnected.
+  double hello_timeout_seconds = 10;
+  std::shared_ptr<spdlog::logger> logger;
+};
+
+struct ServeInfo {
+  std::string address;  // as listening, e.g. "10.213.0.1:40011"
+  uint16_t port = 0;
+  std::string path;
+  std::string identity;
+  uint64_t identity_hash = 0;
+  uint64_t data_bytes = 0;
+  uint64_t file_bytes = 0;
+};
+
+class PeerServer {
+ public:
+  // Attaches to the published arena at `path` and starts listening. Fails when the file is
+  // absent, not published, being loaded, or when UCX cannot listen on the address.
+  static Result<std::unique_ptr<PeerServer>> Start(const std::string& path,
+                                                   const ServeOptions& options);
+  ~PeerServer();
+  PeerServer(const PeerServer&) = delete;
+  PeerServer& operator=(const PeerServer&) = delete;
+
+  const ServeInfo& info() const;
+  // Serves until `stop` returns true (asked at least every 100 ms). Errors only when UCX fails
+  // as a whole; a peer's failure is logged and its endpoint closed.
+  Status Run(const std::function<bool()>& stop);
+  // Peers that were offered the arena so far.
+  uint64_t peers_offered() const;
+
+  struct State;
+
+ private:
+  explicit PeerServer(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace expert_arena::remote

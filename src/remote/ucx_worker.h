@@ -1,0 +1,60 @@
+// One UCX context and worker, progressed by the thread that owns them (UCS_THREAD_MODE_SINGLE),
+// with the few operations peer fill needs: endpoints with peer error handling, active messages
+// for the small control messages, a bounded wait on a request.
+//
+// Liveness: every endpoint is made with UCP_ERR_HANDLING_MODE_PEER, so a peer that dies or
+// vanishes fails its endpoint (and every request on it) instead of leaving a request pending;
+// UCX's keepalive (UCX_KEEPALIVE_INTERVAL, 1 s here unless the environment sets it) finds a
+// peer that vanished without closing its connection. Every wait below has a deadline too.
+//
+// Thread-safety: none; one thread owns a UcxWorker and everything made from it.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "expert_arena/status.h"
+
+namespace expert_arena::remote {
+
+// "<what>: <UCX's text>" as a Status.
+Status UcxStatus(ucs_status_t status, const std::string& what);
+
+class UcxWorker {
+ public:
+  // kIoError naming the UCX call when UCX cannot start (no usable transport, bad UCX_TLS).
+  static Result<std::unique_ptr<UcxWorker>> Create();
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+
+  ucp_context_h context() const { return context_; }
+  ucp_worker_h worker() const { return worker_; }
+
+  // Progresses the worker; when nothing was progressed, sleeps on the worker's event fd for up
+  // to `idle_ms` (0: do not sleep). Returns whether anything was progressed.
+  bool Progress(int idle_ms);
+
+  // Progresses until `request` (the result of a ucp_*_nbx call) completes or `deadline`
+  // passes; frees it. A request that is still pending at the deadline is cancelled and
+  // kTimedOut returned (`what` names the operation).
+  Status Wait(ucs_status_ptr_t request, std::chrono::steady_clock::time_point deadline,
+              const std::string& what);
+
+ private:
+  UcxWorker() = default;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int event_fd_ = -1;
+};
+
+// Closes an endpoint: flushes it (or forces it when `force`, or when the flush does not finish
+// by `deadline`), progressing the worker until the close completes.
+void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
+                   std::chrono::steady_clock::time_point deadline);
+
+}  // namespace expert_arena::remote

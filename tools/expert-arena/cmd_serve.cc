@@ -1,0 +1,97 @@
+// expert-arena serve: serve a published arena to peers over UCX (docs/cross-host.md).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "remote/peer_server.h"
+
+namespace expert_arena::cli {
+namespace {
+
+struct ServeArgs {
+  std::string path;
+  std::string listen = "127.0.0.1:0";
+  std::string token;
+  double hello_timeout = 10;
+  bool json = false;
+};
+
+int RunServe(const ServeArgs& args) {
+  remote::ServeOptions options;
+  options.listen = args.listen;
+  options.token = args.token;
+  if (options.token.empty()) {
+    const char* token = std::getenv("EXPERT_ARENA_TOKEN");
+    if (token != nullptr) options.token = token;
+  }
+  options.hello_timeout_seconds = args.hello_timeout;
+  // SIGINT/SIGTERM are taken synchronously between progress rounds.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_BLOCK, &set, nullptr);
+  auto server = remote::PeerServer::Start(args.path, options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "expert-arena serve: %s\n", server.status().message().c_str());
+    return 1;
+  }
+  const remote::ServeInfo& info = (*server)->info();
+  if (args.json) {
+    nlohmann::json j;
+    j["serving"] = info.path;
+    j["address"] = info.address;
+    j["port"] = info.port;
+    j["identity"] = info.identity;
+    char hash[32];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(info.identity_hash));
+    j["identity_hash"] = hash;
+    j["data_bytes"] = info.data_bytes;
+    j["token"] = !options.token.empty();
+    j["pid"] = getpid();
+    std::cout << j.dump() << std::endl;
+  } else {
+    std::cout << "expert-arena serve: serving " << info.path << " on " << info.address << " ("
+              << info.identity << ")" << (options.token.empty() ? "" : ", token required")
+              << std::endl;
+  }
+  Status run = (*server)->Run([&] {
+    timespec zero{0, 0};
+    siginfo_t si;
+    return sigtimedwait(&set, &si, &zero) > 0;
+  });
+  if (!run.ok()) {
+    std::fprintf(stderr, "expert-arena serve: %s\n", run.message().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "expert-arena serve: stopped after offering %s to %llu peers\n",
+               info.path.c_str(), static_cast<unsigned long long>((*server)->peers_offered()));
+  return 0;
+}
+
+}  // namespace
+
+void RegisterServe(CLI::App& app, int& exit_code) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "serve", "Serve a published arena to peers over UCX (load --from-peer) until SIGINT/SIGTERM");
+  cmd->add_option("path", args->path, "Published arena file")->required();
+  cmd->add_option("--listen", args->listen,
+                  "ADDR:PORT to listen on (default 127.0.0.1:0, a free port on loopback; no "
+                  "default on all interfaces)");
+  cmd->add_option("--token", args->token,
+                  "Shared token a peer must present before it is served (default: "
+                  "$EXPERT_ARENA_TOKEN)");
+  cmd->add_option("--hello-timeout", args->hello_timeout,
+                  "Seconds a connected peer has to present itself");
+  cmd->add_flag("--json", args->json, "Print one JSON line once listening");
+  cmd->callback([args, &exit_code] { exit_code = RunServe(*args); });
+}
+
+}  // namespace expert_arena::cli
