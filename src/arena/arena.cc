@@ -210,10 +210,9 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
     auto filled = remote::FillFromPeer(model, options, *logger);
     if (filled.ok()) return Finish(std::move(*filled), options, *logger, start);
     if (model.files.empty()) {
-      return Status(filled.status().code(), "fill of " + options.shared_path + " from peer " +
-                                                options.from_peer +
-                                                " failed, nothing published: " +
-                                                filled.status().message());
+      return Status(filled.status().code(),
+                    "fill of " + options.shared_path + " from peer " + options.from_peer +
+                        " failed, nothing published: " + filled.status().message());
     }
     peer_note = "fill from peer " + options.from_peer + " failed (" + filled.status().message() +
                 "); read the model files instead";

@@ -430,8 +430,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
       request.ready_front = &pages->front();
       request.ready_base = impl->data_offset;
     }
-    auto loaded = want->fill ? want->fill(request, impl->table)
-                             : load::LoadTensors(request, impl->table);
+    auto loaded =
+        want->fill ? want->fill(request, impl->table) : load::LoadTensors(request, impl->table);
     // A load that failed stops the pages at once (a failure of the pages reaches the load as
     // the front's error); otherwise wait for the last pieces.
     if (!loaded.ok()) return stop_pages(loaded.status().WithContext("loading " + path));

@@ -66,10 +66,10 @@ struct PeerSource::State {
   }
 
   Status PeerGone(const std::string& doing) const {
-    return Status(failure == UCS_ERR_ENDPOINT_TIMEOUT ? StatusCode::kTimedOut
-                                                      : StatusCode::kIoError,
-                  "peer " + options.address + " went away " + doing + " (" +
-                      ucs_status_string(failure) + ")");
+    return Status(
+        failure == UCS_ERR_ENDPOINT_TIMEOUT ? StatusCode::kTimedOut : StatusCode::kIoError,
+        "peer " + options.address + " went away " + doing + " (" + ucs_status_string(failure) +
+            ")");
   }
 
   // One bounded get of [remote, +bytes) into `local`.
@@ -107,8 +107,8 @@ Result<PeerSource> ConnectPeer(const PeerOptions& options) {
   EA_ASSIGN_OR_RETURN(st.ucx, UcxWorker::Create());
 
   ucp_am_handler_param_t am{};
-  am.field_mask =
-      UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
   am.id = kOfferId;
   am.arg = &st;
   am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
@@ -173,8 +173,8 @@ Result<PeerSource> ConnectPeer(const PeerOptions& options) {
   const Offer& offer = st.offer;
   if (offer.magic != kWireMagic || offer.version != kWireVersion) {
     return Unsupported("peer " + peer + " speaks another protocol version (" +
-                       std::to_string(offer.version) + ", this is " +
-                       std::to_string(kWireVersion) + ")");
+                       std::to_string(offer.version) + ", this is " + std::to_string(kWireVersion) +
+                       ")");
   }
   if (offer.payload_bytes > st.offer_bytes.size() - sizeof(Offer)) {
     return Corrupt("peer " + peer + ": offer shorter than its payload");
@@ -242,9 +242,9 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
     ucs_status_ptr_t request;
   };
   std::vector<InFlight> flight;
-  uint64_t next = 0;      // the next chunk to ask for
-  uint64_t landed = 0;    // chunks [0, landed) are all in place
-  size_t hashed = 0;      // tensors (in `order`) checked so far
+  uint64_t next = 0;    // the next chunk to ask for
+  uint64_t landed = 0;  // chunks [0, landed) are all in place
+  size_t hashed = 0;    // tensors (in `order`) checked so far
   Status error = Status::Ok();
   auto last_progress = Clock::now();
   const uint64_t remote_data = st.offer.header_bytes;
@@ -259,8 +259,8 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
       }
       ucp_request_param_t param{};
       ucs_status_ptr_t r =
-          ucp_get_nbx(st.ep, data.data() + offset, bytes, st.offer.region_address + remote_data +
-                                                              offset, st.rkey, &param);
+          ucp_get_nbx(st.ep, data.data() + offset, bytes,
+                      st.offer.region_address + remote_data + offset, st.rkey, &param);
       if (UCS_PTR_IS_ERR(r)) {
         error = st.failed ? st.PeerGone("mid-transfer")
                           : UcxStatus(UCS_PTR_STATUS(r), "read from peer " + peer);

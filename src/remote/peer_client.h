@@ -56,8 +56,8 @@ class PeerSource {
   // front->ready() - front_base (the local pages are being made alongside). Errors: the peer
   // gone (naming the bytes received), a checksum that differs (naming the tensor), a stall.
   // On error nothing more is written into `data` once this returns.
-  Status Fill(std::span<std::byte> data, const format::ArenaTable& table,
-              const ReadyFront* front, uint64_t front_base);
+  Status Fill(std::span<std::byte> data, const format::ArenaTable& table, const ReadyFront* front,
+              uint64_t front_base);
 
   uint64_t bytes_received() const;  // header region and data
   double fill_seconds() const;

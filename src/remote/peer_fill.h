@@ -15,8 +15,7 @@
 namespace expert_arena::remote {
 
 Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
-                                                  const ArenaOptions& options,
-                                                  spdlog::logger& log);
+                                                  const ArenaOptions& options, spdlog::logger& log);
 
 // Why the local model's table and the peer's are not the same model laid out the same way
 // (tensor names, dtypes, shapes, offsets, sizes; source file sizes, not their paths or

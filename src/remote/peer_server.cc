@@ -201,16 +201,15 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   state->token = options.token;
   state->hello_timeout_seconds = options.hello_timeout_seconds;
   if (options.token.size() > kMaxTokenBytes) {
-    return InvalidArgument("token of " + std::to_string(options.token.size()) +
-                           " bytes; at most " + std::to_string(kMaxTokenBytes));
+    return InvalidArgument("token of " + std::to_string(options.token.size()) + " bytes; at most " +
+                           std::to_string(kMaxTokenBytes));
   }
   EA_ASSIGN_OR_RETURN(platform::SocketAddress listen, platform::ResolveHostPort(options.listen));
 
   // Attach like an engine: USER shared, then a published header validated against the size.
   EA_ASSIGN_OR_RETURN(state->fd, platform::OpenFile(path, {}));
-  EA_ASSIGN_OR_RETURN(bool user,
-                      platform::TryLockByte(state->fd, arena::kUserByte,
-                                            platform::LockMode::kShared));
+  EA_ASSIGN_OR_RETURN(
+      bool user, platform::TryLockByte(state->fd, arena::kUserByte, platform::LockMode::kShared));
   if (!user) return Busy(path + ": an engine is loading or replacing it; serve it once published");
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(state->fd));
   if (st.size < sizeof(format::HeaderFixed)) return Corrupt(path + ": not an arena (too small)");
@@ -220,8 +219,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
                            : kHugePageBytes;
   EA_ASSIGN_OR_RETURN(state->mapping,
                       platform::Mapping::MapFile(state->fd, st.size, false, alignment));
-  auto summary = format::SummarizeHeader(
-      state->mapping.bytes().first(sizeof(format::HeaderFixed)));
+  auto summary = format::SummarizeHeader(state->mapping.bytes().first(sizeof(format::HeaderFixed)));
   if (!summary.our_magic) return Corrupt(path + ": not an expert-arena file");
   if (summary.state != format::FileState::kPublished)
     return Corrupt(path + ": not published (a load did not finish); nothing to serve");
@@ -230,9 +228,8 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
     return Corrupt(path + ": header size " + std::to_string(header_bytes) +
                    " does not fit the file");
   // Validates the whole table (checksums, every range) before serving a byte of it.
-  EA_RETURN_IF_ERROR(format::TableView::Open(state->mapping.bytes().first(header_bytes), st.size,
-                                             path)
-                         .status());
+  EA_RETURN_IF_ERROR(
+      format::TableView::Open(state->mapping.bytes().first(header_bytes), st.size, path).status());
   state->info.path = path;
   state->info.identity = summary.identity_text;
   state->info.identity_hash = summary.identity_hash;
@@ -255,8 +252,8 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   if (state->rkey_bytes > kMaxRkeyBytes) return Internal("packed rkey too large");
 
   ucp_am_handler_param_t am{};
-  am.field_mask =
-      UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
   am.id = kHelloId;
   am.arg = state.get();
   am.cb = [](void* arg, const void*, size_t, void* data, size_t length,

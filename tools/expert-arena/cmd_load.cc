@@ -166,8 +166,7 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   cmd->add_option("--from-peer", args->from_peer,
                   "Fill the arena from `expert-arena serve` at HOST:PORT over UCX (checksums "
                   "verified); with --model, falls back to the files if the fill fails");
-  cmd->add_option("--token", args->token,
-                  "The peer's shared token (default: $EXPERT_ARENA_TOKEN)");
+  cmd->add_option("--token", args->token, "The peer's shared token (default: $EXPERT_ARENA_TOKEN)");
   cmd->add_option("--peer-stall-timeout", args->peer_stall,
                   "Seconds without progress from the peer before the fill is abandoned");
   cmd->callback([args, &exit_code] { exit_code = RunLoad(*args); });

@@ -50,7 +50,8 @@ int RunServe(const ServeArgs& args) {
     j["port"] = info.port;
     j["identity"] = info.identity;
     char hash[32];
-    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(info.identity_hash));
+    std::snprintf(hash, sizeof hash, "%016llx",
+                  static_cast<unsigned long long>(info.identity_hash));
     j["identity_hash"] = hash;
     j["data_bytes"] = info.data_bytes;
     j["token"] = !options.token.empty();
