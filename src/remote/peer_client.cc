@@ -24,9 +24,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Pieces of the data region read by one ucp_get_nbx, and how many are in flight.
-constexpr uint64_t kChunkBytes = 8 * kMiB;
-constexpr size_t kWindow = 8;
+// Pieces of the data region read by one ucp_get_nbx, and how many are in flight; the
+// defaults were chosen with bench/peer_fill_bench.sh (docs/cross-host.md), and
+// EXPERT_ARENA_PEER_CHUNK_MIB / EXPERT_ARENA_PEER_WINDOW override them for such measurements.
+uint64_t TuningFromEnvironment(const char* name, uint64_t fallback, uint64_t low, uint64_t high) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return fallback;
+  char* end = nullptr;
+  unsigned long long value = std::strtoull(text, &end, 10);
+  if (end == text || *end != '\0' || value < low || value > high) return fallback;
+  return value;
+}
 
 std::chrono::nanoseconds Seconds(double s) {
   return std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9));
@@ -235,7 +243,10 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
   const char* pause_env = std::getenv("EXPERT_ARENA_TEST_PEER_PAUSE_FILE");
   std::string pause_file = pause_env != nullptr ? pause_env : "";
 
-  const uint64_t chunks = (end + kChunkBytes - 1) / kChunkBytes;
+  const uint64_t chunk_bytes =
+      TuningFromEnvironment("EXPERT_ARENA_PEER_CHUNK_MIB", 16, 1, 1024) * kMiB;
+  const size_t window = TuningFromEnvironment("EXPERT_ARENA_PEER_WINDOW", 8, 1, 256);
+  const uint64_t chunks = (end + chunk_bytes - 1) / chunk_bytes;
   std::vector<uint8_t> done(chunks, 0);
   struct InFlight {
     uint64_t chunk;
@@ -250,9 +261,9 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
   const uint64_t remote_data = st.offer.header_bytes;
 
   while (error.ok() && (landed < chunks || hashed < order.size())) {
-    while (error.ok() && flight.size() < kWindow && next < chunks) {
-      uint64_t offset = next * kChunkBytes;
-      uint64_t bytes = std::min(kChunkBytes, end - offset);
+    while (error.ok() && flight.size() < window && next < chunks) {
+      uint64_t offset = next * chunk_bytes;
+      uint64_t bytes = std::min(chunk_bytes, end - offset);
       if (front != nullptr) {
         error = front->WaitFor(front_base + offset + bytes);
         if (!error.ok()) break;
@@ -289,8 +300,8 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
         flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
         continue;
       }
-      uint64_t offset = flight[i].chunk * kChunkBytes;
-      st.received += std::min(kChunkBytes, end - offset);
+      uint64_t offset = flight[i].chunk * chunk_bytes;
+      st.received += std::min(chunk_bytes, end - offset);
       done[flight[i].chunk] = 1;
       last_progress = Clock::now();
       flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
@@ -303,7 +314,7 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
     uint64_t before = landed;
     while (landed < chunks && done[landed]) ++landed;
     // Every tensor whose last byte landed is checked now.
-    const uint64_t landed_bytes = std::min(end, landed * kChunkBytes);
+    const uint64_t landed_bytes = std::min(end, landed * chunk_bytes);
     while (hashed < order.size()) {
       const format::TensorRecord& t = table.tensors[order[hashed]];
       if (t.arena_offset + t.bytes > landed_bytes) break;
@@ -319,7 +330,7 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
       }
       ++hashed;
     }
-    if (!pause_file.empty() && landed * 2 >= chunks && before * 2 < chunks) {
+    if (!pause_file.empty() && landed * 2 >= chunks && before * 2 < chunks && landed < chunks) {
       PauseForTest(pause_file);
       last_progress = Clock::now();
     }

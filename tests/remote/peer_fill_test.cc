@@ -137,7 +137,8 @@ class PeerFillTest : public ::testing::Test {
     std::filesystem::create_directories(dir_);
     model_ = (dir_ / "m.gguf").string();
     other_ = (dir_ / "other.gguf").string();
-    // 48 MiB of experts: six chunks of the fill, so a pause half-way is mid-transfer.
+    // 48 MiB of experts (the killed-server case reads it in 1 MiB chunks, two in flight, and
+    // pauses half-way: mid-transfer).
     std::string out;
     if (Sh(Tool() + " gen-model --format gguf --out " + model_ +
                " --layers 2 --experts 8 --hidden 512 --ffn 1024 --dtype f16",
@@ -260,9 +261,10 @@ TEST_F(PeerFillTest, ServerKilledMidTransferPublishesNothingAndFallsBack) {
     Server server = Serve(0, kServed);
     ASSERT_FALSE(server.address.empty()) << server.child.Output();
     const std::string arena = with_model ? "/dev/shm/killed-model.arena" : "/dev/shm/killed.arena";
-    std::string command = hosts_->On(1) + "EXPERT_ARENA_TEST_PEER_PAUSE_FILE=" + pause + " " +
-                          Tool() + " load --arena " + arena + " --from-peer " + server.address +
-                          " --json" + (with_model ? " --model " + model_ : "");
+    std::string command = hosts_->On(1) + "EXPERT_ARENA_TEST_PEER_PAUSE_FILE=" + pause +
+                          " EXPERT_ARENA_PEER_CHUNK_MIB=1 EXPERT_ARENA_PEER_WINDOW=2 " + Tool() +
+                          " load --arena " + arena + " --from-peer " + server.address + " --json" +
+                          (with_model ? " --model " + model_ : "");
     auto load = testing::SpawnProgram("/bin/sh", {"-c", command + " 2>&1"});
     // The fill stops half-way and says so through the pause file.
     bool paused = false;
