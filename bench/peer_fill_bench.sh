@@ -35,7 +35,9 @@ tag=eab$$
 run=/run/$tag
 model="$dir/$tag.gguf"
 chunk_mib=${EXPERT_ARENA_PEER_CHUNK_MIB:-16}
+server=
 cleanup() {
+  [ -n "$server" ] && kill "$server" 2>/dev/null || true
   for h in a b; do
     umount "$run/$h.mnt" 2>/dev/null || true
     ip netns del "$tag$h" 2>/dev/null || true
@@ -83,7 +85,8 @@ echo "arena: $mib MiB of experts ($layers layers)"
 echo "cold load from disk: $(echo "$cold" | json "'%.2f s, %.0f MiB/s (%s)' % (j['seconds'], j['tensor_bytes']/1048576/j['seconds'], j['reader'])")"
 
 perftest() {  # test iterations -> overall MiB/s of the Final line
-  on a ucx_perftest -p 13399 >/dev/null 2>&1 &
+  nsenter --net=/run/netns/${tag}a --mount="$run/a.mnt" -- env UCX_TLS=tcp \
+    ucx_perftest -p 13399 >/dev/null 2>&1 &
   server=$!
   sleep 1
   out=$(on b ucx_perftest 10.213.250.1 -p 13399 -t "$1" -s $(( chunk_mib * 1048576 )) -n "$2" 2>&1 || true)
@@ -103,7 +106,10 @@ for rate in $rates; do
   put=$(perftest ucp_put_bw 32)
   for r in $(seq "$runs"); do
     serve_out=$(mktemp)
-    on a "$tool" serve /dev/shm/bench.arena --listen 10.213.250.1:0 --json >"$serve_out" 2>/dev/null &
+    # Not through on(): $! must be the server itself (nsenter and env exec it), so that the
+    # TERM below reaches it.
+    nsenter --net=/run/netns/${tag}a --mount="$run/a.mnt" -- env UCX_TLS=tcp \
+      "$tool" serve /dev/shm/bench.arena --listen 10.213.250.1:0 --json >"$serve_out" 2>/dev/null &
     server=$!
     for i in $(seq 100); do grep -q port "$serve_out" && break; sleep 0.1; done
     port=$(json "j['port']" <"$serve_out")

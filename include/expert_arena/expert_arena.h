@@ -83,6 +83,11 @@ typedef struct ea_open_params {
   int quiet;                   /* nonzero: no start line or notes on stderr */
   /* Added after the first version: a caller whose size ends before it gets the default. */
   int format; /* enum ea_model_format; default EA_FORMAT_AUTO */
+  /* Fill the shared arena from `expert-arena serve` at this HOST:PORT over UCX, checking every
+   * checksum (docs/cross-host.md); NULL or "": no peer. With no model files, the peer's table
+   * is used; with them, their layout must be the peer's, and they are read if the fill fails. */
+  const char* from_peer;
+  const char* peer_token; /* the peer's shared token; NULL: none */
 } ea_open_params;
 
 typedef struct ea_tensor_view {

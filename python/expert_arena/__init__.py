@@ -169,7 +169,7 @@ class Arena:
 def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
-         progress=None, format="auto") -> Arena:
+         progress=None, format="auto", from_peer=None, peer_token=None) -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
@@ -183,6 +183,12 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     `gpu_required`). The start line goes to the "expert_arena" logger (stderr) unless
     `quiet`. The GIL is released while loading or waiting.
 
+    `from_peer="HOST:PORT"` fills the shared arena from `expert-arena serve` on another host
+    over UCX, checking every tensor's checksum (docs/cross-host.md); `model_files` may then be
+    empty (the peer's table is used), and when given, their layout must be the peer's and they
+    are read if the fill fails (report["peer_note"] says why). `peer_token` is the peer's
+    shared token.
+
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another
     engine's load took longer than `wait_timeout`), BusyError (a file of another model in
     use), NoSpaceError (the filesystem is too small), ValueError (a damaged model, a bad
@@ -195,7 +201,7 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                       select, bool(select_all), gpu, bool(gpu_required), huge,
                       float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                       int(pin_budget_bytes), reader, bool(quiet), bool(progress), int(alignment),
-                      format)
+                      format, from_peer or "", peer_token or "")
     return Arena(core)
 
 

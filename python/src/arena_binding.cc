@@ -111,6 +111,9 @@ class PyArena {
     d["pinned_bytes"] = r.pinned_bytes;
     d["waited_for_pid"] = r.waited_for_pid;
     d["start_line"] = start_line_;
+    d["from_peer"] = r.from_peer;
+    d["peer_bytes"] = r.peer_bytes;
+    d["peer_note"] = r.peer_note;
     return d;
   }
 
@@ -147,8 +150,11 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   bool gpu_required, const std::string& huge, double wait_timeout,
                   uint32_t file_mode, bool allow_foreign_owner, uint64_t pin_budget_bytes,
                   const std::string& reader, bool quiet, bool progress, uint64_t alignment,
-                  const std::string& format) {
-  if (files.empty()) throw py::value_error("open(): model_files names no file");
+                  const std::string& format, const std::string& from_peer,
+                  const std::string& peer_token) {
+  if (files.empty() && from_peer.empty()) {
+    throw py::value_error("open(): model_files names no file (or give from_peer)");
+  }
   ModelSpec model;
   model.files = std::move(files);
   model.format = ParseFormat(format);
@@ -158,6 +164,8 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
   ArenaOptions options =
       MakeArenaOptions(shared_path, gpu, gpu_required, huge, wait_timeout, file_mode,
                        allow_foreign_owner, pin_budget_bytes, reader, quiet, progress);
+  options.from_peer = from_peer;
+  options.peer_token = peer_token;
   std::optional<Result<Arena>> arena;
   {
     py::gil_scoped_release release;
@@ -198,7 +206,8 @@ void BindArena(py::module_& m) {
         py::arg("select_all"), py::arg("gpu"), py::arg("gpu_required"), py::arg("huge"),
         py::arg("wait_timeout"), py::arg("file_mode"), py::arg("allow_foreign_owner"),
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
-        py::arg("alignment"), py::arg("format"));
+        py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
+        py::arg("peer_token") = "");
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
 }

@@ -119,6 +119,8 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
     options.file_mode = static_cast<mode_t>(p.file_mode != 0 ? p.file_mode : 0600);
     options.allow_foreign_owner = p.allow_foreign_owner != 0;
     options.progress = false;
+    options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
+    options.peer_token = p.peer_token != nullptr ? p.peer_token : "";
     if (p.quiet != 0) {
       options.logger = std::make_shared<spdlog::logger>(
           "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());
@@ -131,11 +133,12 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
       }
       arena = Arena::AttachExisting(options.shared_path, options);
     } else {
-      if (p.model_file_count == 0 || p.model_files == nullptr) {
-        return Fail(-EINVAL, "ea_arena_open: no model file given (or set attach_only)");
+      if ((p.model_file_count == 0 || p.model_files == nullptr) && options.from_peer.empty()) {
+        return Fail(-EINVAL,
+                    "ea_arena_open: no model file given (or set attach_only or from_peer)");
       }
       ModelSpec model;
-      for (size_t i = 0; i < p.model_file_count; ++i) {
+      for (size_t i = 0; p.model_files != nullptr && i < p.model_file_count; ++i) {
         if (p.model_files[i] == nullptr) {
           return Fail(-EINVAL, "ea_arena_open: model_files[" + std::to_string(i) + "] is NULL");
         }
