@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "expert_arena/expert_arena.h"
 #include "remote/peer_client.h"
 #include "test_util.h"
 
@@ -428,6 +429,43 @@ TEST_F(PeerFillTest, LoopbackWithTokenAndRefusals) {
   // No address: usage.
   EXPECT_EQ(Run(-1, "serve " + served.path() + " --listen :4000", &out), 1);
   EXPECT_NE(out.find("no default on all interfaces"), std::string::npos) << out;
+}
+
+TEST_F(PeerFillTest, CInterfaceFillsFromPeer) {
+  testing::ScopedPath served("c-served");
+  testing::ScopedPath filled("c-filled");
+  std::string out;
+  ASSERT_EQ(Run(-1, "load --model " + model_ + " --arena " + served.path(), &out), 0) << out;
+  Server server = Serve(-1, served.path(), "--token c");
+  ASSERT_FALSE(server.address.empty()) << server.child.Output();
+  setenv("UCX_TLS", "tcp", 1);
+  ea_open_params p;
+  ea_open_params_init(&p);
+  p.shared_path = filled.path().c_str();
+  p.from_peer = server.address.c_str();
+  p.peer_token = "c";
+  p.quiet = 1;
+  ea_arena* arena = nullptr;
+  ASSERT_EQ(ea_arena_open(&p, &arena), 0) << ea_last_error();
+  ea_arena_info info;
+  info.size = sizeof info;
+  ASSERT_EQ(ea_arena_get_info(arena, &info), 0);
+  EXPECT_EQ(info.role, EA_ROLE_LOADED);
+  EXPECT_EQ(info.bytes_read, 0u);
+  EXPECT_NE(std::string(info.start_line).find("from peer " + server.address), std::string::npos)
+      << info.start_line;
+  ea_arena_close(arena);
+  // A wrong token without model files: an error, and nothing published.
+  testing::ScopedPath refused("c-refused");
+  p.shared_path = refused.path().c_str();
+  p.peer_token = "wrong";
+  EXPECT_LT(ea_arena_open(&p, &arena), 0);
+  EXPECT_EQ(arena, nullptr);
+  EXPECT_NE(std::string(ea_last_error()).find("refused"), std::string::npos) << ea_last_error();
+  EXPECT_FALSE(std::filesystem::exists(refused.path()));
+  unsetenv("UCX_TLS");
+  server.child.Kill(SIGTERM);
+  EXPECT_EQ(server.child.Wait(30), 0);
 }
 
 }  // namespace
