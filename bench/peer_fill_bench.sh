@@ -73,7 +73,7 @@ done
 on() { h=$1; shift; nsenter --net=/run/netns/$tag$h --mount="$run/$h.mnt" -- env UCX_TLS=tcp "$@"; }
 json() { /usr/bin/python3 -c "import json,sys; j=json.loads([l for l in sys.stdin if l.startswith('{')][0]); print($1)"; }
 
-echo "# peer_fill_bench: $(date -u +%F), $(nproc) cores, $(uname -r), UCX $(ucx_info -v | sed -n "s/.*Library version: \\(.*\\)/\\1/p"), UCX_TLS=tcp, chunk ${chunk_mib} MiB"
+echo "# peer_fill_bench: $(date -u +%F), $(nproc) cores, $(uname -r), UCX $(ucx_info -v | sed -n "s/^# Version //p"), UCX_TLS=tcp, chunk ${chunk_mib} MiB"
 
 # Cold load from the disk on host a (page cache dropped): what a host without a peer does.
 sync
