@@ -223,7 +223,7 @@ const char* FeatureFallback(KernelFeature f) {
     case KernelFeature::kPopulate:
       return "pages touched from threads";
     case KernelFeature::kCollapse:
-      return "2 MiB pages only from the filesystem or MADV_HUGEPAGE before the first touch";
+      return "no collapse, 2 MiB pages only where the filesystem or MADV_HUGEPAGE gives them";
     case KernelFeature::kPagemapScan:
       return "2 MiB share read from /proc/self/smaps";
     case KernelFeature::kIoUring:
@@ -298,7 +298,7 @@ std::string KernelNote(const std::vector<MissingFeature>& missing) {
     parts += buf;
   }
   if (parts.empty()) return "";
-  return "kernel " + Kernel().release + " lacks " + parts;
+  return "kernel " + Kernel().release + " lacks (or a seccomp filter refuses) " + parts;
 }
 
 }  // namespace expert_arena::platform
