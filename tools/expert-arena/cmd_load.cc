@@ -11,6 +11,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "../kernel_json.h"
 #include "commands.h"
 #include "expert_arena/arena.h"
 
@@ -108,6 +109,7 @@ int RunLoad(const LoadArgs& args) {
     j["huge_note"] = r.huge_note;
     j["gpu"] = r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
+    j["kernel"] = tools::KernelJson(r);
     j["pid"] = getpid();
     std::cout << j.dump() << std::endl;
   }
