@@ -58,6 +58,11 @@ TEST(KernelFeaturesTest, ProbesAnswerAsTheProfileSays) {
     EXPECT_FALSE(k.has(KernelFeature::kIoUring));
     EXPECT_EQ(answer(KernelFeature::kIoUring).substr(0, 6), "ENOSYS");
     EXPECT_FALSE(k.has(KernelFeature::kCachestat));
+  } else if (profile == "linux-5.10") {
+    EXPECT_FALSE(k.has(KernelFeature::kPopulate));
+    EXPECT_FALSE(k.has(KernelFeature::kCollapse));
+    EXPECT_FALSE(k.has(KernelFeature::kPagemapScan));
+    EXPECT_TRUE(k.has(KernelFeature::kIoUring));
   } else if (profile == "linux-5.15") {
     EXPECT_TRUE(k.has(KernelFeature::kPopulate));
     EXPECT_FALSE(k.has(KernelFeature::kCollapse));

@@ -87,6 +87,18 @@ std::vector<Rule> After618() {
       Missing("process_mrelease", 448, ENOSYS, "process_mrelease (5.15)"),
   };
 }
+// 5.10 (Amazon Linux 2's 5.10, Debian 11) has io_uring but not what came from 5.11 to 5.15.
+std::vector<Rule> After510() {
+  return {
+      Advice(22, "MADV_POPULATE_READ (5.14)"),
+      Advice(23, "MADV_POPULATE_WRITE (5.14)"),
+      Missing("epoll_pwait2", 441, ENOSYS, "epoll_pwait2 (5.11)"),
+      Missing("mount_setattr", 442, ENOSYS, "mount_setattr (5.12)"),
+      Missing("landlock_create_ruleset", 444, ENOSYS, "landlock (5.13)"),
+      Missing("memfd_secret", 447, ENOSYS, "memfd_secret (5.14)"),
+      Missing("process_mrelease", 448, ENOSYS, "process_mrelease (5.15)"),
+  };
+}
 std::vector<Rule> After515() {
   return {
       Missing("futex_waitv", 449, ENOSYS, "futex_waitv (5.16)"),
@@ -126,6 +138,7 @@ std::vector<Rule> Join(std::initializer_list<std::vector<Rule>> parts) {
 std::vector<Profile> Profiles() {
   return {
       {"linux-4.18", "RHEL 8", Join({After618(), After515(), After61()})},
+      {"linux-5.10", "Amazon Linux 2, Debian 11", Join({After510(), After515(), After61()})},
       {"linux-5.15", "Ubuntu 22.04", Join({After515(), After61()})},
       {"linux-6.1", "Debian 12", After61()},
       {"docker",
