@@ -38,6 +38,12 @@ echo "== Python package tests (pytest)"
 # Exit status 5 (no test collected) fails too: a missing module must never pass silently.
 PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
 
+echo "== kernel profiles: older kernels and container runtimes emulated with seccomp"
+# linux-4.18, linux-5.15, linux-6.1, docker, podman (tools/kernel-profile) x /dev/shm, tmpfs
+# huge=always, hugetlbfs: engines, arena protocol and Python tests, asserting the start line
+# (docs/kernels.md). About 2 minutes on 2 cores.
+tests/kernel/kernel_profiles.sh build
+
 if ((quick)); then exit 0; fi
 
 echo "== Release build (-O3): the shared library and the tools"

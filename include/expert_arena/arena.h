@@ -115,6 +115,18 @@ struct TensorView {
 };
 
 // What happened when the arena was opened: the facts of the start line.
+// A kernel feature newer than the floor (Linux 4.18) that this kernel lacks, and what doing
+// without it cost while the arena was opened (docs/kernels.md).
+struct KernelFallbackReport {
+  std::string feature;   // e.g. "MADV_POPULATE_READ/WRITE"
+  std::string since;     // the first kernel with it, e.g. "5.14"
+  std::string answer;    // what this kernel answered, e.g. "EINVAL"
+  std::string fallback;  // what is done instead
+  bool used = false;     // the fallback ran during Open
+  double seconds = 0;    // time spent in it during Open (0 where not measured)
+  uint64_t bytes = 0;    // bytes it covered during Open
+};
+
 struct ArenaReport {
   ArenaRole role = ArenaRole::kPrivate;
   std::string path;      // the shared file, empty when private
@@ -144,6 +156,9 @@ struct ArenaReport {
   std::string from_peer;    // the peer filled from (options.from_peer), when it did
   uint64_t peer_bytes = 0;  // bytes received from the peer (header region and data)
   std::string peer_note;    // why the fill from options.from_peer failed, when it fell back
+  std::string kernel_release;                        // uname -r
+  std::vector<KernelFallbackReport> kernel_missing;  // every newer feature this kernel lacks
+  std::string kernel_note;  // the start line's part: the ones whose fallback ran, and the cost
 
   // The one start line an operator reads.
   EXPERT_ARENA_EXPORT std::string StartLine() const;

@@ -105,6 +105,21 @@ class PyArena {
     d["reader"] = r.reader;
     d["reader_note"] = r.reader_note;
     d["huge_note"] = r.huge_note;
+    d["kernel_note"] = r.kernel_note;
+    py::list missing;
+    for (const KernelFallbackReport& m : r.kernel_missing) {
+      py::dict f;
+      f["feature"] = m.feature;
+      f["since"] = m.since;
+      f["answer"] = m.answer;
+      f["fallback"] = m.fallback;
+      f["used"] = m.used;
+      f["seconds"] = m.seconds;
+      f["bytes"] = m.bytes;
+      missing.append(f);
+    }
+    d["kernel"] = py::dict(py::arg("release") = r.kernel_release, py::arg("note") = r.kernel_note,
+                           py::arg("missing") = missing);
     d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
     d["gpu_registered_bytes"] = r.gpu_registered_bytes;
     d["gpu_seconds"] = r.gpu_seconds;

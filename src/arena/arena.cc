@@ -12,6 +12,7 @@
 #include "common/units.h"
 #include "expert_arena/gpu.h"
 #include "gpu/runtime.h"
+#include "platform/kernel_features.h"
 #include "platform/system_info.h"
 #include "remote/peer_fill.h"
 #include "source/model_fingerprint.h"
@@ -93,6 +94,7 @@ std::string ArenaReport::StartLine() const {
   if (!huge_note.empty()) line += " (" + huge_note + ")";
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
   if (!peer_note.empty()) line += "; " + peer_note;
+  if (!kernel_note.empty()) line += "; " + kernel_note;
   return line;
 }
 
@@ -169,8 +171,21 @@ Status CheckGpuOptions(const ArenaOptions& options) {
   return Status::Ok();
 }
 
+// What the kernel lacked while the arena was opened (since `ledger`), for the report.
+void ReportKernel(ArenaReport& r, const platform::FallbackLedger& ledger) {
+  r.kernel_release = platform::Kernel().release;
+  const std::vector<platform::MissingFeature> missing = platform::MissingFeatures(ledger);
+  r.kernel_missing.clear();
+  for (const platform::MissingFeature& m : missing) {
+    r.kernel_missing.push_back(KernelFallbackReport{
+        m.name, m.since, m.answer, m.fallback, m.cost.calls > 0, m.cost.seconds, m.cost.bytes});
+  }
+  r.kernel_note = platform::KernelNote(missing);
+}
+
 Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& options,
-                     spdlog::logger& log, std::chrono::steady_clock::time_point start) {
+                     spdlog::logger& log, std::chrono::steady_clock::time_point start,
+                     const platform::FallbackLedger& ledger) {
   EA_RETURN_IF_ERROR(arena::RegisterWithGpu(*impl, options, log));
   impl->IndexNames();
   ArenaReport& r = impl->report;
@@ -189,6 +204,7 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
   r.model_tensors = std::max<uint64_t>(impl->table.model_tensors_total, r.tensors);
   r.model_tensor_bytes = std::max(impl->table.model_bytes_total, r.tensor_bytes);
   arena::MeasureBacking(*impl);
+  ReportKernel(r, ledger);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log.info("{}", r.StartLine());
   return Arena::Impl::Make(std::move(impl));
@@ -198,17 +214,18 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
 
 Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
   auto start = std::chrono::steady_clock::now();
+  const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
   EA_RETURN_IF_ERROR(CheckGpuOptions(options));
   if (options.shared_path.empty()) {
     EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
-    return Finish(std::move(impl), options, *logger, start);
+    return Finish(std::move(impl), options, *logger, start, ledger);
   }
   std::string peer_note;
   if (!options.from_peer.empty()) {
     auto filled = remote::FillFromPeer(model, options, *logger);
-    if (filled.ok()) return Finish(std::move(*filled), options, *logger, start);
+    if (filled.ok()) return Finish(std::move(*filled), options, *logger, start, ledger);
     if (model.files.empty()) {
       return Status(filled.status().code(),
                     "fill of " + options.shared_path + " from peer " + options.from_peer +
@@ -228,17 +245,18 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
         want.plan ? want.plan->metadata_bytes_read : want.fingerprint_bytes_read;
   }
   impl->report.peer_note = std::move(peer_note);
-  return Finish(std::move(impl), options, *logger, start);
+  return Finish(std::move(impl), options, *logger, start, ledger);
 }
 
 Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions& options) {
   auto start = std::chrono::steady_clock::now();
+  const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
   EA_RETURN_IF_ERROR(CheckGpuOptions(options));
   ArenaOptions attach = options;
   attach.shared_path = path;
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(nullptr, attach, *logger));
-  return Finish(std::move(impl), attach, *logger, start);
+  return Finish(std::move(impl), attach, *logger, start, ledger);
 }
 
 Arena Arena::Impl::Make(std::unique_ptr<Impl> impl) { return Arena(std::move(impl)); }

@@ -18,14 +18,33 @@ PageSource PageSourceFor(platform::FsKind kind, const std::string& tmpfs_huge) {
   if (kind == platform::FsKind::kHugetlbfs) return PageSource::kHugetlbfs;
   if (kind == platform::FsKind::kOther) return PageSource::kOtherFs;
   if (tmpfs_huge == "always" || tmpfs_huge == "within_size" ||
-      platform::ShmemHugeSetting() == "force") {
+      platform::Kernel().shmem_enabled == "force") {
     return PageSource::kTmpfsHuge;
+  }
+  // shmem_enabled (other than force and deny) rules only the kernel's internal tmpfs (SysV
+  // shm, memfd, shared anonymous memory): a mounted tmpfs follows its own huge= option.
+  if (tmpfs_huge == "advise" && platform::Kernel().shmem_enabled != "deny") {
+    return PageSource::kTmpfsAdvise;
   }
   return PageSource::kTmpfs;
 }
 
+namespace {
+
+// Why a tmpfs arena stays on 4 KiB pages on a kernel without MADV_COLLAPSE, and the fixes.
+std::string NoCollapseNote() {
+  const platform::KernelFeatures& k = platform::Kernel();
+  return "2 MiB pages not made: kernel " + k.release + " lacks MADV_COLLAPSE (6.1+; " +
+         k.get(platform::KernelFeature::kCollapse).answer +
+         ") and this tmpfs is mounted huge=never (shmem_enabled=" + k.shmem_enabled +
+         "); for 2 MiB pages mount it huge=advise (mount -o remount,huge=advise /dev/shm) or "
+         "huge=always, use a tmpfs mounted huge=always, or hugetlbfs";
+}
+
+}  // namespace
+
 HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
-                             uint64_t free_blocks) {
+                             uint64_t free_blocks, bool can_collapse) {
   HugeDecision d;
   if (source == PageSource::kHugetlbfs) {
     d.note = "hugetlbfs: 2 MiB pages reserved by the filesystem";
@@ -44,9 +63,17 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
     d.note = "tmpfs huge=always: 2 MiB pages from the filesystem";
     return d;
   }
+  if (!can_collapse && mode != HugePages::kOff) {
+    platform::CountFallback(platform::KernelFeature::kCollapse, 0, bytes);
+  }
+  if (source == PageSource::kTmpfs && !can_collapse && mode != HugePages::kOff) {
+    d.note = NoCollapseNote();
+    return d;
+  }
   uint64_t free_bytes = free_blocks * kHugePageBytes;
   std::string free_text =
       FormatBytes(free_bytes) + " free in 2 MiB blocks for " + FormatBytes(bytes);
+  if (!can_collapse) free_text += "; no MADV_COLLAPSE: MADV_HUGEPAGE before the first touch";
   switch (mode) {
     case HugePages::kOff:
       d.note = "2 MiB pages not asked for (--huge off)";
@@ -65,10 +92,27 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
   return d;
 }
 
+namespace {
+
+// The first write of each 2 MiB of [data+offset, +length): MADV_POPULATE_WRITE of one base page
+// (an error, not a SIGBUS, where the filesystem is full), or a touch without it.
+Status TouchEachHugePage(std::byte* data, uint64_t offset, uint64_t length,
+                         const std::string& what) {
+  const uint64_t page = platform::BasePageSize();
+  for (uint64_t at = offset; at < offset + length; at += kHugePageBytes) {
+    EA_RETURN_IF_ERROR(
+        platform::AdviseRange(data + at, page, platform::Advice::kPopulateWrite, what));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,
                                 bool populate_first, unsigned threads,
                                 const platform::UniqueFd* allocate) {
   auto start = std::chrono::steady_clock::now();
+  const bool can_collapse = platform::Kernel().has(platform::KernelFeature::kCollapse);
   constexpr uint64_t kPiece = 64 * kMiB;
   size_t pieces = (bytes + kPiece - 1) / kPiece;
   unsigned workers =
@@ -84,7 +128,12 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
         uint64_t offset = i * kPiece;
         uint64_t length = std::min(kPiece, bytes - offset);
         Status s = Status::Ok();
-        if (allocate != nullptr) {
+        if (allocate != nullptr && !can_collapse) {
+          // No MADV_COLLAPSE: the first write of each 2 MiB, under MADV_HUGEPAGE, is what
+          // makes a 2 MiB page on a tmpfs mounted huge=advise (fallocate would make 4 KiB
+          // ones).
+          s = TouchEachHugePage(data, offset, length, what);
+        } else if (allocate != nullptr) {
           // One small page per 2 MiB (the one holding its first byte) is enough: the
           // collapse fills the holes with zeroes while it builds the 2 MiB page, ten times
           // faster here than copying 512 freshly allocated 4 KiB pages (bench/collapse_bench).
@@ -95,7 +144,7 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
         if (s.ok() && populate_first) {
           s = platform::AdviseRange(data + offset, length, platform::Advice::kPopulateWrite, what);
         }
-        if (s.ok()) {
+        if (s.ok() && can_collapse) {
           s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
         }
         if (!s.ok() && s.code() == StatusCode::kBusy) {
@@ -155,7 +204,11 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   if (collapsed.ok()) {
     *collapse_seconds = *collapsed;
     char buf[96];
-    std::snprintf(buf, sizeof buf, "; MADV_COLLAPSE %.2f s", *collapsed);
+    std::snprintf(buf, sizeof buf,
+                  platform::Kernel().has(platform::KernelFeature::kCollapse)
+                      ? "; MADV_COLLAPSE %.2f s"
+                      : "; MADV_HUGEPAGE and a first touch per 2 MiB %.2f s",
+                  *collapsed);
     d.note += buf;
     d.note += SlowCollapseHint(*collapsed, bytes);
   } else {
@@ -202,7 +255,9 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
     // 4 KiB pages (no compaction on the fault path when THP defrag is off) is collapsed.
     EA_RETURN_IF_ERROR(
         platform::AdviseRange(piece, length, platform::Advice::kPopulateWrite, what_));
-    if (!collapse_) return Status::Ok();
+    if (!collapse_ || !platform::Kernel().has(platform::KernelFeature::kCollapse)) {
+      return Status::Ok();  // without MADV_COLLAPSE: what MADV_HUGEPAGE gave at the fault
+    }
     Status c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
     if (!c.ok() && c.code() == StatusCode::kBusy) {
       c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
@@ -210,7 +265,11 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
     NoteCollapseProblem(c, offset, length);
     return Status::Ok();
   }
-  if (collapse_) {
+  if (collapse_ && !platform::Kernel().has(platform::KernelFeature::kCollapse)) {
+    // No MADV_COLLAPSE: the first write of each 2 MiB under MADV_HUGEPAGE (see
+    // CollapseParallel).
+    EA_RETURN_IF_ERROR(TouchEachHugePage(data_, offset, length, what_));
+  } else if (collapse_) {
     Status s = Status::Ok();
     // One small page per 2 MiB: see CollapseParallel.
     for (uint64_t at = offset; s.ok() && at < offset + length; at += kHugePageBytes) {
@@ -251,9 +310,11 @@ std::string BackgroundPages::Note(std::chrono::steady_clock::time_point load_don
   const double tail =
       std::max(0.0, std::chrono::duration<double>(load_done - finished_at_).count());
   char buf[128];
-  std::snprintf(buf, sizeof buf,
-                "; MADV_COLLAPSE %.2f s alongside the load, which ended %.2f s after it", seconds_,
-                tail);
+  std::snprintf(buf, sizeof buf, "; %s %.2f s alongside the load, which ended %.2f s after it",
+                platform::Kernel().has(platform::KernelFeature::kCollapse)
+                    ? "MADV_COLLAPSE"
+                    : "MADV_HUGEPAGE and a first touch per 2 MiB",
+                seconds_, tail);
   return buf + SlowCollapseHint(seconds_, bytes_);
 }
 
@@ -307,7 +368,8 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
                                   HugePages mode, PageSource source, uint64_t available_bytes,
                                   const std::string& what, bool pages_in_background) {
   const bool allocate_in_pieces =
-      source == PageSource::kTmpfs && mode != HugePages::kOff && available_bytes >= bytes;
+      (source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise) &&
+      mode != HugePages::kOff && available_bytes >= bytes;
   EA_RETURN_IF_ERROR(allocate_in_pieces ? platform::ExtendFile(fd, bytes)
                                         : platform::AllocateFile(fd, bytes));
   BackedFile file;

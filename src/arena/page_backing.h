@@ -20,6 +20,7 @@
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
 #include "platform/file.h"
+#include "platform/kernel_features.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
@@ -32,20 +33,26 @@ struct HugeDecision {
 
 // Where the arena's pages come from.
 enum class PageSource {
-  kAnonymous,  // private arena
-  kTmpfs,      // tmpfs without huge= (or huge=advise): 4 KiB pages unless collapsed
-  kTmpfsHuge,  // tmpfs huge=always/within_size (or shmem_enabled=force): 2 MiB at fallocate
-  kHugetlbfs,  // reserved 2 MiB (or larger) pages
-  kOtherFs,    // any other filesystem (ext4, xfs, NFS...): the file's pages are its page
-               // cache, written back to the device; nothing to collapse
+  kAnonymous,    // private arena
+  kTmpfs,        // tmpfs without huge= (huge=never): 4 KiB pages unless collapsed
+  kTmpfsAdvise,  // tmpfs huge=advise: 2 MiB pages where MADV_HUGEPAGE precedes the first
+                 // touch, or collapsed
+  kTmpfsHuge,    // tmpfs huge=always/within_size (or shmem_enabled=force): 2 MiB at fallocate
+  kHugetlbfs,    // reserved 2 MiB (or larger) pages
+  kOtherFs,      // any other filesystem (ext4, xfs, NFS...): the file's pages are its page
+                 // cache, written back to the device; nothing to collapse
 };
 
 // The page source of a shared file on a filesystem of `kind` mounted with `tmpfs_huge`.
 PageSource PageSourceFor(platform::FsKind kind, const std::string& tmpfs_huge);
 
-// `free_blocks`: free 2 MiB blocks now (from /proc/buddyinfo).
-HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
-                             uint64_t free_blocks);
+// `free_blocks`: free 2 MiB blocks now (from /proc/buddyinfo). `can_collapse`: the kernel has
+// MADV_COLLAPSE (6.1). Without it a tmpfs mounted huge=never cannot be given 2 MiB pages at
+// all (the note says so and names the fixes); a tmpfs mounted huge=advise and anonymous memory
+// get them from MADV_HUGEPAGE before the first touch.
+HugeDecision DecideHugePages(
+    HugePages mode, PageSource source, uint64_t bytes, uint64_t free_blocks,
+    bool can_collapse = platform::Kernel().has(platform::KernelFeature::kCollapse));
 
 // MADV_COLLAPSE of [data, data+bytes) (2 MiB-aligned) split into 64 MiB pieces across
 // `threads` workers (0: up to 8, one per core). With populate_first each worker faults its
@@ -55,6 +62,10 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
 // collapsing it; the collapse fills the rest with zeroes, which is much cheaper than copying
 // a fully allocated range (bench/collapse_bench compares). The range is fully allocated
 // where the collapse succeeded; the caller allocates the whole file afterwards anyway.
+// Without MADV_COLLAPSE (before 6.1) nothing is collapsed: with `allocate`, the first byte of
+// each 2 MiB is written instead (MADV_POPULATE_WRITE of one page, or a touch), so that a tmpfs
+// mounted huge=advise allocates a 2 MiB page under the MADV_HUGEPAGE the caller gave; the
+// caller checked the filesystem has room (statfs), as a touch past a full tmpfs is a SIGBUS.
 // Returns the seconds it took; a failure names the first range that could not be allocated
 // or collapsed. Every piece is attempted whatever happened to the others.
 Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,

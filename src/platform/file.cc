@@ -143,7 +143,11 @@ Status WriteFull(const UniqueFd& fd, uint64_t offset, std::span<const std::byte>
 Status AllocateFile(const UniqueFd& fd, uint64_t bytes) { return AllocateRange(fd, 0, bytes); }
 
 Status AllocateRange(const UniqueFd& fd, uint64_t offset, uint64_t bytes) {
-  int err = ::posix_fallocate(fd.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  int err = 0;
+  do {
+    // hugetlbfs stops at a pending signal (EINTR) with the pages so far kept: ask again.
+    err = ::posix_fallocate(fd.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  } while (err == EINTR);
   if (err == 0) return Status::Ok();
   if (err == ENOSPC || err == EFBIG) {
     struct statvfs vfs {};

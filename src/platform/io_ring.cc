@@ -6,6 +6,8 @@
 #include <cstring>
 #include <fstream>
 
+#include "platform/kernel_features.h"
+
 namespace expert_arena::platform {
 namespace {
 
@@ -34,6 +36,13 @@ IoRing::~IoRing() {
 }
 
 Result<IoRing> IoRing::Create(unsigned entries) {
+  // Probed once (kernel_features.h): a refused or too old io_uring is not asked again per
+  // thread, and the loader's note says why.
+  const FeatureProbe& probe = Kernel().get(KernelFeature::kIoUring);
+  if (!probe.present) {
+    CountFallback(KernelFeature::kIoUring, 0, 0);
+    return Unsupported(probe.error == EINVAL ? probe.answer : RefusalReason(probe.error));
+  }
   IoRing ring;
   std::memset(ring.ring_.get(), 0, sizeof(io_uring));
   int rc = io_uring_queue_init(entries, ring.ring_.get(), 0);

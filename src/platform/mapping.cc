@@ -1,11 +1,18 @@
 #include "platform/mapping.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <thread>
+#include <vector>
 
 #include "common/units.h"
+#include "platform/kernel_features.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -40,7 +47,80 @@ Result<std::byte*> ReserveAligned(uint64_t length, uint64_t alignment, const std
   return reinterpret_cast<std::byte*>(aligned);
 }
 
+constexpr uint64_t kTouchPiece = 64 * kMiB;
+
+void TouchByte(uintptr_t at, bool write) {
+  auto* p = reinterpret_cast<unsigned char*>(at);
+  if (write) {
+    // A write fault that leaves the byte as it was, whoever else writes it meanwhile.
+    __atomic_fetch_or(p, static_cast<unsigned char>(0), __ATOMIC_RELAXED);
+  } else {
+    (void)*reinterpret_cast<volatile const unsigned char*>(p);
+  }
+}
+
+// One piece of PopulateByTouch: [begin, end), both base-page aligned.
+void TouchPiece(int pagemap_fd, uintptr_t begin, uintptr_t end, bool write,
+                std::vector<uint64_t>* entries) {
+  const uint64_t page = BasePageSize();
+  // One fault per 2 MiB first: where the file (or THP) gives 2 MiB pages, the fault maps the
+  // whole page and the pagemap below shows its 512 base pages present.
+  TouchByte(begin, write);
+  for (uintptr_t at = (begin + kHugePageBytes - 1) & ~(kHugePageBytes - 1); at < end;
+       at += kHugePageBytes) {
+    TouchByte(at, write);
+  }
+  const size_t pages = (end - begin) / page;
+  entries->resize(pages);
+  const auto want = static_cast<ssize_t>(pages * sizeof(uint64_t));
+  if (pagemap_fd < 0 || ::pread(pagemap_fd, entries->data(), static_cast<size_t>(want),
+                                static_cast<off_t>(begin / page * sizeof(uint64_t))) != want) {
+    for (uintptr_t at = begin; at < end; at += page) TouchByte(at, write);
+    return;
+  }
+  constexpr uint64_t kPresent = 1ull << 63;
+  // Each absent page faulted in one by one: a fallocated tmpfs page is not up to date until
+  // first written, so a read fault maps no neighbours with it (no fault-around) and is no
+  // cheaper than the write (bench/populate_bench).
+  for (size_t i = 0; i < pages; ++i) {
+    if (((*entries)[i] & kPresent) == 0) TouchByte(begin + i * page, write);
+  }
+}
+
 }  // namespace
+
+double PopulateByTouch(void* data, uint64_t length, bool write, unsigned threads) {
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t page = BasePageSize();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + length + page - 1) / page * page;
+  if (length == 0 || end <= begin) return 0;
+  // pagemap is readable by the process itself (PFNs hidden without CAP_SYS_ADMIN, the
+  // present bit kept, since 4.2). Without it every base page is touched.
+  UniqueFd pagemap(::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC), "/proc/self/pagemap");
+  const size_t pieces = (end - begin + kTouchPiece - 1) / kTouchPiece;
+  unsigned workers =
+      threads != 0 ? threads : std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8);
+  workers = static_cast<unsigned>(std::min<size_t>(workers, pieces));
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    std::vector<uint64_t> entries;
+    for (size_t i; (i = next.fetch_add(1)) < pieces;) {
+      const uintptr_t from = begin + i * kTouchPiece;
+      TouchPiece(pagemap.get(), from, std::min<uintptr_t>(end, from + kTouchPiece), write,
+                 &entries);
+    }
+  };
+  if (workers <= 1) {
+    work();
+  } else {
+    std::vector<std::thread> pool;
+    for (unsigned w = 1; w < workers; ++w) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 Mapping::Mapping(Mapping&& other) noexcept
     : data_(other.data_), size_(other.size_), writable_(other.writable_) {
@@ -120,6 +200,17 @@ const char* AdviceName(Advice advice) {
 }
 
 Status AdviseRange(void* data, uint64_t length, Advice advice, const std::string& what) {
+  if (advice == Advice::kPopulateRead || advice == Advice::kPopulateWrite) {
+    if (!Kernel().has(KernelFeature::kPopulate)) {
+      const double seconds = PopulateByTouch(data, length, advice == Advice::kPopulateWrite);
+      CountFallback(KernelFeature::kPopulate, seconds, length);
+      return Status::Ok();
+    }
+  }
+  if (advice == Advice::kCollapse && !Kernel().has(KernelFeature::kCollapse)) {
+    return Unsupported(std::string("MADV_COLLAPSE ") + what + ": not in this kernel (" +
+                       Kernel().get(KernelFeature::kCollapse).answer + "; Linux 6.1+)");
+  }
   int flag = 0;
   switch (advice) {
     case Advice::kPopulateRead:
@@ -147,6 +238,14 @@ Status AdviseRange(void* data, uint64_t length, Advice advice, const std::string
     return ErrnoStatus(errno, AdviceName(advice), what);
   }
   return Status::Ok();
+}
+
+Status FaultInChecked(void* data, uint64_t length, const std::string& what) {
+  if (!Kernel().has(KernelFeature::kPopulate)) {
+    return Unsupported(std::string("MADV_POPULATE_READ ") + what + ": not in this kernel (" +
+                       Kernel().get(KernelFeature::kPopulate).answer + "; Linux 5.14+)");
+  }
+  return AdviseRange(data, length, Advice::kPopulateRead, what);
 }
 
 uint64_t BasePageSize() {

@@ -63,7 +63,24 @@ enum class Advice {
 const char* AdviceName(Advice advice);
 
 // madvise(2) on [data, data+length). `what` names the mapping for the message.
+// kPopulateRead/kPopulateWrite on a kernel without them (before 5.14, kernel_features.h) fault
+// the range in by touching it (PopulateByTouch): the range must then be wholly backed (an
+// allocated file within its size, or anonymous memory), as a touch of a page the file cannot
+// back raises SIGBUS where MADV_POPULATE_* returns an error. kCollapse on a kernel without it
+// (before 6.1) is kUnsupported without a call.
 Status AdviseRange(void* data, uint64_t length, Advice advice, const std::string& what);
+
+// MADV_POPULATE_READ of a file mapping used as a guard: it fails (EFAULT) where the file was
+// truncated under the mapping, where a touch would raise SIGBUS. kUnsupported on a kernel
+// without it: the caller reads the file instead.
+Status FaultInChecked(void* data, uint64_t length, const std::string& what);
+
+// The fallback for MADV_POPULATE_*: one byte of each 2 MiB of the range touched first (a
+// range on 2 MiB pages is then mapped in one fault per page), then every base page that
+// /proc/self/pagemap does not show present, on up to 8 threads in 64 MiB pieces. A write
+// touch is an atomic OR of zero, so it changes no byte and may race with writers. The range
+// must be wholly backed (see AdviseRange). Returns the seconds it took.
+double PopulateByTouch(void* data, uint64_t length, bool write, unsigned threads = 0);
 
 // The system's base page size.
 uint64_t BasePageSize();

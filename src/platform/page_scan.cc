@@ -8,6 +8,7 @@
 #include <cerrno>
 
 #include "platform/file.h"
+#include "platform/kernel_features.h"
 
 namespace expert_arena::platform {
 namespace {
@@ -42,6 +43,14 @@ constexpr const char* kPagemap = "/proc/self/pagemap";
 }  // namespace
 
 Result<uint64_t> ScanHugeBytes(const void* start, uint64_t length) {
+  if (!Kernel().has(KernelFeature::kPagemapScan)) {
+    return Unsupported(std::string(kPagemap) + ": PAGEMAP_SCAN not supported by this kernel (" +
+                       Kernel().get(KernelFeature::kPagemapScan).answer + ")");
+  }
+  return ScanHugeBytesUnprobed(start, length);
+}
+
+Result<uint64_t> ScanHugeBytesUnprobed(const void* start, uint64_t length) {
   const uint64_t first = reinterpret_cast<uintptr_t>(start);
   const uint64_t end = first + length;
   UniqueFd fd(::open(kPagemap, O_RDONLY | O_CLOEXEC), kPagemap);
@@ -66,7 +75,8 @@ Result<uint64_t> ScanHugeBytes(const void* start, uint64_t length) {
       // ENOTTY: no such ioctl (before 6.7). EINVAL: a kernel that knows the ioctl but not
       // this argument layout. Either way smaps can still answer.
       if (error == ENOTTY || error == EINVAL) {
-        return Unsupported(std::string(kPagemap) + ": PAGEMAP_SCAN not supported by this kernel");
+        return Unsupported(std::string(kPagemap) + ": PAGEMAP_SCAN not supported by this kernel (" +
+                           (error == ENOTTY ? "ENOTTY" : "EINVAL") + ")");
       }
       return ErrnoStatus(error, "ioctl(PAGEMAP_SCAN)", kPagemap);
     }

@@ -18,6 +18,10 @@ namespace expert_arena::platform {
 // Bytes of [start, start + length) that are present and mapped by 2 MiB (or larger)
 // entries: PMD-mapped transparent huge pages (shmem, file, anonymous) and hugetlb pages.
 // kUnsupported when this kernel has no PAGEMAP_SCAN; other failures name the operation.
+// Asks only when the probe (kernel_features.h) found the ioctl.
 Result<uint64_t> ScanHugeBytes(const void* start, uint64_t length);
+
+// The same without consulting the probe: what the probe itself calls.
+Result<uint64_t> ScanHugeBytesUnprobed(const void* start, uint64_t length);
 
 }  // namespace expert_arena::platform

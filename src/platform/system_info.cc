@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <sstream>
 
 #include "common/units.h"
+#include "platform/kernel_features.h"
 #include "platform/page_scan.h"
 #include "platform/process_memory.h"
 
@@ -142,7 +144,13 @@ Result<uint64_t> ReadNumber(const std::string& path) {
 Result<uint64_t> HugeBytesInRange(const void* start, uint64_t length) {
   Result<uint64_t> scanned = ScanHugeBytes(start, length);
   if (scanned.ok() || scanned.status().code() != StatusCode::kUnsupported) return scanned;
-  return HugeBytesInRangeFromSmaps(start, length);
+  // No PAGEMAP_SCAN (before 6.7): smaps, which walks each page of a shared 2 MiB folio.
+  const auto began = std::chrono::steady_clock::now();
+  Result<uint64_t> from_smaps = HugeBytesInRangeFromSmaps(start, length);
+  CountFallback(KernelFeature::kPagemapScan,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(),
+                length);
+  return from_smaps;
 }
 
 Result<uint64_t> HugeBytesInRangeFromSmaps(const void* start, uint64_t length) {

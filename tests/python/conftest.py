@@ -62,13 +62,19 @@ def child_env():
     return env
 
 
+def test_dir():
+    """Where arena files and stream segments go: $EXPERT_ARENA_TEST_DIR (a tmpfs mounted
+    huge=always or a hugetlbfs, tests/kernel/kernel_profiles.sh), else /dev/shm."""
+    return os.environ.get("EXPERT_ARENA_TEST_DIR") or "/dev/shm"
+
+
 @pytest.fixture
 def shm_path():
-    """A unique arena path in /dev/shm, removed afterwards."""
+    """A unique arena path in the test directory (/dev/shm), removed afterwards."""
     made = []
 
     def make(stem="py"):
-        p = "/dev/shm/ea-pytest-%s-%s.arena" % (stem, uuid.uuid4().hex[:10])
+        p = os.path.join(test_dir(), "ea-pytest-%s-%s.arena" % (stem, uuid.uuid4().hex[:10]))
         made.append(p)
         return p
 
@@ -80,8 +86,9 @@ def shm_path():
 
 @pytest.fixture
 def stream_dir():
-    """A private directory in /dev/shm for stream segments (sweeps see only ours)."""
-    d = tempfile.mkdtemp(prefix="ea-pytest-stream-", dir="/dev/shm")
+    """A private directory in the test directory (/dev/shm) for stream segments (sweeps see
+    only ours)."""
+    d = tempfile.mkdtemp(prefix="ea-pytest-stream-", dir=test_dir())
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

@@ -3,6 +3,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "../kernel_json.h"
 #include "arena/arena_file.h"
 #include "commands.h"
 #include "common/units.h"
@@ -40,6 +41,7 @@ int RunInfo(const std::string& path, bool json) {
     j["loading_now"] = i.loading_now;
     j["backing"] = i.backing;
     j["huge_bytes"] = i.huge_bytes;
+    j["kernel"] = tools::KernelJsonNow();
     j["format_version"] = i.summary.version;
     j["header_bytes"] = i.summary.layout.header_bytes;
     j["data_bytes"] = i.summary.layout.data_bytes;
@@ -85,6 +87,19 @@ int RunInfo(const std::string& path, bool json) {
     std::printf("pages:     %.2f of %.2f GiB on 2 MiB pages\n",
                 static_cast<double>(i.huge_bytes) / kGiB,
                 static_cast<double>(i.mapped_bytes) / kGiB);
+    {
+      // What this kernel lacks of what expert-arena uses, and what reading the pages cost.
+      const auto missing = platform::MissingFeatures(platform::FallbackLedger{});
+      std::string note = platform::KernelNote(missing);
+      if (note.empty()) {
+        note = "Linux " + platform::Kernel().release;
+        for (size_t m = 0; m < missing.size(); ++m) {
+          note += (m == 0 ? ", lacks (not needed here) " : ", ") + missing[m].name;
+        }
+        if (missing.empty()) note += ", nothing missing";
+      }
+      std::printf("kernel:    %s\n", note.c_str());
+    }
     std::printf("tensors:   %zu\n", i.table.tensors.size());
     size_t shown = 0;
     for (const auto& t : i.table.tensors) {

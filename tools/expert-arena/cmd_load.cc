@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "../kernel_json.h"
 #include "commands.h"
 #include "expert_arena/arena.h"
 
@@ -123,6 +124,7 @@ int RunLoad(const LoadArgs& args) {
     j["huge_note"] = r.huge_note;
     j["gpu"] = r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
+    j["kernel"] = tools::KernelJson(r);
     j["pid"] = getpid();
     if (!args.from_peer.empty()) {
       j["from_peer"] = r.from_peer;  // empty when the fill failed and the files were read

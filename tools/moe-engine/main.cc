@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernel_json.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/cli.h"
 #include "expert_table.h"
@@ -132,6 +133,7 @@ int Run(EngineArgs& args) {
   if (args.json) {
     nlohmann::json j;
     j["role"] = role;
+    j["kernel"] = expert_arena::tools::KernelJson(r);
     j["checksum"] = Hex(result->checksum);
     j["seconds"] = r.seconds;
     j["bytes_read"] = r.bytes_read;

@@ -1,0 +1,95 @@
+// What this kernel offers beyond the floor (Linux 4.18, RHEL 8), probed once per process, and
+// what doing without it has cost so far.
+//
+// The floor needs OFD locks (3.15). Everything newer is optional: each feature here is asked
+// for once, the way the kernel answers an old or filtered call (an unknown madvise advice is
+// EINVAL, an unknown ioctl ENOTTY, a missing syscall ENOSYS, a container's seccomp policy
+// EPERM or ENOSYS), and the code that would use it takes its fallback:
+//
+//   MADV_POPULATE_READ/WRITE (5.14)  pages touched from threads (PopulateRange, mapping.h)
+//   MADV_COLLAPSE (6.1)              MADV_HUGEPAGE before the first touch on a tmpfs mounted
+//                                    huge=advise; elsewhere 4 KiB pages, and the start line
+//                                    names the fixes (arena/page_backing.h)
+//   PAGEMAP_SCAN (6.7)               /proc/self/smaps (system_info.h)
+//   io_uring (5.1; IORING_OP_READ 5.6) pread (load/readers.cc)
+//   statx STATX_DIOALIGN (6.1)       4096-byte O_DIRECT alignment (file_cache.h)
+//   cachestat (6.5)                  mincore on a mapping (load/loader.cc)
+//
+// Thread-safety: Kernel() probes on first use (a function-local static) and is then
+// read-only; the fallback ledger is atomic.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace expert_arena::platform {
+
+enum class KernelFeature : int {
+  kPopulate = 0,   // MADV_POPULATE_READ and MADV_POPULATE_WRITE
+  kCollapse,       // MADV_COLLAPSE
+  kPagemapScan,    // ioctl(PAGEMAP_SCAN) on /proc/self/pagemap
+  kIoUring,        // io_uring_setup, and IORING_OP_READ on the ring
+  kStatxDioAlign,  // statx(STATX_DIOALIGN)
+  kCachestat,      // cachestat(2)
+  kCount,
+};
+
+struct FeatureProbe {
+  bool present = false;
+  int error = 0;       // the errno the probe got (0 when present)
+  std::string answer;  // what the kernel answered, e.g. "EINVAL", "ENOSYS: ..." ("" when present)
+};
+
+struct KernelFeatures {
+  std::string release;        // uname -r
+  std::string shmem_enabled;  // /sys/kernel/mm/transparent_hugepage/shmem_enabled, selected
+  FeatureProbe probes[static_cast<int>(KernelFeature::kCount)];
+
+  const FeatureProbe& get(KernelFeature f) const { return probes[static_cast<int>(f)]; }
+  bool has(KernelFeature f) const { return get(f).present; }
+};
+
+// The probes, made on the first call.
+const KernelFeatures& Kernel();
+
+// The feature's name for messages ("MADV_POPULATE_READ/WRITE"), the first kernel that has it
+// ("5.14"), and what is done without it.
+const char* FeatureName(KernelFeature f);
+const char* FeatureSince(KernelFeature f);
+const char* FeatureFallback(KernelFeature f);
+
+// The fallback ledger: time and bytes spent in each feature's fallback in this process.
+struct FallbackCost {
+  uint64_t calls = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+void CountFallback(KernelFeature f, double seconds, uint64_t bytes);
+FallbackCost FallbackTotal(KernelFeature f);
+
+// One feature this kernel lacks, with what its fallback cost between two ledger readings.
+struct MissingFeature {
+  KernelFeature feature;
+  std::string name;
+  std::string since;
+  std::string answer;
+  std::string fallback;
+  FallbackCost cost;  // since the `before` reading (all zero: not needed in that span)
+};
+
+// A reading of the whole ledger, to diff later.
+struct FallbackLedger {
+  FallbackCost costs[static_cast<int>(KernelFeature::kCount)];
+};
+FallbackLedger ReadFallbackLedger();
+
+// The features this kernel lacks, each with the cost of its fallback since `before`.
+std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before);
+
+// For the start line: "" when nothing used in the span was missing, else e.g. "kernel 4.18.0
+// lacks MADV_POPULATE_READ/WRITE (5.14; pages touched from 2 threads: 0.31 s for 4.00 GiB)".
+// Only features whose fallback ran in the span are named.
+std::string KernelNote(const std::vector<MissingFeature>& missing);
+
+}  // namespace expert_arena::platform
