@@ -131,6 +131,8 @@ struct ArenaReport {
   double gpu_seconds = 0;
   uint64_t pinned_bytes = 0;  // VmPin after registration
   uint32_t waited_for_pid = 0;
+  // Loaders: the cgroup the arena's pages are charged to and the room it had ("" when none).
+  std::string charge_note;
 
   // The one start line an operator reads.
   EXPERT_ARENA_EXPORT std::string StartLine() const;

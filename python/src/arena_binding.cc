@@ -105,6 +105,7 @@ class PyArena {
     d["reader"] = r.reader;
     d["reader_note"] = r.reader_note;
     d["huge_note"] = r.huge_note;
+    d["charge"] = r.charge_note;
     d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
     d["gpu_registered_bytes"] = r.gpu_registered_bytes;
     d["gpu_seconds"] = r.gpu_seconds;

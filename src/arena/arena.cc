@@ -79,6 +79,7 @@ std::string ArenaReport::StartLine() const {
   line += buf;
   if (!huge_note.empty()) line += " (" + huge_note + ")";
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
+  if (!charge_note.empty()) line += "; memory: " + charge_note;
   return line;
 }
 
