@@ -218,9 +218,11 @@ Status RenamePath(const std::string& from, const std::string& to) {
 
 Status MakeDirectories(const std::string& path, mode_t mode) {
   std::error_code ec;
-  std::filesystem::create_directories(path, ec);
+  // Only a directory made here gets `mode`: an existing one (/var/tmp, /dev/shm, a directory
+  // shared with other users) keeps its own, or a producer run as root would make it 0700.
+  bool created = std::filesystem::create_directories(path, ec);
   if (ec) return ErrnoStatus(ec.value(), "mkdir", path);
-  ::chmod(path.c_str(), mode);
+  if (created) ::chmod(path.c_str(), mode);
   return Status::Ok();
 }
 

@@ -92,6 +92,8 @@ Status ExtendFile(const UniqueFd& fd, uint64_t bytes);
 Status UnlinkPath(const std::string& path);
 Status FsyncFd(const UniqueFd& fd);
 Status RenamePath(const std::string& from, const std::string& to);
+// mkdir -p; the last component gets `mode` when this call creates it (an existing directory is
+// left as it is).
 Status MakeDirectories(const std::string& path, mode_t mode);
 // euid of this process.
 uint32_t EffectiveUid();

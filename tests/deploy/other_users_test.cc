@@ -12,6 +12,7 @@
 #include "../arena/engine_role.h"
 #include "common/units.h"
 #include "contain.h"
+#include "expert_arena/stream.h"
 
 namespace expert_arena::testing {
 namespace {
@@ -115,6 +116,35 @@ TEST_P(OtherUsersTest, AMemberLoadsALeftoverFileOnlyWhenItMayWriteIt) {
   EXPECT_EQ(member["code"], "permission denied") << member;
   EXPECT_NE(member["error"].get<std::string>().find("may only read it"), std::string::npos)
       << member;
+}
+
+// A stream producer whose spill directory exists (the default /var/tmp, or /dev/shm, shared by
+// every user) leaves its mode alone: it used to chmod it to 0700 when run as root, locking every
+// other user out of /var/tmp.
+TEST(SharedDirectoryTest, ProducerKeepsTheModeOfAnExistingSpillDirectory) {
+  ScopedArenaDir dir("spill");
+  ASSERT_EQ(chmod(dir.path().c_str(), 01777), 0);
+  StreamOptions o;
+  o.directory = dir.path();
+  o.spill_directory = dir.path();
+  o.logical_name = "spill_mode";
+  o.segment_bytes = 4 * kMiB;
+  o.huge = HugePages::kOff;
+  {
+    auto producer = StreamProducer::Create(o);
+    ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  }
+  struct stat st;
+  ASSERT_EQ(stat(dir.path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 01777u);
+  // A directory it makes is its own: 0700.
+  o.spill_directory = dir.File("made");
+  {
+    auto producer = StreamProducer::Create(o);
+    ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  }
+  ASSERT_EQ(stat(o.spill_directory.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0700u);
 }
 
 INSTANTIATE_TEST_SUITE_P(ModesAndUmasks, OtherUsersTest,
