@@ -93,5 +93,31 @@ TEST_F(CgroupTest, LoaderWithRoomSaysWhereTheChargeGoes) {
   std::filesystem::remove(Arena());  // its pages are charged to the cgroup until it goes
 }
 
+// hugetlbfs pages are charged to the hugetlb controller: a loader whose hugetlb.2MB limit is 0
+// (what Kubernetes gives a pod that requests no hugepages-2Mi) is refused before it faults a
+// page, naming the controller's file and the Kubernetes request that fixes it.
+TEST(HugetlbCgroupTest, LoaderWithoutAHugepageLimitIsRefused) {
+  ScopedCgroup cgroup("hugetlb");
+  if (!cgroup.ok()) EA_SKIP_OR_FAIL_IN_CI("hugetlb cgroup: " + cgroup.skip_reason());
+  const std::string limit_file =
+      cgroup.version() == 1 ? "hugetlb.2MB.limit_in_bytes" : "hugetlb.2MB.max";
+  ASSERT_TRUE(cgroup.Write(limit_file, "0"));
+  ScopedMount mount(ScopedMount::Kind::kHugetlbfs, 64 * kMiB);
+  if (!mount.ok()) EA_SKIP_OR_FAIL_IN_CI("hugetlbfs: " + mount.skip_reason());
+  ScopedDataFile model(8 * kMiB, 31);
+  ScopedPath arena("hugetlb", mount.dir());
+  Child loader = SpawnContained({.cgroup = cgroup.dir()}, "engine",
+                                {arena.path(), model.path(), "none", "-"});
+  EXPECT_EQ(loader.Wait(120), 1) << loader.Output();
+  nlohmann::json j = ParseEngineOutput(loader.Output());
+  const std::string why = j["error"].is_string() ? j["error"].get<std::string>() : "";
+  for (const std::string& word :
+       {cgroup.path(), limit_file, std::string("hugepages-2Mi"), std::string("--hold")}) {
+    EXPECT_NE(why.find(word), std::string::npos) << "'" << word << "' in: " << loader.Output();
+  }
+  struct stat st;
+  EXPECT_NE(stat(arena.path().c_str(), &st), 0) << "no file left";
+}
+
 }  // namespace
 }  // namespace expert_arena::testing
