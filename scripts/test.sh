@@ -43,6 +43,21 @@ echo "== kernel profiles: older kernels and container runtimes emulated with sec
 # huge=always, hugetlbfs: engines, arena protocol and Python tests, asserting the start line
 # (docs/kernels.md). About 2 minutes on 2 cores.
 tests/kernel/kernel_profiles.sh build
+echo "== as an unprivileged user: the arena protocol, streams across processes, the Python tests"
+# Engines run as ordinary users in the field (docs/deployment.md): the same tests as uid and
+# gid 65534, which may not mount, chown or write the build tree (test_install.py installs into
+# build/: left out; tests that need root skip). About a minute on 2 cores (2026-12-01, 2-core VM).
+if [[ $(id -u) -eq 0 ]]; then
+  unprivileged=(setpriv --reuid=65534 --regid=65534 --clear-groups env HOME=/tmp)
+  if ! "${unprivileged[@]}" test -x build/bin/arena_protocol_test; then
+    echo "uid 65534 cannot reach $(pwd)/build/bin: make the checkout's directories o+x" >&2
+    exit 1
+  fi
+  "${unprivileged[@]}" build/bin/arena_protocol_test --gtest_brief=1
+  "${unprivileged[@]}" build/bin/stream_process_test --gtest_brief=1
+  "${unprivileged[@]}" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q -p no:cacheprovider \
+    tests/python --ignore=tests/python/test_install.py
+fi
 
 if ((quick)); then exit 0; fi
 

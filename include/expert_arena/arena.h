@@ -159,6 +159,8 @@ struct ArenaReport {
   std::string kernel_release;                        // uname -r
   std::vector<KernelFallbackReport> kernel_missing;  // every newer feature this kernel lacks
   std::string kernel_note;  // the start line's part: the ones whose fallback ran, and the cost
+  // Loaders: the cgroup the arena's pages are charged to and the room it had ("" when none).
+  std::string charge_note;
 
   // The one start line an operator reads.
   EXPERT_ARENA_EXPORT std::string StartLine() const;

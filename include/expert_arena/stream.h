@@ -312,6 +312,12 @@ struct SegmentInfo {
   std::string problem;  // why it is not readable as a segment, when it is not
   uint32_t owner_pid = 0;
   uint64_t owner_start_time = 0;
+  // The owner's PID namespace (inode of /proc/<pid>/ns/pid), 0 when not recorded; owner_pid
+  // is a pid of that namespace. owner_pid_local: it is this process's namespace (or unknown).
+  uint64_t owner_pid_namespace = 0;
+  bool owner_pid_local = true;
+  // "pid 42", or "pid 1 of another PID namespace (pid:[...]), not a process here".
+  std::string owner_text;
   uint32_t owner_uid = 0;
   bool owner_alive = false;  // the owner's lock is held
   bool dedicated = false;

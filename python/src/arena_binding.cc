@@ -120,6 +120,7 @@ class PyArena {
     }
     d["kernel"] = py::dict(py::arg("release") = r.kernel_release, py::arg("note") = r.kernel_note,
                            py::arg("missing") = missing);
+    d["charge"] = r.charge_note;
     d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
     d["gpu_registered_bytes"] = r.gpu_registered_bytes;
     d["gpu_seconds"] = r.gpu_seconds;

@@ -95,6 +95,7 @@ std::string ArenaReport::StartLine() const {
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
   if (!peer_note.empty()) line += "; " + peer_note;
   if (!kernel_note.empty()) line += "; " + kernel_note;
+  if (!charge_note.empty()) line += "; memory: " + charge_note;
   return line;
 }
 

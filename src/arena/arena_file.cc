@@ -25,7 +25,9 @@ Result<platform::UniqueFd> OpenExisting(const std::string& path, bool write) {
 }  // namespace
 
 Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages) {
-  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
+  // Read-only: `info` and `ls` work for a user of the file's group too (F_OFD_GETLK asks
+  // about a write lock on a descriptor opened for reading as well).
+  EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, false));
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
   ArenaFileInfo info;
   info.path = path;

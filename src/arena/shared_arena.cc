@@ -21,6 +21,7 @@
 
 #include "arena/arena_impl.h"
 #include "arena/arena_locks.h"
+#include "arena/memory_charge.h"
 #include "arena/page_backing.h"
 #include "arena/test_hooks.h"
 #include "common/units.h"
@@ -29,6 +30,7 @@
 #include "platform/file.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
+#include "platform/pid_namespace.h"
 #include "platform/system_info.h"
 #include "source/model_fingerprint.h"
 
@@ -36,6 +38,8 @@ namespace expert_arena::arena {
 namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
+// How long an engine that may only read an empty arena file waits for its creator to take FILL.
+constexpr double kCreatorGraceSeconds = 2.0;
 
 using Clock = std::chrono::steady_clock;
 
@@ -81,6 +85,17 @@ std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& d
 
 Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint64_t file_bytes,
                       const std::string& path) {
+  if (s.code() == StatusCode::kNoSpace && fs.kind == platform::FsKind::kTmpfs) {
+    // Docker and Kubernetes give a container a 64 MiB /dev/shm unless told otherwise.
+    return NoSpace(s.message() +
+                   ". In a container /dev/shm is 64 MiB unless sized: `docker run "
+                   "--shm-size=" +
+                   std::to_string((file_bytes + kGiB - 1) / kGiB + 1) +
+                   "g`, a Kubernetes emptyDir with medium: Memory mounted at /dev/shm (its "
+                   "sizeLimit and the pod's memory limit must hold the arena), or a host tmpfs "
+                   "or hugetlbfs directory bind-mounted in (a hostPath) with the arena there; "
+                   "see docs/deployment.md");
+  }
   if (s.code() != StatusCode::kNoSpace || fs.kind != platform::FsKind::kHugetlbfs) return s;
   auto pool = platform::ReadHugetlbPool();
   uint64_t pages = (file_bytes + fs.block_bytes - 1) / fs.block_bytes;
@@ -184,6 +199,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
   const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
   bool said_waiting = false;
   uint32_t waited_for = 0;
+  std::string waiting_for = "pid unknown";
   Clock::time_point wait_start{};
 
   for (;;) {
@@ -192,12 +208,35 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     open_options.write = true;
     open_options.create = plan != nullptr;
     open_options.mode = options.file_mode;
+    open_options.exact_mode = true;
     auto opened = platform::OpenFile(path, open_options);
     if (!opened.ok() && opened.status().code() == StatusCode::kNotFound && want != nullptr &&
         plan == nullptr) {
       // Nothing to attach to: this engine loads, so it plans.
       EA_RETURN_IF_ERROR(want->MakePlan());
       continue;
+    }
+    // Another user's arena shared with a group mode (0640, or 0660 with a umask that took the
+    // group's write bit before this version): attaching needs only read access.
+    bool read_only = false;
+    if (!opened.ok() && opened.status().code() == StatusCode::kPermission) {
+      auto lst = platform::StatPath(path);
+      if (!lst.ok() || !lst->regular) return opened.status();  // a symlink, or no file at all
+      auto reading = platform::OpenFile(path, platform::OpenOptions{});
+      if (!reading.ok()) {
+        if (reading.status().code() != StatusCode::kPermission) return reading.status();
+        return PermissionDenied(
+            path +
+            ": this user may not read the arena file: " + platform::DescribeFileAccess(path) +
+            ". To share an arena between users, the engine that creates it sets a group mode "
+            "(moe-engine --arena-mode 0660, expert-arena load --mode 0660, Python "
+            "open(file_mode=0o660)) and every engine runs with that group (a supplementary "
+            "group; in a container --group-add or the pod's fsGroup) and "
+            "--arena-allow-foreign-owner; or run this engine as the owner, or give it another "
+            "arena path");
+      }
+      opened = std::move(reading);
+      read_only = true;
     }
     if (!opened.ok()) return opened.status();
     platform::UniqueFd fd = std::move(*opened);
@@ -212,11 +251,18 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
 
     // Wait for FILL, noticing when the path is given to a new file meanwhile.
     bool reopen = false;
+    // A read-only descriptor cannot take a write lock (EBADF): such an engine only attaches,
+    // and FILL shared is enough for that (it conflicts with a loader's, not with other
+    // attachers').
+    const platform::LockMode fill_mode =
+        read_only ? platform::LockMode::kShared : platform::LockMode::kExclusive;
     for (;;) {
-      EA_ASSIGN_OR_RETURN(bool got_fill,
-                          platform::TryLockByte(fd, kFillByte, platform::LockMode::kExclusive));
+      EA_ASSIGN_OR_RETURN(bool got_fill, platform::TryLockByte(fd, kFillByte, fill_mode));
       if (got_fill) break;
-      if (!said_waiting) {
+      if (!said_waiting && PeekHeader(fd).state == format::FileState::kPublished) {
+        // FILL is held by an engine of another user checking a published arena before it
+        // attaches (shared): a moment, nobody is loading.
+      } else if (!said_waiting) {
         wait_start = Clock::now();
         format::HeaderSummary loading = PeekHeader(fd);
         // The loader writes its pid first thing; give it up to 2 s to appear.
@@ -224,15 +270,19 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
           std::this_thread::sleep_for(kPollInterval);
           loading = PeekHeader(fd);
         }
-        waited_for = loading.loader_pid;
-        log.info("expert-arena: another engine (pid {}) is loading {}, waiting",
-                 waited_for == 0 ? std::string("unknown") : std::to_string(waited_for), path);
+        // A loader in another container (PID namespace) is named as such, and not reported
+        // as a pid of ours.
+        waiting_for = loading.loader_pid == 0
+                          ? std::string("pid unknown")
+                          : platform::DescribePid(loading.loader_pid, loading.loader_pid_namespace);
+        waited_for = platform::PidIsLocal(loading.loader_pid_namespace) ? loading.loader_pid : 0;
+        log.info("expert-arena: another engine ({}) is loading {}, waiting", waiting_for, path);
         said_waiting = true;
       }
       if (Clock::now() > deadline) {
         return TimedOut("waited " + std::to_string(static_cast<int>(SecondsSince(start))) +
-                        " s for another engine (pid " + std::to_string(waited_for) + ") loading " +
-                        path + "; raise the wait timeout or check that process");
+                        " s for another engine (" + waiting_for + ") loading " + path +
+                        "; raise the wait timeout or check that process");
       }
       std::this_thread::sleep_for(kPollInterval);
       if (!PathNamesFile(path, st)) {
@@ -244,6 +294,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     if (!PathNamesFile(path, st)) continue;  // replaced between open and lock
     EA_ASSIGN_OR_RETURN(st, platform::StatFd(fd));
 
+    // An engine that may only read the file maps it read-only (and registers it so).
+    const bool writable = MapWritableForGpu(options) && !read_only;
     // We hold FILL: nobody else decides now. What is in the file? A published header is
     // validated where it will be used: in a mapping of the whole file (nothing copied; the
     // pages are only populated once this engine attaches).
@@ -256,8 +308,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
         summary.state == format::FileState::kPublished) {
       if (header_bytes == 0 || header_bytes > st.size || header_bytes > 1024 * kMiB) {
         decoded = format::DecodeHeader({}, st.size, path, nullptr, nullptr);
-      } else if (auto mapped = platform::Mapping::MapFile(fd, st.size, MapWritableForGpu(options),
-                                                          MappingAlignment(fs));
+      } else if (auto mapped =
+                     platform::Mapping::MapFile(fd, st.size, writable, MappingAlignment(fs));
                  mapped.ok()) {
         auto opened = format::TableView::Open(mapped->bytes().first(header_bytes), st.size, path);
         if (opened.ok()) {
@@ -308,15 +360,12 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
         impl->table = view->Summary();
         impl->view = std::move(view);
         impl->data_offset = header_bytes;
-        EA_RETURN_IF_ERROR(platform::AdviseRange(impl->mapping.data(), impl->mapping.size(),
-                                                 MapWritableForGpu(options)
-                                                     ? platform::Advice::kPopulateWrite
-                                                     : platform::Advice::kPopulateRead,
-                                                 path));
+        EA_RETURN_IF_ERROR(platform::AdviseRange(
+            impl->mapping.data(), impl->mapping.size(),
+            writable ? platform::Advice::kPopulateWrite : platform::Advice::kPopulateRead, path));
         impl->fd = std::move(fd);
       } else {
-        EA_ASSIGN_OR_RETURN(impl,
-                            MapPublished(std::move(fd), st, fs, path, MapWritableForGpu(options)));
+        EA_ASSIGN_OR_RETURN(impl, MapPublished(std::move(fd), st, fs, path, writable));
       }
       EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
       impl->report.role = ArenaRole::kAttached;
@@ -329,9 +378,24 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     }
     view.reset();
     whole.reset();
+    if (read_only && st.size == 0 && Clock::now() < deadline &&
+        SecondsSince(start) < kCreatorGraceSeconds) {
+      // The owner's engine may have created the file and not yet taken FILL: give it a moment.
+      fd = platform::UniqueFd();
+      std::this_thread::sleep_for(kPollInterval);
+      continue;
+    }
     if (plan == nullptr) {
       return st.size == 0 ? NotFound(path + ": empty file, no arena was loaded into it")
                           : Corrupt(path + ": cannot attach: it holds " + why_not);
+    }
+    if (read_only) {
+      return PermissionDenied(
+          path + " holds " + (st.size == 0 ? std::string("no arena yet") : why_not) +
+          ", and this user may only read it (" + platform::DescribeFileAccess(path) +
+          "), so this engine cannot load or replace it. Start an engine of a user that may "
+          "write it (its owner, or a member of its group with mode 0660) to load it, then attach; "
+          "or give this engine another arena path");
     }
 
     // Replace or load: both need every other engine gone from the file.
@@ -360,9 +424,15 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     };
     auto layout = format::ComputeLayout(impl->table, hugetlbfs ? fs.block_bytes : kHugePageBytes);
     if (!layout.ok()) return fail(layout.status());
+    // Before the first page is written (the stub header below makes one): would the pages
+    // this load makes fit the cgroup they are charged to? The file is new and empty, so every
+    // page of it is made here.
+    auto charge = CheckArenaCharge(fs, layout->file_bytes, path, log);
+    if (!charge.ok()) return fail(charge.status());
     const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
     auto start_time = platform::ProcessStartTime(platform::CurrentPid());
     const uint64_t ticks = start_time.ok() ? *start_time : 0;
+    const uint64_t pid_namespace = platform::PidNamespaceId();
     const uint64_t created = UnixNanos();
     {
       // Say who is loading before the (possibly long) allocation, so engines that arrive now
@@ -378,7 +448,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
       stub_layout.header_bytes = format::kHeaderPageBytes;
       std::vector<std::byte> stub(stub_layout.header_bytes);
       if (format::EncodeHeader(scalars, stub_layout, format::FileState::kLoading, pid, ticks,
-                               created, 0, stub)
+                               created, 0, stub, pid_namespace)
               .ok()) {
         (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
       }
@@ -413,7 +483,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     Status s = pages != nullptr ? pages->front().WaitFor(layout->header_bytes) : Status::Ok();
     if (!s.ok()) return stop_pages(s);
     s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks, created,
-                             0, header);
+                             0, header, pid_namespace);
     if (!s.ok()) return stop_pages(s);
     std::byte* data = impl->mapping.data() + impl->data_offset;
     if (pages == nullptr) {
@@ -444,7 +514,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     if (!s.ok()) return fail(s);
     test_hooks::RunBeforePublish();
     s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
-                             created, UnixNanos(), header);
+                             created, UnixNanos(), header, pid_namespace);
     if (!s.ok()) return fail(s);
     // Publish: USER exclusive -> shared in one call, then let the waiters in.
     auto user_shared = platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared);
@@ -464,6 +534,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     impl->report.role = ArenaRole::kLoaded;
     impl->report.backing = platform::FsKindName(fs.kind);
     impl->report.huge_note = huge.note;
+    impl->report.charge_note = *charge;
     impl->report.collapse_seconds = collapse_seconds;
     impl->report.load_seconds = loaded->seconds;
     impl->report.reader = loaded->reader;

@@ -78,7 +78,8 @@ Result<ArenaLayout> ComputeLayout(const ArenaTable& table, uint64_t page_bytes) 
 
 Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileState state,
                     uint32_t loader_pid, uint64_t loader_start_ticks, uint64_t created_unix_ns,
-                    uint64_t published_unix_ns, std::span<std::byte> header) {
+                    uint64_t published_unix_ns, std::span<std::byte> header,
+                    uint64_t loader_pid_namespace) {
   uint64_t strings_bytes = 0;
   uint64_t index_offset = 0;
   auto table_bytes = TableBytes(table, &strings_bytes, &index_offset);
@@ -96,6 +97,7 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
   fixed.state = static_cast<uint32_t>(state);
   fixed.loader_pid = loader_pid;
   fixed.loader_start_ticks = loader_start_ticks;
+  fixed.loader_pid_namespace = loader_pid_namespace;
   fixed.identity_hash = table.identity_hash;
   std::strncpy(fixed.identity_text, table.identity_text.c_str(), kIdentityTextBytes - 1);
   fixed.alignment = table.alignment;
@@ -183,6 +185,7 @@ HeaderSummary SummarizeHeader(std::span<const std::byte> bytes) {
   summary.state = static_cast<FileState>(fixed.state);
   summary.loader_pid = fixed.loader_pid;
   summary.loader_start_ticks = fixed.loader_start_ticks;
+  summary.loader_pid_namespace = fixed.loader_pid_namespace;
   summary.identity_hash = fixed.identity_hash;
   fixed.identity_text[kIdentityTextBytes - 1] = '\0';
   summary.identity_text = fixed.identity_text;

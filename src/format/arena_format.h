@@ -72,7 +72,10 @@ struct HeaderFixed {
   uint64_t name_index_offset;    // from the file start, 8-aligned, after the strings
   uint64_t name_index_slots;     // a power of two > tensor_count, or 0: no index
   uint64_t name_index_checksum;  // xxh3-64 of the slots
-  uint8_t reserved[304];
+  // The inode of the loader's PID namespace (/proc/self/ns/pid), so that an engine in another
+  // container does not take loader_pid for one of its own processes; 0: not recorded.
+  uint64_t loader_pid_namespace;
+  uint8_t reserved[296];
 };
 
 struct SourceEntry {
@@ -119,7 +122,8 @@ Result<ArenaLayout> ComputeLayout(const ArenaTable& table, uint64_t page_bytes);
 // when it is published.
 Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileState state,
                     uint32_t loader_pid, uint64_t loader_start_ticks, uint64_t created_unix_ns,
-                    uint64_t published_unix_ns, std::span<std::byte> header);
+                    uint64_t published_unix_ns, std::span<std::byte> header,
+                    uint64_t loader_pid_namespace = 0);
 
 // What a header says about the file, read without trusting it.
 struct HeaderSummary {
@@ -128,6 +132,7 @@ struct HeaderSummary {
   FileState state = FileState::kEmpty;
   uint32_t loader_pid = 0;
   uint64_t loader_start_ticks = 0;
+  uint64_t loader_pid_namespace = 0;
   uint64_t identity_hash = 0;
   std::string identity_text;
   ArenaLayout layout;

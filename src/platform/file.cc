@@ -1,12 +1,17 @@
 #include "platform/file.h"
 
 #include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <vector>
 
 #include "common/units.h"
 
@@ -51,7 +56,25 @@ Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options) {
   if (options.create && options.exclusive) flags |= O_EXCL;
   if (options.no_follow) flags |= O_NOFOLLOW;
   if (options.direct) flags |= O_DIRECT;
-  int fd = ::open(path.c_str(), flags, options.mode);
+  bool created = false;
+  int fd = -1;
+  if (options.create && options.exact_mode && !options.exclusive) {
+    // Tell a file made here from one that was there: only the former gets the exact mode.
+    for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+      fd = ::open(path.c_str(), flags | O_EXCL, options.mode);
+      if (fd >= 0) {
+        created = true;
+      } else if (errno == EEXIST) {
+        fd = ::open(path.c_str(), flags & ~O_CREAT, options.mode);
+        if (fd < 0 && errno != ENOENT) break;  // ENOENT: removed meanwhile, create again
+      } else {
+        break;
+      }
+    }
+  } else {
+    fd = ::open(path.c_str(), flags, options.mode);
+    created = fd >= 0 && options.create && options.exclusive;
+  }
   if (fd < 0 && errno == EWOULDBLOCK) {
     // A lease held by another process (Samba, NFS server): wait for its break as a plain
     // open does. A FIFO or a device never answers EWOULDBLOCK to open.
@@ -66,6 +89,10 @@ Result<UniqueFd> OpenFile(const std::string& path, const OpenOptions& options) {
     return ErrnoStatus(err, "open", path);
   }
   UniqueFd out(fd, path);
+  // open(2) applies the umask; a group mode such as 0660 asked for must not become 0640.
+  if (created && options.exact_mode && ::fchmod(fd, options.mode) != 0) {
+    return ErrnoStatus(errno, "fchmod", path);
+  }
   struct stat st {};
   if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
   if (!S_ISREG(st.st_mode)) {
@@ -84,6 +111,7 @@ static FileStat FromStat(const struct stat& st) {
   out.device = static_cast<uint64_t>(st.st_dev);
   out.inode = static_cast<uint64_t>(st.st_ino);
   out.owner_uid = st.st_uid;
+  out.owner_gid = st.st_gid;
   out.mode = st.st_mode;
   out.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   out.regular = S_ISREG(st.st_mode);
@@ -194,12 +222,59 @@ Status RenamePath(const std::string& from, const std::string& to) {
 
 Status MakeDirectories(const std::string& path, mode_t mode) {
   std::error_code ec;
-  std::filesystem::create_directories(path, ec);
+  // Only a directory made here gets `mode`: an existing one (/var/tmp, /dev/shm, a directory
+  // shared with other users) keeps its own, or a producer run as root would make it 0700.
+  bool created = std::filesystem::create_directories(path, ec);
   if (ec) return ErrnoStatus(ec.value(), "mkdir", path);
-  ::chmod(path.c_str(), mode);
+  if (created) ::chmod(path.c_str(), mode);
   return Status::Ok();
 }
 
 uint32_t EffectiveUid() { return ::geteuid(); }
+
+namespace {
+
+std::string UserName(uid_t uid) {
+  std::vector<char> buf(16384);
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) == 0 && found != nullptr) {
+    return std::to_string(uid) + " (" + found->pw_name + ")";
+  }
+  return std::to_string(uid);
+}
+
+std::string GroupName(gid_t gid) {
+  std::vector<char> buf(16384);
+  struct group gr {};
+  struct group* found = nullptr;
+  if (::getgrgid_r(gid, &gr, buf.data(), buf.size(), &found) == 0 && found != nullptr) {
+    return std::to_string(gid) + " (" + found->gr_name + ")";
+  }
+  return std::to_string(gid);
+}
+
+}  // namespace
+
+std::string DescribeFileAccess(const std::string& path) {
+  std::string out;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    char mode[16];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    out = "owned by uid " + UserName(st.st_uid) + ", group " + GroupName(st.st_gid) + ", mode " +
+          mode;
+  } else {
+    out = "its owner and mode cannot be read (" + std::string(std::strerror(errno)) +
+          "; the directory may not be searchable by this user)";
+  }
+  out += "; this process: uid " + UserName(::geteuid()) + ", groups " + GroupName(::getegid());
+  std::vector<gid_t> groups(256);
+  int n = ::getgroups(static_cast<int>(groups.size()), groups.data());
+  for (int i = 0; i < n; ++i) {
+    if (groups[i] != ::getegid()) out += ", " + GroupName(groups[i]);
+  }
+  return out;
+}
 
 }  // namespace expert_arena::platform

@@ -48,6 +48,9 @@ struct OpenOptions {
   bool no_follow = true;   // O_NOFOLLOW: a symlink at the last component is refused
   bool direct = false;     // O_DIRECT
   mode_t mode = 0600;
+  // With create: a file this call creates gets exactly `mode` (fchmod after the create), not
+  // `mode` less the umask; an existing file is opened as it is.
+  bool exact_mode = false;
 };
 
 // open(2) with O_CLOEXEC, of a regular file only: anything else (a FIFO, a device, a socket,
@@ -61,6 +64,7 @@ struct FileStat {
   uint64_t device = 0;
   uint64_t inode = 0;
   uint32_t owner_uid = 0;
+  uint32_t owner_gid = 0;
   uint32_t mode = 0;
   int64_t mtime_ns = 0;
   bool regular = false;
@@ -88,8 +92,15 @@ Status ExtendFile(const UniqueFd& fd, uint64_t bytes);
 Status UnlinkPath(const std::string& path);
 Status FsyncFd(const UniqueFd& fd);
 Status RenamePath(const std::string& from, const std::string& to);
+// mkdir -p; the last component gets `mode` when this call creates it (an existing directory is
+// left as it is).
 Status MakeDirectories(const std::string& path, mode_t mode);
 // euid of this process.
 uint32_t EffectiveUid();
+
+// Who may use the file at `path` and who asks, for a refusal that says why: "owned by uid 1001
+// (alice), group 1002 (models), mode 0640; this process: uid 1003 (bob), groups 1003 (bob)".
+// The parts that cannot be read (a directory this user may not search) say so.
+std::string DescribeFileAccess(const std::string& path);
 
 }  // namespace expert_arena::platform

@@ -8,6 +8,7 @@
 
 #include "arena/page_backing.h"
 #include "platform/ofd_lock.h"
+#include "platform/pid_namespace.h"
 #include "platform/system_info.h"
 
 namespace expert_arena::stream {
@@ -73,6 +74,7 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
   h->owner_pid = static_cast<uint32_t>(platform::CurrentPid());
   auto start = platform::ProcessStartTime(platform::CurrentPid());
   h->owner_start_time = start.ok() ? *start : 0;
+  h->owner_pid_namespace = platform::PidNamespaceId();
   h->owner_uid = platform::EffectiveUid();
   h->created_unix_ns =
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -65,7 +65,10 @@ struct SegmentHeader {
   uint64_t created_unix_ns;
   char logical_name[64];   // NUL-terminated
   uint64_t release_epoch;  // atomic: bumped by a reader whenever it releases a hold
-  uint64_t reserved[10];
+  // The inode of the owner's PID namespace (/proc/self/ns/pid): owner_pid means a process of
+  // that namespace only. 0: not recorded (a segment written before it was).
+  uint64_t owner_pid_namespace;
+  uint64_t reserved[9];
 };
 static_assert(sizeof(SegmentHeader) == 256);
 static_assert(offsetof(SegmentHeader, release_epoch) % 8 == 0);

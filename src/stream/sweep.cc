@@ -12,6 +12,7 @@
 #include "platform/directory.h"
 #include "platform/file.h"
 #include "platform/ofd_lock.h"
+#include "platform/pid_namespace.h"
 #include "stream/segment_format.h"
 
 namespace expert_arena {
@@ -24,7 +25,8 @@ using stream::SegmentHeader;
 namespace {
 
 std::string OwnerText(const SegmentHeader& h) {
-  return "pid " + std::to_string(h.owner_pid) + " (started at tick " +
+  // A segment of a producer in another container: its pid is not one of ours.
+  return platform::DescribePid(h.owner_pid, h.owner_pid_namespace) + " (started at tick " +
          std::to_string(h.owner_start_time) + ")";
 }
 
@@ -68,6 +70,9 @@ Result<SegmentInfo> InspectSegment(const std::string& path) {
   info.ours = true;
   info.owner_pid = h.owner_pid;
   info.owner_start_time = h.owner_start_time;
+  info.owner_pid_namespace = h.owner_pid_namespace;
+  info.owner_pid_local = platform::PidIsLocal(h.owner_pid_namespace);
+  info.owner_text = platform::DescribePid(h.owner_pid, h.owner_pid_namespace);
   info.dedicated = h.kind == static_cast<uint32_t>(stream::SegmentKind::kDedicated);
   info.spill = h.kind == static_cast<uint32_t>(stream::SegmentKind::kSpill);
   info.logical_name.assign(h.logical_name, strnlen(h.logical_name, sizeof h.logical_name));

@@ -42,6 +42,7 @@ inline HugePages ParseHuge(const std::string& s) {
 }
 
 // args: arena_path model_file hook(none|slow|hang) release_file(- for none) [huge] [wait_s]
+//       [mode] [foreign]
 // With hook=slow the loader says "LOADING" and sleeps 1.5 s before publishing; with hang it
 // says "LOADING" and sleeps until killed. With a release file the engine keeps the arena open
 // (says "HOLDING") until that file exists.
@@ -64,7 +65,11 @@ inline int EngineRole(const std::vector<std::string>& args) {
   options.shared_path = arena_path;
   options.progress = false;
   if (args.size() > 4) options.huge = ParseHuge(args[4]);
-  if (args.size() > 5) options.wait_timeout_seconds = std::stod(args[5]);
+  if (args.size() > 5 && args[5] != "-") options.wait_timeout_seconds = std::stod(args[5]);
+  // [mode] (octal, or -) [foreign]: the file mode a loader gives, and whether a file of another
+  // user is accepted (group sharing).
+  if (args.size() > 6 && args[6] != "-") options.file_mode = std::stoul(args[6], nullptr, 8);
+  if (args.size() > 7) options.allow_foreign_owner = args[7] == "foreign";
   ModelSpec spec;
   spec.files = {model};
   spec.format = ModelFormat::kRaw;  // the models of these tests are data files (ScopedDataFile)

@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "common/units.h"
 #include "expert_arena/stream.h"
+#include "platform/pid_namespace.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -46,6 +47,7 @@ int RunInfo(const std::string& path, bool json) {
     j["header_bytes"] = i.summary.layout.header_bytes;
     j["data_bytes"] = i.summary.layout.data_bytes;
     j["loader_pid"] = i.summary.loader_pid;
+    j["loader_pid_local"] = platform::PidIsLocal(i.summary.loader_pid_namespace);
     j["identity"] = i.summary.identity_text;
     j["identity_hash"] = Hex(i.summary.identity_hash);
     j["alignment"] = i.table.alignment;
@@ -81,7 +83,9 @@ int RunInfo(const std::string& path, bool json) {
                 FormatBytes(i.summary.layout.data_bytes).c_str());
     std::printf("identity:  %s (%s)\n", i.summary.identity_text.c_str(),
                 Hex(i.summary.identity_hash).c_str());
-    std::printf("loader:    pid %u\n", i.summary.loader_pid);
+    std::printf(
+        "loader:    %s\n",
+        platform::DescribePid(i.summary.loader_pid, i.summary.loader_pid_namespace).c_str());
   }
   if (i.state == "published") {
     std::printf("pages:     %.2f of %.2f GiB on 2 MiB pages\n",

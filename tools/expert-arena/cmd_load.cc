@@ -15,6 +15,7 @@
 #include "../kernel_json.h"
 #include "commands.h"
 #include "expert_arena/arena.h"
+#include "expert_arena/cli.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -36,6 +37,8 @@ struct LoadArgs {
   std::string from_peer;
   std::string token;
   double peer_stall = 30;
+  std::string mode = "0600";
+  bool allow_foreign_owner = false;
 };
 
 // Blocks until SIGINT/SIGTERM arrives or stdin closes. Closing counts only for a stdin that
@@ -86,6 +89,8 @@ int RunLoad(const LoadArgs& args) {
   options.wait_timeout_seconds = args.wait_timeout;
   options.gpu = args.gpu;
   options.reader = args.reader;
+  options.file_mode = static_cast<mode_t>(std::strtoul(args.mode.c_str(), nullptr, 8));
+  options.allow_foreign_owner = args.allow_foreign_owner;
   options.progress = !args.json && isatty(STDERR_FILENO);
   options.from_peer = args.from_peer;
   options.peer_token = args.token;
@@ -122,6 +127,7 @@ int RunLoad(const LoadArgs& args) {
     std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(r.identity_hash));
     j["identity_hash"] = hash;
     j["huge_note"] = r.huge_note;
+    j["charge"] = r.charge_note;
     j["gpu"] = r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
     j["kernel"] = tools::KernelJson(r);
@@ -163,6 +169,12 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   cmd->add_option("--reader", args->reader, "auto|io_uring|pread")
       ->check(CLI::IsMember({"auto", "io_uring", "pread"}));
   cmd->add_option("--alignment", args->alignment, "Tensor alignment in the arena (bytes)");
+  cmd->add_option("--mode", args->mode,
+                  "Octal mode of an arena file this load creates, whatever the umask (0660: "
+                  "engines of the file's group attach)")
+      ->check(FileModeValidator());
+  cmd->add_flag("--allow-foreign-owner", args->allow_foreign_owner,
+                "Attach to an arena file owned by another user (a group-mode arena)");
   cmd->add_flag("--hold", args->hold, "Keep it mapped until SIGINT/SIGTERM or stdin closes");
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->add_option("--from-peer", args->from_peer,

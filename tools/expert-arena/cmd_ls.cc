@@ -15,6 +15,7 @@
 #include "format/arena_format.h"
 #include "platform/directory.h"
 #include "platform/file.h"
+#include "platform/pid_namespace.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -32,10 +33,12 @@ std::string ArenaAction(const arena::ArenaFileInfo& a) {
   if (a.state == "published") {
     return a.in_use ? "in use" : "not in use; kept for the next engine (rm frees it)";
   }
-  if (a.state == "loading") return "being loaded by pid " + std::to_string(a.summary.loader_pid);
+  // The loader may be in another container: its pid is then named as one of another namespace.
+  const std::string loader =
+      platform::DescribePid(a.summary.loader_pid, a.summary.loader_pid_namespace);
+  if (a.state == "loading") return "being loaded by " + loader;
   if (a.state == "loading (loader gone)") {
-    return "left unfinished by pid " + std::to_string(a.summary.loader_pid) +
-           ", which is gone (sweep frees it)";
+    return "left unfinished by " + loader + ", which is gone (sweep frees it)";
   }
   if (a.state == "damaged") return "damaged: " + a.problem + " (rm frees it when unused)";
   return a.state;
@@ -65,6 +68,7 @@ void AddArena(const std::string& path, Listing& out) {
                         {"in_use", a.in_use},
                         {"loading_now", a.loading_now},
                         {"loader_pid", a.summary.loader_pid},
+                        {"loader_pid_local", platform::PidIsLocal(a.summary.loader_pid_namespace)},
                         {"owner_uid", a.owner_uid},
                         {"identity", identity},
                         {"action", action}});
@@ -84,8 +88,8 @@ void AddSegment(const std::string& path, Listing& out) {
   if (!g.owner_alive) ++out.dead_segments;
   const char* kind = g.spill ? "spill" : g.dedicated ? "dedicated" : "regular";
   const std::string name = EscapeForMessage(g.logical_name);
-  const std::string owner = "owner pid " + std::to_string(g.owner_pid) +
-                            (g.owner_alive ? " alive" : " gone (sweep frees it)");
+  const std::string owner =
+      "owner " + g.owner_text + (g.owner_alive ? " alive" : " gone (sweep frees it)");
   char size[32];
   std::snprintf(size, sizeof size, "%-10s", FormatBytes(g.file_bytes).c_str());
   out.lines.push_back("segment  " + std::string(size) + " " + EscapeForMessage(path) + ": " + kind +
@@ -97,6 +101,7 @@ void AddSegment(const std::string& path, Listing& out) {
                           {"kind", kind},
                           {"logical_name", name},
                           {"owner_pid", g.owner_pid},
+                          {"owner_pid_local", g.owner_pid_local},
                           {"owner_uid", g.owner_uid},
                           {"owner_alive", g.owner_alive},
                           {"live_blocks", g.live_blocks},

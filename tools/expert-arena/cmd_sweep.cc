@@ -75,6 +75,7 @@ int RunSegmentInfo(const std::string& path, bool json) {
     j["kind"] = kind;
     j["logical_name"] = logical_name;
     j["owner_pid"] = i.owner_pid;
+    j["owner_pid_local"] = i.owner_pid_local;
     j["owner_start_time"] = i.owner_start_time;
     j["owner_uid"] = i.owner_uid;
     j["owner_alive"] = i.owner_alive;
@@ -93,7 +94,7 @@ int RunSegmentInfo(const std::string& path, bool json) {
   std::printf("path:      %s\n", EscapeForMessage(i.path).c_str());
   std::printf("type:      stream segment (%s) of \"%s\"\n", kind, logical_name.c_str());
   std::printf(
-      "owner:     pid %u (start tick %llu), uid %u: %s\n", i.owner_pid,
+      "owner:     %s (start tick %llu), uid %u: %s\n", i.owner_text.c_str(),
       static_cast<unsigned long long>(i.owner_start_time), i.owner_uid,
       i.owner_alive ? "alive (holds its lock)" : "gone (`expert-arena sweep` removes this file)");
   std::printf("size:      %s file, %s data, %u block entries\n", FormatBytes(i.file_bytes).c_str(),

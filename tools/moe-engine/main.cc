@@ -151,6 +151,7 @@ int Run(EngineArgs& args) {
     j["load_seconds"] = r.load_seconds;
     j["wait_seconds"] = r.wait_seconds;
     j["reader"] = r.reader;
+    j["charge"] = r.charge_note;
     j["identity"] = Hex(r.identity_hash);
     j["gpu"] = r.gpu_note.empty() ? "none" : r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;

@@ -1,0 +1,49 @@
+"""Group sharing from Python: `open(file_mode=0o660)` gives the arena exactly that mode whatever
+the umask, and an engine of another user in that group attaches (`allow_foreign_owner=True`),
+read-only when the mode gives the group read only (docs/deployment.md, "Users and groups").
+The other user is a child started with subprocess's user=/group=/extra_groups= (numeric ids,
+nothing added to /etc/passwd); it needs root, and is skipped without it."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+import expert_arena
+from conftest import child_env
+
+GROUP, MEMBER = 64200, 64201
+
+ATTACH = """
+import sys, expert_arena
+with expert_arena.attach(sys.argv[1], allow_foreign_owner=True) as a:
+    name = a.names()[0]
+    print(a.report["role"], int(a.numpy(name).view("u1").astype("u8").sum()))
+"""
+
+
+@pytest.mark.parametrize("mode", [0o660, 0o640])
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_group_mode_whatever_the_umask_and_a_member_attaches(gen_model, shm_path, mode, umask):
+    path = shm_path("users")
+    old = os.umask(umask)
+    try:
+        arena = expert_arena.open([gen_model()], shared_path=path, file_mode=mode, quiet=True)
+    finally:
+        os.umask(old)
+    with arena:
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode
+        if os.geteuid() != 0:
+            pytest.skip("attaching as another user needs root (setresuid)")
+        os.chown(path, os.geteuid(), GROUP)
+        # The arena lives in /dev/shm; the member must reach the package and the model.
+        name = arena.names()[0]
+        want = int(arena.numpy(name).view("u1").astype("u8").sum())
+        r = subprocess.run([sys.executable, "-c", ATTACH, path], env=child_env(),
+                           user=MEMBER, group=MEMBER, extra_groups=[GROUP],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        role, got = r.stdout.split()
+        assert role == "attached" and int(got) == want
