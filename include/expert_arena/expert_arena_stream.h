@@ -110,6 +110,7 @@ typedef struct ea_stream_params {
   int sweep_at_start;              /* nonzero: remove dead owners' segments at create; 1 */
   int allow_foreign_owner;         /* consumer: map segments of another user; 0 */
   int quiet;                       /* nonzero: no log lines (start, growth, spill) on stderr */
+  double lease_check_seconds;      /* how often a put may check for dead consumers; 1.0 */
 } ea_stream_params;
 
 /* The producer's counters (StreamStats). */
@@ -170,12 +171,15 @@ static inline void ea_stream_params_init(ea_stream_params* params) {
 
 /* ---- producer ---- */
 
-/* Checks the directory against the cap, sweeps dead owners' segments (sweep_at_start) and
- * makes the first segment. *out is NULL on failure. */
+/* Checks the directory against the cap and sweeps dead owners' segments (sweep_at_start);
+ * the first segment is made by the first put. *out is NULL on failure. */
 EXPERT_ARENA_EXPORT int ea_stream_producer_create(const ea_stream_params* params,
                                                   ea_stream_producer** out);
 
-/* Unlinks the producer's segments (see Lifetimes). NULL is ignored. */
+/* Unlinks the producer's segments (see Lifetimes). NULL is ignored. In a forked child of the
+ * process that created the producer it unlinks and frees nothing of the parent's, and every
+ * call on the producer (or a reservation or consumer the child inherited) fails with -EINVAL
+ * "... a forked child (process C) must create its own". */
 EXPERT_ARENA_EXPORT void ea_stream_producer_destroy(ea_stream_producer* producer);
 
 /* Copies `bytes` bytes at `data` into the stream as the tensor `key` (dtype, shape of ndim
@@ -236,6 +240,29 @@ EXPERT_ARENA_EXPORT int ea_stream_get_stats(ea_stream_producer* producer, ea_str
 /* The producer's instance name, "ea-stream-<logical>-<pid>-<start>-<random>", the prefix of its
  * segment files; valid until ea_stream_producer_destroy (NULL for NULL). */
 EXPERT_ARENA_EXPORT const char* ea_stream_producer_name(const ea_stream_producer* producer);
+
+/* A block the producer still holds for its readers (ea_stream_pending). */
+typedef struct ea_stream_pending_block {
+  size_t size;          /* set by the caller in out[0]: sizeof(ea_stream_pending_block) */
+  const char* key;      /* the strings stay valid until the next ea_stream_pending on this */
+  const char* state;    /* producer or its destroy; state: "writing", "published", "aborted" */
+  const char* segment;  /* file name in the stream or spill directory */
+  double age_seconds;   /* since it was reserved */
+  uint32_t readers_left; /* releases still expected (published blocks) */
+  uint32_t holders;      /* consumer processes holding a view of it now */
+  uint64_t bytes;
+  int spilled;
+} ea_stream_pending_block;
+
+/* Ends the leases of dead consumers (as ea_stream_reclaim does), then lists the blocks not yet
+ * given back, oldest first: *count gets how many there are, and the first min(count,
+ * capacity) are written to `out` (an array of the caller's structs, stride out[0].size).
+ * -ERANGE when capacity is short (the first capacity are written); out NULL with capacity 0
+ * asks for the count (-ERANGE unless nothing is pending). Not concurrently with another
+ * ea_stream_pending on the same producer. */
+EXPERT_ARENA_EXPORT int ea_stream_pending(ea_stream_producer* producer,
+                                          ea_stream_pending_block* out, size_t capacity,
+                                          size_t* count);
 
 /* ---- consumer ---- */
 

@@ -27,6 +27,14 @@
 // Thread-safety: StreamProducer and StreamConsumer are move-only handles whose methods may
 // be called from any thread concurrently. Reservations and StreamTensors are move-only and
 // used by one thread at a time; they keep their producer's or consumer's state alive.
+//
+// fork(): a producer or consumer belongs to the process that created it. In a forked child
+// its methods fail with kInvalidArgument ("StreamProducer was created in process P; a forked
+// child (process C) must create its own"), and dropping it, or a Reservation or StreamTensor
+// the child inherited, touches nothing shared: no segment is unlinked, no block freed or
+// released, no reader's share spent (the parent's objects go on as if no fork happened). The
+// child may create its own producer and consumer. fork() waits for the short critical
+// sections of other threads' stream calls, so the child's copy is consistent.
 #pragma once
 
 #include <cstddef>
@@ -125,6 +133,11 @@ struct StreamOptions {
   double warning_interval_seconds = 10.0;
   // Remove segments of dead owners in directory and spill_directory at creation.
   bool sweep_at_start = true;
+  // Leases: a consumer process that died or exited without releasing loses its holds, and
+  // the blocks it held their shares, once the producer notices: when space is short, in
+  // Reclaim() and Pending(), and at most this often from Reserve/Put and Stats() (each check
+  // tries one OFD lock per consumer entry in use).
+  double lease_check_seconds = 1.0;
   // Logger for the start line, growth, fragmentation and spill notes; null: "expert_arena".
   std::shared_ptr<spdlog::logger> logger;
 };
@@ -154,6 +167,18 @@ struct StreamStats {
   uint64_t reclaimed_blocks = 0;
   uint64_t dead_readers_cleared = 0;
   uint64_t segments_grown_ahead = 0;  // created by the grow-ahead thread
+};
+
+// A block a producer still holds for its readers (StreamProducer::Pending).
+struct PendingBlock {
+  std::string key;
+  std::string state;          // "writing", "published" or "aborted" (freed once unheld)
+  double age_seconds = 0;     // since it was reserved
+  uint32_t readers_left = 0;  // releases still expected (published blocks)
+  uint32_t holders = 0;       // consumer processes holding a view of it now
+  uint64_t bytes = 0;         // of the tensor
+  std::string segment;        // file name in the stream or spill directory
+  bool spilled = false;
 };
 
 class StreamProducer;
@@ -191,8 +216,8 @@ class EXPERT_ARENA_EXPORT Reservation {
 class EXPERT_ARENA_EXPORT StreamProducer {
  public:
   // Checks the directory's filesystem against max_segments x segment size (fails fast when it
-  // can never fit, warns when it does not fit in what is free now), sweeps dead owners'
-  // segments, and creates the first segment.
+  // can never fit, warns when it does not fit in what is free now) and sweeps dead owners'
+  // segments. The first segment is made by the first reserve: creating commits nothing.
   static Result<StreamProducer> Create(const StreamOptions& options);
 
   StreamProducer(StreamProducer&& other) noexcept;
@@ -224,9 +249,13 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   // have released it; blocks still being written are refused at Publish. Returns how many
   // blocks were marked. Safe while other keys are written.
   Result<uint64_t> Abort(std::string_view key);
-  // Reclaims every block whose readers have all released, and clears holds of dead readers.
-  // Reserve does this on its own when it needs space; tools and tests call it to settle.
+  // Reclaims every block whose readers have all released, and ends the leases of dead
+  // readers (their holds, and the shares of the blocks they held). Reserve does this on its
+  // own when it needs space; tools and tests call it to settle.
   Status Reclaim();
+  // Every block not yet given back (after the same settling as Reclaim), oldest first: its
+  // key, state, age, the releases still expected and the consumer processes holding it.
+  Result<std::vector<PendingBlock>> Pending();
   StreamStats Stats();
   // The names of this producer's segment files (for tools and tests).
   std::vector<std::string> SegmentPaths();
@@ -291,6 +320,10 @@ class EXPERT_ARENA_EXPORT StreamConsumer {
   // segment, the block's entry and generation), maps the segment once (cached) and takes a
   // hold on the block. Refuses an aborted or fully released block with a clear message.
   Result<StreamTensor> Open(std::string_view descriptor);
+  // Open of several descriptors, all or none: when one fails, the views opened before it are
+  // given back without spending their shares (each descriptor opens again, also with
+  // readers=1), and the error names the item's index.
+  Result<std::vector<StreamTensor>> OpenMany(std::span<const std::string_view> descriptors);
   // Retires deferred releases whose predicate is ready; drops mappings of segments that were
   // unlinked and have no views left. Returns how many deferred releases are still waiting.
   uint64_t PollReleases();

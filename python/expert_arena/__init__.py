@@ -323,6 +323,14 @@ class StreamProducer:
     def segment_paths(self):
         return self._core.segment_paths()
 
+    def pending(self) -> list:
+        """The blocks not yet given back, oldest first: one dict per block with key, state
+        ("writing", "published", "aborted"), age_seconds (since it was reserved), readers_left
+        (releases still expected), holders (consumer processes holding a view now), bytes,
+        segment and spilled. It first ends the leases of consumer processes that died or exited
+        without releasing, as reclaim() does."""
+        return self._core.pending()
+
     @property
     def instance_name(self) -> str:
         return self._core.instance_name()

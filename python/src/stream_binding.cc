@@ -302,6 +302,31 @@ class PyProducer {
     return StatsDict(s);
   }
 
+  // [{key, state, age_seconds, readers_left, holders, bytes, segment, spilled}], oldest first.
+  py::list Pending() {
+    auto producer = Get();
+    std::optional<Result<std::vector<PendingBlock>>> pending;
+    {
+      py::gil_scoped_release release;
+      pending.emplace(producer->Pending());
+    }
+    std::vector<PendingBlock> blocks = Take(std::move(*pending));
+    py::list out;
+    for (const PendingBlock& b : blocks) {
+      py::dict d;
+      d["key"] = b.key;
+      d["state"] = b.state;
+      d["age_seconds"] = b.age_seconds;
+      d["readers_left"] = b.readers_left;
+      d["holders"] = b.holders;
+      d["bytes"] = b.bytes;
+      d["segment"] = b.segment;
+      d["spilled"] = b.spilled;
+      out.append(std::move(d));
+    }
+    return out;
+  }
+
   std::vector<std::string> SegmentPaths() { return Get()->SegmentPaths(); }
   std::string InstanceName() { return Get()->instance_name(); }
   bool closed() const { return producer_ == nullptr; }
@@ -397,37 +422,20 @@ class PyConsumer {
   }
 
   // Opens every descriptor of `descriptors` (bytes objects the caller keeps alive) with the
-  // GIL released once, all or none: when one fails, those opened before it are released and
-  // the error names its index.
+  // GIL released once, all or none (StreamConsumer::OpenMany): when one fails, those opened
+  // before it are given back unread, without spending their shares (each opens again), and the
+  // error names its index.
   std::vector<StreamTensor> OpenAll(const py::list& descriptors) {
     auto consumer = Get();
     const size_t n = descriptors.size();
     std::vector<std::string_view> wires(n);
     for (size_t i = 0; i < n; ++i) wires[i] = BytesView(descriptors[i].ptr(), "open_many");
-    std::vector<StreamTensor> opened;
-    opened.reserve(n);
-    Status failed;
-    size_t failed_at = 0;
+    std::optional<Result<std::vector<StreamTensor>>> opened;
     {
       py::gil_scoped_release release;
-      for (size_t i = 0; i < n; ++i) {
-        Result<StreamTensor> t = consumer->Open(wires[i]);
-        if (!t.ok()) {
-          failed = t.status();
-          failed_at = i;
-          opened.clear();  // gives back the reader's share of each opened before it
-          break;
-        }
-        opened.push_back(std::move(t).value());
-      }
+      opened.emplace(consumer->OpenMany(wires));
     }
-    if (!failed.ok()) {
-      RaiseStatus(Status(failed.code(),
-                         "stream open_many: item " + std::to_string(failed_at) + " of " +
-                             std::to_string(n) + ": " + failed.message() +
-                             (failed_at > 0 ? " (the items opened before it were released)" : "")));
-    }
-    return opened;
+    return Take(std::move(*opened));
   }
 
   // Open of a batch, all or none: [(handle, key, dtype, shape, nbytes), ...] in order.
@@ -587,6 +595,7 @@ void BindStream(py::module_& m) {
       .def("reclaim", &PyProducer::Reclaim)
       .def("stats", &PyProducer::Stats)
       .def("segment_paths", &PyProducer::SegmentPaths)
+      .def("pending", &PyProducer::Pending)
       .def("instance_name", &PyProducer::InstanceName)
       .def("close", &PyProducer::Close)
       .def_property_readonly("closed", &PyProducer::closed);

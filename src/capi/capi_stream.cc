@@ -22,6 +22,7 @@
 
 struct ea_stream_producer {
   expert_arena::StreamProducer producer;
+  std::vector<expert_arena::PendingBlock> pending;  // the strings of ea_stream_pending
 };
 
 struct ea_stream_reservation {
@@ -48,6 +49,7 @@ constexpr size_t kMinReservationInfoSize =
     offsetof(ea_stream_reservation_info, key) + sizeof(const char*);
 constexpr size_t kMinPutItemSize = offsetof(ea_stream_put_item, ndim) + sizeof(uint32_t);
 constexpr size_t kMinTensorInfoSize = offsetof(ea_stream_tensor_info, spilled) + sizeof(int);
+constexpr size_t kMinPendingSize = offsetof(ea_stream_pending_block, spilled) + sizeof(int);
 
 // The longest segment name a descriptor may carry (stream::IsValidSegmentName, which Decode
 // applies).
@@ -177,6 +179,7 @@ void ea_stream_params_init_sized(ea_stream_params* params, size_t size) {
   defaults.grow_ahead = d.grow_ahead ? 1 : 0;
   defaults.warning_interval_seconds = d.warning_interval_seconds;
   defaults.sweep_at_start = d.sweep_at_start ? 1 : 0;
+  defaults.lease_check_seconds = d.lease_check_seconds;
   std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
 }
 
@@ -210,10 +213,15 @@ int ea_stream_producer_create(const ea_stream_params* params_in, ea_stream_produ
     o.grow_ahead = p.grow_ahead != 0;
     o.warning_interval_seconds = p.warning_interval_seconds;
     o.sweep_at_start = p.sweep_at_start != 0;
+    if (!(p.lease_check_seconds >= 0)) {
+      return Fail(-EINVAL, std::string(kWhat) + ": lease_check_seconds " +
+                               std::to_string(p.lease_check_seconds) + " is not 0 or more");
+    }
+    o.lease_check_seconds = p.lease_check_seconds;
     if (p.quiet != 0) o.logger = capi::QuietLogger();
     auto producer = StreamProducer::Create(o);
     if (!producer.ok()) return Fail(producer.status());
-    *out = new ea_stream_producer{std::move(producer).value()};
+    *out = new ea_stream_producer{std::move(producer).value(), {}};
     return 0;
   });
 }
@@ -421,6 +429,48 @@ int ea_stream_reclaim(ea_stream_producer* producer) {
   return Guarded("ea_stream_reclaim", [&]() -> int {
     Status s = producer->producer.Reclaim();
     return s.ok() ? 0 : Fail(s);
+  });
+}
+
+int ea_stream_pending(ea_stream_producer* producer, ea_stream_pending_block* out,
+                      size_t capacity, size_t* count) {
+  using namespace expert_arena;
+  constexpr const char* kWhat = "ea_stream_pending";
+  if (producer == nullptr || count == nullptr || (out == nullptr && capacity > 0)) {
+    return Fail(-EINVAL, std::string(kWhat) + ": producer, count or out is NULL");
+  }
+  const size_t stride = capacity > 0 ? out[0].size : 0;
+  if (capacity > 0 && stride < capi::kMinPendingSize) {
+    return Fail(-EINVAL, std::string(kWhat) + ": out[0].size " + std::to_string(stride) +
+                             " is smaller than any version of ea_stream_pending_block");
+  }
+  return Guarded(kWhat, [&]() -> int {
+    auto pending = producer->producer.Pending();
+    if (!pending.ok()) return Fail(pending.status());
+    producer->pending = std::move(pending).value();
+    *count = producer->pending.size();
+    const size_t n = std::min(capacity, producer->pending.size());
+    for (size_t i = 0; i < n; ++i) {
+      const PendingBlock& p = producer->pending[i];
+      ea_stream_pending_block b{};
+      b.size = stride;
+      b.key = p.key.c_str();
+      b.state = p.state.c_str();
+      b.segment = p.segment.c_str();
+      b.age_seconds = p.age_seconds;
+      b.readers_left = p.readers_left;
+      b.holders = p.holders;
+      b.bytes = p.bytes;
+      b.spilled = p.spilled ? 1 : 0;
+      // The caller's array has the caller's stride; fields it lacks are not written.
+      char* at = reinterpret_cast<char*>(out) + i * stride;
+      std::memcpy(at, &b, std::min(stride, sizeof b));
+    }
+    if (n < producer->pending.size()) {
+      return Fail(-ERANGE, std::string(kWhat) + ": " + std::to_string(producer->pending.size()) +
+                               " pending blocks, room for " + std::to_string(capacity));
+    }
+    return 0;
   });
 }
 

@@ -13,6 +13,11 @@
 // spill) are unmapped as soon as their only block is released. Every message that names a
 // peer's string (the key) quotes it escaped (common/escape.h); the segment path is ours plus a
 // name Decode checked against [A-Za-z0-9_.-].
+//
+// Fork (stream/fork_guard.h): a consumer belongs to the process that created it. In a forked
+// child Open fails naming the fork, and releasing or dropping what the child inherited (views,
+// deferred releases, the consumer) touches nothing shared: the holds and shares are the
+// parent's, and the parent releases them.
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -28,6 +33,7 @@
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
+#include "stream/fork_guard.h"
 #include "stream/segment_file.h"
 
 namespace expert_arena {
@@ -66,11 +72,12 @@ struct StreamTensor::State {
   std::function<bool()> ready;
 };
 
-struct StreamConsumer::Impl {
+struct StreamConsumer::Impl : stream::ForkParticipant {
   ConsumerOptions options;
   std::shared_ptr<spdlog::logger> log;
   pid_t pid = 0;
   uint64_t start_time = 0;
+  uint64_t fork_generation = 0;  // stream::ForkGeneration() at creation
 
   std::mutex mu;  // segments, views, holds
   std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>> segments;
@@ -81,16 +88,34 @@ struct StreamConsumer::Impl {
   std::mutex deferred_mu;
   std::vector<std::unique_ptr<StreamTensor::State>> deferred;
 
-  ~Impl();
+  ~Impl() override;
+  // True in a forked child of the process that created this consumer.
+  bool Foreign() const { return stream::ForkGeneration() != fork_generation; }
+  void LockForFork() override {
+    deferred_mu.lock();
+    mu.lock();
+  }
+  void UnlockAfterFork(bool in_child) override {
+    if (in_child) {
+      // The reader locks belong to the parent's descriptors; ours would keep the parent's
+      // entries looking alive after the parent died. The mappings stay (views read them).
+      for (auto& [key, seg] : segments) seg->file.fd.Reset();
+    }
+    mu.unlock();
+    deferred_mu.unlock();
+  }
   Result<PeerSegment*> MapLocked(bool spill, const std::string& name);
   void DropLocked(
       std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
   void DropUnlinkedLocked(bool now);
   void Release(StreamTensor::State& state);
+  // Gives an opened view's hold back without spending its share (a failed OpenMany).
+  void Undo(StreamTensor::State& state);
   uint64_t Poll();
 };
 
 StreamConsumer::Impl::~Impl() {
+  stream::UnregisterForFork(this);
   // Deferred releases left by views that outlived the StreamConsumer handle (the handle's
   // destructor waited for the ones it knew of).
   std::vector<std::unique_ptr<StreamTensor::State>> left;
@@ -108,8 +133,13 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
   auto it = segments.find(key);
   if (it != segments.end()) return it->second.get();
   const std::string& dir = spill ? options.spill_directory : options.directory;
-  EA_ASSIGN_OR_RETURN(stream::SegmentFile file,
-                      stream::OpenSegment(dir, name, options.allow_foreign_owner));
+  auto opened = stream::OpenSegment(dir, name, options.allow_foreign_owner);
+  if (!opened.ok() && opened.status().code() == StatusCode::kNotFound) {
+    return NotFound(opened.status().message() +
+                    " (the segment is gone: its producer closed the stream or exited, or a "
+                    "sweep removed it)");
+  }
+  EA_ASSIGN_OR_RETURN(stream::SegmentFile file, std::move(opened));
   auto seg = std::make_unique<PeerSegment>();
   seg->file = std::move(file);
   seg->spill = spill;
@@ -122,12 +152,10 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
     auto owner = stream::AtomicWord(view.readers[i].owner);
     if (owner.load(std::memory_order_acquire) != 0) {
       // A reader that died left this entry: with its byte locked by us nobody else can use
-      // the entry, so clear its holds before taking it over.
-      uint64_t bit = uint64_t{1} << i;
-      for (uint32_t s = 0; s < view.slot_count; ++s) {
-        Holders(view.slots[s]).fetch_and(~bit, std::memory_order_seq_cst);
-      }
-      view.epoch().fetch_add(1, std::memory_order_release);
+      // the entry, so end its lease (its holds and shares) before taking it over.
+      uint64_t released = stream::SpendDeadReaderHolds(view, i);
+      log->info("stream consumer: reader pid {} of {} is gone; its {} held blocks released",
+                owner.load(), seg->file.path, released);
     }
     stream::AtomicWord(view.readers[i].start_time).store(start_time, std::memory_order_relaxed);
     owner.store(static_cast<uint64_t>(pid), std::memory_order_release);
@@ -192,9 +220,21 @@ void StreamConsumer::Impl::DropUnlinkedLocked(bool now) {
 }
 
 void StreamConsumer::Impl::Release(StreamTensor::State& state) {
+  if (Foreign()) {
+    state.segment = nullptr;  // the parent's hold: the parent releases it
+    return;
+  }
   std::lock_guard lock(mu);
   PeerSegment& seg = *state.segment;
   BlockSlot& s = seg.file.view.slots[state.descriptor.slot];
+  // The bit before the share (the reverse of stream::SpendDeadReaderHolds): a process that
+  // dies between the two steps leaves a share unspent (the key's abort frees it), never one
+  // spent twice.
+  auto held = seg.held.find(state.descriptor.slot);
+  if (held != seg.held.end() && --held->second == 0) {
+    seg.held.erase(held);
+    Holders(s).fetch_and(~seg.bit(), std::memory_order_seq_cst);
+  }
   uint64_t c = Control(s).load(std::memory_order_seq_cst);
   while (ControlWord::State(c) == BlockState::kPublished &&
          ControlWord::Generation(c) == static_cast<uint32_t>(state.descriptor.generation) &&
@@ -203,11 +243,6 @@ void StreamConsumer::Impl::Release(StreamTensor::State& state) {
                                       ControlWord::Generation(c));
     if (Control(s).compare_exchange_weak(c, less, std::memory_order_seq_cst)) break;
   }
-  auto held = seg.held.find(state.descriptor.slot);
-  if (held != seg.held.end() && --held->second == 0) {
-    seg.held.erase(held);
-    Holders(s).fetch_and(~seg.bit(), std::memory_order_seq_cst);
-  }
   seg.file.view.epoch().fetch_add(1, std::memory_order_release);
   state.segment = nullptr;
   if (--seg.views == 0 && seg.one_shot()) {
@@ -215,7 +250,25 @@ void StreamConsumer::Impl::Release(StreamTensor::State& state) {
   }
 }
 
+void StreamConsumer::Impl::Undo(StreamTensor::State& state) {
+  std::lock_guard lock(mu);
+  PeerSegment& seg = *state.segment;
+  BlockSlot& s = seg.file.view.slots[state.descriptor.slot];
+  auto held = seg.held.find(state.descriptor.slot);
+  if (held != seg.held.end() && --held->second == 0) {
+    seg.held.erase(held);
+    Holders(s).fetch_and(~seg.bit(), std::memory_order_seq_cst);
+    // The owner may be waiting for the last holder of an aborted block.
+    seg.file.view.epoch().fetch_add(1, std::memory_order_release);
+  }
+  state.segment = nullptr;
+  if (--seg.views == 0 && seg.one_shot()) {
+    DropLocked(segments.find({seg.spill, seg.file.name}));
+  }
+}
+
 uint64_t StreamConsumer::Impl::Poll() {
+  if (Foreign()) return 0;  // the parent's deferred releases: the parent retires them
   std::vector<std::unique_ptr<StreamTensor::State>> waiting;
   {
     std::lock_guard lock(deferred_mu);
@@ -237,7 +290,15 @@ uint64_t StreamConsumer::Impl::Poll() {
 // ---- StreamConsumer ------------------------------------------------------------------------
 
 Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
-  auto impl = std::make_shared<Impl>();
+  // In a forked child the last reference keeps the memory instead (stream/fork_guard.h).
+  std::shared_ptr<Impl> impl(new Impl, [](Impl* p) {
+    if (p->Foreign()) {
+      stream::KeepForever(p);
+    } else {
+      delete p;
+    }
+  });
+  impl->fork_generation = stream::ForkGeneration();
   impl->options = options;
   impl->log = ResolveLogger(options.logger);
   impl->pid = platform::CurrentPid();
@@ -245,6 +306,7 @@ Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
   impl->start_time = start.ok() ? *start : 0;
   auto dir = platform::StatPath(options.directory);
   if (!dir.ok()) return dir.status().WithContext("stream consumer directory");
+  EA_RETURN_IF_ERROR(stream::RegisterForFork(impl.get()));
   return StreamConsumer(std::move(impl));
 }
 
@@ -261,7 +323,7 @@ StreamConsumer& StreamConsumer::operator=(StreamConsumer&& other) noexcept {
 StreamConsumer::~StreamConsumer() { Drain(); }
 
 void StreamConsumer::Drain() noexcept {
-  if (!impl_) return;
+  if (!impl_ || impl_->Foreign()) return;
   // Deferred releases wait for their device copies; a copy that never finishes must not keep
   // the process from exiting forever, so after a bound the holds are given back regardless.
   auto deadline = Clock::now() + std::chrono::seconds(30);
@@ -278,6 +340,9 @@ void StreamConsumer::Drain() noexcept {
 }
 
 Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
+  if (impl_->Foreign()) {
+    return InvalidArgument("stream open: " + stream::ForkedMessage("StreamConsumer", impl_->pid));
+  }
   EA_ASSIGN_OR_RETURN(TensorDescriptor d, TensorDescriptor::Decode(encoded));
   impl_->Poll();
   std::lock_guard lock(impl_->mu);
@@ -296,7 +361,11 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   uint64_t c = Control(s).load(std::memory_order_seq_cst);
   std::string refusal;
   BlockState st = ControlWord::State(c);
-  if (st == BlockState::kAborted) {
+  const uint64_t closed = seg->file.view.closed().load(std::memory_order_acquire);
+  if (closed != 0) {
+    refusal = "its producer (pid " + std::to_string(h.owner_pid) +
+              ") closed the stream; the descriptor is stale";
+  } else if (st == BlockState::kAborted) {
     refusal = "its key " + QuoteForMessage(d.key) + " was aborted";
   } else if (st != BlockState::kPublished) {
     refusal = std::string("the block is ") + stream::BlockStateName(st) +
@@ -330,7 +399,35 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   return StreamTensor(std::move(state));
 }
 
+Result<std::vector<StreamTensor>> StreamConsumer::OpenMany(
+    std::span<const std::string_view> descriptors) {
+  std::vector<StreamTensor> opened;
+  opened.reserve(descriptors.size());
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    Result<StreamTensor> t = Open(descriptors[i]);
+    if (!t.ok()) {
+      // Undo, newest first: holds go back, no share is spent, every descriptor opens again.
+      while (!opened.empty()) {
+        StreamTensor& last = opened.back();
+        auto state = std::move(last.state_);
+        auto consumer = std::move(state->consumer);
+        consumer->Undo(*state);
+        opened.pop_back();
+      }
+      return Status(t.status().code(),
+                    "stream open_many: item " + std::to_string(i) + " of " +
+                        std::to_string(descriptors.size()) + ": " + t.status().message() +
+                        (i > 0 ? " (the items opened before it were given back unread: each "
+                                 "descriptor opens again)"
+                               : ""));
+    }
+    opened.push_back(std::move(t).value());
+  }
+  return opened;
+}
+
 uint64_t StreamConsumer::PollReleases() {
+  if (impl_->Foreign()) return 0;
   uint64_t left = impl_->Poll();
   std::lock_guard lock(impl_->mu);
   impl_->DropUnlinkedLocked(true);

@@ -19,10 +19,23 @@
 // makes the next segment outside the mutex and installs it under the mutex; a reserve that
 // needs space meanwhile waits on `grown` (the mutex released) instead of growing itself. The
 // grower holds a raw pointer to Impl: ~Impl stops and joins it before anything is torn down.
+//
+// Leases: a consumer holds an OFD lock on its reader entry of each segment it maps. A reader
+// whose lock we can take is gone (dead, or exited without releasing): its holds and the
+// shares of the blocks it held are given back (stream::SpendDeadReaderHolds). We check when
+// space is short, on Reclaim() and Pending(), and at most every lease_check_seconds from a
+// reserve or Stats(), so a dead consumer's blocks come back within that bound of our next call.
+//
+// Fork (stream/fork_guard.h): the producer belongs to the process that created it. In a
+// forked child every method that could reserve, publish, free or abort fails naming the
+// fork, and the last reference keeps the memory instead of unlinking the parent's segments.
+// The first segment is made by the first reserve, not at creation: a producer that never
+// puts commits nothing.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -41,6 +54,7 @@
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
 #include "stream/block_allocator.h"
+#include "stream/fork_guard.h"
 #include "stream/segment_file.h"
 
 namespace expert_arena {
@@ -63,6 +77,7 @@ struct BlockRecord {
   uint64_t generation = 0;
   std::string key;
   size_t published_index = 0;  // position in ProducerSegment::published
+  Clock::time_point reserved_at;
 };
 
 struct ProducerSegment {
@@ -117,8 +132,10 @@ std::string RandomHex() {
 
 }  // namespace
 
-struct StreamProducer::Impl {
+struct StreamProducer::Impl : stream::ForkParticipant {
   StreamOptions options;
+  pid_t creator_pid = 0;
+  uint64_t fork_generation = 0;  // stream::ForkGeneration() at creation
   std::shared_ptr<spdlog::logger> log;
   std::string instance;  // "ea-stream-<logical>-<pid>-<starttime>-<random>"
   uint64_t regular_file_bytes = 0;
@@ -143,6 +160,7 @@ struct StreamProducer::Impl {
   uint64_t reclaimed = 0;
   uint64_t dead_readers = 0;
   uint64_t grown_ahead = 0;
+  Clock::time_point last_lease_check;
   // The fragmentation warning's rate limit: when it was last logged, failures since then.
   Clock::time_point last_fragmentation_warning;
   uint64_t fragmentation_unlogged = 0;
@@ -154,7 +172,25 @@ struct StreamProducer::Impl {
   std::condition_variable grown;
   std::thread grower;
 
-  ~Impl();
+  ~Impl() override;
+  // True in a forked child of the process that created this producer.
+  bool Foreign() const { return stream::ForkGeneration() != fork_generation; }
+  Status CheckProcess(std::string_view what) const {
+    if (!Foreign()) return Status::Ok();
+    return InvalidArgument(std::string(what) + ": " +
+                           stream::ForkedMessage("StreamProducer", creator_pid));
+  }
+  void LockForFork() override { mu.lock(); }
+  void UnlockAfterFork(bool in_child) override {
+    if (in_child) {
+      // Our owner locks stay with the parent's descriptors; ours would make the parent's
+      // segments look alive to a sweep after the parent died. The mappings stay.
+      for (auto& [id, seg] : segments) seg->file.fd.Reset();
+    }
+    mu.unlock();
+  }
+  // Dead readers' leases, when lease_check_seconds passed since the last check (under mu).
+  void MaybeCheckLeases();
   // Makes a segment file (create, allocate, 2 MiB pages, populate, GPU registration); needs
   // no lock (the grower runs it unlocked). InstallSegment (under mu) makes it allocatable.
   Result<std::unique_ptr<ProducerSegment>> MakeSegment(SegmentKind kind, uint64_t data_bytes);
@@ -305,12 +341,15 @@ void StreamProducer::Impl::RemoveSegment(uint32_t id) {
 }
 
 StreamProducer::Impl::~Impl() {
+  stream::UnregisterForFork(this);
   {
     std::lock_guard lock(mu);
     stopping = true;
   }
   if (grower.joinable()) grower.join();  // it installs nothing once `stopping` is set
   std::lock_guard lock(mu);
+  // A consumer that still maps a segment refuses a stale descriptor naming the close.
+  for (auto& [id, seg] : segments) seg->file.view.closed().store(1, std::memory_order_release);
   while (!segments.empty()) RemoveSegment(segments.begin()->first);
 }
 
@@ -333,7 +372,8 @@ Reservation StreamProducer::Impl::MakeReservation(ProducerSegment& seg, uint32_t
                     .offset = offset,
                     .block_bytes = block_bytes,
                     .generation = generation,
-                    .key = std::string(key)};
+                    .key = std::string(key),
+                    .reserved_at = Clock::now()};
   ++seg.live;
   ++live_blocks;
   keys[rec.key].push_back({seg.id, slot});
@@ -439,18 +479,25 @@ void StreamProducer::Impl::ClearDeadReaders(ProducerSegment& seg) {
     auto taken = platform::TryLockByte(seg.file.fd, stream::kReaderLockBase + i,
                                        platform::LockMode::kExclusive);
     if (!taken.ok() || !*taken) continue;  // the reader is alive (it holds its byte)
-    // The reader died: its process lost its lock. While we hold the byte nobody can take the
-    // entry, so clearing its bit everywhere and freeing the entry cannot race a new reader.
-    uint64_t bit = uint64_t{1} << i;
-    for (uint32_t s = 0; s < seg.file.view.slot_count; ++s) {
-      Holders(seg.file.view.slots[s]).fetch_and(~bit, std::memory_order_seq_cst);
-    }
-    log->info("stream {}: reader pid {} of {} is gone; its holds were cleared", instance,
-              owner.load(), seg.file.name);
+    // The reader is gone: its process lost its lock. While we hold the byte nobody can take
+    // the entry, so ending its lease and freeing the entry cannot race a new reader.
+    uint64_t released = stream::SpendDeadReaderHolds(seg.file.view, i);
+    log->info("stream {}: reader pid {} of {} is gone; its {} held blocks were released", instance,
+              owner.load(), seg.file.name, released);
     owner.store(0, std::memory_order_release);
     (void)platform::UnlockByte(seg.file.fd, stream::kReaderLockBase + i);
     ++dead_readers;
   }
+}
+
+void StreamProducer::Impl::MaybeCheckLeases() {
+  const auto now = Clock::now();
+  if (now - last_lease_check <
+      std::chrono::duration<double>(std::max(0.0, options.lease_check_seconds))) {
+    return;
+  }
+  last_lease_check = now;
+  for (auto& [id, seg] : segments) ClearDeadReaders(*seg);  // epochs move: ReclaimMoved frees
 }
 
 void StreamProducer::Impl::ReclaimAll() {
@@ -496,6 +543,7 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
   auto rounded = AlignUp(std::max<uint64_t>(bytes, 1), align);
   if (!rounded) return InvalidArgument("stream reserve: " + std::to_string(bytes) + " bytes");
   const uint64_t need = *rounded;
+  MaybeCheckLeases();
   ReclaimMoved();
   const bool oversized = need > options.segment_bytes;
   const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(
@@ -562,9 +610,16 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
     EA_ASSIGN_OR_RETURN(ProducerSegment * spill,
                         AddSegment(SegmentKind::kSpill, *AlignUp(need, kHugePageBytes)));
     ++spills;
-    if (spills == 1 || spills % 100 == 0) {
-      log->warn("stream {}: at the cap of {}: spilled {} for key {} to {} ({} spills so far)",
-                instance, FormatBytes(cap_bytes), FormatBytes(need), key, spill->file.path, spills);
+    // Once a warning (a spill is slower and writes to the spill directory's disk); then
+    // counted in Stats().spills, each one at debug level.
+    if (spills == 1) {
+      log->warn(
+          "stream {}: at the cap of {}: spilled {} for key {} to {} (disk); later spills are "
+          "counted in stats' spills and logged at debug level",
+          instance, FormatBytes(cap_bytes), FormatBytes(need), key, spill->file.path);
+    } else {
+      log->debug("stream {}: spilled {} for key {} to {} ({} spills so far)", instance,
+                 FormatBytes(need), key, spill->file.path, spills);
     }
     spill->free_slots.pop_back();
     return MakeReservation(*spill, 0, spill->file.header().data_offset, need, bytes, key);
@@ -595,8 +650,17 @@ StreamStats StreamProducer::Impl::StatsLocked() const {
 // ---- StreamProducer ------------------------------------------------------------------------
 
 Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
-  auto impl = std::make_shared<Impl>();
+  // In a forked child the last reference keeps the memory instead (stream/fork_guard.h).
+  std::shared_ptr<Impl> impl(new Impl, [](Impl* p) {
+    if (p->Foreign()) {
+      stream::KeepForever(p);
+    } else {
+      delete p;
+    }
+  });
   impl->self_weak = impl;
+  impl->fork_generation = stream::ForkGeneration();
+  impl->creator_pid = platform::CurrentPid();
   impl->options = options;
   impl->log = ResolveLogger(options.logger);
   const auto& o = impl->options;
@@ -676,10 +740,9 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
   impl->instance = std::string(stream::kSegmentPrefix) + o.logical_name + "-" +
                    std::to_string(pid) + "-" + std::to_string(start.ok() ? *start : 0) + "-" +
                    RandomHex();
-  {
-    std::lock_guard lock(impl->mu);
-    EA_RETURN_IF_ERROR(impl->AddSegment(SegmentKind::kRegular, o.segment_bytes).status());
-  }
+  // The first segment comes with the first reserve: a producer that never puts commits
+  // nothing (and spends no time on 2 MiB pages).
+  EA_RETURN_IF_ERROR(stream::RegisterForFork(impl.get()));
   impl->log->info("stream {}: {} on {} ({} free), segments of {} up to {} ({}), spill to {}{}{}",
                   impl->instance, o.directory, platform::FsKindName(fs.kind),
                   FormatBytes(fs.available_bytes), FormatBytes(o.segment_bytes), o.max_segments,
@@ -695,6 +758,7 @@ StreamProducer& StreamProducer::operator=(StreamProducer&&) noexcept = default;
 StreamProducer::~StreamProducer() = default;
 
 Result<Reservation> StreamProducer::Reserve(std::string_view key, uint64_t bytes) {
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream reserve"));
   EA_RETURN_IF_ERROR(CheckKey("stream reserve", key));
   std::unique_lock lock(impl_->mu);
   return impl_->ReserveLocked(lock, key, bytes);
@@ -735,6 +799,7 @@ void CopyParallel(std::byte* to, const std::byte* from, uint64_t bytes, uint32_t
 
 Result<std::string> StreamProducer::Put(std::string_view key, std::span<const std::byte> bytes,
                                         const TensorInfo& info, uint32_t readers) {
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream put"));
   EA_RETURN_IF_ERROR(CheckKey("stream put", key));
   EA_RETURN_IF_ERROR(CheckInfo("stream put", key, info));
   EA_ASSIGN_OR_RETURN(Reservation r, Reserve(key, bytes.size()));
@@ -746,6 +811,7 @@ Result<std::string> StreamProducer::Put(std::string_view key, std::span<const st
 }
 
 Result<uint64_t> StreamProducer::Abort(std::string_view key) {
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream abort"));
   std::lock_guard lock(impl_->mu);
   auto it = impl_->keys.find(std::string(key));  // exact ownership: never a prefix
   if (it == impl_->keys.end()) return uint64_t{0};
@@ -774,6 +840,7 @@ Result<uint64_t> StreamProducer::Abort(std::string_view key) {
 }
 
 Status StreamProducer::Reclaim() {
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream reclaim"));
   std::lock_guard lock(impl_->mu);
   impl_->ReclaimAll();
   return Status::Ok();
@@ -781,8 +848,45 @@ Status StreamProducer::Reclaim() {
 
 StreamStats StreamProducer::Stats() {
   std::lock_guard lock(impl_->mu);
-  impl_->ReclaimMoved();
+  if (!impl_->Foreign()) {  // in a forked child: the inherited figures, nothing reclaimed
+    impl_->MaybeCheckLeases();
+    impl_->ReclaimMoved();
+  }
   return impl_->StatsLocked();
+}
+
+Result<std::vector<PendingBlock>> StreamProducer::Pending() {
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream pending"));
+  std::lock_guard lock(impl_->mu);
+  impl_->ReclaimAll();
+  impl_->last_lease_check = Clock::now();
+  const auto now = Clock::now();
+  std::vector<PendingBlock> out;
+  for (auto& [id, seg] : impl_->segments) {
+    for (uint32_t slot = 0; slot < seg->blocks.size(); ++slot) {
+      const BlockRecord& rec = seg->blocks[slot];
+      if (!rec.live) continue;
+      BlockSlot& s = seg->file.view.slots[slot];
+      uint64_t c = Control(s).load(std::memory_order_seq_cst);
+      PendingBlock p;
+      p.key = rec.key;
+      p.state = !rec.published                                                 ? "writing"
+                : ControlWord::State(c) == BlockState::kAborted || rec.aborted ? "aborted"
+                                                                               : "published";
+      p.age_seconds = std::chrono::duration<double>(now - rec.reserved_at).count();
+      p.readers_left =
+          ControlWord::State(c) == BlockState::kPublished ? ControlWord::Pending(c) : 0;
+      p.holders = static_cast<uint32_t>(std::popcount(Holders(s).load(std::memory_order_seq_cst)));
+      p.bytes = stream::AtomicWord(s.length).load(std::memory_order_relaxed);
+      p.segment = seg->file.name;
+      p.spilled = seg->file.kind == SegmentKind::kSpill;
+      out.push_back(std::move(p));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const PendingBlock& a, const PendingBlock& b) {
+    return a.age_seconds > b.age_seconds;
+  });
+  return out;
 }
 
 std::vector<std::string> StreamProducer::SegmentPaths() {
@@ -811,6 +915,7 @@ Reservation::~Reservation() { GiveBack(); }
 void Reservation::GiveBack() noexcept {
   if (!state_ || state_->done) return;
   auto& p = *state_->producer;
+  if (p.Foreign()) return;  // the parent's reservation: the parent gives it back
   std::lock_guard lock(p.mu);
   auto it = p.segments.find(state_->segment);
   if (it == p.segments.end()) return;
@@ -869,6 +974,7 @@ Status CheckReaders(uint32_t readers) {
 
 Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t readers) {
   if (!state_ || state_->done) return InvalidArgument("stream publish: reservation already used");
+  EA_RETURN_IF_ERROR(state_->producer->CheckProcess("stream publish"));
   EA_RETURN_IF_ERROR(CheckReaders(readers));
   // Before the block is published: the caller may fix `info` and publish again.
   EA_RETURN_IF_ERROR(CheckInfo("stream publish", state_->key, info));
@@ -883,6 +989,7 @@ Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t reader
 
 Result<std::vector<std::string>> StreamProducer::PutMany(std::span<const PutItem> items,
                                                          uint32_t readers) {
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream put_many"));
   EA_RETURN_IF_ERROR(CheckReaders(readers));
   auto item_error = [&](size_t i, const Status& s) {
     return Status(s.code(), "stream put_many: item " + std::to_string(i) + " of " +

@@ -98,4 +98,30 @@ bool IsValidLogicalName(std::string_view name) {
   return true;
 }
 
+uint64_t SpendDeadReaderHolds(const SegmentView& view, uint32_t entry) {
+  const uint64_t bit = uint64_t{1} << entry;
+  uint64_t released = 0;
+  for (uint32_t i = 0; i < view.slot_count; ++i) {
+    BlockSlot& s = view.slots[i];
+    auto holders = AtomicWord(s.holders);
+    if ((holders.load(std::memory_order_seq_cst) & bit) == 0) continue;
+    // The share first, then the bit: the owner frees a block only when both say so, and a
+    // reader releases in the other order (bit, then share), so a reader that died between
+    // its two steps is never charged twice.
+    auto control = AtomicWord(s.control);
+    uint64_t c = control.load(std::memory_order_seq_cst);
+    while (ControlWord::State(c) == BlockState::kPublished && ControlWord::Pending(c) > 0) {
+      uint64_t less = ControlWord::Make(BlockState::kPublished, ControlWord::Pending(c) - 1,
+                                        ControlWord::Generation(c));
+      if (control.compare_exchange_weak(c, less, std::memory_order_seq_cst)) {
+        ++released;
+        break;
+      }
+    }
+    holders.fetch_and(~bit, std::memory_order_seq_cst);
+  }
+  view.epoch().fetch_add(1, std::memory_order_release);
+  return released;
+}
+
 }  // namespace expert_arena::stream

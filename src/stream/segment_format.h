@@ -68,10 +68,12 @@ struct SegmentHeader {
   // The inode of the owner's PID namespace (/proc/self/ns/pid): owner_pid means a process of
   // that namespace only. 0: not recorded (a segment written before it was).
   uint64_t owner_pid_namespace;
-  uint64_t reserved[9];
+  uint64_t owner_closed;   // atomic: 1 once the owner closed the stream (zero in older files)
+  uint64_t reserved[8];
 };
 static_assert(sizeof(SegmentHeader) == 256);
 static_assert(offsetof(SegmentHeader, release_epoch) % 8 == 0);
+static_assert(offsetof(SegmentHeader, owner_closed) % 8 == 0);
 static_assert(std::is_trivially_copyable_v<SegmentHeader>);
 
 struct ReaderEntry {
@@ -155,7 +157,18 @@ struct SegmentView {
     return v;
   }
   std::atomic_ref<uint64_t> epoch() const { return AtomicWord(header->release_epoch); }
+  std::atomic_ref<uint64_t> closed() const { return AtomicWord(header->owner_closed); }
 };
+
+// The lease of a reader entry: a consumer holds the OFD lock on byte 1+entry while it maps the
+// segment, so whoever takes that lock (the owner's dead-reader check, or a new consumer taking
+// the entry over) knows the reader is gone, and calls this with the lock held. For every block
+// the dead reader held (its holder bit set) it spends that reader's share, when the block is
+// still published and waiting for releases, then clears the bit; then it bumps the epoch so
+// the owner rescans. A reader that opened a block once holds one share (the usual case: one
+// Open per consumer process); a second Open of the same block in the same process took a
+// second share that stays until the block's key is aborted. Returns the blocks released.
+uint64_t SpendDeadReaderHolds(const SegmentView& view, uint32_t entry);
 
 // Why `header` (the first bytes of a file of `file_bytes`) is not a segment this build can
 // use, or "" when it is. Every size and offset is checked against the real file size.

@@ -346,7 +346,7 @@ static void CheckParamsAndSizes(const char* dir) {
   CHECK(ea_stream_producer_create(&newer.params, &producer) == 0 && producer != NULL);
   CHECK(ea_stream_producer_name(producer) != NULL &&
         strncmp(ea_stream_producer_name(producer), "ea-stream-capi_c-", 17) == 0);
-  CHECK(CountEntries(dir) == 1); /* its first segment */
+  CHECK(CountEntries(dir) == 0); /* its first segment comes with its first put */
 
   /* Output structs: too small refused; exactly the first version's size filled. */
   ea_stream_stats s;
@@ -359,8 +359,8 @@ static void CheckParamsAndSizes(const char* dir) {
   memset(&st, 0xAB, sizeof st);
   st.stats.size = sizeof st.stats;
   CHECK(ea_stream_get_stats(producer, &st.stats) == 0);
-  CHECK(st.stats.size == sizeof st.stats && st.stats.segments == 1);
-  CHECK(st.stats.total_bytes == 8 * MIB && st.stats.free_bytes == 8 * MIB);
+  CHECK(st.stats.size == sizeof st.stats && st.stats.segments == 0); /* none before a put */
+  CHECK(st.stats.total_bytes == 0 && st.stats.free_bytes == 0);
   for (size_t i = sizeof st.stats; i < sizeof st.bytes; ++i) CHECK(st.bytes[i] == 0xAB);
   ea_stream_producer_destroy(producer);
   CHECK(CountEntries(dir) == 0);
@@ -383,6 +383,77 @@ static void CheckParamsAndSizes(const char* dir) {
   CHECK(Contains(ea_last_error(), "/nonexistent-ea-dir"));
   CHECK(ea_stream_consumer_create(&bad, &consumer) == -ENOENT);
   CHECK(Contains(ea_last_error(), "/nonexistent-ea-dir"));
+}
+
+/* ea_stream_pending lists what is held; a forked child gets -EINVAL naming the fork from the
+ * parent's producer and consumer, and destroying them there unlinks and releases nothing. */
+static void CheckPendingAndFork(const char* dir, const char* spill) {
+  ea_stream_params p = Params(dir, spill);
+  ea_stream_producer* producer = NULL;
+  ea_stream_consumer* consumer = NULL;
+  CHECK(ea_stream_producer_create(&p, &producer) == 0);
+  CHECK(ea_stream_consumer_create(&p, &consumer) == 0);
+  if (producer == NULL || consumer == NULL) return;
+  unsigned char data[3000];
+  Fill(data, sizeof data, 5);
+  unsigned char d[EA_STREAM_DESCRIPTOR_MAX], e[EA_STREAM_DESCRIPTOR_MAX];
+  size_t len = 0, elen = 0;
+  CHECK(ea_stream_put(producer, "held", data, sizeof data, NULL, NULL, 0, 2, d, sizeof d, &len) ==
+        0);
+  CHECK(ea_stream_put(producer, "other", data, sizeof data, NULL, NULL, 0, 1, e, sizeof e,
+                      &elen) == 0);
+  ea_stream_tensor* t = NULL;
+  CHECK(ea_stream_open(consumer, d, len, &t) == 0);
+  size_t count = 0;
+  CHECK(ea_stream_pending(producer, NULL, 0, &count) == -ERANGE && count == 2); /* the count */
+  ea_stream_pending_block blocks[2];
+  memset(blocks, 0, sizeof blocks);
+  blocks[0].size = sizeof blocks[0];
+  CHECK(ea_stream_pending(producer, blocks, 1, &count) == -ERANGE && count == 2);
+  CHECK(ea_stream_pending(producer, blocks, 2, &count) == 0 && count == 2);
+  for (int i = 0; i < 2; ++i) {
+    CHECK(blocks[i].key != NULL && blocks[i].state != NULL && blocks[i].bytes == sizeof data);
+    if (blocks[i].key != NULL && strcmp(blocks[i].key, "held") == 0) {
+      CHECK(blocks[i].readers_left == 2 && blocks[i].holders == 1);
+      CHECK(strcmp(blocks[i].state, "published") == 0 && blocks[i].age_seconds >= 0);
+    }
+  }
+  const int segments = CountEntries(dir);
+  pid_t child = fork();
+  if (child == 0) {
+    int bad = 0;
+    size_t n = 0;
+    if (ea_stream_put(producer, "child", data, sizeof data, NULL, NULL, 0, 1, d, sizeof d, &n) !=
+            -EINVAL ||
+        !Contains(ea_last_error(), "a forked child")) {
+      bad |= 1;
+    }
+    ea_stream_tensor* u = NULL;
+    if (ea_stream_open(consumer, e, elen, &u) != -EINVAL) bad |= 2;
+    if (ea_stream_pending(producer, NULL, 0, &n) != -EINVAL) bad |= 4;
+    ea_stream_release(t);
+    ea_stream_consumer_destroy(consumer);
+    ea_stream_producer_destroy(producer);
+    _exit(bad);
+  }
+  int status = -1;
+  CHECK(child > 0 && waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(CountEntries(dir) == segments); /* the child unlinked nothing */
+  ea_stream_tensor_info info;
+  memset(&info, 0, sizeof info);
+  info.size = sizeof info;
+  CHECK(ea_stream_tensor_get_info(t, &info) == 0 && memcmp(info.data, data, sizeof data) == 0);
+  CHECK(ea_stream_pending(producer, blocks, 2, &count) == 0 && count == 2);
+  for (int i = 0; i < 2; ++i) {
+    if (blocks[i].key != NULL && strcmp(blocks[i].key, "held") == 0) {
+      CHECK(blocks[i].readers_left == 2 && blocks[i].holders == 1); /* no share spent */
+    }
+  }
+  ea_stream_release(t);
+  ea_stream_consumer_destroy(consumer);
+  ea_stream_producer_destroy(producer);
+  CHECK(CountEntries(dir) == 0);
 }
 
 static void CheckPutOpenReserve(const char* dir, const char* spill) {
@@ -936,6 +1007,7 @@ int main(int argc, char** argv) {
   }
   CheckParamsAndSizes(dir);
   CheckPutOpenReserve(dir, spill);
+  CheckPendingAndFork(dir, spill);
   CheckStrictAndSpill(dir, spill);
   CheckThreads(dir);
   CheckProcesses(argv[0], dir);

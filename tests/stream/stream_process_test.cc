@@ -4,10 +4,16 @@
 // on a completion, dead readers, and a consumer dropping an unlinked segment.
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "common/escape.h"
@@ -63,6 +69,22 @@ EA_CHILD_ROLE(stream_consume) {
     while (consumer->PollReleases() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return 0;
+}
+
+// args: shm spill descriptors-file marker — opens every descriptor, creates the marker and
+// exits at once (_exit: no destructor runs), holding its views: a consumer that exits without
+// releasing.
+EA_CHILD_ROLE(stream_open_and_exit) {
+  auto consumer = StreamConsumer::Create(ConsumerFor(args[0], args[1]));
+  if (!consumer.ok()) return 3;
+  std::vector<StreamTensor> held;
+  for (const auto& m : ReadMessages(args[2])) {
+    auto t = consumer->Open(m);
+    if (!t.ok()) return 4;
+    held.push_back(std::move(t).value());
+  }
+  TouchFile(args[3]);
+  _exit(0);
 }
 
 // args: shm spill logical out-file count ready-file stop-file
@@ -223,6 +245,8 @@ TEST(StreamProcess, SweepRemovesAKilledProducersSegmentsNeverALiveOnes) {
   {
     // The next start sweeps.
     ASSERT_OK_AND_ASSIGN(auto next, StreamProducer::Create(dirs.Producer("next")));
+    std::vector<std::byte> data(100);
+    ASSERT_OK(next.Put("n", data, {}).status());  // its first segment
     EXPECT_FALSE(std::filesystem::exists(dirs.shm() + "/" + doomed_d.segment));
     EXPECT_TRUE(std::filesystem::exists(dirs.shm() + "/" + alive_d.segment));
     // An explicit sweep (what `expert-arena sweep` runs) keeps both live producers' files.
@@ -657,6 +681,299 @@ TEST(StreamProcess, StrictWaitEndsWhenAnotherProcessReleases) {
   EXPECT_FALSE(r->spilled());
   EXPECT_EQ(producer.Stats().spills, 0u);
   ASSERT_EQ(holder.Wait(60), 0);
+}
+
+// ---- fork --------------------------------------------------------------------------------
+
+// Runs `body` in a forked child (this test's process, not a new program: what an engine that
+// forks its workers does) and returns its exit status, or -1 when it did not exit normally.
+// The child leaves with _exit, so nothing of the parent's test state is torn down twice.
+int InForkedChild(const std::function<int()>& body) {
+  pid_t pid = fork();
+  if (pid == 0) _exit(body());
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// True when `status` is the fork refusal naming `creator`.
+bool IsForkRefusal(const Status& status, pid_t creator) {
+  return status.code() == StatusCode::kInvalidArgument &&
+         status.message().find("created in process " + std::to_string(creator) +
+                               "; a forked child") != std::string::npos;
+}
+
+// Issue 21 item 1: a forked child must never hand out the parent's blocks, nor unlink the
+// parent's segments or spend its readers' shares when it drops what it inherited.
+TEST(StreamFork, AChildRefusesTheParentsProducerAndLeavesItsSegments) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto parent, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(100000);
+  FillPattern(data, "before");
+  ASSERT_OK_AND_ASSIGN(auto before, parent.Put("before", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto reserved, parent.Reserve("reserved", 5000));  // held across fork
+  const std::vector<std::string> segments = parent.SegmentPaths();
+  const pid_t me = getpid();
+  std::optional<StreamProducer> inherited(std::move(parent));
+  std::optional<Reservation> inherited_reservation(std::move(reserved));
+  int child = InForkedChild([&] {
+    std::vector<std::byte> mine(5000);
+    auto put = inherited->Put("child", mine, {});
+    if (put.ok() || !IsForkRefusal(put.status(), me)) return 10;
+    if (inherited->Reserve("child", 10).ok() || inherited->Abort("before").ok() ||
+        inherited->Reclaim().ok() || inherited->Pending().ok()) {
+      return 11;
+    }
+    if (inherited_reservation->Publish({}).ok()) return 12;
+    // Dropping what was inherited: no unlink, no block given back.
+    inherited_reservation.reset();
+    inherited.reset();
+    // The child's own producer works, with its own segments.
+    auto own = StreamProducer::Create(dirs.Producer("child"));
+    if (!own.ok()) return 13;
+    auto d = own->Put("child", mine, {});
+    if (!d.ok()) return 14;
+    for (const auto& p : own->SegmentPaths()) {
+      for (const auto& q : segments) {
+        if (p == q) return 15;
+      }
+    }
+    return 0;
+  });
+  EXPECT_EQ(child, 0);
+  for (const auto& p : segments) EXPECT_TRUE(std::filesystem::exists(p)) << p;
+  StreamProducer& producer = *inherited;
+  // The reservation the child dropped is still the parent's: publishing it works.
+  FillPattern(inherited_reservation->bytes(), "reserved");
+  ASSERT_OK_AND_ASSIGN(auto reserved_d, inherited_reservation->Publish({}));
+  // The next put lands elsewhere than every block handed out before the fork.
+  ASSERT_OK_AND_ASSIGN(auto after, producer.Put("after", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto a, TensorDescriptor::Decode(after));
+  ASSERT_OK_AND_ASSIGN(auto b, TensorDescriptor::Decode(before));
+  ASSERT_OK_AND_ASSIGN(auto r, TensorDescriptor::Decode(reserved_d));
+  EXPECT_TRUE(a.segment != b.segment || a.offset != b.offset);
+  EXPECT_TRUE(a.segment != r.segment || a.offset != r.offset);
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  ASSERT_OK_AND_ASSIGN(auto tb, consumer.Open(before));
+  ASSERT_OK_AND_ASSIGN(auto tr, consumer.Open(reserved_d));
+  EXPECT_TRUE(CheckPattern(tb.bytes(), "before"));
+  EXPECT_TRUE(CheckPattern(tr.bytes(), "reserved"));
+  StreamStats stats = producer.Stats();
+  EXPECT_EQ(stats.live_blocks, 3u);
+}
+
+// A child of a consumer holding views: Open refuses, and dropping the inherited views and the
+// consumer spends none of the parent's shares nor clears its holds.
+TEST(StreamFork, AChildDroppingInheritedViewsLeavesTheParentsHolds) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(64 << 10);
+  FillPattern(data, "held");
+  ASSERT_OK_AND_ASSIGN(auto held_d, producer.Put("held", data, {}, 2));
+  FillPattern(data, "other");
+  ASSERT_OK_AND_ASSIGN(auto other_d, producer.Put("other", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto view, consumer.Open(held_d));
+  const pid_t me = getpid();
+  std::optional<StreamConsumer> inherited(std::move(consumer));
+  std::optional<StreamTensor> inherited_view(std::move(view));
+  int child = InForkedChild([&] {
+    auto opened = inherited->Open(other_d);
+    if (opened.ok() || !IsForkRefusal(opened.status(), me)) return 10;
+    if (!CheckPattern(inherited_view->bytes(), "held")) return 11;  // still mapped, readable
+    inherited_view->Release();
+    inherited_view.reset();
+    inherited.reset();
+    // The child's own consumer opens the parent's descriptors like any other process.
+    auto own = StreamConsumer::Create(dirs.Consumer());
+    if (!own.ok()) return 12;
+    auto t = own->Open(held_d);
+    if (!t.ok() || !CheckPattern(t->bytes(), "held")) return 13;
+    return 0;  // _exit: the child's own view dies with the process (its lease ends)
+  });
+  EXPECT_EQ(child, 0);
+  // The parent's view is intact; the child's own hold ended with the child (a lease, spent
+  // when the producer notices), so the block waits for the parent's release only.
+  EXPECT_TRUE(CheckPattern(inherited_view->bytes(), "held"));
+  ASSERT_OK(producer.Reclaim());
+  ASSERT_OK_AND_ASSIGN(auto pending, producer.Pending());
+  ASSERT_EQ(pending.size(), 2u);
+  for (const PendingBlock& p : pending) {
+    if (p.key == "held") {
+      EXPECT_EQ(p.readers_left, 1u);  // 2, less the child's dead consumer's share
+      EXPECT_EQ(p.holders, 1u);       // the parent's view
+    }
+  }
+  inherited_view->Release();
+  ASSERT_OK_AND_ASSIGN(auto t, inherited->Open(other_d));
+  EXPECT_TRUE(CheckPattern(t.bytes(), "other"));
+  t.Release();
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
+// Forks while another thread puts and releases (small segments, so the producer grows, grows
+// ahead and reclaims meanwhile): every child gets a refusal, and the parent's tensors stay
+// bit-exact with its segments in place.
+TEST(StreamFork, ForkWhileAnotherThreadPuts) {
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.segment_bytes = 2 << 20;
+  o.max_segments = 4;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::atomic<bool> stop{false};
+  std::atomic<int> bad{0};
+  std::atomic<int> rounds{0};
+  std::thread putter([&] {
+    std::vector<std::byte> data;
+    for (int i = 0; !stop.load(); ++i) {
+      std::string key = "k" + std::to_string(i);
+      data.resize(1000 + (i % 7) * 100000);
+      FillPattern(data, key);
+      auto d = producer.Put(key, data, {});
+      if (!d.ok()) {
+        ++bad;
+        continue;
+      }
+      auto t = consumer.Open(*d);
+      if (!t.ok() || !CheckPattern(t->bytes(), key)) ++bad;
+      rounds.fetch_add(1);
+    }
+  });
+  const pid_t me = getpid();
+  for (int f = 0; f < 20; ++f) {
+    while (rounds.load() < f * 5) std::this_thread::yield();
+    int child = InForkedChild([&] {
+      std::vector<std::byte> mine(100);
+      auto put = producer.Put("child", mine, {});
+      if (put.ok() || !IsForkRefusal(put.status(), me)) return 10;
+      return 0;  // the producer and consumer are the parent test's: dropped by the parent
+    });
+    EXPECT_EQ(child, 0) << "fork " << f;
+  }
+  stop.store(true);
+  putter.join();
+  EXPECT_EQ(bad.load(), 0);
+  for (const auto& p : producer.SegmentPaths()) EXPECT_TRUE(std::filesystem::exists(p)) << p;
+  std::vector<std::byte> data(3000);
+  FillPattern(data, "last");
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("last", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+  EXPECT_TRUE(CheckPattern(t.bytes(), "last"));
+}
+
+// ---- leases --------------------------------------------------------------------------------
+
+// Issue 21 item 6: a consumer process killed while it holds views, and one that exits without
+// releasing, give their blocks back to the producer without an abort; a live consumer's holds
+// are never released for it.
+TEST(StreamLease, ADeadConsumersHoldsComeBackALiveOnesStay) {
+  StreamDirs dirs;
+  const std::string base = dirs.spill() + "/";
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(100000);
+  auto put = [&](const std::string& key, uint32_t readers) {
+    FillPattern(data, key);
+    auto d = producer.Put(key, data, {}, readers);
+    EXPECT_OK(d.status());
+    return d.ok() ? *d : std::string();
+  };
+  WriteMessages(base + "killed", {put("killed-only", 1), put("shared", 2)});
+  WriteMessages(base + "exited", {put("exited-only", 1)});
+  WriteMessages(base + "live", {put("live-only", 1), put("shared-live", 1)});
+  // "shared" is held by the killed consumer and the live one.
+  std::vector<std::string> live_descs = ReadMessages(base + "live");
+  live_descs.push_back(ReadMessages(base + "killed").at(1));
+  WriteMessages(base + "live", live_descs);
+  Child live = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "live",
+                                            base + "live.held", base + "gate"});
+  Child killed = SpawnRole("stream_consume", {dirs.shm(), dirs.spill(), base + "killed",
+                                              base + "killed.held", base + "never"});
+  Child exited =
+      SpawnRole("stream_open_and_exit", {dirs.shm(), dirs.spill(), base + "exited", base + "x"});
+  ASSERT_TRUE(WaitForFile(base + "live.held", 60));
+  ASSERT_TRUE(WaitForFile(base + "killed.held", 60));
+  ASSERT_EQ(exited.Wait(60), 0);
+  killed.Kill(SIGKILL);
+  killed.Wait(10);
+  // Pending settles first (the lease check runs now): the dead consumers' blocks are back.
+  ASSERT_OK_AND_ASSIGN(auto pending, producer.Pending());
+  std::map<std::string, PendingBlock> by_key;
+  for (const auto& p : pending) by_key[p.key] = p;
+  EXPECT_EQ(by_key.count("killed-only"), 0u);
+  EXPECT_EQ(by_key.count("exited-only"), 0u);
+  ASSERT_EQ(by_key.count("shared"), 1u);
+  EXPECT_EQ(by_key["shared"].readers_left, 1u);  // the live consumer's share is still out
+  EXPECT_EQ(by_key["shared"].holders, 1u);
+  EXPECT_EQ(by_key["shared"].state, "published");
+  ASSERT_EQ(by_key.count("live-only"), 1u);
+  EXPECT_EQ(by_key["live-only"].readers_left, 1u);
+  EXPECT_EQ(by_key["live-only"].holders, 1u);
+  EXPECT_EQ(by_key.count("shared-live"), 1u);
+  EXPECT_GE(by_key["live-only"].age_seconds, 0.0);
+  // The producer noticed the dead readers, or a consumer that took a dead one's reader entry
+  // over did (stream::SpendDeadReaderHolds either way), depending on the order they started.
+  // The live consumer reads its bytes intact, then releases: everything comes back.
+  TouchFile(base + "gate");
+  ASSERT_EQ(live.Wait(60), 0);
+  EXPECT_EQ(CountLines(live.Output(), "ok "), 3) << live.Output();
+  ASSERT_OK(producer.Reclaim());
+  ASSERT_OK_AND_ASSIGN(auto after, producer.Pending());
+  EXPECT_TRUE(after.empty());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
+// Issue 21 item 7: a failed OpenMany gives back what it opened before the bad item without
+// spending a share, so every descriptor (readers=1) opens again.
+TEST(StreamLease, AFailedOpenManyLeavesEveryDescriptorOpenable) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(5000);
+  std::vector<std::string> descs;
+  for (const char* key : {"a", "b", "c"}) {
+    FillPattern(data, key);
+    ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));
+    descs.push_back(d);
+  }
+  ASSERT_OK_AND_ASSIGN(auto aborted, producer.Put("gone", data, {}));
+  ASSERT_OK(producer.Abort("gone").status());
+  std::vector<std::string_view> batch = {descs[0], descs[1], aborted, descs[2]};
+  auto failed = consumer.OpenMany(batch);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("item 2 of 4"), std::string::npos)
+      << failed.status().message();
+  std::vector<std::string_view> good = {descs[0], descs[1], descs[2]};
+  ASSERT_OK_AND_ASSIGN(auto opened, consumer.OpenMany(good));
+  ASSERT_EQ(opened.size(), 3u);
+  EXPECT_TRUE(CheckPattern(opened[0].bytes(), "a"));
+  EXPECT_TRUE(CheckPattern(opened[2].bytes(), "c"));
+  opened.clear();
+  ASSERT_OK(producer.Reclaim());
+  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+}
+
+// Issue 21 item 9: after the producer closed, a stale descriptor says so.
+TEST(StreamLease, AStaleDescriptorAfterCloseNamesTheClose) {
+  StreamDirs dirs;
+  std::optional<StreamProducer> producer;
+  ASSERT_OK_AND_ASSIGN(producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(5000);
+  ASSERT_OK_AND_ASSIGN(auto first, producer->Put("first", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto second, producer->Put("second", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(first));  // the segment is mapped now
+  producer.reset();
+  auto stale = consumer.Open(second);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_NE(stale.status().message().find("closed the stream"), std::string::npos)
+      << stale.status().message();
+  ASSERT_OK_AND_ASSIGN(auto fresh, StreamConsumer::Create(dirs.Consumer()));
+  auto gone = fresh.Open(second);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_NE(gone.status().message().find("closed the stream or exited"), std::string::npos)
+      << gone.status().message();
 }
 
 }  // namespace

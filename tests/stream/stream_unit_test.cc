@@ -549,6 +549,12 @@ TEST(StreamSweep, LeavesAnotherUsersFilesAloneWithANote) {
 TEST(StreamSweep, AliveByLockNotByPid) {
   StreamDirs dirs;
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  // Creating commits nothing: the first segment comes with the first put.
+  EXPECT_TRUE(producer.SegmentPaths().empty());
+  EXPECT_EQ(producer.Stats().segments, 0u);
+  std::vector<std::byte> data(4096);
+  ASSERT_OK(producer.Put("k", data, {}).status());
+  ASSERT_EQ(producer.SegmentPaths().size(), 1u);
   std::string original = producer.SegmentPaths().at(0);
   std::string copy = dirs.shm() + "/ea-stream-copy-1-2-abcd-0";
   std::filesystem::copy_file(original, copy);
