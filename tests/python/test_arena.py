@@ -156,13 +156,15 @@ def test_gguf_block_quantized_and_integer_types(tmp_path):
         assert torch.equal(a.torch("w.f32"), torch.from_numpy(f32.reshape(2, 6)))
 
 
-def test_writing_through_a_view_raises_and_the_file_is_unchanged(gen_model, shm_path):
+def test_writing_through_a_guarded_view_raises_and_the_file_is_unchanged(gen_model, shm_path):
+    """NumPy views are flagged read-only; torch views made with guard=True refuse in-place
+    ops (test_views.py: what a write through the default, plain view does)."""
     model = gen_model("gguf", "f32")
     path = shm_path()
     with expert_arena.open(model, shared_path=path, quiet=True) as a:
         name = a.names()[0]
         before = a.info(name)["checksum"]
-        x, t = a.numpy(name), a.torch(name)
+        x, t = a.numpy(name), a.torch(name, guard=True)
         with pytest.raises(ValueError):
             x[0, 0, 0] = 1.0
         with pytest.raises(ValueError):

@@ -209,7 +209,7 @@ def test_views_are_zero_copy_read_only_and_outlive_release(stream_dir):
             expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
         x = torch.randn(64, 32)
         t = c.open(p.put("k1", x))
-        assert (t.key, t.dtype, t.shape, t.nbytes) == ("k1", "f32", (64, 32), x.numel() * 4)
+        assert (t.key, t.dtype_name, t.shape, t.nbytes) == ("k1", "f32", (64, 32), x.numel() * 4)
         v, n = t.torch(), t.numpy()
         assert v.data_ptr() == t.address == n.__array_interface__["data"][0]
         assert torch.equal(v, x) and np.array_equal(n, x.numpy())
