@@ -92,7 +92,7 @@ def test_put_many_is_all_or_none(stream_dir):
         ds = p.put_many({"x": x, "y": y}, readers=2)
         for _ in range(2):
             tx, ty = c.open_many(ds)
-            assert (tx.key, tx.dtype, tx.shape, ty.key, ty.dtype, ty.shape) == \
+            assert (tx.key, tx.dtype_name, tx.shape, ty.key, ty.dtype_name, ty.shape) == \
                 ("x", "f16", (16, 8), "y", "i64", (3, 4))
             assert torch.equal(tx.torch(), x) and np.array_equal(ty.numpy(), y)
             tx.release()
