@@ -96,8 +96,7 @@ _PYTHON_WORDS = (("use --all or --select REGEX", "use select_all=True or select=
                   "select and select_all=True exclude each other"),
                  ("--select ", "select="), ("(--all)", "(select_all=True)"),
                  ("expert-arena load --format raw", "format=\"raw\""),
-                 ("--format raw", "format=\"raw\""), ("--wait-timeout", "wait_timeout"),
-                 ("--huge", "huge="), ("--gpu", "gpu="))
+                 ("--format raw", "format=\"raw\""))
 
 
 def _in_python_words(error):

@@ -354,8 +354,13 @@ def test_logs_go_to_python_logging_for_open_and_attach(gen_model, shm_path, capl
         assert lines() == []
 
 
-def test_errors_name_python_arguments(gen_model):
+def test_errors_name_python_arguments(gen_model, tmp_path):
     model = gen_model("gguf", "f32")
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model\n" * 100)
+    with pytest.raises(ValueError) as e:
+        expert_arena.open(str(text))
+    assert 'format="raw"' in str(e.value) and "--format" not in str(e.value)
     with pytest.raises(ValueError) as e:
         expert_arena.open(model, select="(")
     assert "select=(" in str(e.value) and "--select" not in str(e.value)
