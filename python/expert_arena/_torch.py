@@ -77,7 +77,7 @@ class ReadOnlyTensor(torch.Tensor):
                 % (name, repr(label) if label else "view"))
         with torch._C.DisableTorchFunction():
             out = func(*args, **kwargs)
-            if name == "numpy" and isinstance(out, np.ndarray):
+            if name in ("numpy", "__array__") and isinstance(out, np.ndarray):
                 out.flags.writeable = False
                 return out
             return _rewrap(out, args, cls)
