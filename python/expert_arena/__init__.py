@@ -52,8 +52,9 @@ from ._core import BusyError, NoSpaceError
 __version__ = _core.__version__
 
 # `open` is left out of __all__: `from expert_arena import *` must not shadow the built-in.
+# So are LoadResult and ReadOnlyTensor, which import torch (module attributes on first use).
 __all__ = [
-    "Arena", "BusyError", "LoadResult", "NoSpaceError", "Reservation", "StreamConsumer",
+    "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
     "StreamProducer", "StreamTensor",
     "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "sweep",
     "xxh3_64", "__version__",

@@ -351,6 +351,8 @@ def test_torch_missing_raises_an_import_error_naming_the_package(gen_model, tmp_
         "a = expert_arena.open(sys.argv[1], quiet=True)\n"
         "n = a.names()[0]\n"
         "assert a.numpy(n).size > 0\n"
+        "exec('from expert_arena import *', {})\n"  # star import needs no torch
+        "assert list(a.keys()) == a.names()\n"
         "try:\n"
         "    a.torch(n)\n"
         "except ImportError as e:\n"
