@@ -18,6 +18,8 @@ uses today, in one run (docs/python.md "Benchmark" has results and how to read t
    - "in place": each round's fresh tensors are made in reservations (producer.reserve, the
      fill not timed, then publish): no copy; against the same queue, also with the making
      (torch.empty + fill_ for the queue, reserve + fill_ for the stream) in the time.
+     "in place, torch views": the same with the consumer taking torch views
+     (open_many(view="torch")) and indexing each once, as a torch engine reads them.
    - "reused": the producer puts the same source tensor each time, as `stream_bench` does,
      with put_many + open_many(view="numpy") (one call per batch each side) and with one
      put/open/numpy/release per tensor; compared with the C++ `stream_bench` zero-copy view round measured in the same
@@ -114,7 +116,13 @@ def stream_consumer(conn, directory):
         if msg is None:
             return
         many, batch = msg
-        if many:
+        if many == "torch":
+            # read-only tensors, each read once by indexing (what an engine does next)
+            views = consumer.open_many(batch, view="torch")
+            for v in views:
+                v[0]
+            del views
+        elif many:
             # read-only arrays; each gives its reader's share back when it is dropped
             views = consumer.open_many(batch, view="numpy")
             del views
@@ -167,6 +175,7 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
         for name, count, nbytes, rounds in SHAPES:
             source = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
             fresh_t, inplace_t, inplace_make_t, reused_t, reused_one_t = [], [], [], [], []
+            inplace_torch_t = []
             queue_t, queue_make_t = [], []
             for r in range(rounds * scale + WARMUP):
                 # fresh tensors copied in by put() (made before the clock starts)
@@ -194,6 +203,20 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
                 here.recv()
                 t5 = time.perf_counter()
                 del held
+                # the same, the consumer taking torch views (open_many(view="torch")) and
+                # indexing each once
+                t2b = time.perf_counter()
+                held = [producer.reserve("q%d" % (seq + k), (nbytes,), torch.uint8)
+                        for k in range(count)]
+                seq += count
+                t3b = time.perf_counter()
+                for h in held:
+                    h.torch().fill_(r & 0xFF)
+                t4b = time.perf_counter()
+                here.send(("torch", [h.publish() for h in held]))
+                here.recv()
+                t5b = time.perf_counter()
+                del held
                 # the same source tensor each time (what stream_bench puts): one batch call
                 # each side, then one call per tensor
                 t6 = time.perf_counter()
@@ -213,6 +236,7 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
                     fresh_t.append(t1 - t0)
                     inplace_t.append((t3 - t2) + (t5 - t4))
                     inplace_make_t.append(t5 - t2)
+                    inplace_torch_t.append((t3b - t2b) + (t5b - t4b))
                     reused_t.append(t7 - t6)
                     reused_one_t.append(t8 - t7)
             for r in range(PEER_ROUNDS[name] * scale + WARMUP):
@@ -230,6 +254,7 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
                     queue_make_t.append(t1 - tm)
             results[name] = {"fresh_ms": median_ms(fresh_t), "inplace_ms": median_ms(inplace_t),
                              "inplace_make_ms": median_ms(inplace_make_t),
+                             "inplace_torch_ms": median_ms(inplace_torch_t),
                              "reused_ms": median_ms(reused_t),
                              "reused_one_call_ms": median_ms(reused_one_t),
                              "queue_ms": median_ms(queue_t),
@@ -295,13 +320,16 @@ def main():
           "(goal: queue / stream >= 20x). put() copies a tensor made elsewhere; in place, the "
           "tensor is made in a reservation (reserve + publish timed, the fill not):\n")
     print("| shape | queue | stream, put() | queue / put() | stream, in place | "
-          "queue / in place | queue incl. making | in place incl. making | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "queue / in place | in place, torch views | queue / torch views | "
+          "queue incl. making | in place incl. making | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, _, _, _ in SHAPES:
         s = stream[name]
-        print("| %s | %.2f ms | %.3f ms | %.0fx | %.3f ms | %.0fx | %.2f ms | %.3f ms | %.0fx |"
+        print("| %s | %.2f ms | %.3f ms | %.0fx | %.3f ms | %.0fx | %.3f ms | %.0fx | %.2f ms | "
+              "%.3f ms | %.0fx |"
               % (name, s["queue_ms"], s["fresh_ms"], s["queue_ms"] / s["fresh_ms"],
-                 s["inplace_ms"], s["queue_ms"] / s["inplace_ms"], s["queue_make_ms"],
+                 s["inplace_ms"], s["queue_ms"] / s["inplace_ms"], s["inplace_torch_ms"],
+                 s["queue_ms"] / s["inplace_torch_ms"], s["queue_make_ms"],
                  s["inplace_make_ms"], s["queue_make_ms"] / s["inplace_make_ms"]))
     print("\nThe same source each round, against C++ `stream_bench`'s zero-copy view round in "
           "the same run (goal: Python / C++ <= 1.5x):\n")

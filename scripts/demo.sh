@@ -34,11 +34,17 @@ done
 # A first configure makes warnings not errors (they are in CI and in a developer's preset
 # build): a newer compiler's new warning must not stop a demo. An existing build/ keeps its
 # configuration.
-if [[ ! -x build/bin/expert-arena || ! -x build/bin/moe-engine || ! -e build/lib/libexpert_arena.so ]]
+# The Python package too (target expert_arena_python, into build/python), when the configure
+# found what it needs (pybind11, NumPy, Python's headers): the docs' Python lines use it.
+python_module() { compgen -G 'build/python/expert_arena/_core*.so' >/dev/null; }
+if [[ ! -x build/bin/expert-arena || ! -x build/bin/moe-engine || ! -e build/lib/libexpert_arena.so ]] ||
+   { [[ -d build/python/CMakeFiles/expert_arena_python.dir ]] && ! python_module; }
 then
   bash scripts/install-deps.sh
   [[ -f build/CMakeCache.txt ]] || cmake --preset default -DEXPERT_ARENA_WERROR=OFF >/dev/null
-  cmake --build --preset default -j2 --target expert-arena moe-engine expert_arena
+  targets=(expert-arena moe-engine expert_arena)
+  [[ -d build/python/CMakeFiles/expert_arena_python.dir ]] && targets+=(expert_arena_python)
+  cmake --build --preset default -j2 --target "${targets[@]}"
 fi
 bin=build/bin
 

@@ -191,6 +191,18 @@ class EXPERT_ARENA_EXPORT Arena {
   // The whole data region.
   std::span<const std::byte> data() const;
 
+  // The data region again (same offsets as data()), through a copy-on-write mapping of this
+  // process, for languages that cannot hand out read-only memory (Python buffers, torch
+  // tensors): reads see the arena's pages without copying them; a write copies the page it
+  // touches into this process and never reaches the file, the GPU-registered mapping or
+  // another engine. Made on the first call (thread-safe), unmapped with the Arena; it is not
+  // registered with a GPU. A shared arena on hugetlbfs is mapped MAP_NORESERVE (otherwise the
+  // kernel would reserve a huge page per page of the arena): a write there takes a free huge
+  // page, and is SIGBUS when the pool has none. A private arena has no file to map again: its
+  // own memory is made writable and returned (a write changes this process's private arena).
+  // Fails with the mmap error naming the file.
+  Result<std::span<std::byte>> CopyOnWriteData() const;
+
   struct Impl;
 
  private:

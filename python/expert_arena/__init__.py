@@ -26,6 +26,9 @@ is missing). See docs/python.md for the whole API, the dtype table and the excep
 
 from __future__ import annotations
 
+import atexit as _atexit
+import collections.abc as _abc
+import logging as _logging
 import os
 import sys
 import threading
@@ -33,19 +36,51 @@ import time
 
 import numpy as _np
 
-from . import _core, _dtypes
+try:
+    from . import _core
+except ImportError as _e:  # the pure-Python files without the built module next to them
+    _here = os.path.dirname(os.path.abspath(__file__))
+    raise ImportError(
+        "expert_arena: the compiled module expert_arena._core is missing from %s. Build it with "
+        "`cmake --preset default && cmake --build --preset default --target expert_arena_python` "
+        "(scripts/demo.sh does), then use PYTHONPATH=build/python; or install the package with "
+        "`pip install .` (docs/python.md). The import failed with: %s" % (_here, _e),
+        name="expert_arena._core") from _e
+from . import _dtypes
 from ._core import BusyError, NoSpaceError
 
 __version__ = _core.__version__
 
+# `open` is left out of __all__: `from expert_arena import *` must not shadow the built-in.
+# So are LoadResult and ReadOnlyTensor, which import torch (module attributes on first use).
 __all__ = [
-    "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer", "StreamProducer",
-    "StreamTensor",
-    "attach", "decode_descriptor", "inspect_segment", "open", "sweep", "xxh3_64", "__version__",
+    "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
+    "StreamProducer", "StreamTensor",
+    "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "sweep",
+    "xxh3_64", "__version__",
 ]
 
 
 _torch_part = None
+
+# The library's messages (start lines, notes, warnings) go to this logger, as records of
+# Python's logging: INFO for start lines, WARNING for what an operator should act on. Python's
+# defaults show WARNING and above on stderr; logging.basicConfig(level=logging.INFO) shows the
+# start lines too. `quiet=True` drops them in the library.
+_log = _logging.getLogger("expert_arena")
+
+
+def _emit_logs():
+    """Hands the messages the library collected since the last call to the logger."""
+    records, dropped = _core.take_logs()
+    for level, text in records:
+        _log.log(level, "%s", text)
+    if dropped:
+        _log.warning("expert-arena: %d log messages were dropped (more than 4096 between "
+                     "two calls)", dropped)
+
+
+_atexit.register(_emit_logs)
 
 
 def _load_torch():
@@ -56,23 +91,50 @@ def _load_torch():
     return _torch_part
 
 
+# The library's messages name the CLI's flags; from Python they name open()'s arguments.
+_PYTHON_WORDS = (("use --all or --select REGEX", "use select_all=True or select=REGEX"),
+                 ("--select and --all exclude each other",
+                  "select and select_all=True exclude each other"),
+                 ("--select ", "select="), ("(--all)", "(select_all=True)"),
+                 ("expert-arena load --format raw", "format=\"raw\""),
+                 ("--format raw", "format=\"raw\""))
+
+
+def _in_python_words(error):
+    if isinstance(error, ValueError) and error.args and isinstance(error.args[0], str):
+        text = error.args[0]
+        for cli, python in _PYTHON_WORDS:
+            text = text.replace(cli, python)
+        error.args = (text,) + error.args[1:]
+    return error
+
+
 def _paths(model_files):
     if isinstance(model_files, (str, bytes, os.PathLike)):
         model_files = [model_files]
     return [os.fsdecode(os.fspath(f)) for f in model_files]
 
 
-class Arena:
+class Arena(_abc.Mapping):
     """The expert tensors of a model in one mapping: loaded, attached, or private.
 
-    Made by `open()` or `attach()`. `len(arena)`, `name in arena`, `arena.names()`; views by
-    name with `numpy()` and `torch()` (zero-copy, read-only); `info()` for a tensor's table
-    entry; `report` for what happened at open. `close()` (or leaving a `with` block) drops
-    this handle; the mapping lives until the last view made from it is gone. Thread-safe for
-    reading; `close()` must not race with calls on the same Arena.
+    Made by `open()` or `attach()`. A read-only Mapping of tensor names to torch tensors, as
+    safetensors' `safe_open`: `arena[name]`, `get_tensor(name)`, `keys()`, `items()`,
+    `values()`, `len(arena)`, `name in arena`; NumPy views with `numpy(name)`; `info()` for a
+    tensor's table entry; `report` for what happened at open. `close()` (or leaving a `with`
+    block) drops this handle; the mapping lives until the last view made from it is gone.
+    Thread-safe for reading; `close()` must not race with calls on the same Arena.
+
+    Views point into this process's copy-on-write mapping of the arena: a write through any
+    route (np.asarray, torch.from_numpy, dlpack, an in-place op) copies the page it touches
+    into this process and never reaches the shared file or another engine (docs/python.md).
+    A shared arena pickles as a reference to its path (the receiver attaches).
     """
 
     __slots__ = ("_core", "_report", "_layouts", "__weakref__")
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
 
     def __init__(self, core):
         self._core = core
@@ -87,6 +149,27 @@ class Arena:
 
     def __iter__(self):
         return iter(self._core.names())
+
+    def __getitem__(self, name: str):
+        """The torch view of tensor `name` (KeyError when the arena has none)."""
+        if not isinstance(name, str):
+            raise KeyError(name)
+        return self.torch(name)
+
+    def get_tensor(self, name: str):
+        """The torch view of tensor `name`, as safetensors' safe_open(...).get_tensor()."""
+        return self.torch(name)
+
+    def keys(self):
+        """The tensor names (a KeysView, in arena order)."""
+        return _abc.KeysView(self)
+
+    def __reduce__(self):
+        path = self.report["path"] if not self._core.closed else ""
+        if not path:
+            raise TypeError("a private (or closed) expert_arena.Arena cannot be pickled: only "
+                            "a shared arena is sent, as a reference to its path")
+        return attach, (path,)
 
     def __enter__(self):
         return self
@@ -109,6 +192,7 @@ class Arena:
         """Drops this handle (idempotent). Views made before stay valid; the arena is
         unmapped, and this engine's USER lock dropped, when the last of them is gone."""
         self._core.close()
+        _emit_logs()
 
     def names(self):
         """Tensor names, in arena order."""
@@ -154,16 +238,30 @@ class Arena:
         layout = self._layout(name)
         return _dtypes.as_numpy(self._core.buffer(name, False), layout)
 
-    def torch(self, name: str):
-        """A read-only torch tensor over tensor `name` (no copy): in-place operations raise
-        ValueError. Needs torch (ImportError naming python3-torch otherwise)."""
+    def torch(self, name: str, guard: bool = False):
+        """A torch tensor over tensor `name` (no copy), a plain torch.Tensor in this process's
+        copy-on-write mapping: ops cost what they cost on any tensor, and a write (which
+        nothing should do) copies the page it touches into this process only, never the
+        shared bytes. `guard=True` gives an expert_arena ReadOnlyTensor instead, whose
+        in-place ops raise ValueError naming the tensor, at the cost of a Python call per op.
+        Needs torch (ImportError naming python3-torch otherwise)."""
         t = _load_torch()
         layout = self._layout(name)
-        return t.view(self._core.buffer(name, True), layout)
+        if guard:
+            view = t.view(self._core.buffer(name, True), layout)
+            view._ea_name = name
+            return view
+        return t.writable_view(self._core.buffer(name, True), layout)
 
     def data_range(self):
-        """(address, bytes) of the mapping's data region: every view points inside it."""
+        """(address, bytes) of the data region of the views' copy-on-write mapping: every
+        view points inside it."""
         return self._core.data_range()
+
+    def shared_range(self):
+        """(address, bytes) of the data region of the arena's own mapping, the one a GPU
+        registration covers (no Python view points there)."""
+        return self._core.shared_range()
 
 
 def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
@@ -180,8 +278,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     is refused naming what it looks like), "gguf", "safetensors", or "raw" (never guessed:
     each file's bytes as one u8 tensor named after the file). `gpu` is
     "none", "cuda[:N]" or "hip[:N]" (registration failure is reported in report["gpu"] unless
-    `gpu_required`). The start line goes to the "expert_arena" logger (stderr) unless
-    `quiet`. The GIL is released while loading or waiting.
+    `gpu_required`). The start line goes to Python's logging, logger "expert_arena", level
+    INFO (warnings at WARNING), unless `quiet`. The GIL is released while loading or waiting.
 
     `from_peer="HOST:PORT"` fills the shared arena from `expert-arena serve` on another host
     over UCX, checking every tensor's checksum (docs/cross-host.md); `model_files` may then be
@@ -196,25 +294,34 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     """
     if progress is None:
         progress = sys.stderr is not None and sys.stderr.isatty()
-    core = _core.open(_paths(model_files),
-                      None if shared_path is None else os.fsdecode(os.fspath(shared_path)),
-                      select, bool(select_all), gpu, bool(gpu_required), huge,
-                      float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
-                      int(pin_budget_bytes), reader, bool(quiet), bool(progress), int(alignment),
-                      format, from_peer or "", peer_token or "")
+    try:
+        core = _core.open(_paths(model_files),
+                          None if shared_path is None else os.fsdecode(os.fspath(shared_path)),
+                          select, bool(select_all), gpu, bool(gpu_required), huge,
+                          float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
+                          int(pin_budget_bytes), reader, bool(quiet), bool(progress),
+                          int(alignment), format, from_peer or "", peer_token or "")
+    except ValueError as e:
+        raise _in_python_words(e)
+    finally:
+        _emit_logs()
     return Arena(core)
 
 
 def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
-           pin_budget_bytes=0, quiet=True) -> Arena:
+           pin_budget_bytes=0, quiet=False) -> Arena:
     """Attaches to a published shared arena without knowing the model (never loads).
 
+    The start line goes to the "expert_arena" logger at INFO, as open()'s, unless `quiet`.
     FileNotFoundError when `path` does not exist, BusyError while it is being loaded (not yet
     published), ValueError when it is not an arena or is damaged, PermissionError for a file
     of another user. The GIL is released while attaching.
     """
-    core = _core.attach(os.fsdecode(os.fspath(path)), gpu, bool(gpu_required),
-                        bool(allow_foreign_owner), int(pin_budget_bytes), bool(quiet))
+    try:
+        core = _core.attach(os.fsdecode(os.fspath(path)), gpu, bool(gpu_required),
+                            bool(allow_foreign_owner), int(pin_budget_bytes), bool(quiet))
+    finally:
+        _emit_logs()
     return Arena(core)
 
 
@@ -252,6 +359,7 @@ class StreamProducer:
             int(pin_budget_bytes), int(block_alignment),
             os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
             bool(sweep_at_start), bool(quiet))
+        _emit_logs()
 
     def __enter__(self):
         return self
@@ -318,6 +426,7 @@ class StreamProducer:
 
     def stats(self) -> dict:
         """total_bytes, free_bytes, largest_free_block, segments, live_blocks, spills, ..."""
+        _emit_logs()
         return self._core.stats()
 
     def segment_paths(self):
@@ -477,18 +586,20 @@ class Reservation:
 class StreamTensor:
     """A consumer's zero-copy view of one streamed tensor.
 
-    `.key`, `.dtype`, `.shape`, `.nbytes`; `.numpy()` and `.torch()` give read-only views.
+    `.key`, `.shape`, `.nbytes`; `.dtype` the torch dtype of `.torch()` (the NumPy dtype of
+    `.numpy()` when torch is not installed), `.numpy_dtype`, and `.dtype_name` the stream's
+    name ("f32", "bf16", ...); `.numpy()` and `.torch()` give read-only views.
     The reader's share goes back to the producer when this object and every view made from it
     are gone, or at `release()` (or the end of a `with` block) once the views are gone:
     after `release()` no new view can be made (ValueError), and views made before stay valid
     until they are dropped, so none ever reads memory given back to the producer.
     """
 
-    __slots__ = ("_core", "_layout", "_release_later", "key", "dtype", "shape", "nbytes")
+    __slots__ = ("_core", "_layout", "_release_later", "key", "dtype_name", "shape", "nbytes")
 
     def __init__(self, core, summary=None):
         self._core = core
-        self.key, self.dtype, self.shape, self.nbytes = summary or core.summary()
+        self.key, self.dtype_name, self.shape, self.nbytes = summary or core.summary()
         self._layout = None
         self._release_later = False
 
@@ -497,7 +608,7 @@ class StreamTensor:
         # (handle, key, dtype, shape, nbytes) from _core's open_summary, without __init__'s
         # second call into the module.
         self = object.__new__(cls)
-        self._core, self.key, self.dtype, self.shape, self.nbytes = opened
+        self._core, self.key, self.dtype_name, self.shape, self.nbytes = opened
         self._layout = None
         self._release_later = False
         return self
@@ -517,13 +628,29 @@ class StreamTensor:
 
     def __repr__(self):
         return "<expert_arena.StreamTensor %r %s %s%s>" % (
-            self.key, self.dtype, list(self.shape), " released" if self.released else "")
+            self.key, self.dtype_name, list(self.shape), " released" if self.released else "")
 
     def _get_layout(self):
         if self._layout is None:
-            self._layout = _dtypes.cached_stream_layout(self.dtype, self.shape, self.nbytes,
-                                                        self.key)
+            self._layout = _dtypes.cached_stream_layout(self.dtype_name, self.shape,
+                                                        self.nbytes, self.key)
         return self._layout
+
+    @property
+    def numpy_dtype(self):
+        """The NumPy dtype of numpy() (bf16 as uint16, FP8 and unknown names as uint8)."""
+        return (self._layout or self._get_layout()).numpy_dtype
+
+    @property
+    def dtype(self):
+        """The torch dtype of torch() (torch.bfloat16 for "bf16"; uint8 for FP8 on a torch
+        without FP8 types); the NumPy dtype of numpy() when torch is not installed."""
+        layout = self._layout or self._get_layout()
+        try:
+            t = _load_torch()
+        except ImportError:
+            return layout.numpy_dtype
+        return t.torch_dtype(layout.torch_name, layout.numpy_dtype)
 
     def numpy(self):
         """A read-only NumPy view (bf16 as uint16, unknown dtypes as raw uint8 bytes)."""
@@ -617,6 +744,7 @@ class StreamConsumer:
         self._core = _core.StreamConsumer(
             os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)), gpu,
             int(pin_budget_bytes), bool(allow_foreign_owner), bool(quiet))
+        _emit_logs()
 
     def __enter__(self):
         return self
@@ -703,3 +831,29 @@ def sweep(directory="/dev/shm") -> dict:
 def inspect_segment(path) -> dict:
     """A segment's header and block table (owner, liveness, live blocks), taking nothing."""
     return _core.inspect_segment(os.fsdecode(os.fspath(path)))
+
+
+def load_into(module, arena, names=None, strict=False, requires_grad=False):
+    """Puts arena tensors into an nn.Module's parameters and buffers without copying (torch
+    1.13's load_state_dict copies). `names` maps arena names to module keys: a dict (HF
+    names to module attributes), a callable returning the key or None, or None for the same
+    names. Shapes and dtypes must match (ValueError naming both). Returns LoadResult(loaded,
+    missing_keys, unexpected_keys); `strict` raises KeyError when a list is not empty, before
+    anything is changed. Parameters become nn.Parameter(view, requires_grad=False)."""
+    return _load_torch().load_into(module, arena, names, strict, requires_grad)
+
+
+def decode_fp8(tensor, format="e4m3", dtype=None, scale=None):
+    """FP8 codes (the uint8 views of f8_e4m3 / f8_e5m2 tensors, or a torch float8 tensor)
+    decoded to torch.float32, or `dtype` (torch.bfloat16, torch.float16), times `scale` when
+    given; works on torch 1.13, which has no FP8 types. `format` is "e4m3" (OCP e4m3fn:
+    finite, max 448) or "e5m2" (IEEE-like, with inf and NaN)."""
+    return _load_torch().decode_fp8(tensor, format, dtype, scale)
+
+
+def __getattr__(name):
+    if name == "LoadResult":
+        return _load_torch().LoadResult
+    if name == "ReadOnlyTensor":
+        return _load_torch().ReadOnlyTensor
+    raise AttributeError("module 'expert_arena' has no attribute %r" % name)

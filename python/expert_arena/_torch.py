@@ -1,11 +1,21 @@
 """The torch half of the package, imported only when a torch call is made.
 
-Views of arena and stream bytes are `ReadOnlyTensor`s: torch (before 2.x and still today) has
-no read-only tensors, and arena mappings are read-only (a write would be a segfault) or, when
-registered with a GPU, shared with every engine (a write would corrupt them all). The subclass
-refuses every in-place operation on itself and on the views derived from it with a ValueError;
-everything else runs as on a plain tensor, and results that own new memory (`.to("cuda")`,
-`.float()` of an f16 tensor, a matmul) are plain tensors.
+Arena views are plain `torch.Tensor`s over the arena's copy-on-write mapping
+(`Arena::CopyOnWriteData`): torch has no read-only tensors, and a guard written in Python
+(`__torch_function__`) costs 5-50x a small op. Over a MAP_PRIVATE mapping every route to a
+writable pointer (np.asarray, torch.from_numpy, dlpack, as_strided, set_, out=) is harmless: a
+write copies the page it touches into this process and never reaches the shared file, the
+GPU-registered mapping or another engine; the bytes the other views of this process read are
+then the written ones, as for any tensor.
+
+Stream tensor views are `ReadOnlyTensor`s, which refuse in-place operations with a ValueError
+(at the cost of a Python call per op). `ReadOnlyTensor` is also what `Arena.torch(name,
+guard=True)` gives, for code that wants a write to raise.
+
+Tensors whose bytes lie in a shared arena cross processes by reference through
+multiprocessing's ForkingPickler (torch.multiprocessing Queues and Pools, multiprocessing's
+own): the pickle holds the arena's path, identity, the byte range, dtype, size and strides,
+and the receiving process attaches to the arena (once) and rebuilds the view zero-copy.
 """
 
 from __future__ import annotations
@@ -26,10 +36,15 @@ _INPLACE_DUNDERS = frozenset({
 })
 
 
+# Methods whose names end in "_" but that write no element: they change flags or metadata
+# (requires_grad_; share_memory_ moves the storage into new shared memory, a copy).
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad_"})
+
+
 def _writes_in_place(name):
     if name in _INPLACE_DUNDERS:
         return True
-    return name.endswith("_") and not name.endswith("__")
+    return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
 
 
 class ReadOnlyTensor(torch.Tensor):
@@ -54,12 +69,15 @@ class ReadOnlyTensor(torch.Tensor):
         target = args[0] if args else None
         if (isinstance(target, ReadOnlyTensor) and _writes_in_place(name)) or \
                 isinstance(kwargs.get("out"), ReadOnlyTensor):
+            label = getattr(target if isinstance(target, ReadOnlyTensor) else kwargs.get("out"),
+                            "_ea_name", None)
             raise ValueError(
-                "expert_arena: %s would write into a read-only view of shared memory (an arena "
-                "or a stream segment); make a copy first (tensor.clone())" % name)
+                "expert_arena: %s would write into the read-only tensor %s (a view of shared "
+                "memory: an arena or a stream segment); make a copy first (tensor.clone())"
+                % (name, repr(label) if label else "view"))
         with torch._C.DisableTorchFunction():
             out = func(*args, **kwargs)
-            if name == "numpy" and isinstance(out, np.ndarray):
+            if name in ("numpy", "__array__") and isinstance(out, np.ndarray):
                 out.flags.writeable = False
                 return out
             return _rewrap(out, args, cls)
@@ -76,6 +94,8 @@ def _ranges(args):
 
 def _rewrap(out, args, cls):
     """Results that point into a read-only tensor's memory stay read-only."""
+    if type(out) is cls:  # the tensor itself (requires_grad_, detach_): the same object
+        return out
     if isinstance(out, torch.Tensor):
         if out.device.type != "cpu":
             return out if type(out) is torch.Tensor else torch.Tensor.as_subclass(out, torch.Tensor)
@@ -203,3 +223,215 @@ for _attr, _name in (("uint16", "u16"), ("uint32", "u32"), ("uint64", "u64"),
                      ("float8_e8m0fnu", "f8_e8m0")):
     if isinstance(getattr(torch, _attr, None), torch.dtype):
         _STREAM_NAMES[getattr(torch, _attr)] = _name
+
+
+# ---- Arena views across processes ---------------------------------------------------------
+
+def _arena_reference(tensor):
+    """The rebuild arguments of a CPU tensor whose storage lies in a shared arena's view
+    mapping, or None."""
+    if tensor.layout != torch.strided or not tensor.is_cpu or \
+            (tensor.requires_grad and not tensor.is_leaf):
+        return None
+    storage = tensor.storage()
+    nbytes = storage.nbytes()
+    from . import _core
+    found = _core.find_view(storage.data_ptr(), nbytes)
+    if found is None:
+        return None
+    path, identity_hash, offset = found
+    return (path, identity_hash, offset, nbytes, tensor.dtype, tuple(tensor.size()),
+            tuple(tensor.stride()), tensor.storage_offset())
+
+
+_ATTACHED = {}
+
+
+def _attached(path, identity_hash):
+    """This process's attachment to the arena at `path` (made once and kept: views received
+    later reuse it), checked to be the same arena the sender had."""
+    from . import attach
+    arena = _ATTACHED.get(path)
+    if arena is None or arena.closed or arena.report["identity_hash"] != identity_hash:
+        arena = attach(path)
+        if arena.report["identity_hash"] != identity_hash:
+            arena.close()
+            raise ValueError(
+                "expert_arena: a tensor sent from the arena %s cannot be rebuilt: the file now "
+                "holds another model (identity %016x, the sender's was %016x)"
+                % (path, arena.report["identity_hash"], identity_hash))
+        _ATTACHED[path] = arena
+    return arena
+
+
+def rebuild_arena_view(path, identity_hash, offset, nbytes, dtype, size, stride,
+                       storage_offset, requires_grad=False, parameter=False):
+    """The receiving side of a view sent by reference: attaches to `path` and makes a
+    zero-copy tensor over the same bytes, size and strides."""
+    arena = _attached(path, identity_hash)
+    buffer = arena._core.region(int(offset), int(nbytes), True)
+    t = torch.from_numpy(buffer)
+    if dtype != torch.uint8:
+        t = t.view(dtype)
+    t = t.as_strided(size, stride, storage_offset)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t
+
+
+def _reducer(previous, parameter):
+    def reduce(tensor):
+        ref = _arena_reference(tensor)
+        if ref is None:
+            return previous(tensor)
+        return rebuild_arena_view, ref + (tensor.requires_grad, parameter)
+    reduce.__name__ = "reduce_arena_tensor"
+    return reduce
+
+
+def _default_reduce(tensor):
+    return tensor.__reduce_ex__(4)
+
+
+def register_reductions():
+    """Registers with multiprocessing's ForkingPickler (torch.multiprocessing Queues and
+    Pools, multiprocessing's own) a reduction that sends views of shared arenas by reference
+    and hands every other tensor to the reduction registered before (torch's, which moves it
+    to shared memory)."""
+    from multiprocessing.reduction import ForkingPickler
+    import torch.multiprocessing  # noqa: F401  (torch's reductions first; ours wrap them)
+    for cls, parameter in ((torch.Tensor, False), (torch.nn.Parameter, True)):
+        previous = ForkingPickler._extra_reducers.get(cls, _default_reduce)
+        if getattr(previous, "__name__", "") == "reduce_arena_tensor":
+            continue
+        ForkingPickler.register(cls, _reducer(previous, parameter))
+
+
+register_reductions()
+
+
+# ---- Loading into modules -----------------------------------------------------------------
+
+class LoadResult(tuple):
+    """(loaded, missing_keys, unexpected_keys) of load_into()."""
+
+    __slots__ = ()
+
+    def __new__(cls, loaded, missing_keys, unexpected_keys):
+        return tuple.__new__(cls, (loaded, missing_keys, unexpected_keys))
+
+    loaded = property(lambda self: self[0])
+    missing_keys = property(lambda self: self[1])
+    unexpected_keys = property(lambda self: self[2])
+
+    def __repr__(self):
+        return "LoadResult(loaded=%d, missing_keys=%r, unexpected_keys=%r)" % (
+            len(self[0]), self[1], self[2])
+
+
+def load_into(module, arena, names=None, strict=False, requires_grad=False):
+    """Puts arena tensors into `module`'s parameters and buffers without copying.
+
+    `names` maps an arena tensor name to the module key (as in module.state_dict()): a dict
+    (arena names it lists that the arena lacks are skipped: their keys stay missing), a
+    callable returning the key or None (skip), or None (the same names). Each target must
+    exist with the same shape and dtype (ValueError naming both otherwise); a parameter
+    becomes nn.Parameter(view, requires_grad=False), a buffer the view itself. Returns
+    LoadResult(loaded, missing_keys, unexpected_keys): the keys filled, the module's keys left
+    as they were, and the arena names (dict: the mapped ones) that name no key of the module.
+    `strict` raises KeyError when either list is not empty, before anything is changed."""
+    if names is None:
+        def key_of(name):
+            return name
+    elif callable(names):
+        key_of = names
+    else:
+        mapping = dict(names)
+
+        def key_of(name):
+            return mapping.get(name)
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    plan, unexpected = [], []
+    for name in (arena.keys() if names is None or callable(names) else
+                 [n for n in mapping if n in arena]):
+        key = key_of(name)
+        if key is None:
+            continue
+        target = params.get(key)
+        if target is None:
+            target = buffers.get(key)
+        if target is None:
+            unexpected.append(name)
+            continue
+        view = arena.torch(name)
+        if tuple(view.shape) != tuple(target.shape) or view.dtype != target.dtype:
+            raise ValueError(
+                "load_into(): arena tensor %r is %s %s but %s is %s %s"
+                % (name, view.dtype, list(view.shape), key, target.dtype, list(target.shape)))
+        plan.append((key, view, key in params))
+    loaded = [key for key, _, _ in plan]
+    missing = [k for k in list(params) + list(buffers) if k not in set(loaded)]
+    if strict and (missing or unexpected):
+        raise KeyError("load_into(): missing keys %s, unexpected names %s" % (missing, unexpected))
+    for key, view, is_param in plan:
+        owner_name, _, attr = key.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if is_param:
+            setattr(owner, attr, torch.nn.Parameter(view, requires_grad=requires_grad))
+        else:
+            owner._buffers[attr] = view
+    return LoadResult(loaded, missing, unexpected)
+
+
+# ---- FP8 ----------------------------------------------------------------------------------
+
+_FP8 = {}
+
+
+def _fp8_table(kind):
+    """The 256 values of an FP8 format as float32 (OCP FP8: e4m3fn has no infinities and one
+    NaN per sign; e5m2 follows IEEE 754 with infinities and NaNs)."""
+    table = _FP8.get(kind)
+    if table is None:
+        if kind == "e4m3":
+            exp_bits, man_bits, bias = 4, 3, 7
+        elif kind == "e5m2":
+            exp_bits, man_bits, bias = 5, 2, 15
+        else:
+            raise ValueError("decode_fp8(): format is \"e4m3\" or \"e5m2\", got %r" % (kind,))
+        codes = np.arange(256, dtype=np.uint32)
+        sign = np.where(codes & 0x80, -1.0, 1.0)
+        exp = (codes >> man_bits) & ((1 << exp_bits) - 1)
+        man = codes & ((1 << man_bits) - 1)
+        normal = (1.0 + man / float(1 << man_bits)) * np.power(2.0, exp.astype(np.float64) - bias)
+        subnormal = (man / float(1 << man_bits)) * 2.0 ** (1 - bias)
+        values = sign * np.where(exp == 0, subnormal, normal)
+        if kind == "e4m3":
+            values[(exp == 15) & (man == 7)] = np.nan
+        else:
+            top = exp == 31
+            values[top & (man == 0)] = sign[top & (man == 0)] * np.inf
+            values[top & (man != 0)] = np.nan
+        table = torch.from_numpy(values.astype(np.float32))
+        _FP8[kind] = table
+    return table
+
+
+def decode_fp8(tensor, format="e4m3", dtype=None, scale=None):
+    """FP8 bytes (uint8, or a torch float8 tensor) decoded to `dtype` (torch.float32 by
+    default, or torch.bfloat16 / float16), optionally multiplied by `scale` (a number or a
+    tensor that broadcasts, such as a per-block scale already expanded). Works on torch 1.13,
+    which has no FP8 dtypes: a table lookup of the 256 codes."""
+    if not isinstance(tensor, torch.Tensor):
+        tensor = torch.from_numpy(np.asarray(tensor))
+    if tensor.dtype != torch.uint8:
+        if tensor.element_size() != 1:
+            raise TypeError("decode_fp8(): expected 1-byte codes (uint8 or a float8 dtype), got "
+                            "%s" % tensor.dtype)
+        tensor = tensor.view(torch.uint8)
+    table = _fp8_table(format).to(tensor.device)
+    out = table[tensor.long()]
+    if scale is not None:
+        out = out * scale
+    return out.to(dtype) if dtype is not None and dtype != torch.float32 else out

@@ -1,10 +1,45 @@
 // expert_arena._core: arenas (open, attach, Arena and its views).
+#include <map>
+
 #include "binding.h"
 
 namespace expert_arena::python {
 namespace {
 
 // ---- Arenas -----------------------------------------------------------------------------
+
+// The copy-on-write mappings of shared arenas that Python views point into, by start address,
+// so that a tensor about to be pickled can be recognised as a view of one (and sent as a
+// reference). An entry holds its Arena weakly: it is stale, and dropped, once the last view is
+// gone and the mapping with it (a later mapping may reuse the addresses). Guarded by the GIL.
+struct ViewMapping {
+  uintptr_t end = 0;
+  std::weak_ptr<Arena> arena;
+  std::string path;
+  uint64_t identity_hash = 0;
+};
+std::map<uintptr_t, ViewMapping>& ViewMappings() {
+  static auto* mappings = new std::map<uintptr_t, ViewMapping>();
+  return *mappings;
+}
+
+// (path, identity_hash, offset in the data region) of a shared arena's view mapping that
+// holds [address, address + length), or None.
+py::object FindView(uintptr_t address, uint64_t length) {
+  auto& mappings = ViewMappings();
+  while (true) {
+    auto it = mappings.upper_bound(address);
+    if (it == mappings.begin()) return py::none();
+    --it;
+    if (it->second.arena.expired()) {
+      // Unmapped: its addresses may now belong to a later mapping that starts below it.
+      mappings.erase(it);
+      continue;
+    }
+    if (address >= it->second.end || length > it->second.end - address) return py::none();
+    return py::make_tuple(it->second.path, it->second.identity_hash, address - it->first);
+  }
+}
 
 // The Python Arena's handle. close() drops `arena`; views hold their own shared_ptr.
 class PyArena {
@@ -72,14 +107,54 @@ class PyArena {
     return out;
   }
 
+  // The bytes of `name` in the copy-on-write mapping (Arena::CopyOnWriteData): every Python
+  // view points there, so no route from a view (np.asarray, torch.from_numpy, dlpack, the
+  // buffer protocol) reaches the shared (read-only, or GPU-registered) mapping. `writable` only
+  // sets the array's flag; a write through it copies a page into this process.
   py::array Buffer(const std::string& name, bool writable) const {
     TensorView v = Find(name);
-    return ByteArray(v.bytes, Get(), writable);
+    std::span<std::byte> data = ViewData();
+    const auto offset = static_cast<size_t>(v.bytes.data() - Get()->data().data());
+    return ByteArray(std::span<const std::byte>(data.data() + offset, v.bytes.size()), Get(),
+                     writable);
   }
 
+  // [offset, offset + length) of the data region in the copy-on-write mapping (a view sent
+  // by reference from another process, rebuilt here).
+  py::array Region(uint64_t offset, uint64_t length, bool writable) const {
+    std::span<std::byte> data = ViewData();
+    if (offset > data.size() || length > data.size() - offset) {
+      throw py::value_error("bytes [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                            ") lie outside the data region of the arena " + Get()->report().path +
+                            " (" + std::to_string(data.size()) + " bytes)");
+    }
+    return ByteArray(std::span<const std::byte>(data.data() + offset, length), Get(), writable);
+  }
+
+  // (address, bytes) of the views' mapping.
   py::tuple DataRange() const {
+    std::span<std::byte> data = ViewData();
+    return py::make_tuple(reinterpret_cast<uintptr_t>(data.data()), data.size());
+  }
+
+  // (address, bytes) of the arena's own mapping (the one registered with a GPU).
+  py::tuple SharedRange() const {
     auto data = Get()->data();
     return py::make_tuple(reinterpret_cast<uintptr_t>(data.data()), data.size());
+  }
+
+  std::span<std::byte> ViewData() const {
+    if (view_data_.data() == nullptr) {
+      const auto& arena = Get();
+      view_data_ = Take(arena->CopyOnWriteData());
+      const ArenaReport& r = arena->report();
+      if (!r.path.empty() && !view_data_.empty()) {
+        auto start = reinterpret_cast<uintptr_t>(view_data_.data());
+        ViewMappings()[start] =
+            ViewMapping{start + view_data_.size(), arena, r.path, r.identity_hash};
+      }
+    }
+    return view_data_;
   }
 
   py::dict Report() const {
@@ -136,6 +211,7 @@ class PyArena {
  private:
   std::shared_ptr<Arena> arena_;
   std::string start_line_;
+  mutable std::span<std::byte> view_data_;  // guarded by the GIL
 };
 
 ArenaOptions MakeArenaOptions(const std::optional<std::string>& shared_path, const std::string& gpu,
@@ -203,9 +279,37 @@ PyArena AttachArena(const std::string& path, const std::string& gpu, bool gpu_re
   return PyArena(Take(std::move(*arena)));
 }
 
+// Routes the library's "expert_arena" logger into a CollectingSink (made once per process).
+std::shared_ptr<CollectingSink> LogSink() {
+  static std::shared_ptr<CollectingSink> sink = [] {
+    auto made = std::make_shared<CollectingSink>();
+    auto logger = spdlog::get("expert_arena");
+    if (logger) {
+      logger->sinks().clear();
+      logger->sinks().push_back(made);
+    } else {
+      logger = std::make_shared<spdlog::logger>("expert_arena", made);
+      spdlog::register_logger(logger);
+    }
+    return made;
+  }();
+  return sink;
+}
+
+py::tuple TakeLogs() {
+  const auto& sink = LogSink();
+  if (sink->empty()) return py::make_tuple(py::list(), 0);
+  auto [records, dropped] = sink->Take();
+  py::list out;
+  for (auto& [level, text] : records) out.append(py::make_tuple(level, py::str(text)));
+  return py::make_tuple(out, dropped);
+}
+
 }  // namespace
 
 void BindArena(py::module_& m) {
+  LogSink();
+  m.def("take_logs", &TakeLogs);
   py::class_<PyArena>(m, "Arena")
       .def("__len__", &PyArena::Length)
       .def("__contains__", &PyArena::Contains)
@@ -215,6 +319,8 @@ void BindArena(py::module_& m) {
       .def("report", &PyArena::Report)
       .def("buffer", &PyArena::Buffer, py::arg("name"), py::arg("writable") = false)
       .def("data_range", &PyArena::DataRange)
+      .def("shared_range", &PyArena::SharedRange)
+      .def("region", &PyArena::Region, py::arg("offset"), py::arg("length"), py::arg("writable"))
       .def("close", &PyArena::Close)
       .def_property_readonly("closed", &PyArena::closed);
 
@@ -224,6 +330,7 @@ void BindArena(py::module_& m) {
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
         py::arg("peer_token") = "");
+  m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
 }

@@ -6,14 +6,17 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -191,6 +194,47 @@ inline HugePages ParseHuge(const std::string& huge) {
   if (huge == "off") return HugePages::kOff;
   throw py::value_error("huge=" + huge + ": use \"auto\", \"on\" or \"off\"");
 }
+
+// The sink of the library's "expert_arena" logger inside Python: it keeps each message (with
+// its level as Python's logging numbers it) until Python takes them and hands them to the
+// logging module's "expert_arena" logger (expert_arena._emit_logs, after each call that may
+// log). Taking the GIL here instead could deadlock: a library thread that logs while holding
+// a lock the GIL holder waits for. Bounded: past kMaxRecords, messages are counted, not kept.
+class CollectingSink : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  static constexpr size_t kMaxRecords = 4096;
+
+  // The records collected so far, and how many were dropped; clears both.
+  std::pair<std::vector<std::pair<int, std::string>>, uint64_t> Take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::pair<std::vector<std::pair<int, std::string>>, uint64_t> out{std::move(records_),
+                                                                      dropped_};
+    records_.clear();
+    dropped_ = 0;
+    return out;
+  }
+
+  bool empty() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return records_.empty() && dropped_ == 0;
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    if (records_.size() >= kMaxRecords) {
+      ++dropped_;
+      return;
+    }
+    static constexpr int kLevels[] = {5, 10, 20, 30, 40, 50, 0};  // trace .. critical, off
+    int level = kLevels[std::min<size_t>(static_cast<size_t>(msg.level), 6)];
+    records_.emplace_back(level, std::string(msg.payload.data(), msg.payload.size()));
+  }
+  void flush_() override {}
+
+ private:
+  std::vector<std::pair<int, std::string>> records_;
+  uint64_t dropped_ = 0;
+};
 
 // Adds Arena, open and attach to the module (arena_binding.cc).
 void BindArena(py::module_& m);

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
@@ -318,5 +319,41 @@ std::optional<TensorView> Arena::Find(std::string_view name) const {
 }
 
 std::span<const std::byte> Arena::data() const { return impl_->data(); }
+
+Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
+  Impl& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.copy_on_write_mutex);
+  if (impl.fd.get() < 0) {
+    // A private arena: anonymous memory of this process only.
+    EA_RETURN_IF_ERROR(impl.mapping.MakeWritable());
+    return std::span<std::byte>(impl.mapping.data() + impl.data_offset, impl.table.data_bytes);
+  }
+  if (impl.copy_on_write.data() == nullptr) {
+    const bool hugetlbfs = impl.report.backing == "hugetlbfs";
+    uint64_t alignment = std::max<uint64_t>(impl.mapping.alignment(), kHugePageBytes);
+    EA_ASSIGN_OR_RETURN(
+        impl.copy_on_write,
+        platform::Mapping::MapFileCopyOnWrite(impl.fd, impl.mapping.size(), alignment, hugetlbfs));
+    if (impl.registration && impl.registration->report().registered_bytes > 0) {
+      // Registered read-only: pinning with write intent would copy every page of a private
+      // mapping. Pages a write copied later are not the pinned ones: a device copy then reads
+      // the arena's bytes, not the stray write.
+      gpu::RegisterOptions options;
+      options.device = impl.registration->report().device;
+      options.read_only = true;
+      auto registration = gpu::RegisterHostRange(impl.copy_on_write.bytes(), options);
+      if (registration.ok() && (*registration)->report().registered_bytes > 0) {
+        impl.copy_on_write_registration = std::move(*registration);
+      } else {
+        ResolveLogger(nullptr)->warn(
+            "expert-arena: {}: the copy-on-write mapping of the views is not registered "
+            "with {} ({}): device copies from them are staged",
+            impl.report.path, options.device,
+            registration.ok() ? (*registration)->report().note : registration.status().message());
+      }
+    }
+  }
+  return std::span<std::byte>(impl.copy_on_write.data() + impl.data_offset, impl.table.data_bytes);
+}
 
 }  // namespace expert_arena

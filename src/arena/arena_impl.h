@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string_view>
 #include <unordered_map>
@@ -27,7 +28,10 @@ namespace expert_arena {
 struct Arena::Impl {
   platform::UniqueFd fd;      // holds USER (shared) for a shared arena
   platform::Mapping mapping;  // the whole file, or anonymous memory
-  uint64_t data_offset = 0;   // header bytes for a shared arena, 0 when private
+  // Arena::CopyOnWriteData's MAP_PRIVATE mapping of the whole file, made on first use.
+  std::mutex copy_on_write_mutex;
+  platform::Mapping copy_on_write;
+  uint64_t data_offset = 0;  // header bytes for a shared arena, 0 when private
   // A private arena: the whole table, names indexed in by_name. A shared one: the scalars of
   // the table only; its tensors are read in place from the header in the mapping (`view`,
   // O(1) heap and Find whatever the tensor count).
@@ -35,6 +39,9 @@ struct Arena::Impl {
   std::optional<format::TableView> view;
   std::unordered_map<std::string_view, size_t> by_name;
   std::unique_ptr<gpu::Registration> registration;
+  // The copy-on-write mapping registered read-only with the same device (when the arena is
+  // registered), so that device copies from Python views are DMA too. Freed before it.
+  std::unique_ptr<gpu::Registration> copy_on_write_registration;
   ArenaReport report;
 
   std::span<const std::byte> data() const {

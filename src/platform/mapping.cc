@@ -123,7 +123,10 @@ double PopulateByTouch(void* data, uint64_t length, bool write, unsigned threads
 }
 
 Mapping::Mapping(Mapping&& other) noexcept
-    : data_(other.data_), size_(other.size_), writable_(other.writable_) {
+    : data_(other.data_),
+      size_(other.size_),
+      writable_(other.writable_),
+      alignment_(other.alignment_) {
   other.data_ = nullptr;
   other.size_ = 0;
 }
@@ -134,6 +137,7 @@ Mapping& Mapping::operator=(Mapping&& other) noexcept {
     data_ = other.data_;
     size_ = other.size_;
     writable_ = other.writable_;
+    alignment_ = other.alignment_;
     other.data_ = nullptr;
     other.size_ = 0;
   }
@@ -159,7 +163,23 @@ Result<Mapping> Mapping::MapFile(const UniqueFd& fd, uint64_t length, bool writa
     ::munmap(where, length);
     return ErrnoStatus(err, "mmap", fd.path());
   }
-  return Mapping(static_cast<std::byte*>(got), length, writable);
+  return Mapping(static_cast<std::byte*>(got), length, writable, alignment);
+}
+
+Result<Mapping> Mapping::MapFileCopyOnWrite(const UniqueFd& fd, uint64_t length, uint64_t alignment,
+                                            bool no_reserve) {
+  if (!IsPowerOfTwo(alignment) || alignment < BasePageSize()) {
+    return InvalidArgument("map " + fd.path() + ": bad alignment " + std::to_string(alignment));
+  }
+  EA_ASSIGN_OR_RETURN(std::byte * where, ReserveAligned(length, alignment, fd.path()));
+  int flags = MAP_PRIVATE | MAP_FIXED | (no_reserve ? MAP_NORESERVE : 0);
+  void* got = ::mmap(where, length, PROT_READ | PROT_WRITE, flags, fd.get(), 0);
+  if (got == MAP_FAILED) {
+    int err = errno;
+    ::munmap(where, length);
+    return ErrnoStatus(err, "mmap (copy-on-write)", fd.path());
+  }
+  return Mapping(static_cast<std::byte*>(got), length, true, alignment);
 }
 
 Result<Mapping> Mapping::MapAnonymous(uint64_t length, uint64_t alignment) {
@@ -171,13 +191,22 @@ Result<Mapping> Mapping::MapAnonymous(uint64_t length, uint64_t alignment) {
     ::munmap(where, length);
     return ErrnoStatus(err, "mmap", "anonymous memory");
   }
-  return Mapping(static_cast<std::byte*>(got), length, true);
+  return Mapping(static_cast<std::byte*>(got), length, true, alignment);
 }
 
 Status Mapping::MakeReadOnly() {
   if (data_ == nullptr || !writable_) return Status::Ok();
   if (::mprotect(data_, size_, PROT_READ) != 0) return ErrnoStatus(errno, "mprotect", "mapping");
   writable_ = false;
+  return Status::Ok();
+}
+
+Status Mapping::MakeWritable() {
+  if (data_ == nullptr || writable_) return Status::Ok();
+  if (::mprotect(data_, size_, PROT_READ | PROT_WRITE) != 0) {
+    return ErrnoStatus(errno, "mprotect", "mapping");
+  }
+  writable_ = true;
   return Status::Ok();
 }
 

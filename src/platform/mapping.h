@@ -37,18 +37,32 @@ class Mapping {
   // two, at least the page size). length must not exceed the file's size.
   static Result<Mapping> MapFile(const UniqueFd& fd, uint64_t length, bool writable,
                                  uint64_t alignment);
+  // Maps [0, length) of fd MAP_PRIVATE, PROT_READ | PROT_WRITE, at an aligned address and
+  // without populating it: reads see the file's pages (no memory of its own), a write copies
+  // the page it touches into this process only and never reaches the file or other mappings.
+  // fd needs only read access. `no_reserve` adds MAP_NORESERVE, which hugetlbfs needs so that
+  // the mapping does not reserve a huge page per page of the file up front (a write then takes
+  // a free huge page from the pool, and is SIGBUS when the pool has none).
+  static Result<Mapping> MapFileCopyOnWrite(const UniqueFd& fd, uint64_t length, uint64_t alignment,
+                                            bool no_reserve);
   // Private anonymous memory at an aligned address.
   static Result<Mapping> MapAnonymous(uint64_t length, uint64_t alignment);
 
   // mprotect the whole mapping read-only (after a load is published).
   Status MakeReadOnly();
+  // mprotect it readable and writable again.
+  Status MakeWritable();
+
+  // The alignment the mapping was placed at (0 when unknown).
+  uint64_t alignment() const { return alignment_; }
 
  private:
-  Mapping(std::byte* data, uint64_t size, bool writable)
-      : data_(data), size_(size), writable_(writable) {}
+  Mapping(std::byte* data, uint64_t size, bool writable, uint64_t alignment)
+      : data_(data), size_(size), writable_(writable), alignment_(alignment) {}
   std::byte* data_ = nullptr;
   uint64_t size_ = 0;
   bool writable_ = false;
+  uint64_t alignment_ = 0;
 };
 
 enum class Advice {

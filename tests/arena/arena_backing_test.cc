@@ -131,6 +131,32 @@ TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
 
 // Field lesson 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
 // (and not before: a published file keeps them for a restart to attach).
+// The copy-on-write mapping the Python views use, on hugetlbfs (MAP_NORESERVE: the mapping
+// reserves no huge page; a write takes a free one): it reads the arena's bytes, and a write
+// stays in it. tmpfs: ArenaProtocolTest.CopyOnWriteDataKeepsWritesInThisMapping.
+TEST(ArenaHugetlbSpaceTest, CopyOnWriteDataReadsTheArenaAndKeepsWrites) {
+  ScopedMount mount(ScopedMount::Kind::kHugetlbfs, kModelBytes + 8 * kMiB);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  ScopedDataFile model(kModelBytes, 7);
+  ScopedPath path("arena", mount.dir());
+  ArenaOptions options;
+  options.shared_path = path.path();
+  ModelSpec spec;
+  spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
+  ASSERT_OK_AND_ASSIGN(Arena arena, Arena::Open(spec, options));
+  const std::string sum = FileSum(model.path());
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> copy, arena.CopyOnWriteData());
+  const uint64_t size = arena.tensor(0).bytes.size();
+  EXPECT_EQ(HexSum(copy.first(size)), sum);
+  copy[5] = ~copy[5];
+  copy[size - 1] = ~copy[size - 1];
+  EXPECT_NE(HexSum(copy.first(size)), sum);
+  EXPECT_EQ(HexSum(arena.tensor(0).bytes), sum);
+  ASSERT_OK_AND_ASSIGN(Arena attached, Arena::AttachExisting(path.path(), options));
+  EXPECT_EQ(HexSum(attached.tensor(0).bytes), sum);
+}
+
 TEST(ArenaHugetlbSpaceTest, RemovingTheArenaGivesItsHugePagesBack) {
   ScopedMount mount(ScopedMount::Kind::kHugetlbfs, kModelBytes + 8 * kMiB);
   if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();

@@ -338,6 +338,39 @@ TEST_F(ArenaProtocolTest, SweepRemovesOnlyArenasALoaderLeftUnfinished) {
   EXPECT_EQ(stat(published.path().c_str(), &st), 0);
 }
 
+// The copy-on-write mapping the Python views use: same bytes, written without a fault, and a
+// write never reaches the shared mapping, the file or another engine.
+TEST_F(ArenaProtocolTest, CopyOnWriteDataKeepsWritesInThisMapping) {
+  ArenaOptions options;
+  options.shared_path = arena_.path();
+  ModelSpec spec;
+  spec.files = {model_.path()};
+  spec.format = ModelFormat::kRaw;
+  ASSERT_OK_AND_ASSIGN(Arena loaded, Arena::Open(spec, options));
+  ASSERT_OK_AND_ASSIGN(Arena attached, Arena::AttachExisting(arena_.path(), options));
+  const std::string sum = FileSum(model_.path());
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> copy, attached.CopyOnWriteData());
+  ASSERT_EQ(copy.size(), attached.data().size());
+  EXPECT_NE(copy.data(), attached.data().data());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(copy.data()) % kHugePageBytes, 0u);
+  const uint64_t size = attached.tensor(0).bytes.size();
+  EXPECT_EQ(HexSum(copy.first(size)), sum);
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> again, attached.CopyOnWriteData());
+  EXPECT_EQ(again.data(), copy.data());  // made once
+  std::memset(copy.data(), 0x5a, 3 * 4096 + 17);
+  EXPECT_NE(HexSum(copy.first(size)), sum);
+  EXPECT_EQ(HexSum(attached.tensor(0).bytes), sum);
+  EXPECT_EQ(HexSum(loaded.tensor(0).bytes), sum);
+  ASSERT_OK_AND_ASSIGN(Arena third, Arena::AttachExisting(arena_.path(), options));
+  EXPECT_EQ(HexSum(third.tensor(0).bytes), sum);
+  // A private arena's own memory is made writable instead.
+  ASSERT_OK_AND_ASSIGN(Arena private_arena, Arena::Open(spec, ArenaOptions{}));
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> own, private_arena.CopyOnWriteData());
+  EXPECT_EQ(own.data(), private_arena.data().data());
+  own[0] = std::byte{1};
+  EXPECT_EQ(private_arena.data()[0], std::byte{1});
+}
+
 TEST_F(ArenaProtocolTest, PrivateArenaHasTheSameViews) {
   ModelSpec spec;
   spec.files = {model_.path()};

@@ -109,13 +109,13 @@ def consume(directory):
                 view = t.numpy()
                 assert view.shape == tuple(t.shape) or view.dtype == np.uint8
                 raw = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
-                if t.dtype == "bf16":
+                if t.dtype_name == "bf16":
                     # The torch view holds the same bits.
                     import torch
                     assert t.torch().dtype == torch.bfloat16
                     tt = t.torch().contiguous().view(torch.int16).numpy()
                     assert tt.tobytes() == raw.tobytes()
-                print(t.key, t.dtype, shape_text(t.shape),
+                print(t.key, t.dtype_name, shape_text(t.shape),
                       "%016x" % expert_arena.xxh3_64(raw), flush=True)
         except (OSError, ValueError) as e:
             print("error %s: %s" % (type(e).__name__, e), flush=True)

@@ -156,13 +156,15 @@ def test_gguf_block_quantized_and_integer_types(tmp_path):
         assert torch.equal(a.torch("w.f32"), torch.from_numpy(f32.reshape(2, 6)))
 
 
-def test_writing_through_a_view_raises_and_the_file_is_unchanged(gen_model, shm_path):
+def test_writing_through_a_guarded_view_raises_and_the_file_is_unchanged(gen_model, shm_path):
+    """NumPy views are flagged read-only; torch views made with guard=True refuse in-place
+    ops (test_views.py: what a write through the default, plain view does)."""
     model = gen_model("gguf", "f32")
     path = shm_path()
     with expert_arena.open(model, shared_path=path, quiet=True) as a:
         name = a.names()[0]
         before = a.info(name)["checksum"]
-        x, t = a.numpy(name), a.torch(name)
+        x, t = a.numpy(name), a.torch(name, guard=True)
         with pytest.raises(ValueError):
             x[0, 0, 0] = 1.0
         with pytest.raises(ValueError):
@@ -349,6 +351,8 @@ def test_torch_missing_raises_an_import_error_naming_the_package(gen_model, tmp_
         "a = expert_arena.open(sys.argv[1], quiet=True)\n"
         "n = a.names()[0]\n"
         "assert a.numpy(n).size > 0\n"
+        "exec('from expert_arena import *', {})\n"  # star import needs no torch
+        "assert list(a.keys()) == a.names()\n"
         "try:\n"
         "    a.torch(n)\n"
         "except ImportError as e:\n"

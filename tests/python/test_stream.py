@@ -92,7 +92,7 @@ def test_put_many_is_all_or_none(stream_dir):
         ds = p.put_many({"x": x, "y": y}, readers=2)
         for _ in range(2):
             tx, ty = c.open_many(ds)
-            assert (tx.key, tx.dtype, tx.shape, ty.key, ty.dtype, ty.shape) == \
+            assert (tx.key, tx.dtype_name, tx.shape, ty.key, ty.dtype_name, ty.shape) == \
                 ("x", "f16", (16, 8), "y", "i64", (3, 4))
             assert torch.equal(tx.torch(), x) and np.array_equal(ty.numpy(), y)
             tx.release()
@@ -214,7 +214,7 @@ def test_views_are_zero_copy_read_only_and_outlive_release(stream_dir):
             expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
         x = torch.randn(64, 32)
         t = c.open(p.put("k1", x))
-        assert (t.key, t.dtype, t.shape, t.nbytes) == ("k1", "f32", (64, 32), x.numel() * 4)
+        assert (t.key, t.dtype_name, t.shape, t.nbytes) == ("k1", "f32", (64, 32), x.numel() * 4)
         v, n = t.torch(), t.numpy()
         assert v.data_ptr() == t.address == n.__array_interface__["data"][0]
         assert torch.equal(v, x) and np.array_equal(n, x.numpy())
