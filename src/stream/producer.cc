@@ -697,6 +697,10 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
     return InvalidArgument("stream warning interval " + std::to_string(o.warning_interval_seconds) +
                            " s: must be 0 or more");
   }
+  if (!(o.lease_check_seconds >= 0)) {
+    return InvalidArgument("stream lease check interval " +
+                           std::to_string(o.lease_check_seconds) + " s: must be 0 or more");
+  }
   impl->regular_file_bytes = stream::SegmentFileBytes(o.segment_bytes);
   impl->cap_bytes = impl->regular_file_bytes * o.max_segments;
   impl->regular_slots = static_cast<uint32_t>(

@@ -556,6 +556,8 @@ TEST(StreamProcess, CliInfoPrintsALogicalNameEscaped) {
   const std::string tool = testing::BinDir() + "/expert-arena";
   if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built";
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  std::vector<std::byte> data(100);
+  ASSERT_OK(producer.Put("k", data, {}).status());  // its first segment
   const std::string seg = producer.SegmentPaths().at(0);
   testing::WriteLogicalName(seg, "caf\xc3\xa9\x9b[2J");
   Child info = testing::SpawnProgram(tool, {"info", seg});
