@@ -5,7 +5,7 @@ Shared arenas (the first engine loads, the others attach without reading the mod
 
     import expert_arena
     with expert_arena.open(["model.gguf"], shared_path="/dev/shm/model.arena") as arena:
-        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy, read-only
+        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy; a stray write stays private
         print(arena.report["start_line"])
 
 Tensor streaming (descriptors are bytes an engine sends over its own channel)::
