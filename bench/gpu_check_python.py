@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The Python step of bench/gpu_check.sh: an arena opened with gpu="cuda" from Python is
 registered host memory, so torch sees it as pinned and
-`arena.torch(name).to("cuda", non_blocking=True)` is an asynchronous DMA copy. Timed against
+`arena.torch(name).to("cuda", non_blocking=True)` is an asynchronous DMA copy. (Python views
+point into the arena's copy-on-write mapping, which the library registers read-only with the
+same device; "not pinned" here means the device refused that registration.) Timed against
 the same copy from pageable memory (a clone of the tensor in ordinary process memory), and
 the device copy is compared with the host bytes. Then a device tensor is streamed in place:
 copied into a reservation of a producer registered with the device (a DMA copy, timed against

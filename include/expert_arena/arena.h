@@ -191,15 +191,15 @@ class EXPERT_ARENA_EXPORT Arena {
   // The whole data region.
   std::span<const std::byte> data() const;
 
-  // The data region again (same offsets as data()), through a copy-on-write mapping of this
-  // process, for languages that cannot hand out read-only memory (Python buffers, torch
-  // tensors): reads see the arena's pages without copying them; a write copies the page it
-  // touches into this process and never reaches the file, the GPU-registered mapping or
-  // another engine. Made on the first call (thread-safe), unmapped with the Arena; it is not
-  // registered with a GPU. A shared arena on hugetlbfs is mapped MAP_NORESERVE (otherwise the
-  // kernel would reserve a huge page per page of the arena): a write there takes a free huge
-  // page, and is SIGBUS when the pool has none. A private arena has no file to map again: its
-  // own memory is made writable and returned (a write changes this process's private arena).
+  // The data region again (same offsets as data()) in a copy-on-write mapping of this process,
+  // for languages that cannot hand out read-only memory (Python buffers, torch tensors): reads
+  // see the arena's pages, uncopied; a write copies the page it touches into this process and
+  // never reaches the file, the GPU-registered mapping or another engine. Made on first call
+  // (thread-safe), unmapped with the Arena; registered read-only with the arena's GPU, if any
+  // (pinned for writing, every page would be copied; a failure is a warning). On hugetlbfs it
+  // is MAP_NORESERVE (else the kernel reserves a huge page per page of the arena): a write takes
+  // a free huge page, SIGBUS when the pool has none. A private arena has no file to map again:
+  // its own memory is made writable and returned (a write changes this process's arena only).
   // Fails with the mmap error naming the file.
   Result<std::span<std::byte>> CopyOnWriteData() const;
 

@@ -5,7 +5,7 @@ Shared arenas (the first engine loads, the others attach without reading the mod
 
     import expert_arena
     with expert_arena.open(["model.gguf"], shared_path="/dev/shm/model.arena") as arena:
-        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy, read-only
+        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy; a stray write stays private
         print(arena.report["start_line"])
 
 Tensor streaming (descriptors are bytes an engine sends over its own channel)::
@@ -595,13 +595,15 @@ class StreamTensor:
     until they are dropped, so none ever reads memory given back to the producer.
     """
 
-    __slots__ = ("_core", "_layout", "_release_later", "key", "dtype_name", "shape", "nbytes")
+    __slots__ = ("_core", "_layout", "_release_later", "_where", "key", "dtype_name", "shape",
+                 "nbytes")
 
     def __init__(self, core, summary=None):
         self._core = core
         self.key, self.dtype_name, self.shape, self.nbytes = summary or core.summary()
         self._layout = None
         self._release_later = False
+        self._where = None
 
     @classmethod
     def _opened(cls, opened):
@@ -611,6 +613,7 @@ class StreamTensor:
         self._core, self.key, self.dtype_name, self.shape, self.nbytes = opened
         self._layout = None
         self._release_later = False
+        self._where = None
         return self
 
     @property
@@ -625,6 +628,23 @@ class StreamTensor:
     def __exit__(self, *exc):
         if not self._release_later:
             self.release()
+
+    def __reduce__(self):
+        """Pickles as a reference: the descriptor and the consumer's directories. The receiving
+        process opens it (zero-copy) as one more reader, so the producer must have published
+        it for as many readers as processes will open it; this one keeps its own share until
+        it releases it."""
+        if self._where is None or self._core.released:
+            raise TypeError("stream tensor %s cannot be pickled: %s" % (
+                self.key, "it was released" if self._core.released else
+                "it was not opened by a StreamConsumer of this package"))
+        return _receive_stream_tensor, (_core.encode_descriptor(self._core.descriptor()),
+                                        self._where[0], self._where[1])
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a StreamTensor is a reader's share of a producer's block, not data: "
+                        "copy its view (t.torch().clone(), t.numpy().copy()), or open its "
+                        "descriptor again")
 
     def __repr__(self):
         return "<expert_arena.StreamTensor %r %s %s%s>" % (
@@ -741,6 +761,7 @@ class StreamConsumer:
 
     def __init__(self, directory="/dev/shm", *, spill_directory="/var/tmp", gpu="none",
                  pin_budget_bytes=4 << 30, allow_foreign_owner=False, quiet=False):
+        self._where = (os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)))
         self._core = _core.StreamConsumer(
             os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)), gpu,
             int(pin_budget_bytes), bool(allow_foreign_owner), bool(quiet))
@@ -763,7 +784,9 @@ class StreamConsumer:
             descriptor = bytes(descriptor)
         if _deferred:
             _settle_deferred()
-        return _opened_tensor(self._core.open_summary(descriptor))
+        t = _opened_tensor(self._core.open_summary(descriptor))
+        t._where = self._where
+        return t
 
     def open_many(self, descriptors, view=None) -> list:
         """open() of a batch in one call (the GIL released once), all or none: when one
@@ -777,7 +800,10 @@ class StreamConsumer:
         if _deferred:
             _settle_deferred()
         if view is None:
-            return [_opened_tensor(o) for o in self._core.open_many_summary(descriptors)]
+            opened = [_opened_tensor(o) for o in self._core.open_many_summary(descriptors)]
+            for t in opened:
+                t._where = self._where
+            return opened
         if view == "numpy":
             return self._core.open_many_arrays(descriptors, _dtypes.NUMPY_VIEW_DTYPES)
         if view == "torch":
@@ -804,6 +830,22 @@ class StreamConsumer:
         if _deferred:
             _settle_deferred(wait=True)
         self._core.close()
+
+
+_RECEIVING_CONSUMERS = {}
+_RECEIVING_LOCK = threading.Lock()
+
+
+def _receive_stream_tensor(descriptor, directory, spill_directory):
+    """The receiving side of a pickled StreamTensor: opens its descriptor with this process's
+    consumer of those directories (made once)."""
+    where = (os.getpid(), directory, spill_directory)  # a forked child makes its own
+    with _RECEIVING_LOCK:
+        consumer = _RECEIVING_CONSUMERS.get(where)
+        if consumer is None or consumer.closed:
+            consumer = StreamConsumer(directory, spill_directory=spill_directory, quiet=True)
+            _RECEIVING_CONSUMERS[where] = consumer
+    return consumer.open(descriptor)
 
 
 def decode_descriptor(descriptor: bytes) -> dict:

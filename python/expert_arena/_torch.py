@@ -63,48 +63,61 @@ class ReadOnlyTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        name = getattr(func, "__name__", "")
-        target = args[0] if args else None
-        if (isinstance(target, ReadOnlyTensor) and _writes_in_place(name)) or \
-                isinstance(kwargs.get("out"), ReadOnlyTensor):
-            label = getattr(target if isinstance(target, ReadOnlyTensor) else kwargs.get("out"),
-                            "_ea_name", None)
+        # Called for every torch call on a guarded tensor: kept short (a dict lookup per call
+        # for the function's name and whether it writes).
+        info = _FUNCTIONS.get(func)
+        if info is None:
+            name = getattr(func, "__name__", "")
+            info = _FUNCTIONS[func] = (name, _writes_in_place(name),
+                                       name in ("numpy", "__array__"))
+        name, writes, to_numpy = info
+        out_arg = kwargs.get("out") if kwargs else None
+        if (writes and args and isinstance(args[0], ReadOnlyTensor)) or \
+                isinstance(out_arg, ReadOnlyTensor):
+            target = args[0] if writes and args and isinstance(args[0], ReadOnlyTensor) \
+                else out_arg
+            label = getattr(target, "_ea_name", None)
             raise ValueError(
                 "expert_arena: %s would write into the read-only tensor %s (a view of shared "
                 "memory: an arena or a stream segment); make a copy first (tensor.clone())"
                 % (name, repr(label) if label else "view"))
-        with torch._C.DisableTorchFunction():
-            out = func(*args, **kwargs)
-            if name in ("numpy", "__array__") and isinstance(out, np.ndarray):
+        with _DisableTorchFunction():
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if to_numpy and isinstance(out, np.ndarray):
                 out.flags.writeable = False
                 return out
             return _rewrap(out, args, cls)
 
 
-def _ranges(args):
-    ranges = []
-    for a in args:
-        if isinstance(a, ReadOnlyTensor):
-            storage = a.storage()
-            ranges.append((storage.data_ptr(), storage.nbytes()))
-    return ranges
+_FUNCTIONS = {}
+_DisableTorchFunction = torch._C.DisableTorchFunction
+_Tensor = torch.Tensor
+_as_subclass = torch.Tensor.as_subclass
+
+
+def _storage_range(t):
+    # Tensor._storage() (the untyped storage) where torch has it: storage() builds a
+    # TypedStorage, several microseconds.
+    get = getattr(t, "_storage", None) or getattr(t, "untyped_storage", None)
+    storage = get() if get is not None else t.storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def _rewrap(out, args, cls):
     """Results that point into a read-only tensor's memory stay read-only."""
     if type(out) is cls:  # the tensor itself (requires_grad_, detach_): the same object
         return out
-    if isinstance(out, torch.Tensor):
-        if out.device.type != "cpu":
-            return out if type(out) is torch.Tensor else torch.Tensor.as_subclass(out, torch.Tensor)
+    if isinstance(out, _Tensor):
+        if not out.is_cpu:
+            return out if type(out) is _Tensor else _as_subclass(out, _Tensor)
         p = out.data_ptr()
-        for start, size in _ranges(args):
-            if start <= p < start + max(size, 1):
-                return torch.Tensor.as_subclass(out, cls)
-        return out if type(out) is torch.Tensor else torch.Tensor.as_subclass(out, torch.Tensor)
-    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        for a in args:
+            if isinstance(a, ReadOnlyTensor):
+                start, size = _storage_range(a)
+                if start <= p < start + max(size, 1):
+                    return _as_subclass(out, cls)
+        return out if type(out) is _Tensor else _as_subclass(out, _Tensor)
+    if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
         return type(out)(_rewrap(o, args, cls) for o in out)
     return out
 

@@ -144,8 +144,8 @@ class PyArena {
   }
 
   std::span<std::byte> ViewData() const {
+    const auto& arena = Get();  // raises once closed
     if (view_data_.data() == nullptr) {
-      const auto& arena = Get();
       view_data_ = Take(arena->CopyOnWriteData());
       const ArenaReport& r = arena->report();
       if (!r.path.empty() && !view_data_.empty()) {

@@ -638,6 +638,21 @@ void BindStream(py::module_& m) {
       .def("close", &PyConsumer::Close)
       .def_property_readonly("closed", &PyConsumer::closed);
 
+  // The wire form of descriptor fields (a dict as decode_descriptor gives): how a pickled
+  // StreamTensor travels.
+  m.def("encode_descriptor", [](const py::dict& fields) {
+    TensorDescriptor d;
+    d.segment = fields["segment"].cast<std::string>();
+    d.spilled = fields["spilled"].cast<bool>();
+    d.slot = fields["slot"].cast<uint32_t>();
+    d.generation = fields["generation"].cast<uint64_t>();
+    d.offset = fields["offset"].cast<uint64_t>();
+    d.length = fields["length"].cast<uint64_t>();
+    d.dtype = fields["dtype"].cast<std::string>();
+    d.shape = fields["shape"].cast<std::vector<uint64_t>>();
+    d.key = fields["key"].cast<std::string>();
+    return py::bytes(d.Encode());
+  });
   m.def("decode_descriptor", [](const py::bytes& wire) {
     std::string bytes = wire;
     return DescriptorDict(Take(TensorDescriptor::Decode(bytes)));

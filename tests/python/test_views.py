@@ -286,6 +286,37 @@ def test_views_cross_queues_and_pools_by_reference(gen_model, shm_path, method):
         assert results[2][2] == "Parameter"
 
 
+def _stream_child(q, out):
+    t = q.get()
+    out.put((t.key, float(t.numpy().sum()), t.released))
+    t.release()
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_stream_tensor_crosses_a_queue_as_its_descriptor(stream_dir, method):
+    import copy
+    with expert_arena.StreamProducer(stream_dir, quiet=True) as producer, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as consumer:
+        t = consumer.open(producer.put("k", np.arange(6, dtype=np.float32), readers=2))
+        assert len(pickle.dumps(t)) < 1024
+        with pytest.raises(TypeError, match="not data"):
+            copy.deepcopy(t)
+        ctx = tmp.get_context(method)
+        q, out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_stream_child, args=(q, out))
+        p.start()
+        q.put(t)
+        assert out.get(timeout=120) == ("k", 15.0, False)
+        p.join(60)
+        assert p.exitcode == 0
+        assert producer.stats()["live_blocks"] == 1
+        t.release()
+        producer.reclaim()
+        assert producer.stats()["live_blocks"] == 0
+        with pytest.raises(TypeError, match="released"):
+            pickle.dumps(t)
+
+
 def test_arena_pickles_as_a_reference_to_its_path(gen_model, shm_path):
     path = shm_path()
     with expert_arena.open(gen_model("gguf", "f32"), shared_path=path, quiet=True) as a:
