@@ -34,6 +34,13 @@ class OtherUsersTest : public ::testing::TestWithParam<Case> {
   OtherUsersTest() : model_(8 * kMiB, 23), dir_("users") {}
   void SetUp() override {
     if (!WhyCannotContain().empty()) EA_SKIP_OR_FAIL_IN_CI(WhyCannotContain());
+    // The other users must reach the directory: /dev/shm (or EXPERT_ARENA_TEST_DIR) must be
+    // searchable by everyone, as it is unless a process chmods it.
+    struct stat parent;
+    ASSERT_EQ(stat(ArenaTestDir().c_str(), &parent), 0);
+    ASSERT_NE(parent.st_mode & 01, 0u)
+        << ArenaTestDir() << " is mode " << std::oct << (parent.st_mode & 07777)
+        << ": other users cannot reach arenas in it";
     // Like /dev/shm: everyone may create, nobody may remove another's file.
     ASSERT_EQ(chmod(dir_.path().c_str(), 01777), 0);
     ASSERT_EQ(chmod(model_.path().c_str(), 0644), 0);
