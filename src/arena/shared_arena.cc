@@ -221,6 +221,12 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     bool read_only = false;
     if (!opened.ok() && opened.status().code() == StatusCode::kPermission) {
       auto lst = platform::StatPath(path);
+      if (!lst.ok() && lst.status().code() == StatusCode::kPermission) {
+        return PermissionDenied(path + ": this user may not reach the arena file: " +
+                                platform::DescribeFileAccess(path) +
+                                ". Every engine must be able to search its directory (a shared "
+                                "directory is mode 1777 like /dev/shm, or 2770 with a group)");
+      }
       if (!lst.ok() || !lst->regular) return opened.status();  // a symlink, or no file at all
       auto reading = platform::OpenFile(path, platform::OpenOptions{});
       if (!reading.ok()) {

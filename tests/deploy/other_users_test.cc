@@ -34,6 +34,13 @@ class OtherUsersTest : public ::testing::TestWithParam<Case> {
   OtherUsersTest() : model_(8 * kMiB, 23), dir_("users") {}
   void SetUp() override {
     if (!WhyCannotContain().empty()) EA_SKIP_OR_FAIL_IN_CI(WhyCannotContain());
+    // The other users must reach the directory: /dev/shm (or EXPERT_ARENA_TEST_DIR) must be
+    // searchable by everyone, as it is unless a process chmods it.
+    struct stat parent;
+    ASSERT_EQ(stat(ArenaTestDir().c_str(), &parent), 0);
+    ASSERT_NE(parent.st_mode & 01, 0u)
+        << ArenaTestDir() << " is mode " << std::oct << (parent.st_mode & 07777)
+        << ": other users cannot reach arenas in it";
     // Like /dev/shm: everyone may create, nobody may remove another's file.
     ASSERT_EQ(chmod(dir_.path().c_str(), 01777), 0);
     ASSERT_EQ(chmod(model_.path().c_str(), 0644), 0);
@@ -97,6 +104,35 @@ TEST_P(OtherUsersTest, CliLoadTakesTheModeWhateverTheUmask) {
                                  Arena(), "--allow-foreign-owner", "--json"});
   ASSERT_EQ(attach.Wait(120), 0) << attach.Output();
   EXPECT_EQ(nlohmann::json::parse(attach.Output())["role"], "attached");
+}
+
+// The issue's own case: `moe-engine --arena-mode 0660` run by one user, another user of the
+// group attaching with --arena-allow-foreign-owner, the same output checksum.
+TEST_P(OtherUsersTest, MoeEnginesOfTwoUsersShareTheArena) {
+  ScopedPath model("model.gguf", "/tmp");
+  Child gen = SpawnProgram(BinDir() + "/expert-arena",
+                           {"gen-model", "--format", "gguf", "--out", model.path(), "--layers", "2",
+                            "--experts", "4", "--hidden", "64", "--ffn", "96"});
+  ASSERT_EQ(gen.Wait(120), 0);
+  ASSERT_EQ(chmod(model.path().c_str(), 0644), 0);
+  auto engine = [&](const Containment& who, std::vector<std::string> extra) {
+    std::vector<std::string> args = {
+        "--model", model.path(), "--json", "--tokens", "8", "--shared-expert-arena", Arena()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Child c = SpawnContained(who, BinDir() + "/moe-engine", args);
+    EXPECT_EQ(c.Wait(120), 0) << c.Output();
+    return nlohmann::json::parse(c.Output(), nullptr, false);
+  };
+  nlohmann::json first = engine(As(kLoader, kGroup), {"--arena-mode", Mode()});
+  ASSERT_TRUE(first.is_object());
+  EXPECT_EQ(first["role"], "loaded");
+  struct stat st;
+  ASSERT_EQ(stat(Arena().c_str(), &st), 0);
+  EXPECT_EQ(static_cast<int>(st.st_mode & 07777), GetParam().mode);
+  nlohmann::json second = engine(As(kMember, kMember, {kGroup}), {"--arena-allow-foreign-owner"});
+  ASSERT_TRUE(second.is_object());
+  EXPECT_EQ(second["role"], "attached");
+  EXPECT_EQ(second["checksum"], first["checksum"]);
 }
 
 // An empty file of the loader's, as a loader killed right after creating it leaves: a member

@@ -37,6 +37,8 @@ def test_group_mode_whatever_the_umask_and_a_member_attaches(gen_model, shm_path
         assert stat.S_IMODE(os.stat(path).st_mode) == mode
         if os.geteuid() != 0:
             pytest.skip("attaching as another user needs root (setresuid)")
+        assert os.stat(os.path.dirname(path)).st_mode & 0o001, \
+            "%s must be searchable by other users" % os.path.dirname(path)
         os.chown(path, os.geteuid(), GROUP)
         # The arena lives in /dev/shm; the member must reach the package and the model.
         name = arena.names()[0]
