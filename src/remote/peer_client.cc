@@ -341,9 +341,25 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
                        FormatBytes(st.received));
     }
   }
+  // Nothing may land in `data` after we return (the caller unmaps it on failure). A peer that
+  // is alive (a checksum failed here) answers the reads in flight: let them land, then close
+  // gently. Closing by force while the server still has answers queued trips an assertion in
+  // UCX 1.13's tcp transport on the server (uct_tcp_ep_pending_purge, seen once in ~10 runs).
+  const auto drain_deadline = Clock::now() + Seconds(st.options.stall_seconds);
+  while (!flight.empty() && !st.failed && Clock::now() < drain_deadline) {
+    st.ucx->Progress(1);
+    for (size_t i = 0; i < flight.size();) {
+      if (ucp_request_check_status(flight[i].request) == UCS_INPROGRESS) {
+        ++i;
+        continue;
+      }
+      ucp_request_free(flight[i].request);
+      flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
+    }
+  }
   if (!flight.empty()) {
-    // Nothing may land in `data` after we return (the caller unmaps it on failure): a forced
-    // close fails every request on the endpoint, and they complete before we leave.
+    // The peer is gone or silent: a forced close fails every request on the endpoint, and
+    // they complete before we leave.
     CloseEndpoint(*st.ucx, st.ep, true, Clock::now() + std::chrono::seconds(5));
     st.ep = nullptr;
     for (InFlight& f : flight) {

@@ -105,6 +105,11 @@ class Hosts {
   }
 
   std::string Address(int host) const { return subnet_ + std::to_string(host + 1); }
+  // Takes `host`'s link down or up (a cable pulled: no reset reaches the peer).
+  int SetLink(int host, bool up) const {
+    return Sh("ip -n " + Namespace(host) + " link set e" + std::to_string(getpid()) + "h" +
+              std::to_string(host) + (up ? " up" : " down"));
+  }
   // The prefix that runs a command on `host`.
   std::string On(int host) const {
     return "nsenter --net=/run/netns/" + Namespace(host) + " --mount=" + MountFile(host) +
@@ -294,6 +299,33 @@ TEST_F(PeerFillTest, ServerKilledMidTransferPublishesNothingAndFallsBack) {
       EXPECT_FALSE(Exists(1, arena));
     }
   }
+}
+
+TEST_F(PeerFillTest, ServerUnreachableMidTransferIsAnErrorNotAHang) {
+  const std::string pause = (dir_ / "pause-link").string();
+  Server server = Serve(0, kServed);
+  ASSERT_FALSE(server.address.empty()) << server.child.Output();
+  auto load = testing::SpawnProgram(
+      "/bin/sh", {"-c", hosts_->On(1) + "EXPERT_ARENA_TEST_PEER_PAUSE_FILE=" + pause +
+                            " EXPERT_ARENA_PEER_CHUNK_MIB=1 EXPERT_ARENA_PEER_WINDOW=2 " + Tool() +
+                            " load --arena /dev/shm/unreachable.arena --from-peer " +
+                            server.address + " --peer-stall-timeout 3 2>&1"});
+  bool paused = false;
+  for (int i = 0; i < 1200 && !paused; ++i) {
+    paused = std::filesystem::exists(pause);
+    if (!paused) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(paused) << load.Output();
+  // The server's host drops off the network: no reset, no answer; the server lives on.
+  ASSERT_EQ(hosts_->SetLink(0, false), 0);
+  std::filesystem::remove(pause);
+  int code = load.Wait(120);
+  ASSERT_EQ(hosts_->SetLink(0, true), 0);
+  EXPECT_EQ(code, 1) << load.Output();
+  EXPECT_NE(load.Output().find("nothing published"), std::string::npos) << load.Output();
+  EXPECT_FALSE(Exists(1, "/dev/shm/unreachable.arena"));
+  server.child.Kill(SIGTERM);
+  EXPECT_EQ(server.child.Wait(30), 0);
 }
 
 TEST_F(PeerFillTest, CorruptedByteOnTheServerIsRefused) {
