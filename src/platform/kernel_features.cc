@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 
 #include "common/units.h"
 #include "platform/page_scan.h"
@@ -150,18 +151,24 @@ std::string ShmemEnabled() {
   return text.substr(open + 1, close - open - 1);
 }
 
-KernelFeatures ProbeAll() {
-  KernelFeatures k;
-  utsname u{};
-  if (::uname(&u) == 0) k.release = u.release;
-  k.shmem_enabled = ShmemEnabled();
-  k.probes[static_cast<int>(KernelFeature::kPopulate)] = ProbePopulate();
-  k.probes[static_cast<int>(KernelFeature::kCollapse)] = ProbeAdvice(MADV_COLLAPSE);
-  k.probes[static_cast<int>(KernelFeature::kPagemapScan)] = ProbePagemapScan();
-  k.probes[static_cast<int>(KernelFeature::kIoUring)] = ProbeIoUring();
-  k.probes[static_cast<int>(KernelFeature::kStatxDioAlign)] = ProbeStatxDioAlign();
-  k.probes[static_cast<int>(KernelFeature::kCachestat)] = ProbeCachestat();
-  return k;
+FeatureProbe ProbeFeature(KernelFeature f) {
+  switch (f) {
+    case KernelFeature::kPopulate:
+      return ProbePopulate();
+    case KernelFeature::kCollapse:
+      return ProbeAdvice(MADV_COLLAPSE);
+    case KernelFeature::kPagemapScan:
+      return ProbePagemapScan();
+    case KernelFeature::kIoUring:
+      return ProbeIoUring();
+    case KernelFeature::kStatxDioAlign:
+      return ProbeStatxDioAlign();
+    case KernelFeature::kCachestat:
+      return ProbeCachestat();
+    case KernelFeature::kCount:
+      break;
+  }
+  return Absent(EINVAL, "no such feature");
 }
 
 struct AtomicCost {
@@ -173,9 +180,34 @@ AtomicCost ledger[kFeatures];
 
 }  // namespace
 
+struct KernelFeatures::Slot {
+  std::once_flag once;
+  std::atomic<bool> done{false};
+  FeatureProbe probe;
+};
+
+KernelFeatures::KernelFeatures() : slots_(new Slot[kFeatures]) {
+  utsname u{};
+  if (::uname(&u) == 0) release = u.release;
+  shmem_enabled = ShmemEnabled();
+}
+
+const FeatureProbe& KernelFeatures::get(KernelFeature f) const {
+  Slot& slot = slots_[static_cast<int>(f)];
+  std::call_once(slot.once, [&] {
+    slot.probe = ProbeFeature(f);
+    slot.done.store(true, std::memory_order_release);
+  });
+  return slot.probe;
+}
+
+bool KernelFeatures::probed(KernelFeature f) const {
+  return slots_[static_cast<int>(f)].done.load(std::memory_order_acquire);
+}
+
 const KernelFeatures& Kernel() {
-  static const KernelFeatures features = ProbeAll();
-  return features;
+  static const KernelFeatures* features = new KernelFeatures();  // never destroyed
+  return *features;
 }
 
 const char* FeatureName(KernelFeature f) {
@@ -260,11 +292,12 @@ FallbackLedger ReadFallbackLedger() {
   return l;
 }
 
-std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before) {
+std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before, bool probe_all) {
   const KernelFeatures& k = Kernel();
   std::vector<MissingFeature> out;
   for (int i = 0; i < kFeatures; ++i) {
     const auto f = static_cast<KernelFeature>(i);
+    if (!probe_all && !k.probed(f)) continue;
     if (k.has(f)) continue;
     MissingFeature m;
     m.feature = f;

@@ -19,7 +19,9 @@
 // read-only; the fallback ledger is atomic.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,16 +43,28 @@ struct FeatureProbe {
   std::string answer;  // what the kernel answered, e.g. "EINVAL", "ENOSYS: ..." ("" when present)
 };
 
-struct KernelFeatures {
+// Each feature is probed on the first get() or has() of it, once per process: an attach asks
+// only for what it uses (a ring set up and torn down to probe io_uring costs 0.2-5 ms).
+class KernelFeatures {
+ public:
+  KernelFeatures();
+  KernelFeatures(const KernelFeatures&) = delete;
+  KernelFeatures& operator=(const KernelFeatures&) = delete;
+
   std::string release;        // uname -r
   std::string shmem_enabled;  // /sys/kernel/mm/transparent_hugepage/shmem_enabled, selected
-  FeatureProbe probes[static_cast<int>(KernelFeature::kCount)];
 
-  const FeatureProbe& get(KernelFeature f) const { return probes[static_cast<int>(f)]; }
+  const FeatureProbe& get(KernelFeature f) const;
   bool has(KernelFeature f) const { return get(f).present; }
+  // Whether f was probed already (by get or has).
+  bool probed(KernelFeature f) const;
+
+ private:
+  struct Slot;
+  Slot* slots_;  // kCount of them, never freed (the object lives as long as the process)
 };
 
-// The probes, made on the first call.
+// The process's probes.
 const KernelFeatures& Kernel();
 
 // The feature's name for messages ("MADV_POPULATE_READ/WRITE"), the first kernel that has it
@@ -84,8 +98,9 @@ struct FallbackLedger {
 };
 FallbackLedger ReadFallbackLedger();
 
-// The features this kernel lacks, each with the cost of its fallback since `before`.
-std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before);
+// The features this kernel lacks, each with the cost of its fallback since `before`: those
+// probed so far (what this process needed), or every one with `probe_all`.
+std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before, bool probe_all = false);
 
 // For the start line: "" when nothing used in the span was missing, else e.g. "kernel 4.18.0
 // lacks MADV_POPULATE_READ/WRITE (5.14; pages touched from 2 threads: 0.31 s for 4.00 GiB)".
