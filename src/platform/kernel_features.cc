@@ -116,18 +116,6 @@ FeatureProbe ProbeIoUring() {
   return out;
 }
 
-FeatureProbe ProbeStatxDioAlign() {
-#if defined(STATX_DIOALIGN)
-  struct statx st {};
-  if (::statx(AT_FDCWD, "/", 0, STATX_DIOALIGN, &st) != 0) return Absent(errno);
-  // A kernel that does not know the bit leaves it out of stx_mask (statx itself is 4.11).
-  if ((st.stx_mask & STATX_DIOALIGN) == 0) return Absent(0, "not in stx_mask");
-  return Present();
-#else
-  return Absent(0, "not in this build's headers");
-#endif
-}
-
 FeatureProbe ProbeCachestat() {
 #ifdef SYS_cachestat
   constexpr long kCachestat = SYS_cachestat;
@@ -161,8 +149,6 @@ FeatureProbe ProbeFeature(KernelFeature f) {
       return ProbePagemapScan();
     case KernelFeature::kIoUring:
       return ProbeIoUring();
-    case KernelFeature::kStatxDioAlign:
-      return ProbeStatxDioAlign();
     case KernelFeature::kCachestat:
       return ProbeCachestat();
     case KernelFeature::kCount:
@@ -220,8 +206,6 @@ const char* FeatureName(KernelFeature f) {
       return "PAGEMAP_SCAN";
     case KernelFeature::kIoUring:
       return "io_uring";
-    case KernelFeature::kStatxDioAlign:
-      return "statx STATX_DIOALIGN";
     case KernelFeature::kCachestat:
       return "cachestat";
     case KernelFeature::kCount:
@@ -240,8 +224,6 @@ const char* FeatureSince(KernelFeature f) {
       return "6.7";
     case KernelFeature::kIoUring:
       return "5.6";
-    case KernelFeature::kStatxDioAlign:
-      return "6.1";
     case KernelFeature::kCachestat:
       return "6.5";
     case KernelFeature::kCount:
@@ -260,8 +242,6 @@ const char* FeatureFallback(KernelFeature f) {
       return "2 MiB share read from /proc/self/smaps";
     case KernelFeature::kIoUring:
       return "pread";
-    case KernelFeature::kStatxDioAlign:
-      return "4096-byte O_DIRECT alignment assumed";
     case KernelFeature::kCachestat:
       return "mincore";
     case KernelFeature::kCount:

@@ -12,7 +12,6 @@
 //                                    names the fixes (arena/page_backing.h)
 //   PAGEMAP_SCAN (6.7)               /proc/self/smaps (system_info.h)
 //   io_uring (5.1; IORING_OP_READ 5.6) pread (load/readers.cc)
-//   statx STATX_DIOALIGN (6.1)       4096-byte O_DIRECT alignment (file_cache.h)
 //   cachestat (6.5)                  mincore on a mapping (load/loader.cc)
 //
 // Thread-safety: Kernel() probes on first use (a function-local static) and is then
@@ -28,12 +27,11 @@
 namespace expert_arena::platform {
 
 enum class KernelFeature : int {
-  kPopulate = 0,   // MADV_POPULATE_READ and MADV_POPULATE_WRITE
-  kCollapse,       // MADV_COLLAPSE
-  kPagemapScan,    // ioctl(PAGEMAP_SCAN) on /proc/self/pagemap
-  kIoUring,        // io_uring_setup, and IORING_OP_READ on the ring
-  kStatxDioAlign,  // statx(STATX_DIOALIGN)
-  kCachestat,      // cachestat(2)
+  kPopulate = 0,  // MADV_POPULATE_READ and MADV_POPULATE_WRITE
+  kCollapse,      // MADV_COLLAPSE
+  kPagemapScan,   // ioctl(PAGEMAP_SCAN) on /proc/self/pagemap
+  kIoUring,       // io_uring_setup, and IORING_OP_READ on the ring
+  kCachestat,     // cachestat(2)
   kCount,
 };
 
