@@ -159,7 +159,7 @@ engines() {
 protocol_filter='ArenaProtocolTest.SecondEngineWaitsWhileTheFirstLoadsThenAttaches:ArenaProtocolTest.RestartAttachesWithoutReadingTheModel:ArenaProtocolTest.LoaderKilledBeforePublishingLeavesTheFileToTheNextEngine:ArenaProtocolTest.EightEnginesAtOnceOnAFreshFileLoadOnce'
 # The three Python-peer variants of the batch test take 7 s each; the C++-peer one crosses
 # processes the same way in 3 s.
-python_filter='open_loads_then_attach or views_equal_the_model or a_view_outlives_close or busy_when_another or (test_stream and not py-)'
+python_filter='open_loads_then_attach or report_says_what_the_kernel_lacked or views_equal_the_model or a_view_outlives_close or busy_when_another or (test_stream and not py-)'
 have_python=1
 PYTHONPATH=$build/python /usr/bin/python3 -c 'import expert_arena' 2>/dev/null || have_python=0
 ((have_python)) || [[ "${CI:-}" != "true" ]] || fail "the Python package is not built in $build/python"
