@@ -6,7 +6,7 @@
 // EINVAL, an unknown ioctl ENOTTY, a missing syscall ENOSYS, a container's seccomp policy
 // EPERM or ENOSYS), and the code that would use it takes its fallback:
 //
-//   MADV_POPULATE_READ/WRITE (5.14)  pages touched from threads (PopulateRange, mapping.h)
+//   MADV_POPULATE_READ/WRITE (5.14)  pages touched from threads (PopulateByTouch, mapping.h)
 //   MADV_COLLAPSE (6.1)              MADV_HUGEPAGE before the first touch on a tmpfs mounted
 //                                    huge=advise; elsewhere 4 KiB pages, and the start line
 //                                    names the fixes (arena/page_backing.h)
@@ -14,13 +14,14 @@
 //   io_uring (5.1; IORING_OP_READ 5.6) pread (load/readers.cc)
 //   cachestat (6.5)                  mincore on a mapping (load/loader.cc)
 //
-// Thread-safety: Kernel() probes on first use (a function-local static) and is then
-// read-only; the fallback ledger is atomic.
+// The loader's guard over a model file's mapping needs the real MADV_POPULATE_READ (an error,
+// not a SIGBUS, on a truncated file): without it those pieces are read (FaultInChecked).
+//
+// Thread-safety: each feature is probed once, on its first use from any thread (call_once),
+// and is then read-only; the fallback ledger is atomic.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <vector>
 
