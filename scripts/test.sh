@@ -40,8 +40,8 @@ PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
 
 echo "== kernel profiles: older kernels and container runtimes emulated with seccomp"
 # linux-4.18, linux-5.15, linux-6.1, docker, podman (tools/kernel-profile) x /dev/shm, tmpfs
-# huge=always, hugetlbfs: engines, arena protocol and Python tests, asserting the start line
-# (docs/kernels.md). About 2 minutes on 2 cores.
+# huge=always, hugetlbfs: engines, arena protocol, stream process and Python tests, asserting
+# the start line (docs/kernels.md). About 2-2.5 minutes on 2 cores.
 tests/kernel/kernel_profiles.sh build
 echo "== as an unprivileged user: the arena protocol, streams across processes, the Python tests"
 # Engines run as ordinary users in the field (docs/deployment.md): the arena protocol, streams

@@ -33,7 +33,7 @@ inline nlohmann::json KernelJsonNow() {
   const platform::FallbackLedger zero{};
   nlohmann::json k;
   k["release"] = platform::Kernel().release;
-  const auto missing = platform::MissingFeatures(zero);
+  const auto missing = platform::MissingFeatures(zero, /*probe_all=*/true);
   k["note"] = platform::KernelNote(missing);
   k["missing"] = nlohmann::json::array();
   for (const platform::MissingFeature& m : missing) {

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 
 #include "common/units.h"
 #include "platform/page_scan.h"
@@ -115,18 +116,6 @@ FeatureProbe ProbeIoUring() {
   return out;
 }
 
-FeatureProbe ProbeStatxDioAlign() {
-#if defined(STATX_DIOALIGN)
-  struct statx st {};
-  if (::statx(AT_FDCWD, "/", 0, STATX_DIOALIGN, &st) != 0) return Absent(errno);
-  // A kernel that does not know the bit leaves it out of stx_mask (statx itself is 4.11).
-  if ((st.stx_mask & STATX_DIOALIGN) == 0) return Absent(0, "not in stx_mask");
-  return Present();
-#else
-  return Absent(0, "not in this build's headers");
-#endif
-}
-
 FeatureProbe ProbeCachestat() {
 #ifdef SYS_cachestat
   constexpr long kCachestat = SYS_cachestat;
@@ -150,18 +139,22 @@ std::string ShmemEnabled() {
   return text.substr(open + 1, close - open - 1);
 }
 
-KernelFeatures ProbeAll() {
-  KernelFeatures k;
-  utsname u{};
-  if (::uname(&u) == 0) k.release = u.release;
-  k.shmem_enabled = ShmemEnabled();
-  k.probes[static_cast<int>(KernelFeature::kPopulate)] = ProbePopulate();
-  k.probes[static_cast<int>(KernelFeature::kCollapse)] = ProbeAdvice(MADV_COLLAPSE);
-  k.probes[static_cast<int>(KernelFeature::kPagemapScan)] = ProbePagemapScan();
-  k.probes[static_cast<int>(KernelFeature::kIoUring)] = ProbeIoUring();
-  k.probes[static_cast<int>(KernelFeature::kStatxDioAlign)] = ProbeStatxDioAlign();
-  k.probes[static_cast<int>(KernelFeature::kCachestat)] = ProbeCachestat();
-  return k;
+FeatureProbe ProbeFeature(KernelFeature f) {
+  switch (f) {
+    case KernelFeature::kPopulate:
+      return ProbePopulate();
+    case KernelFeature::kCollapse:
+      return ProbeAdvice(MADV_COLLAPSE);
+    case KernelFeature::kPagemapScan:
+      return ProbePagemapScan();
+    case KernelFeature::kIoUring:
+      return ProbeIoUring();
+    case KernelFeature::kCachestat:
+      return ProbeCachestat();
+    case KernelFeature::kCount:
+      break;
+  }
+  return Absent(EINVAL, "no such feature");
 }
 
 struct AtomicCost {
@@ -173,9 +166,34 @@ AtomicCost ledger[kFeatures];
 
 }  // namespace
 
+struct KernelFeatures::Slot {
+  std::once_flag once;
+  std::atomic<bool> done{false};
+  FeatureProbe probe;
+};
+
+KernelFeatures::KernelFeatures() : slots_(new Slot[kFeatures]) {
+  utsname u{};
+  if (::uname(&u) == 0) release = u.release;
+  shmem_enabled = ShmemEnabled();
+}
+
+const FeatureProbe& KernelFeatures::get(KernelFeature f) const {
+  Slot& slot = slots_[static_cast<int>(f)];
+  std::call_once(slot.once, [&] {
+    slot.probe = ProbeFeature(f);
+    slot.done.store(true, std::memory_order_release);
+  });
+  return slot.probe;
+}
+
+bool KernelFeatures::probed(KernelFeature f) const {
+  return slots_[static_cast<int>(f)].done.load(std::memory_order_acquire);
+}
+
 const KernelFeatures& Kernel() {
-  static const KernelFeatures features = ProbeAll();
-  return features;
+  static const KernelFeatures* features = new KernelFeatures();  // never destroyed
+  return *features;
 }
 
 const char* FeatureName(KernelFeature f) {
@@ -188,8 +206,6 @@ const char* FeatureName(KernelFeature f) {
       return "PAGEMAP_SCAN";
     case KernelFeature::kIoUring:
       return "io_uring";
-    case KernelFeature::kStatxDioAlign:
-      return "statx STATX_DIOALIGN";
     case KernelFeature::kCachestat:
       return "cachestat";
     case KernelFeature::kCount:
@@ -208,8 +224,6 @@ const char* FeatureSince(KernelFeature f) {
       return "6.7";
     case KernelFeature::kIoUring:
       return "5.6";
-    case KernelFeature::kStatxDioAlign:
-      return "6.1";
     case KernelFeature::kCachestat:
       return "6.5";
     case KernelFeature::kCount:
@@ -228,8 +242,6 @@ const char* FeatureFallback(KernelFeature f) {
       return "2 MiB share read from /proc/self/smaps";
     case KernelFeature::kIoUring:
       return "pread";
-    case KernelFeature::kStatxDioAlign:
-      return "4096-byte O_DIRECT alignment assumed";
     case KernelFeature::kCachestat:
       return "mincore";
     case KernelFeature::kCount:
@@ -260,11 +272,12 @@ FallbackLedger ReadFallbackLedger() {
   return l;
 }
 
-std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before) {
+std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before, bool probe_all) {
   const KernelFeatures& k = Kernel();
   std::vector<MissingFeature> out;
   for (int i = 0; i < kFeatures; ++i) {
     const auto f = static_cast<KernelFeature>(i);
+    if (!probe_all && !k.probed(f)) continue;
     if (k.has(f)) continue;
     MissingFeature m;
     m.feature = f;

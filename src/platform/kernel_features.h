@@ -6,17 +6,19 @@
 // EINVAL, an unknown ioctl ENOTTY, a missing syscall ENOSYS, a container's seccomp policy
 // EPERM or ENOSYS), and the code that would use it takes its fallback:
 //
-//   MADV_POPULATE_READ/WRITE (5.14)  pages touched from threads (PopulateRange, mapping.h)
+//   MADV_POPULATE_READ/WRITE (5.14)  pages touched from threads (PopulateByTouch, mapping.h)
 //   MADV_COLLAPSE (6.1)              MADV_HUGEPAGE before the first touch on a tmpfs mounted
 //                                    huge=advise; elsewhere 4 KiB pages, and the start line
 //                                    names the fixes (arena/page_backing.h)
 //   PAGEMAP_SCAN (6.7)               /proc/self/smaps (system_info.h)
 //   io_uring (5.1; IORING_OP_READ 5.6) pread (load/readers.cc)
-//   statx STATX_DIOALIGN (6.1)       4096-byte O_DIRECT alignment (file_cache.h)
 //   cachestat (6.5)                  mincore on a mapping (load/loader.cc)
 //
-// Thread-safety: Kernel() probes on first use (a function-local static) and is then
-// read-only; the fallback ledger is atomic.
+// The loader's guard over a model file's mapping needs the real MADV_POPULATE_READ (an error,
+// not a SIGBUS, on a truncated file): without it those pieces are read (FaultInChecked).
+//
+// Thread-safety: each feature is probed once, on its first use from any thread (call_once),
+// and is then read-only; the fallback ledger is atomic.
 #pragma once
 
 #include <cstdint>
@@ -26,12 +28,11 @@
 namespace expert_arena::platform {
 
 enum class KernelFeature : int {
-  kPopulate = 0,   // MADV_POPULATE_READ and MADV_POPULATE_WRITE
-  kCollapse,       // MADV_COLLAPSE
-  kPagemapScan,    // ioctl(PAGEMAP_SCAN) on /proc/self/pagemap
-  kIoUring,        // io_uring_setup, and IORING_OP_READ on the ring
-  kStatxDioAlign,  // statx(STATX_DIOALIGN)
-  kCachestat,      // cachestat(2)
+  kPopulate = 0,  // MADV_POPULATE_READ and MADV_POPULATE_WRITE
+  kCollapse,      // MADV_COLLAPSE
+  kPagemapScan,   // ioctl(PAGEMAP_SCAN) on /proc/self/pagemap
+  kIoUring,       // io_uring_setup, and IORING_OP_READ on the ring
+  kCachestat,     // cachestat(2)
   kCount,
 };
 
@@ -41,16 +42,28 @@ struct FeatureProbe {
   std::string answer;  // what the kernel answered, e.g. "EINVAL", "ENOSYS: ..." ("" when present)
 };
 
-struct KernelFeatures {
+// Each feature is probed on the first get() or has() of it, once per process: an attach asks
+// only for what it uses (a ring set up and torn down to probe io_uring costs 0.2-5 ms).
+class KernelFeatures {
+ public:
+  KernelFeatures();
+  KernelFeatures(const KernelFeatures&) = delete;
+  KernelFeatures& operator=(const KernelFeatures&) = delete;
+
   std::string release;        // uname -r
   std::string shmem_enabled;  // /sys/kernel/mm/transparent_hugepage/shmem_enabled, selected
-  FeatureProbe probes[static_cast<int>(KernelFeature::kCount)];
 
-  const FeatureProbe& get(KernelFeature f) const { return probes[static_cast<int>(f)]; }
+  const FeatureProbe& get(KernelFeature f) const;
   bool has(KernelFeature f) const { return get(f).present; }
+  // Whether f was probed already (by get or has).
+  bool probed(KernelFeature f) const;
+
+ private:
+  struct Slot;
+  Slot* slots_;  // kCount of them, never freed (the object lives as long as the process)
 };
 
-// The probes, made on the first call.
+// The process's probes.
 const KernelFeatures& Kernel();
 
 // The feature's name for messages ("MADV_POPULATE_READ/WRITE"), the first kernel that has it
@@ -84,8 +97,9 @@ struct FallbackLedger {
 };
 FallbackLedger ReadFallbackLedger();
 
-// The features this kernel lacks, each with the cost of its fallback since `before`.
-std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before);
+// The features this kernel lacks, each with the cost of its fallback since `before`: those
+// probed so far (what this process needed), or every one with `probe_all`.
+std::vector<MissingFeature> MissingFeatures(const FallbackLedger& before, bool probe_all = false);
 
 // For the start line: "" when nothing used in the span was missing, else e.g. "kernel 4.18.0
 // lacks MADV_POPULATE_READ/WRITE (5.14; pages touched from 2 threads: 0.31 s for 4.00 GiB)".

@@ -48,6 +48,40 @@ def test_open_loads_then_attach_and_report(gen_model, shm_path):
         assert c.report["role"] == "attached"
 
 
+# What each emulated kernel (tests/kernel/kernel_profiles.sh) must make the report name.
+_PROFILE_LACKS = {
+    "linux-4.18": ["MADV_POPULATE_READ/WRITE", "PAGEMAP_SCAN"],
+    "linux-5.10": ["MADV_POPULATE_READ/WRITE", "PAGEMAP_SCAN"],
+    "linux-5.15": ["PAGEMAP_SCAN"],
+    "linux-6.1": ["PAGEMAP_SCAN"],
+    "docker": [],
+    "podman": [],
+}
+
+
+def test_report_says_what_the_kernel_lacked(gen_model, shm_path):
+    model = gen_model("gguf", "f16")
+    path = shm_path()
+    with expert_arena.open(model, shared_path=path, quiet=True) as a:
+        k = a.report["kernel"]
+        assert k["release"] == os.uname().release
+        assert k["note"] == a.report["kernel_note"]
+        for m in k["missing"]:
+            assert set(m) == {"feature", "since", "answer", "fallback", "used", "seconds", "bytes"}
+            if m["used"]:
+                assert m["feature"] in k["note"] and m["answer"].split(":")[0] in k["note"]
+        if k["note"]:
+            assert k["note"] in a.report["start_line"]
+    with expert_arena.attach(path) as b:
+        used = {m["feature"] for m in b.report["kernel"]["missing"] if m["used"]}
+        profile = os.environ.get("EXPERT_ARENA_KERNEL_PROFILE")
+        if profile is None:
+            return
+        # The attach populated the mapping and read its 2 MiB share: what it used and the
+        # kernel lacked is named, and nothing else.
+        assert used == set(_PROFILE_LACKS[profile]), (profile, b.report["kernel"])
+
+
 @pytest.mark.parametrize("fmt,dtype,np_dtype,torch_dtype", [
     ("gguf", "f32", np.float32, "float32"), ("gguf", "f16", np.float16, "float16"),
     ("gguf", "bf16", np.uint16, "bfloat16"), ("gguf", "q8_0", np.uint8, "uint8"),

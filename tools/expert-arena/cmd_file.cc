@@ -93,7 +93,8 @@ int RunInfo(const std::string& path, bool json) {
                 static_cast<double>(i.mapped_bytes) / kGiB);
     {
       // What this kernel lacks of what expert-arena uses, and what reading the pages cost.
-      const auto missing = platform::MissingFeatures(platform::FallbackLedger{});
+      const auto missing =
+          platform::MissingFeatures(platform::FallbackLedger{}, /*probe_all=*/true);
       std::string note = platform::KernelNote(missing);
       if (note.empty()) {
         note = "Linux " + platform::Kernel().release;
