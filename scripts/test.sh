@@ -49,15 +49,35 @@ echo "== as an unprivileged user: the arena protocol, streams across processes, 
 # 65534, which may not mount, chown or write the build tree (tests that need root skip).
 # 1.5 minutes (2026-12-01, 2-core VM shared with three builds; 10 s of it the two C++ tests).
 if [[ $(id -u) -eq 0 ]]; then
-  unprivileged=(setpriv --reuid=65534 --regid=65534 --clear-groups env HOME=/tmp)
+  unprivileged=(setpriv --reuid=65534 --regid=65534 --clear-groups env HOME=/tmp
+                PYTHONDONTWRITEBYTECODE=1)
+  # A checkout under a private directory (a clone in /root) is out of that user's reach: open
+  # the search bit on each such directory above it for this step, and put every mode back.
+  opened=()
+  restore_modes() {
+    local entry
+    for entry in "${opened[@]}"; do chmod "${entry%%:*}" "${entry#*:}"; done
+    opened=()
+  }
+  trap restore_modes EXIT
+  dir=$(pwd -P)
+  while [[ "$dir" != / ]]; do
+    if [[ $(( 0$(stat -c %a "$dir") & 01 )) -eq 0 ]]; then
+      opened+=("$(stat -c %a "$dir"):$dir")
+      chmod o+x "$dir"
+    fi
+    dir=$(dirname "$dir")
+  done
   if ! "${unprivileged[@]}" test -x build/bin/arena_protocol_test; then
-    echo "uid 65534 cannot reach $(pwd)/build/bin: make the checkout's directories o+x" >&2
+    echo "uid 65534 cannot reach $(pwd)/build/bin even with o+x on the directories above" >&2
     exit 1
   fi
   "${unprivileged[@]}" build/bin/arena_protocol_test --gtest_brief=1
   "${unprivileged[@]}" build/bin/stream_process_test --gtest_brief=1
   "${unprivileged[@]}" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q -p no:cacheprovider \
     tests/python/test_arena.py tests/python/test_stream.py tests/python/test_capi_ctypes.py
+  restore_modes
+  trap - EXIT
 fi
 
 if ((quick)); then exit 0; fi
