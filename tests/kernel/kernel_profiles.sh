@@ -200,9 +200,8 @@ for p in linux-4.18 linux-5.10 linux-5.15 linux-6.1 docker podman; do
       fail "$p/$b: stream_process_test"
     }
     echo "  $p/$b: stream process tests passed"
-    # The Python tests on /dev/shm under every profile, and on the 2 MiB backings under the
-    # floor, where every fallback runs at once (the CI budget: docs/kernels.md).
-    if ((have_python)) && [[ $b == shm || $p == linux-4.18 ]]; then
+    # The Python arena and stream tests on every backing under every profile.
+    if ((have_python)); then
       EXPERT_ARENA_TEST_DIR=$dir EXPERT_ARENA_BUILD_DIR=$build PYTHONPATH=$build/python \
         $runner --profile "$p" -- /usr/bin/python3 -m pytest -q -p no:cacheprovider \
         tests/python/test_arena.py tests/python/test_stream.py -k "$python_filter" \
