@@ -111,7 +111,8 @@ def test_a_write_is_dropped_with_the_share_so_a_reused_block_reads_the_producer(
 
 
 def test_guard_keeps_the_raising_view(stream_dir):
-    with expert_arena.StreamProducer(stream_dir, "guard", quiet=True) as p, \
+    with expert_arena.StreamProducer(stream_dir, "guard", segment_bytes=2 << 20,
+                                     max_segments=1, quiet=True) as p, \
             expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
         d = p.put("g", torch.ones(8), readers=2)
         with c.open(d) as t:
@@ -127,8 +128,8 @@ def test_guard_keeps_the_raising_view(stream_dir):
 
 
 def test_logical_names_take_dashes_and_lease_check_seconds_is_an_option(stream_dir):
-    with expert_arena.StreamProducer(stream_dir, "prefill-0.kv", quiet=True,
-                                     lease_check_seconds=0) as p, \
+    with expert_arena.StreamProducer(stream_dir, "prefill-0.kv", segment_bytes=2 << 20,
+                                     max_segments=1, quiet=True, lease_check_seconds=0) as p, \
             expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
         d = p.put("k", np.arange(10, dtype=np.int32))
         assert p.instance_name.startswith("ea-stream-prefill-0.kv-")
@@ -138,4 +139,5 @@ def test_logical_names_take_dashes_and_lease_check_seconds_is_an_option(stream_d
         with pytest.raises(ValueError, match="logical name"):
             expert_arena.StreamProducer(stream_dir, bad, quiet=True)
     with pytest.raises(ValueError, match="lease_check_seconds"):
-        expert_arena.StreamProducer(stream_dir, quiet=True, lease_check_seconds=-1)
+        expert_arena.StreamProducer(stream_dir, segment_bytes=2 << 20, max_segments=1,
+                                    quiet=True, lease_check_seconds=-1)
