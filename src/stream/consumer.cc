@@ -17,10 +17,12 @@
 // Each mapped segment is also mapped copy-on-write (platform::Mapping::MapFileCopyOnWrite,
 // MAP_NORESERVE on hugetlbfs) for the views handed to code that may write through them (the
 // Python package): a write copies a page privately. When the last view of a block in this
-// process that used those bytes is released, its pages there are dropped (MADV_DONTNEED on a
-// private mapping reverts them to the file's), so a later block in the same place reads the
-// producer's bytes again; where the kernel refuses that, the mapping is replaced by a fresh one
-// (the old one stays mapped until the segment is dropped: live views point into it).
+// process that used those bytes is released, its pages there are queued to be dropped
+// (MADV_DONTNEED on a private mapping reverts them to the file's), which the next Open of the
+// segment does, adjacent ranges merged into one call, before it hands out a view: a later block
+// in the same place reads the producer's bytes again. Where the kernel refuses that, the
+// mapping is replaced by a fresh one (the old one stays mapped until the segment is dropped:
+// live views point into it).
 //
 // Fork (stream/fork_guard.h): a consumer belongs to the process that created it. In a forked
 // child Open fails naming the fork, and releasing or dropping what the child inherited (views,
@@ -65,6 +67,9 @@ struct PeerSegment {
   platform::Mapping private_view;               // copy-on-write mapping of the whole file
   std::vector<platform::Mapping> retired_private;   // replaced; views may still point in
   std::unordered_map<uint32_t, bool> private_used;  // slots whose private bytes were handed out
+  // [begin, end) page ranges of released blocks whose private pages are still to be dropped:
+  // done (merged) before the next Open of this segment hands out a view.
+  std::vector<std::pair<uint64_t, uint64_t>> to_discard;
   bool hugetlbfs = false;
 
   uint64_t bit() const { return uint64_t{1} << reader_index; }
@@ -124,8 +129,8 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   void DropLocked(
       std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
   void DropUnlinkedLocked(bool now);
-  // Drops this process's private copies of the pages of `state`'s block (see the note above).
-  void DiscardPrivateLocked(PeerSegment& seg, const StreamTensor::State& state);
+  // Drops this process's private copies of the pages of released blocks (see the note above).
+  void DiscardPrivateLocked(PeerSegment& seg);
   // The held count of the block of `state` went to zero: clears our holder bit.
   void Unhold(PeerSegment& seg, const StreamTensor::State& state);
   void Release(StreamTensor::State& state);
@@ -257,17 +262,26 @@ void StreamConsumer::Impl::DropUnlinkedLocked(bool now) {
   }
 }
 
-void StreamConsumer::Impl::DiscardPrivateLocked(PeerSegment& seg,
-                                                const StreamTensor::State& state) {
-  if (seg.one_shot()) return;  // unmapped with its only block
-  const uint64_t page = seg.hugetlbfs ? kHugePageBytes : platform::BasePageSize();
-  const uint64_t begin = state.descriptor.offset / page * page;
-  const uint64_t end = std::min<uint64_t>(
-      (state.descriptor.offset + state.descriptor.length + page - 1) / page * page,
-      seg.private_view.size());
-  if (end <= begin) return;
-  Status s = platform::AdviseRange(seg.private_view.data() + begin, end - begin,
-                                   platform::Advice::kDontNeed, seg.file.path);
+void StreamConsumer::Impl::DiscardPrivateLocked(PeerSegment& seg) {
+  if (seg.to_discard.empty()) return;
+  auto& ranges = seg.to_discard;
+  std::sort(ranges.begin(), ranges.end());
+  size_t merged = 0;
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first <= ranges[merged].second) {
+      ranges[merged].second = std::max(ranges[merged].second, ranges[i].second);
+    } else {
+      ranges[++merged] = ranges[i];
+    }
+  }
+  ranges.resize(merged + 1);
+  Status s = Status::Ok();
+  for (const auto& [begin, end] : ranges) {
+    s = platform::AdviseRange(seg.private_view.data() + begin, end - begin,
+                              platform::Advice::kDontNeed, seg.file.path);
+    if (!s.ok()) break;
+  }
+  ranges.clear();
   if (s.ok()) return;
   // A fresh mapping instead; the old one stays until the segment goes (views point into it).
   auto fresh = platform::Mapping::MapFileCopyOnWrite(seg.file.fd, seg.file.file_bytes(),
@@ -290,7 +304,13 @@ void StreamConsumer::Impl::Unhold(PeerSegment& seg, const StreamTensor::State& s
   auto used = seg.private_used.find(slot);
   if (used != seg.private_used.end()) {
     seg.private_used.erase(used);
-    DiscardPrivateLocked(seg, state);
+    if (!seg.one_shot()) {  // a one-shot segment is unmapped with its only block
+      const uint64_t page = seg.hugetlbfs ? kHugePageBytes : platform::BasePageSize();
+      const uint64_t offset = state.descriptor.offset;
+      const uint64_t end = std::min<uint64_t>(
+          (offset + state.descriptor.length + page - 1) / page * page, seg.private_view.size());
+      if (end > offset / page * page) seg.to_discard.emplace_back(offset / page * page, end);
+    }
   }
 }
 
@@ -420,6 +440,7 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   std::lock_guard lock(impl_->mu);
   impl_->DropUnlinkedLocked(false);
   EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
+  impl_->DiscardPrivateLocked(*seg);
   const auto& h = seg->file.header();
   const std::string where = seg->file.path + " block " + std::to_string(d.slot);
   std::string bad = stream::ValidateBlockReference(
