@@ -290,8 +290,9 @@ class EXPERT_ARENA_EXPORT StreamTensor {
   // made once per mapped segment: reads see the producer's bytes, and a write (which nothing
   // should do) copies the page it touches into this process and never reaches the segment,
   // the producer or another reader. What such a write changed is discarded when this
-  // process's last view of the block is released. Not GPU-registered: device copies read
-  // bytes(). These are what the Python package's views point into.
+  // process's last view of the block is released. With a GPU asked for, registered
+  // read-only next to bytes() (pages a write copied are not the pinned ones: a device copy then
+  // reads the producer's bytes). These are what the Python package's views point into.
   std::span<std::byte> private_bytes() const;
   const TensorDescriptor& descriptor() const;
   void Release();

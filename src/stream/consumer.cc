@@ -70,6 +70,10 @@ struct PeerSegment {
   // [begin, end) page ranges of released blocks whose private pages are still to be dropped:
   // done (merged) before the next Open of this segment hands out a view.
   std::vector<std::pair<uint64_t, uint64_t>> to_discard;
+  // private_view registered read-only with the consumer's GPU (device copies from the views
+  // are then DMA); declared after the mappings so that it goes first.
+  std::unique_ptr<gpu::Registration> private_registration;
+  std::vector<std::unique_ptr<gpu::Registration>> retired_registrations;
   bool hugetlbfs = false;
 
   uint64_t bit() const { return uint64_t{1} << reader_index; }
@@ -225,6 +229,24 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
         log->warn("stream consumer: GPU registration of {} failed: {}", seg->file.path,
                   reg.status().message());
       }
+      if (seg->file.pinned_bytes > 0) {
+        // Read-only, as for the arena's views: pinning with write intent would copy every
+        // page of a private mapping. The file's pages are pinned twice, not copied.
+        auto private_reg = gpu::RegisterHostRange(seg->private_view.bytes(),
+                                                  {.device = options.gpu,
+                                                   .pin_budget_bytes = options.pin_budget_bytes,
+                                                   .read_only = true,
+                                                   .logger = log});
+        if (private_reg.ok() && (*private_reg)->report().registered_bytes > 0) {
+          seg->private_registration = std::move(private_reg).value();
+        } else {
+          log->warn(
+              "stream consumer: the copy-on-write view mapping of {} is not registered with "
+              "{} ({}): device copies from the Python views are staged",
+              seg->file.path, options.gpu,
+              private_reg.ok() ? (*private_reg)->report().note : private_reg.status().message());
+        }
+      }
     }
   }
   PeerSegment* raw = seg.get();
@@ -293,6 +315,8 @@ void StreamConsumer::Impl::DiscardPrivateLocked(PeerSegment& seg) {
         s.message(), fresh.status().message());
     return;
   }
+  // The registration stays with the old mapping (live views); the fresh one is not pinned.
+  seg.retired_registrations.push_back(std::move(seg.private_registration));
   seg.retired_private.push_back(std::move(seg.private_view));
   seg.private_view = std::move(fresh).value();
 }
