@@ -93,7 +93,7 @@ typedef struct ea_stream_tensor ea_stream_tensor;
 typedef struct ea_stream_params {
   size_t size;                     /* the caller's sizeof; set by ea_stream_params_init */
   const char* directory;           /* segments' shared directory; NULL: "/dev/shm" */
-  const char* logical_name;        /* part of segment names, [A-Za-z0-9_.]{1,48}; NULL: "stream" */
+  const char* logical_name;        /* in segment names: [A-Za-z0-9_.-]{1,48}, no ".."; "stream" */
   uint64_t segment_bytes;          /* data bytes of a segment, a multiple of 2 MiB; 256 MiB */
   uint32_t max_segments;           /* cap on segment files; 32 */
   uint64_t block_alignment;        /* of every tensor, a power of two 64 B .. 2 MiB; 4096 */
@@ -235,6 +235,8 @@ EXPERT_ARENA_EXPORT int ea_stream_abort(ea_stream_producer* producer, const char
  * reserve does this itself when it needs space). */
 EXPERT_ARENA_EXPORT int ea_stream_reclaim(ea_stream_producer* producer);
 
+/* The producer's figures; in a forked child of its creator, an error naming the fork, as for
+ * every other call there. */
 EXPERT_ARENA_EXPORT int ea_stream_get_stats(ea_stream_producer* producer, ea_stream_stats* out);
 
 /* The producer's instance name, "ea-stream-<logical>-<pid>-<start>-<random>", the prefix of its

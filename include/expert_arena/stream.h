@@ -93,7 +93,7 @@ struct PutItem {
 struct StreamOptions {
   // The shared directory segments live in (tmpfs for speed; hugetlbfs works too).
   std::string directory = "/dev/shm";
-  // Part of every segment name, for operators ([A-Za-z0-9_.]{1,48}).
+  // Part of every segment name, for operators ([A-Za-z0-9_.-]{1,48}, no "..").
   std::string logical_name = "stream";
   // Data bytes of one segment (a multiple of 2 MiB). The file adds a 2 MiB header region.
   uint64_t segment_bytes = 256ull << 20;
@@ -256,7 +256,12 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   // Every block not yet given back (after the same settling as Reclaim), oldest first: its
   // key, state, age, the releases still expected and the consumer processes holding it.
   Result<std::vector<PendingBlock>> Pending();
+  // In a forked child: the figures the child inherited (nothing is reclaimed); callers that
+  // must refuse there (the C and Python interfaces do) check CheckProcess() first.
   StreamStats Stats();
+  // Ok in the process that created the producer; in a forked child the error every other call
+  // returns there (kInvalidArgument naming the fork and the creator's pid).
+  Status CheckProcess() const;
   // The names of this producer's segment files (for tools and tests).
   std::vector<std::string> SegmentPaths();
   const std::string& instance_name() const;
@@ -281,6 +286,14 @@ class EXPERT_ARENA_EXPORT StreamTensor {
   ~StreamTensor();
 
   std::span<const std::byte> bytes() const;
+  // The same bytes through this process's copy-on-write (MAP_PRIVATE) mapping of the segment,
+  // made once per mapped segment: reads see the producer's bytes, and a write (which nothing
+  // should do) copies the page it touches into this process and never reaches the segment,
+  // the producer or another reader. What such a write changed is discarded when this
+  // process's last view of the block is released. With a GPU asked for, registered
+  // read-only next to bytes() (pages a write copied are not the pinned ones: a device copy then
+  // reads the producer's bytes). These are what the Python package's views point into.
+  std::span<std::byte> private_bytes() const;
   const TensorDescriptor& descriptor() const;
   void Release();
   void ReleaseWhen(std::function<bool()> ready);

@@ -352,13 +352,16 @@ class StreamProducer:
                  max_segments=32, strict=False, gpu="none", *, strict_wait_seconds=1.0,
                  pin_budget_bytes=4 << 30, block_alignment=4096, spill_directory="/var/tmp",
                  huge="auto", copy_threads=0, grow_ahead=True, sweep_at_start=True,
-                 quiet=False):
+                 quiet=False, lease_check_seconds=1.0):
+        if not lease_check_seconds >= 0:
+            raise ValueError("StreamProducer(): lease_check_seconds must be >= 0 (0 checks "
+                             "readers' leases at every reserve), got %r" % (lease_check_seconds,))
         self._core = _core.StreamProducer(
             os.fsdecode(os.fspath(directory)), logical_name, int(segment_bytes),
             int(max_segments), bool(strict), float(strict_wait_seconds), gpu,
             int(pin_budget_bytes), int(block_alignment),
             os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
-            bool(sweep_at_start), bool(quiet))
+            bool(sweep_at_start), bool(quiet), float(lease_check_seconds))
         _emit_logs()
 
     def __enter__(self):
@@ -677,17 +680,30 @@ class StreamTensor:
         layout = self._layout or self._get_layout()
         return self._core.view(False, layout.numpy_dtype, layout.shape)
 
-    def torch(self):
-        """A read-only torch tensor over the bytes (no copy); in-place operations raise."""
+    def torch(self, guard: bool = False):
+        """A torch tensor over the bytes (no copy), a plain torch.Tensor in this process's
+        copy-on-write mapping of the segment: ops cost what they cost on any tensor, and a
+        write (which nothing should do) copies the page it touches into this process only,
+        never the producer's bytes (and is dropped when the share is released).
+        `guard=True` gives an expert_arena ReadOnlyTensor instead, whose in-place ops raise
+        ValueError naming the tensor, at the cost of a Python call per op."""
         t = _load_torch()
         layout = self._layout or self._get_layout()
+        if guard:
+            if t.direct(layout):
+                view = t.wrap(self._core.view(True, layout.numpy_dtype, layout.shape))
+            else:
+                view = t.view(self._core.buffer(True), layout)
+            view._ea_name = self.key
+            return view
         if t.direct(layout):
-            return t.wrap(self._core.view(True, layout.numpy_dtype, layout.shape))
-        return t.view(self._core.buffer(True), layout)
+            return t.torch.from_numpy(self._core.view(True, layout.numpy_dtype, layout.shape))
+        return t.writable_view(self._core.buffer(True), layout)
 
     @property
     def address(self) -> int:
-        """Address of the bytes in this process (for a zero-copy check or a device copy)."""
+        """Address of the bytes the views point into: this process's copy-on-write mapping of
+        the segment (for a zero-copy check or a device copy; it is not GPU-registered)."""
         return self._core.address()
 
     @property
@@ -788,13 +804,15 @@ class StreamConsumer:
         t._where = self._where
         return t
 
-    def open_many(self, descriptors, view=None) -> list:
+    def open_many(self, descriptors, view=None, guard: bool = False) -> list:
         """open() of a batch in one call (the GIL released once), all or none: when one
         fails, those opened before it are released and the exception names its index.
 
         view=None gives StreamTensors; view="numpy" gives read-only NumPy arrays and
-        view="torch" read-only tensors, each holding its reader's share until it (and every
-        view made from it) is gone, which is the fastest way to read a batch."""
+        view="torch" plain tensors in this process's copy-on-write mapping (as
+        StreamTensor.torch(); `guard=True`: ReadOnlyTensors), each holding its reader's share
+        until it (and every view made from it) is gone, which is the fastest way to read a
+        batch."""
         if type(descriptors) is not list:
             descriptors = list(descriptors)
         if _deferred:
@@ -808,9 +826,15 @@ class StreamConsumer:
             return self._core.open_many_arrays(descriptors, _dtypes.NUMPY_VIEW_DTYPES)
         if view == "torch":
             t = _load_torch()
-            return [t.wrap(a) if type(a) is not tuple else
-                    t.view(a[0], _dtypes.cached_stream_layout(a[1], a[2], a[0].nbytes, a[3]))
-                    for a in self._core.open_many_arrays(descriptors, t.direct_dtypes(), True)]
+            arrays = self._core.open_many_arrays(descriptors, t.direct_dtypes(), True)
+            if guard:
+                return [t.wrap(a) if type(a) is not tuple else
+                        t.view(a[0], _dtypes.cached_stream_layout(a[1], a[2], a[0].nbytes, a[3]))
+                        for a in arrays]
+            from_numpy = t.torch.from_numpy
+            return [from_numpy(a) if type(a) is not tuple else t.writable_view(
+                        a[0], _dtypes.cached_stream_layout(a[1], a[2], a[0].nbytes, a[3]))
+                    for a in arrays]
         raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 
     def poll_releases(self) -> int:

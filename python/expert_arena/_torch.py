@@ -8,9 +8,11 @@ write copies the page it touches into this process and never reaches the shared 
 GPU-registered mapping or another engine; the bytes the other views of this process read are
 then the written ones, as for any tensor.
 
-Stream tensor views are `ReadOnlyTensor`s, which refuse in-place operations with a ValueError
-(at the cost of a Python call per op). `ReadOnlyTensor` is also what `Arena.torch(name,
-guard=True)` gives, for code that wants a write to raise.
+Stream tensor views are plain tensors too, over the consumer's copy-on-write mapping of the
+segment (`StreamTensor::private_bytes()`): a write never reaches the producer's bytes.
+`ReadOnlyTensor`, which refuses in-place operations with a ValueError (at the cost of a Python
+call per op), is what `Arena.torch(name, guard=True)`, `StreamTensor.torch(guard=True)` and
+`open_many(view="torch", guard=True)` give, for code that wants a write to raise.
 
 Tensors whose bytes lie in a shared arena cross processes by reference through
 multiprocessing's ForkingPickler (torch.multiprocessing Queues and Pools, multiprocessing's

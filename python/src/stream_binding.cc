@@ -90,7 +90,7 @@ class PyProducer {
              uint32_t max_segments, bool strict, double strict_wait_seconds, const std::string& gpu,
              uint64_t pin_budget_bytes, uint64_t block_alignment,
              const std::string& spill_directory, const std::string& huge, uint32_t copy_threads,
-             bool grow_ahead, bool sweep_at_start, bool quiet) {
+             bool grow_ahead, bool sweep_at_start, bool quiet, double lease_check_seconds) {
     StreamOptions options;
     options.directory = directory;
     options.logical_name = logical_name;
@@ -106,6 +106,7 @@ class PyProducer {
     options.copy_threads = copy_threads;
     options.grow_ahead = grow_ahead;
     options.sweep_at_start = sweep_at_start;
+    options.lease_check_seconds = lease_check_seconds;
     if (quiet) options.logger = QuietLogger();
     std::optional<Result<StreamProducer>> producer;
     {
@@ -294,6 +295,8 @@ class PyProducer {
 
   py::dict Stats() {
     auto producer = Get();
+    Status here = producer->CheckProcess();
+    if (!here.ok()) RaiseStatus(here);
     StreamStats s;
     {
       py::gil_scoped_release release;
@@ -362,7 +365,7 @@ class PyStreamTensor {
 
   py::array Buffer(bool writable) const {
     const auto& opened = Get();
-    return ByteArray(opened->tensor.bytes(), opened, writable);
+    return ByteArray(opened->tensor.private_bytes(), opened, writable);
   }
 
   // A read-only (or writable) C-contiguous array of `dtype` and `shape` over the bytes, made in
@@ -370,14 +373,16 @@ class PyStreamTensor {
   py::array View(bool writable, const py::dtype& dtype,
                  const std::vector<py::ssize_t>& shape) const {
     const auto& opened = Get();
-    return TypedArray(opened->tensor.bytes(), opened, writable, dtype, shape,
+    return TypedArray(opened->tensor.private_bytes(), opened, writable, dtype, shape,
                       "stream tensor " + descriptor_.key);
   }
 
   void Release() { opened_.reset(); }
   bool released() const { return opened_ == nullptr; }
   const TensorDescriptor& descriptor() const { return descriptor_; }
-  uintptr_t Address() const { return reinterpret_cast<uintptr_t>(Get()->tensor.bytes().data()); }
+  uintptr_t Address() const {
+    return reinterpret_cast<uintptr_t>(Get()->tensor.private_bytes().data());
+  }
 
  private:
   TensorDescriptor descriptor_;
@@ -470,7 +475,7 @@ class PyConsumer {
     std::vector<py::ssize_t> shape;
     for (size_t i = 0; i < n; ++i) {
       const TensorDescriptor& d = opened[i]->tensor.descriptor();
-      std::span<const std::byte> bytes = opened[i]->tensor.bytes();
+      std::span<const std::byte> bytes = opened[i]->tensor.private_bytes();
       lower.assign(d.dtype);
       for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       PyObject* dtype = PyDict_GetItemString(layouts.ptr(), lower.c_str());
@@ -578,12 +583,13 @@ void BindStream(py::module_& m) {
   py::class_<PyProducer>(m, "StreamProducer")
       .def(py::init<const std::string&, const std::string&, uint64_t, uint32_t, bool, double,
                     const std::string&, uint64_t, uint64_t, const std::string&, const std::string&,
-                    uint32_t, bool, bool, bool>(),
+                    uint32_t, bool, bool, bool, double>(),
            py::arg("directory"), py::arg("logical_name"), py::arg("segment_bytes"),
            py::arg("max_segments"), py::arg("strict"), py::arg("strict_wait_seconds"),
            py::arg("gpu"), py::arg("pin_budget_bytes"), py::arg("block_alignment"),
            py::arg("spill_directory"), py::arg("huge"), py::arg("copy_threads"),
-           py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"))
+           py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"),
+           py::arg("lease_check_seconds"))
       .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
            py::arg("dtype"), py::arg("shape"), py::arg("readers"))
       .def("put_many", &PyProducer::PutMany, py::arg("items"), py::arg("readers"))

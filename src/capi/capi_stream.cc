@@ -485,6 +485,8 @@ int ea_stream_get_stats(ea_stream_producer* producer, ea_stream_stats* out) {
                              " is smaller than any version of ea_stream_stats");
   }
   return Guarded(kWhat, [&]() -> int {
+    Status here = producer->producer.CheckProcess();
+    if (!here.ok()) return Fail(here);
     StreamStats s = producer->producer.Stats();
     ea_stream_stats st{};
     st.size = sizeof st;

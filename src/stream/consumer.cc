@@ -14,12 +14,23 @@
 // peer's string (the key) quotes it escaped (common/escape.h); the segment path is ours plus a
 // name Decode checked against [A-Za-z0-9_.-].
 //
+// Each mapped segment is also mapped copy-on-write (platform::Mapping::MapFileCopyOnWrite,
+// MAP_NORESERVE on hugetlbfs) for the views handed to code that may write through them (the
+// Python package): a write copies a page privately. When the last view of a block in this
+// process that used those bytes is released, its pages there are queued to be dropped
+// (MADV_DONTNEED on a private mapping reverts them to the file's), which the next Open of the
+// segment does, adjacent ranges merged into one call, before it hands out a view: a later block
+// in the same place reads the producer's bytes again. Where the kernel refuses that, the
+// mapping is replaced by a fresh one (the old one stays mapped until the segment is dropped:
+// live views point into it).
+//
 // Fork (stream/fork_guard.h): a consumer belongs to the process that created it. In a forked
 // child Open fails naming the fork, and releasing or dropping what the child inherited (views,
 // deferred releases, the consumer) touches nothing shared: the holds and shares are the
 // parent's, and the parent releases them.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -53,6 +64,17 @@ struct PeerSegment {
   uint32_t reader_index = 0;
   uint64_t views = 0;
   std::unordered_map<uint32_t, uint32_t> held;  // slot -> views of it in this process
+  platform::Mapping private_view;               // copy-on-write mapping of the whole file
+  std::vector<platform::Mapping> retired_private;   // replaced; views may still point in
+  std::unordered_map<uint32_t, bool> private_used;  // slots whose private bytes were handed out
+  // [begin, end) page ranges of released blocks whose private pages are still to be dropped:
+  // done (merged) before the next Open of this segment hands out a view.
+  std::vector<std::pair<uint64_t, uint64_t>> to_discard;
+  // private_view registered read-only with the consumer's GPU (device copies from the views
+  // are then DMA); declared after the mappings so that it goes first.
+  std::unique_ptr<gpu::Registration> private_registration;
+  std::vector<std::unique_ptr<gpu::Registration>> retired_registrations;
+  bool hugetlbfs = false;
 
   uint64_t bit() const { return uint64_t{1} << reader_index; }
   bool one_shot() const { return file.kind != SegmentKind::kRegular; }
@@ -69,6 +91,8 @@ struct StreamTensor::State {
   PeerSegment* segment = nullptr;
   TensorDescriptor descriptor;
   std::span<const std::byte> bytes;
+  std::span<std::byte> private_bytes;
+  bool private_used = false;  // private_bytes() was called
   std::function<bool()> ready;
 };
 
@@ -84,6 +108,7 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   uint64_t pinned_bytes = 0;
   uint64_t dropped = 0;
   Clock::time_point last_unlink_check{};
+  std::map<std::string, bool> hugetlbfs_dirs;  // directory -> on hugetlbfs (statfs once)
 
   std::mutex deferred_mu;
   std::vector<std::unique_ptr<StreamTensor::State>> deferred;
@@ -108,6 +133,10 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   void DropLocked(
       std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
   void DropUnlinkedLocked(bool now);
+  // Drops this process's private copies of the pages of released blocks (see the note above).
+  void DiscardPrivateLocked(PeerSegment& seg);
+  // The held count of the block of `state` went to zero: clears our holder bit.
+  void Unhold(PeerSegment& seg, const StreamTensor::State& state);
   void Release(StreamTensor::State& state);
   // Gives an opened view's hold back without spending its share (a failed OpenMany).
   void Undo(StreamTensor::State& state);
@@ -166,7 +195,25 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
     return Busy(seg->file.path + ": all " + std::to_string(stream::kMaxReaders) +
                 " reader entries are in use by live processes");
   }
+  auto hugetlbfs = hugetlbfs_dirs.find(dir);
+  if (hugetlbfs == hugetlbfs_dirs.end()) {
+    auto fs = platform::StatFilesystem(dir);
+    hugetlbfs =
+        hugetlbfs_dirs.emplace(dir, fs.ok() && fs->kind == platform::FsKind::kHugetlbfs).first;
+  }
+  seg->hugetlbfs = hugetlbfs->second;
+  auto private_view = platform::Mapping::MapFileCopyOnWrite(seg->file.fd, seg->file.file_bytes(),
+                                                            kHugePageBytes, seg->hugetlbfs);
+  if (!private_view.ok()) {
+    stream::AtomicWord(view.readers[seg->reader_index].owner).store(0, std::memory_order_release);
+    return private_view.status().WithContext("stream consumer: the copy-on-write view mapping");
+  }
+  seg->private_view = std::move(private_view).value();
   if (!seg->one_shot()) {
+    // Read-populated, the private mapping maps the file's pages (no copy, no memory).
+    Status p = platform::AdviseRange(seg->private_view.data(), seg->private_view.size(),
+                                     platform::Advice::kPopulateRead, seg->file.path);
+    if (!p.ok()) log->debug("{}", p.message());
     Status s = platform::AdviseRange(seg->file.mapping.data(), seg->file.file_bytes(),
                                      platform::Advice::kPopulateRead, seg->file.path);
     if (!s.ok()) log->debug("{}", s.message());
@@ -181,6 +228,24 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
       } else {
         log->warn("stream consumer: GPU registration of {} failed: {}", seg->file.path,
                   reg.status().message());
+      }
+      if (seg->file.pinned_bytes > 0) {
+        // Read-only, as for the arena's views: pinning with write intent would copy every
+        // page of a private mapping. The file's pages are pinned twice, not copied.
+        auto private_reg = gpu::RegisterHostRange(seg->private_view.bytes(),
+                                                  {.device = options.gpu,
+                                                   .pin_budget_bytes = options.pin_budget_bytes,
+                                                   .read_only = true,
+                                                   .logger = log});
+        if (private_reg.ok() && (*private_reg)->report().registered_bytes > 0) {
+          seg->private_registration = std::move(private_reg).value();
+        } else {
+          log->warn(
+              "stream consumer: the copy-on-write view mapping of {} is not registered with "
+              "{} ({}): device copies from the Python views are staged",
+              seg->file.path, options.gpu,
+              private_reg.ok() ? (*private_reg)->report().note : private_reg.status().message());
+        }
       }
     }
   }
@@ -219,6 +284,60 @@ void StreamConsumer::Impl::DropUnlinkedLocked(bool now) {
   }
 }
 
+void StreamConsumer::Impl::DiscardPrivateLocked(PeerSegment& seg) {
+  if (seg.to_discard.empty()) return;
+  auto& ranges = seg.to_discard;
+  std::sort(ranges.begin(), ranges.end());
+  size_t merged = 0;
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first <= ranges[merged].second) {
+      ranges[merged].second = std::max(ranges[merged].second, ranges[i].second);
+    } else {
+      ranges[++merged] = ranges[i];
+    }
+  }
+  ranges.resize(merged + 1);
+  Status s = Status::Ok();
+  for (const auto& [begin, end] : ranges) {
+    s = platform::AdviseRange(seg.private_view.data() + begin, end - begin,
+                              platform::Advice::kDontNeed, seg.file.path);
+    if (!s.ok()) break;
+  }
+  ranges.clear();
+  if (s.ok()) return;
+  // A fresh mapping instead; the old one stays until the segment goes (views point into it).
+  auto fresh = platform::Mapping::MapFileCopyOnWrite(seg.file.fd, seg.file.file_bytes(),
+                                                     kHugePageBytes, seg.hugetlbfs);
+  if (!fresh.ok()) {
+    log->warn(
+        "stream consumer: {}; {}: later views of this segment may read bytes written "
+        "through an earlier one in this process",
+        s.message(), fresh.status().message());
+    return;
+  }
+  // The registration stays with the old mapping (live views); the fresh one is not pinned.
+  seg.retired_registrations.push_back(std::move(seg.private_registration));
+  seg.retired_private.push_back(std::move(seg.private_view));
+  seg.private_view = std::move(fresh).value();
+}
+
+void StreamConsumer::Impl::Unhold(PeerSegment& seg, const StreamTensor::State& state) {
+  const uint32_t slot = state.descriptor.slot;
+  seg.held.erase(slot);
+  Holders(seg.file.view.slots[slot]).fetch_and(~seg.bit(), std::memory_order_seq_cst);
+  auto used = seg.private_used.find(slot);
+  if (used != seg.private_used.end()) {
+    seg.private_used.erase(used);
+    if (!seg.one_shot()) {  // a one-shot segment is unmapped with its only block
+      const uint64_t page = seg.hugetlbfs ? kHugePageBytes : platform::BasePageSize();
+      const uint64_t offset = state.descriptor.offset;
+      const uint64_t end = std::min<uint64_t>(
+          (offset + state.descriptor.length + page - 1) / page * page, seg.private_view.size());
+      if (end > offset / page * page) seg.to_discard.emplace_back(offset / page * page, end);
+    }
+  }
+}
+
 void StreamConsumer::Impl::Release(StreamTensor::State& state) {
   if (Foreign()) {
     state.segment = nullptr;  // the parent's hold: the parent releases it
@@ -230,11 +349,9 @@ void StreamConsumer::Impl::Release(StreamTensor::State& state) {
   // The bit before the share (the reverse of stream::SpendDeadReaderHolds): a process that
   // dies between the two steps leaves a share unspent (the key's abort frees it), never one
   // spent twice.
+  if (state.private_used) seg.private_used[state.descriptor.slot] = true;
   auto held = seg.held.find(state.descriptor.slot);
-  if (held != seg.held.end() && --held->second == 0) {
-    seg.held.erase(held);
-    Holders(s).fetch_and(~seg.bit(), std::memory_order_seq_cst);
-  }
+  if (held != seg.held.end() && --held->second == 0) Unhold(seg, state);
   uint64_t c = Control(s).load(std::memory_order_seq_cst);
   while (ControlWord::State(c) == BlockState::kPublished &&
          ControlWord::Generation(c) == static_cast<uint32_t>(state.descriptor.generation) &&
@@ -253,11 +370,10 @@ void StreamConsumer::Impl::Release(StreamTensor::State& state) {
 void StreamConsumer::Impl::Undo(StreamTensor::State& state) {
   std::lock_guard lock(mu);
   PeerSegment& seg = *state.segment;
-  BlockSlot& s = seg.file.view.slots[state.descriptor.slot];
+  if (state.private_used) seg.private_used[state.descriptor.slot] = true;
   auto held = seg.held.find(state.descriptor.slot);
   if (held != seg.held.end() && --held->second == 0) {
-    seg.held.erase(held);
-    Holders(s).fetch_and(~seg.bit(), std::memory_order_seq_cst);
+    Unhold(seg, state);
     // The owner may be waiting for the last holder of an aborted block.
     seg.file.view.epoch().fetch_add(1, std::memory_order_release);
   }
@@ -348,6 +464,7 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   std::lock_guard lock(impl_->mu);
   impl_->DropUnlinkedLocked(false);
   EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
+  impl_->DiscardPrivateLocked(*seg);
   const auto& h = seg->file.header();
   const std::string where = seg->file.path + " block " + std::to_string(d.slot);
   std::string bad = stream::ValidateBlockReference(
@@ -395,6 +512,7 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   state->consumer = impl_;
   state->segment = seg;
   state->bytes = {seg->file.mapping.data() + d.offset, d.length};
+  state->private_bytes = {seg->private_view.data() + d.offset, d.length};
   state->descriptor = std::move(d);
   return StreamTensor(std::move(state));
 }
@@ -465,6 +583,10 @@ StreamTensor& StreamTensor::operator=(StreamTensor&& other) noexcept {
 StreamTensor::~StreamTensor() { Release(); }
 
 std::span<const std::byte> StreamTensor::bytes() const { return state_->bytes; }
+std::span<std::byte> StreamTensor::private_bytes() const {
+  state_->private_used = true;
+  return state_->private_bytes;
+}
 const TensorDescriptor& StreamTensor::descriptor() const { return state_->descriptor; }
 
 void StreamTensor::Release() {

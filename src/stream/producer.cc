@@ -665,8 +665,10 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
   impl->log = ResolveLogger(options.logger);
   const auto& o = impl->options;
   if (!stream::IsValidLogicalName(o.logical_name)) {
-    return InvalidArgument("stream logical name \"" + o.logical_name +
-                           "\": use 1-48 characters of [A-Za-z0-9_.]");
+    return InvalidArgument(
+        "stream logical name \"" + o.logical_name +
+        "\": use 1-48 characters of [A-Za-z0-9_.-], without \"..\" (it is part of "
+        "every segment file name)");
   }
   if (o.segment_bytes == 0 || o.segment_bytes % kHugePageBytes != 0) {
     return InvalidArgument("stream segment size " + std::to_string(o.segment_bytes) +
@@ -849,6 +851,8 @@ Status StreamProducer::Reclaim() {
   impl_->ReclaimAll();
   return Status::Ok();
 }
+
+Status StreamProducer::CheckProcess() const { return impl_->CheckProcess("stream stats"); }
 
 StreamStats StreamProducer::Stats() {
   std::lock_guard lock(impl_->mu);

@@ -91,9 +91,13 @@ bool IsValidSegmentName(std::string_view name) {
 }
 
 bool IsValidLogicalName(std::string_view name) {
+  // The name becomes part of every segment file name, which consumers check against
+  // IsValidSegmentName: the same characters, and no "..". Nothing parses a segment name by its
+  // dashes (owners come from the header), so '-' is as safe as '_'.
   if (name.empty() || name.size() > 48) return false;
+  if (name.find("..") != std::string_view::npos) return false;
   for (char c : name) {
-    if (!IsNameChar(c) || c == '-') return false;
+    if (!IsNameChar(c)) return false;
   }
   return true;
 }

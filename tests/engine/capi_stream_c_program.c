@@ -431,6 +431,13 @@ static void CheckPendingAndFork(const char* dir, const char* spill) {
     ea_stream_tensor* u = NULL;
     if (ea_stream_open(consumer, e, elen, &u) != -EINVAL) bad |= 2;
     if (ea_stream_pending(producer, NULL, 0, &n) != -EINVAL) bad |= 4;
+    ea_stream_stats inherited;
+    memset(&inherited, 0, sizeof inherited);
+    inherited.size = sizeof inherited;
+    if (ea_stream_get_stats(producer, &inherited) != -EINVAL ||
+        !Contains(ea_last_error(), "a forked child")) {
+      bad |= 8;
+    }
     ea_stream_release(t);
     ea_stream_consumer_destroy(consumer);
     ea_stream_producer_destroy(producer);

@@ -416,3 +416,36 @@ def test_version_and_module_info(gen_model, shm_path):
                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, timeout=60)
     assert out.returncode == 1 and "No such file" in out.stderr
+
+
+def test_an_arena_used_in_a_forked_child_reads_and_its_close_leaves_the_parents(gen_model,
+                                                                                shm_path):
+    # The child inherits the mappings and the fd (the same open file description, so the same
+    # OFD USER lock): it reads, and its close unmaps its copies without releasing the lock the
+    # parent's engine holds.
+    path = shm_path()
+    with expert_arena.open(gen_model("gguf", "f32"), shared_path=path, quiet=True) as a:
+        sums = {n: expert_arena.xxh3_64(a.numpy(n)) for n in a.names()}
+        pid = os.fork()
+        if pid == 0:
+            code = 99
+            try:
+                ok = all(expert_arena.xxh3_64(a.numpy(n)) == s for n, s in sums.items())
+                ok = ok and all(expert_arena.xxh3_64(a.torch(n).numpy()) == s
+                                for n, s in sums.items())
+                a.close()
+                with expert_arena.attach(path) as own:  # the child's own attach, closed
+                    ok = ok and all(expert_arena.xxh3_64(own.numpy(n)) == s
+                                    for n, s in sums.items())
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert {n: expert_arena.xxh3_64(a.numpy(n)) for n in a.names()} == sums
+        held = subprocess.run([tool("expert-arena"), "rm", path], capture_output=True,
+                              text=True, env=child_env())
+        assert held.returncode != 0 and os.path.exists(path), held.stdout + held.stderr
+    gone = subprocess.run([tool("expert-arena"), "rm", path], capture_output=True, text=True,
+                          env=child_env())
+    assert gone.returncode == 0 and not os.path.exists(path), gone.stdout + gone.stderr

@@ -126,7 +126,7 @@ def test_open_many_is_all_or_none_and_views_hold_their_share(stream_dir):
         # Views from open_many hold the reader's share until they are dropped.
         ds = p.put_many({"n": np.arange(6, dtype=np.int16).reshape(2, 3),
                          "t": torch.arange(4, dtype=torch.bfloat16)})
-        n, t = c.open_many(ds[:1], view="numpy") + c.open_many(ds[1:], view="torch")
+        n, t = c.open_many(ds[:1], view="numpy") + c.open_many(ds[1:], view="torch", guard=True)
         assert n.dtype == np.int16 and n.shape == (2, 3) and not n.flags.writeable
         assert t.dtype == torch.bfloat16 and torch.equal(t, torch.arange(4, dtype=torch.bfloat16))
         with pytest.raises(ValueError):
@@ -142,7 +142,8 @@ def test_open_many_is_all_or_none_and_views_hold_their_share(stream_dir):
         p.reclaim()
         assert p.stats()["live_blocks"] == 0
         # A dtype torch takes as it is (no byte view): still read-only, still zero-copy.
-        (w,) = c.open_many([p.put("w", np.arange(8, dtype=np.float32))], view="torch")
+        (w,) = c.open_many([p.put("w", np.arange(8, dtype=np.float32))], view="torch",
+                           guard=True)
         assert w.dtype == torch.float32 and w.shape == (8,) and w[7] == 7
         with pytest.raises(ValueError):
             w.mul_(2)
@@ -215,7 +216,7 @@ def test_views_are_zero_copy_read_only_and_outlive_release(stream_dir):
         x = torch.randn(64, 32)
         t = c.open(p.put("k1", x))
         assert (t.key, t.dtype_name, t.shape, t.nbytes) == ("k1", "f32", (64, 32), x.numel() * 4)
-        v, n = t.torch(), t.numpy()
+        v, n = t.torch(guard=True), t.numpy()
         assert v.data_ptr() == t.address == n.__array_interface__["data"][0]
         assert torch.equal(v, x) and np.array_equal(n, x.numpy())
         with pytest.raises(ValueError):

@@ -53,7 +53,8 @@ def test_a_forked_child_gets_its_own_producer_and_leaves_the_parents(stream_dir)
             if not _refused(lambda: p.put("child", np.ones(10, np.float32)), me):
                 return 10
             if not _refused(lambda: p.abort("before"), me) or \
-                    not _refused(lambda: p.pending(), me):
+                    not _refused(lambda: p.pending(), me) or \
+                    not _refused(lambda: p.stats(), me):
                 return 11
             p.close()  # what leaving `with producer:` does: unlinks nothing of the parent's
             own = expert_arena.StreamProducer(stream_dir, "forkchild", segment_bytes=2 << 20,

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -158,9 +159,55 @@ TEST(StreamProducer, RefusesBadOptions) {
   StreamDirs dirs;
   StreamOptions o = dirs.Producer("bad/name");
   EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
+  o = dirs.Producer("a..b");  // would make segment names consumers refuse
+  EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
   o = dirs.Producer();
   o.segment_bytes = 3 << 20;
   EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(StreamProducer, LogicalNamesMayHoldDashesAndDots) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer("prefill-0.v2")));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(5000);
+  testing::FillPattern(data, "d");
+  ASSERT_OK_AND_ASSIGN(auto d, producer.Put("d", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "d"));
+  EXPECT_NE(t.descriptor().segment.find("ea-stream-prefill-0.v2-"), std::string::npos);
+}
+
+// private_bytes(): the same bytes through the consumer's copy-on-write mapping. A write there
+// never reaches the segment (bytes(), another consumer), and is dropped with the block's last
+// view, so the block that reuses the place reads the producer's bytes.
+TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  ASSERT_OK_AND_ASSIGN(auto other, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(30000);
+  testing::FillPattern(data, "a");
+  ASSERT_OK_AND_ASSIGN(auto first, producer.Put("a", data, {}, 2));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(first));
+  std::span<std::byte> mine = t.private_bytes();
+  ASSERT_EQ(mine.size(), data.size());
+  EXPECT_NE(mine.data(), t.bytes().data());
+  EXPECT_TRUE(testing::CheckPattern(mine, "a"));
+  std::fill(mine.begin(), mine.end(), std::byte{0xEE});
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "a"));
+  ASSERT_OK_AND_ASSIGN(auto theirs, other.Open(first));
+  EXPECT_TRUE(testing::CheckPattern(theirs.bytes(), "a"));
+  EXPECT_TRUE(testing::CheckPattern(theirs.private_bytes(), "a"));
+  theirs.Release();
+  const uint64_t offset = t.descriptor().offset;
+  t.Release();
+  ASSERT_OK(producer.Reclaim());
+  testing::FillPattern(data, "b");
+  ASSERT_OK_AND_ASSIGN(auto second, producer.Put("b", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto u, consumer.Open(second));
+  ASSERT_EQ(u.descriptor().offset, offset);  // the same place
+  EXPECT_TRUE(testing::CheckPattern(u.private_bytes(), "b"));
 }
 
 // Descriptors that decode but do not match the segment: refused by Open with the reason.
