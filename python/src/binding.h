@@ -239,7 +239,7 @@ class CollectingSink : public spdlog::sinks::base_sink<std::mutex> {
 // Adds Arena, open and attach to the module (arena_binding.cc).
 void BindArena(py::module_& m);
 // Adds StreamProducer, Reservation, StreamTensor, StreamConsumer, sweep and the descriptor
-// helpers to the module (stream_binding.cc).
+// functions to the module (stream_binding.cc).
 void BindStream(py::module_& m);
 
 }  // namespace expert_arena::python

@@ -43,7 +43,7 @@ extern char** environ;
 
 #define MIB (1024u * 1024u)
 
-/* ---- helpers ---- */
+/* ---- shared routines ---- */
 
 static void Fill(unsigned char* p, size_t n, uint64_t seed) {
   uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
