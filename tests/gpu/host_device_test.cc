@@ -129,8 +129,10 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
       ASSERT_OK_AND_ASSIGN(auto big, consumer.Open(d_large));
       EXPECT_EQ(CopyThroughTheDevice(big.bytes()), large);
     }
-    // The producer's and the consumer's mappings of the one regular segment: two ranges.
-    EXPECT_EQ(device.runtime().registrations(), 2u);
+    // The one regular segment: the producer's mapping, and the consumer's two (its shared
+    // mapping, and the copy-on-write mapping its Python views point into, registered
+    // read-only): three ranges, none of the dedicated segment.
+    EXPECT_EQ(device.runtime().registrations(), 3u);
     EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);
   }
   EXPECT_EQ(device.runtime().registrations(), 0u);
