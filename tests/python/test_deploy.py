@@ -31,7 +31,7 @@ def test_systemd_holder_unit_verifies(tmp_path):
     # verify checks that ExecStart's program exists: point it at the built tool.
     unit = open(os.path.join(DEPLOY, "systemd", "expert-arena-holder@.service")).read()
     assert "--hold" in unit and "expert-arena load" in unit
-    unit = unit.replace("/usr/local/bin/expert-arena", tool("expert-arena"))
+    unit = unit.replace("/usr/local/bin/expert-arena", os.path.abspath(tool("expert-arena")))
     (tmp_path / "expert-arena-holder@.service").write_text(unit)
     shutil.copy(os.path.join(DEPLOY, "systemd", "expert-arena.slice"), tmp_path)
     r = subprocess.run([analyze, "verify", "expert-arena-holder@test.service",
