@@ -4,16 +4,17 @@
 # ucp_put_bw, same message size as the fill's chunks), and against a cold load of the same
 # model from the disk. Optionally under tc rate limits (tbf: this VM's kernel has no
 # sch_netem), to show that the fill tracks the link. Needs root. Holds the machine-wide
-# benchmark lock.
+# benchmark lock. Writes OUT/peer_fill.tsv (a row per fill) and, with gnuplot, OUT/peer_fill.png.
 #
 #   bench/peer_fill_bench.sh [--gib N (4)] [--rates "none 10gbit 1gbit"] [--dir DIR (/tmp)]
-#                            [--build-dir build] [--runs R (2)]
+#                            [--build-dir build] [--runs R (2)] [--out OUT (bench/results)]
 set -eu
 gib=4
 rates="none"
 dir=/tmp
 build=build
 runs=2
+out=bench/results
 while [ $# -gt 0 ]; do
   case "$1" in
     --gib) gib=$2; shift 2 ;;
@@ -21,12 +22,17 @@ while [ $# -gt 0 ]; do
     --dir) dir=$2; shift 2 ;;
     --build-dir) build=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
     *) echo "peer_fill_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 [ "$(id -u)" = 0 ] || { echo "peer_fill_bench.sh: needs root (namespaces, drop_caches)" >&2; exit 2; }
 tool=$(realpath "$build/bin/expert-arena")
 command -v ucx_perftest >/dev/null || { echo "peer_fill_bench.sh: needs ucx_perftest (ucx-utils)" >&2; exit 2; }
+
+mkdir -p "$out"
+tsv="$out/peer_fill.tsv"
+printf 'link\trun\tfill_mib_s\tucp_get_mib_s\tucp_put_bw_mib_s\tcold_disk_mib_s\tlink_mib_s\n' >"$tsv"
 
 exec 9>/tmp/expert-arena-bench.lock
 flock 9
@@ -83,6 +89,7 @@ data_bytes=$(echo "$cold" | json "j['tensor_bytes']")
 mib=$(( data_bytes / 1048576 ))
 echo "arena: $mib MiB of experts ($layers layers)"
 echo "cold load from disk: $(echo "$cold" | json "'%.2f s, %.0f MiB/s (%s)' % (j['seconds'], j['tensor_bytes']/1048576/j['seconds'], j['reader'])")"
+cold_mibs=$(echo "$cold" | json "'%.0f' % (j['tensor_bytes']/1048576/j['seconds'])")
 
 perftest() {  # test iterations -> overall MiB/s of the Final line
   nsenter --net=/run/netns/${tag}a --mount="$run/a.mnt" -- env UCX_TLS=tcp \
@@ -119,8 +126,39 @@ for rate in $rates; do
     on b "$tool" verify /dev/shm/bench.arena >/dev/null
     on b "$tool" rm /dev/shm/bench.arena >/dev/null
     echo "link $rate: fill run $r: $(echo "$fill" | json "'%.2f s in all, fill %.2f s = %.0f MiB/s; peer_bytes %d' % (j['seconds'], j['load_seconds'], j['tensor_bytes']/1048576/j['load_seconds'], j['peer_bytes'])"); ucx_perftest ucp_get $get MiB/s, ucp_put_bw $put MiB/s"
+    # The link's own rate in MiB/s (tbf counts bits of whole frames), or nothing unlimited.
+    case "$rate" in
+      none) link_mibs=NaN ;;
+      *gbit) link_mibs=$(( ${rate%gbit} * 1000000000 / 8 / 1048576 )) ;;
+      *mbit) link_mibs=$(( ${rate%mbit} * 1000000 / 8 / 1048576 )) ;;
+      *) link_mibs=NaN ;;
+    esac
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rate" "$r" \
+      "$(echo "$fill" | json "'%.0f' % (j['tensor_bytes']/1048576/j['load_seconds'])")" \
+      "$get" "$put" "$cold_mibs" "$link_mibs" >>"$tsv"
   done
   if [ "$rate" != none ]; then
     for h in a b; do ip netns exec $tag$h tc qdisc del dev ${tag}v$h root; done
   fi
 done
+
+command -v gnuplot >/dev/null || { echo "peer_fill_bench.sh: no gnuplot (gnuplot-nox); $tsv written" >&2; exit 0; }
+gnuplot <<PLOT
+set terminal pngcairo size 1100,650 font ",10" noenhanced
+set output "$out/peer_fill.png"
+set datafile separator "\t"
+set title "expert-arena peer fill of a $mib MiB arena between two network namespaces, UCX_TLS=tcp ($(date -u +%Y-%m-%d), $(nproc)-core VM)"
+set grid ytics mytics
+set key top right
+set logscale y
+set ylabel "MiB/s (log scale)"
+set xlabel "link (tc tbf rate; none = the bare veth pair)"
+set style data linespoints
+set xtics rotate by 0
+plot "$tsv" using 0:3:xtic(stringcolumn(1)."/".stringcolumn(2)) pt 7 ps 1.5 lw 2 title "expert-arena load --from-peer", \
+     "" using 0:4 pt 5 lw 1 dt 2 title "ucx_perftest ucp_get (same run, same link)", \
+     "" using 0:5 pt 4 lw 1 dt 3 title "ucx_perftest ucp_put_bw", \
+     "" using 0:6 lw 1 dt 4 title "cold load from the disk (page cache dropped)", \
+     "" using 0:7 pt 2 lw 1 title "link rate"
+PLOT
+echo "wrote $tsv and $out/peer_fill.png"

@@ -16,7 +16,8 @@ required=(
 )
 # HIP host code compiles against Debian's ROCm packages; the CUDA toolkit lives at
 # /usr/local/cuda and is not a Debian package here.
-optional=(libamdhip64-dev hipcc)
+optional=(libamdhip64-dev hipcc
+  gnuplot-nox)  # bench/*.sh plots (the benchmarks write their tables without it)
 
 missing=()
 for pkg in "${required[@]}" "${optional[@]}"; do

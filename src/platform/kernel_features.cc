@@ -18,16 +18,7 @@
 
 #include "common/units.h"
 #include "platform/page_scan.h"
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
+#include "platform/linux_uapi.h"
 
 namespace expert_arena::platform {
 namespace {

@@ -13,16 +13,7 @@
 
 #include "common/units.h"
 #include "platform/kernel_features.h"
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
+#include "platform/linux_uapi.h"
 
 namespace expert_arena::platform {
 namespace {
