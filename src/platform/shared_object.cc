@@ -29,7 +29,10 @@ Result<void*> FindSymbol(const SharedObject& object, const char* name) {
   (void)dlerror();
   void* symbol = dlsym(object.handle, name);
   if (symbol == nullptr) {
-    return NotFound(object.path + ": no symbol " + name + " (" + LastDlError() + ")");
+    // dlerror's text names the file and the symbol; none when the symbol's value is null.
+    const char* text = dlerror();
+    return NotFound(text != nullptr ? std::string(text)
+                                    : object.path + ": symbol " + name + " is null");
   }
   return symbol;
 }

@@ -25,7 +25,8 @@ struct SharedObject {
 // cache, the default directories). Errors: kNotFound with the dynamic linker's text.
 Result<SharedObject> OpenSharedObject(const std::string& path);
 
-// dlsym of `name` in `object`; kNotFound with the dynamic linker's text when it has none.
+// dlsym of `name` in `object`; kNotFound with the dynamic linker's text (the file and the
+// symbol) when it has none.
 Result<void*> FindSymbol(const SharedObject& object, const char* name);
 
 // The absolute path of the file (the executable or a shared object) whose mapping holds

@@ -2,6 +2,7 @@
 // server and the client refuse with a message that says how to get them.
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
+#include "remote/ucx_plugin.h"
 
 namespace expert_arena::remote {
 namespace {
@@ -16,6 +17,7 @@ Status NotBuilt() {
 
 Result<std::unique_ptr<PeerSource>> ConnectPeer(const PeerOptions&) { return NotBuilt(); }
 bool RemoteBuilt() { return false; }
+Result<const UcxPlugin*> Ucx() { return NotBuilt(); }
 
 Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string&, const ServeOptions&) {
   return NotBuilt();
