@@ -119,11 +119,7 @@ cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j"$jobs" --target "${tsan_tests[@]}" expert-arena
 for t in "${tsan_tests[@]}"; do
   echo "-- tsan: $t"
-  # UCX (linked for src/remote) hooks mmap and madvise at load time; ThreadSanitizer's
-  # interceptors crash inside those hooks at thread start (DETAILS.md). None of these tests
-  # uses UCX: its hooks are turned off for them.
-  UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    build-tsan/bin/"$t" --gtest_brief=1
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build-tsan/bin/"$t" --gtest_brief=1
 done
 
 echo "== bounded soak"

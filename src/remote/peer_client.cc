@@ -54,7 +54,8 @@ void PauseForTest(const std::string& pause_file) {
 
 }  // namespace
 
-struct PeerSource::State {
+// The client side over one UCX worker and endpoint (plugin code: see ucx_plugin.h).
+struct UcxPeerSource final : PeerSource {
   PeerOptions options;
   std::unique_ptr<UcxWorker> ucx;
   ucp_ep_h ep = nullptr;
@@ -64,11 +65,11 @@ struct PeerSource::State {
   Offer offer{};
   bool offered = false;
   std::vector<std::byte> offer_bytes;
-  format::ArenaTable table;
+  format::ArenaTable peer_table;
   uint64_t received = 0;
-  double fill_seconds = 0;
+  double seconds = 0;
 
-  ~State() {
+  ~UcxPeerSource() override {
     if (rkey != nullptr) ucp_rkey_destroy(rkey);
     if (ucx) CloseEndpoint(*ucx, ep, failed, Clock::now() + std::chrono::seconds(2));
   }
@@ -90,21 +91,18 @@ struct PeerSource::State {
     if (s.ok()) received += bytes;
     return s;
   }
+
+  const format::ArenaTable& table() const override { return peer_table; }
+  const std::string& address() const override { return options.address; }
+  Status Fill(std::span<std::byte> data, const format::ArenaTable& table, const ReadyFront* front,
+              uint64_t front_base) override;
+  uint64_t bytes_received() const override { return received; }
+  double fill_seconds() const override { return seconds; }
 };
 
-PeerSource::PeerSource(std::unique_ptr<State> state) : state_(std::move(state)) {}
-PeerSource::~PeerSource() = default;
-PeerSource::PeerSource(PeerSource&&) noexcept = default;
-PeerSource& PeerSource::operator=(PeerSource&&) noexcept = default;
-const format::ArenaTable& PeerSource::table() const { return state_->table; }
-const std::string& PeerSource::address() const { return state_->options.address; }
-uint64_t PeerSource::bytes_received() const { return state_->received; }
-double PeerSource::fill_seconds() const { return state_->fill_seconds; }
-bool RemoteBuilt() { return true; }
-
-Result<PeerSource> ConnectPeer(const PeerOptions& options) {
-  auto state = std::make_unique<PeerSource::State>();
-  PeerSource::State& st = *state;
+Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
+  auto state = std::make_unique<UcxPeerSource>();
+  UcxPeerSource& st = *state;
   st.options = options;
   const std::string& peer = options.address;
   if (options.token.size() > kMaxTokenBytes) {
@@ -121,7 +119,7 @@ Result<PeerSource> ConnectPeer(const PeerOptions& options) {
   am.arg = &st;
   am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
              const ucp_am_recv_param_t* param) -> ucs_status_t {
-    auto* s = static_cast<PeerSource::State*>(arg);
+    auto* s = static_cast<UcxPeerSource*>(arg);
     if (s->offered || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
     s->offered = true;
     auto* bytes = static_cast<const std::byte*>(data);
@@ -140,7 +138,7 @@ Result<PeerSource> ConnectPeer(const PeerOptions& options) {
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.arg = &st;
   params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
-    auto* s = static_cast<PeerSource::State*>(arg);
+    auto* s = static_cast<UcxPeerSource*>(arg);
     s->failed = true;
     s->failure = status;
   };
@@ -216,16 +214,17 @@ Result<PeerSource> ConnectPeer(const PeerOptions& options) {
     return Corrupt("peer " + peer + ": its arena is not published");
   }
   EA_RETURN_IF_ERROR(format::DecodeHeader(header, offer.header_bytes + offer.data_bytes,
-                                          "peer " + peer, &st.table, nullptr));
-  if (st.table.data_bytes != offer.data_bytes || st.table.identity_hash != offer.identity_hash) {
+                                          "peer " + peer, &st.peer_table, nullptr));
+  if (st.peer_table.data_bytes != offer.data_bytes ||
+      st.peer_table.identity_hash != offer.identity_hash) {
     return Corrupt("peer " + peer + ": its header does not match its offer");
   }
-  return PeerSource(std::move(state));
+  return std::unique_ptr<PeerSource>(std::move(state));
 }
 
-Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& table,
-                        const ReadyFront* front, uint64_t front_base) {
-  State& st = *state_;
+Status UcxPeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& table,
+                           const ReadyFront* front, uint64_t front_base) {
+  UcxPeerSource& st = *this;
   const auto start = Clock::now();
   const std::string& peer = st.options.address;
   // Tensors in data order, and the end of the last one: the padding after it is not read.
@@ -369,7 +368,7 @@ Status PeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& tab
       ucp_request_free(f.request);
     }
   }
-  st.fill_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  st.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return error;
 }
 

@@ -10,6 +10,9 @@
 // and each wait is bounded by `stall_seconds` without progress.
 //
 // Thread-safety: none; a PeerSource is used by one thread.
+//
+// UCX is not linked into the library: ConnectPeer loads the transport plugin at first use
+// (ucx_plugin.h), so a process that never fills from a peer never maps UCX.
 #pragma once
 
 #include <cstdint>
@@ -38,17 +41,15 @@ struct PeerOptions {
   spdlog::logger* logger = nullptr;
 };
 
+// A connected peer and its table. Made by ConnectPeer; the UCX implementation lives in the
+// transport plugin (ucx_plugin.h), whose code stays loaded for the life of the process.
 class PeerSource {
  public:
-  struct State;
-  explicit PeerSource(std::unique_ptr<State> state);
-  ~PeerSource();
-  PeerSource(PeerSource&&) noexcept;
-  PeerSource& operator=(PeerSource&&) noexcept;
+  virtual ~PeerSource() = default;
 
   // The peer's table as its header holds it (sources, tensors with checksums, identity).
-  const format::ArenaTable& table() const;
-  const std::string& address() const;
+  virtual const format::ArenaTable& table() const = 0;
+  virtual const std::string& address() const = 0;
 
   // Reads the peer's tensor bytes into `data` (the local data region, laid out like the
   // peer's: `table` has the peer's arena offsets) and checks every tensor's checksum against
@@ -56,21 +57,20 @@ class PeerSource {
   // front->ready() - front_base (the local pages are being made alongside). Errors: the peer
   // gone (naming the bytes received), a checksum that differs (naming the tensor), a stall.
   // On error nothing more is written into `data` once this returns.
-  Status Fill(std::span<std::byte> data, const format::ArenaTable& table, const ReadyFront* front,
-              uint64_t front_base);
+  virtual Status Fill(std::span<std::byte> data, const format::ArenaTable& table,
+                      const ReadyFront* front, uint64_t front_base) = 0;
 
-  uint64_t bytes_received() const;  // header region and data
-  double fill_seconds() const;
-
- private:
-  std::unique_ptr<State> state_;
+  virtual uint64_t bytes_received() const = 0;  // header region and data
+  virtual double fill_seconds() const = 0;
 };
 
 // Connects and reads the peer's table. Errors name the peer: refused (token, version),
-// unreachable, timed out, or a header that fails validation.
-Result<PeerSource> ConnectPeer(const PeerOptions& options);
+// unreachable, timed out, or a header that fails validation; kUnsupported when the transport
+// plugin cannot be loaded (naming every path tried) or UCX is not built.
+Result<std::unique_ptr<PeerSource>> ConnectPeer(const PeerOptions& options);
 
-// Whether UCX is compiled in; when not, ConnectPeer and the server refuse with kUnsupported.
+// Whether UCX is compiled in (the plugin is built); when not, ConnectPeer and the server
+// refuse with kUnsupported.
 bool RemoteBuilt();
 
 }  // namespace expert_arena::remote

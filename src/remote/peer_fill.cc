@@ -50,40 +50,40 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   peer_options.token = options.peer_token;
   peer_options.stall_seconds = options.peer_stall_seconds;
   peer_options.logger = &log;
-  EA_ASSIGN_OR_RETURN(PeerSource peer, ConnectPeer(peer_options));
+  EA_ASSIGN_OR_RETURN(std::unique_ptr<PeerSource> peer, ConnectPeer(peer_options));
 
   arena::ModelWant want{.spec = &model};
   source::ModelPlan plan;
   if (model.files.empty()) {
     // A new host without the checkpoint: the peer's table is the plan (its identity too).
-    plan.table = peer.table();
+    plan.table = peer->table();
     plan.format = "peer";
   } else {
     EA_ASSIGN_OR_RETURN(plan, source::PlanModel(model));
-    std::string difference = LayoutDifference(plan.table, peer.table());
+    std::string difference = LayoutDifference(plan.table, peer->table());
     if (!difference.empty()) {
       return Corrupt("peer " + options.from_peer + " serves another model than the local files (" +
-                     difference + "); its arena holds " + peer.table().identity_text);
+                     difference + "); its arena holds " + peer->table().identity_text);
     }
     // The local identity (paths, times of this host's files), so that local engines opening
     // the same files attach; the peer's checksums, verified as the bytes land.
     for (size_t i = 0; i < plan.table.tensors.size(); ++i) {
-      plan.table.tensors[i].checksum = peer.table().tensors[i].checksum;
+      plan.table.tensors[i].checksum = peer->table().tensors[i].checksum;
     }
   }
   want.plan = std::move(plan);
   const uint64_t metadata_bytes = want.plan->metadata_bytes_read;
   want.fill = [&peer](const load::LoadRequest& request,
                       format::ArenaTable& table) -> Result<load::LoadResult> {
-    EA_RETURN_IF_ERROR(peer.Fill(request.data, table, request.ready_front, request.ready_base));
+    EA_RETURN_IF_ERROR(peer->Fill(request.data, table, request.ready_front, request.ready_base));
     load::LoadResult result;
     result.reader = "ucx";
-    result.seconds = peer.fill_seconds();
+    result.seconds = peer->fill_seconds();
     return result;
   };
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, log));
   impl->report.from_peer = options.from_peer;
-  impl->report.peer_bytes = peer.bytes_received();
+  impl->report.peer_bytes = peer->bytes_received();
   // Model bytes read here: the local headers, when files were given (0 without).
   impl->report.bytes_read = metadata_bytes;
   return impl;

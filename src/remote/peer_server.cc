@@ -51,8 +51,9 @@ bool SameToken(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-struct PeerServer::State {
-  ServeInfo info;
+// The server over one UCX worker and listener (plugin code: see ucx_plugin.h).
+struct UcxPeerServer final : PeerServer {
+  ServeInfo serve_info;
   std::string token;
   double hello_timeout_seconds = 10;
   std::shared_ptr<spdlog::logger> log;
@@ -67,7 +68,7 @@ struct PeerServer::State {
   std::list<Connection> connections;
   uint64_t offered = 0;
 
-  ~State() {
+  ~UcxPeerServer() override {
     auto deadline = Clock::now() + std::chrono::seconds(2);
     for (Connection& c : connections) {
       if (c.send != nullptr && !UCS_PTR_IS_ERR(c.send)) ucp_request_free(c.send);
@@ -130,9 +131,9 @@ struct PeerServer::State {
       offer.status = static_cast<uint32_t>(OfferStatus::kOk);
       offer.region_address = reinterpret_cast<uint64_t>(mapping.data());
       offer.region_bytes = mapping.size();
-      offer.header_bytes = info.file_bytes - info.data_bytes;
-      offer.data_bytes = info.data_bytes;
-      offer.identity_hash = info.identity_hash;
+      offer.header_bytes = serve_info.file_bytes - serve_info.data_bytes;
+      offer.data_bytes = serve_info.data_bytes;
+      offer.identity_hash = serve_info.identity_hash;
       offer.payload_bytes = static_cast<uint32_t>(rkey_bytes);
     }
     c.reply.resize(sizeof offer + offer.payload_bytes);
@@ -148,7 +149,7 @@ struct PeerServer::State {
     if (c.hello_ok) {
       ++offered;
       log->info("expert-arena serve: peer {}: offered {} ({})", c.peer,
-                FormatBytes(info.file_bytes), info.identity);
+                FormatBytes(serve_info.file_bytes), serve_info.identity);
     } else {
       log->warn("expert-arena serve: peer {}: refused: {}", c.peer, refusal);
     }
@@ -192,11 +193,15 @@ struct PeerServer::State {
       ++it;
     }
   }
+
+  const ServeInfo& info() const override { return serve_info; }
+  uint64_t peers_offered() const override { return offered; }
+  Status Run(const std::function<bool()>& stop) override;
 };
 
-Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
-                                                      const ServeOptions& options) {
-  auto state = std::make_unique<State>();
+Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
+                                                   const ServeOptions& options) {
+  auto state = std::make_unique<UcxPeerServer>();
   state->log = ResolveLogger(options.logger);
   state->token = options.token;
   state->hello_timeout_seconds = options.hello_timeout_seconds;
@@ -230,12 +235,13 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   // Validates the whole table (checksums, every range) before serving a byte of it.
   EA_RETURN_IF_ERROR(
       format::TableView::Open(state->mapping.bytes().first(header_bytes), st.size, path).status());
-  state->info.path = path;
-  state->info.identity = summary.identity_text;
-  state->info.identity_hash = summary.identity_hash;
-  state->info.data_bytes = summary.layout.data_bytes;
-  state->info.file_bytes = header_bytes + summary.layout.data_bytes;
-  if (state->info.file_bytes > st.size) return Corrupt(path + ": data region past the file's end");
+  state->serve_info.path = path;
+  state->serve_info.identity = summary.identity_text;
+  state->serve_info.identity_hash = summary.identity_hash;
+  state->serve_info.data_bytes = summary.layout.data_bytes;
+  state->serve_info.file_bytes = header_bytes + summary.layout.data_bytes;
+  if (state->serve_info.file_bytes > st.size)
+    return Corrupt(path + ": data region past the file's end");
 
   EA_ASSIGN_OR_RETURN(state->ucx, UcxWorker::Create());
   // Registered once, read-only: peers may read the file, never write it.
@@ -243,7 +249,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                    UCP_MEM_MAP_PARAM_FIELD_PROT;
   map.address = state->mapping.data();
-  map.length = state->info.file_bytes;
+  map.length = state->serve_info.file_bytes;
   map.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ;
   ucs_status_t s = ucp_mem_map(state->ucx->context(), &map, &state->memory);
   if (s != UCS_OK) return UcxStatus(s, "ucp_mem_map of " + path);
@@ -258,7 +264,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   am.arg = state.get();
   am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
              const ucp_am_recv_param_t* param) -> ucs_status_t {
-    auto* st = static_cast<State*>(arg);
+    auto* st = static_cast<UcxPeerServer*>(arg);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
     Connection* c = st->Find(param->reply_ep);
     if (c == nullptr || c->hello) return UCS_OK;
@@ -283,7 +289,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   listener.sockaddr.addrlen = listen.length;
   listener.conn_handler.arg = state.get();
   listener.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
-    static_cast<State*>(arg)->requests.push_back(request);
+    static_cast<UcxPeerServer*>(arg)->requests.push_back(request);
   };
   s = ucp_listener_create(state->ucx->worker(), &listener, &state->listener);
   if (s != UCS_OK) return UcxStatus(s, "listen on " + options.listen);
@@ -291,25 +297,21 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
   s = ucp_listener_query(state->listener, &attr);
   if (s != UCS_OK) return UcxStatus(s, "ucp_listener_query");
-  state->info.address = platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
-  state->info.port = platform::AddressPort(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
-  return std::unique_ptr<PeerServer>(new PeerServer(std::move(state)));
+  state->serve_info.address =
+      platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
+  state->serve_info.port = platform::AddressPort(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
+  return std::unique_ptr<PeerServer>(std::move(state));
 }
 
-PeerServer::PeerServer(std::unique_ptr<State> state) : state_(std::move(state)) {}
-PeerServer::~PeerServer() = default;
-const ServeInfo& PeerServer::info() const { return state_->info; }
-uint64_t PeerServer::peers_offered() const { return state_->offered; }
-
-Status PeerServer::Run(const std::function<bool()>& stop) {
+Status UcxPeerServer::Run(const std::function<bool()>& stop) {
   while (!stop()) {
     // Busy while peers read (tcp's get is served by this worker), asleep on the event fd
     // otherwise.
-    for (int i = 0; i < 64 && state_->ucx->Progress(0); ++i) {
+    for (int i = 0; i < 64 && ucx->Progress(0); ++i) {
     }
-    state_->Tend();
-    state_->ucx->Progress(state_->connections.empty() ? 100 : 1);
-    state_->Tend();
+    Tend();
+    ucx->Progress(connections.empty() ? 100 : 1);
+    Tend();
   }
   return Status::Ok();
 }

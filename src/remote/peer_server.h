@@ -43,28 +43,24 @@ struct ServeInfo {
   uint64_t file_bytes = 0;
 };
 
+// A listening server. Made by Start; the UCX implementation lives in the transport plugin
+// (ucx_plugin.h), whose code stays loaded for the life of the process.
 class PeerServer {
  public:
   // Attaches to the published arena at `path` and starts listening. Fails when the file is
-  // absent, not published, being loaded, or when UCX cannot listen on the address.
+  // absent, not published, being loaded, or when UCX cannot listen on the address;
+  // kUnsupported when the transport plugin cannot be loaded (naming every path tried) or UCX
+  // is not built. Loads the plugin at first use.
   static Result<std::unique_ptr<PeerServer>> Start(const std::string& path,
                                                    const ServeOptions& options);
-  ~PeerServer();
-  PeerServer(const PeerServer&) = delete;
-  PeerServer& operator=(const PeerServer&) = delete;
+  virtual ~PeerServer() = default;
 
-  const ServeInfo& info() const;
+  virtual const ServeInfo& info() const = 0;
   // Serves until `stop` returns true (asked at least every 100 ms). Errors only when UCX fails
   // as a whole; a peer's failure is logged and its endpoint closed.
-  Status Run(const std::function<bool()>& stop);
+  virtual Status Run(const std::function<bool()>& stop) = 0;
   // Peers that were offered the arena so far.
-  uint64_t peers_offered() const;
-
-  struct State;
-
- private:
-  explicit PeerServer(std::unique_ptr<State> state);
-  std::unique_ptr<State> state_;
+  virtual uint64_t peers_offered() const = 0;
 };
 
 }  // namespace expert_arena::remote

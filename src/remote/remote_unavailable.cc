@@ -1,7 +1,8 @@
-// Built without UCX (EXPERT_ARENA_UCX OFF, or libucx-dev absent): the server and the client
-// refuse with a message that says how to get them.
+// Built without UCX (EXPERT_ARENA_UCX OFF, or libucx-dev absent): no transport plugin, and the
+// server and the client refuse with a message that says how to get them.
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
+#include "remote/ucx_plugin.h"
 
 namespace expert_arena::remote {
 namespace {
@@ -14,39 +15,12 @@ Status NotBuilt() {
 
 }  // namespace
 
-struct PeerSource::State {};
-PeerSource::PeerSource(std::unique_ptr<State> state) : state_(std::move(state)) {}
-PeerSource::~PeerSource() = default;
-PeerSource::PeerSource(PeerSource&&) noexcept = default;
-PeerSource& PeerSource::operator=(PeerSource&&) noexcept = default;
-const format::ArenaTable& PeerSource::table() const {
-  static const format::ArenaTable empty;
-  return empty;
-}
-const std::string& PeerSource::address() const {
-  static const std::string none;
-  return none;
-}
-Status PeerSource::Fill(std::span<std::byte>, const format::ArenaTable&, const ReadyFront*,
-                        uint64_t) {
-  return NotBuilt();
-}
-uint64_t PeerSource::bytes_received() const { return 0; }
-double PeerSource::fill_seconds() const { return 0; }
-Result<PeerSource> ConnectPeer(const PeerOptions&) { return NotBuilt(); }
+Result<std::unique_ptr<PeerSource>> ConnectPeer(const PeerOptions&) { return NotBuilt(); }
 bool RemoteBuilt() { return false; }
+Result<const UcxPlugin*> Ucx() { return NotBuilt(); }
 
-struct PeerServer::State {};
 Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string&, const ServeOptions&) {
   return NotBuilt();
 }
-PeerServer::PeerServer(std::unique_ptr<State> state) : state_(std::move(state)) {}
-PeerServer::~PeerServer() = default;
-const ServeInfo& PeerServer::info() const {
-  static const ServeInfo none;
-  return none;
-}
-Status PeerServer::Run(const std::function<bool()>&) { return NotBuilt(); }
-uint64_t PeerServer::peers_offered() const { return 0; }
 
 }  // namespace expert_arena::remote

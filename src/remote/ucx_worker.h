@@ -8,6 +8,8 @@
 // peer that vanished without closing its connection. Every wait below has a deadline too.
 //
 // Thread-safety: none; one thread owns a UcxWorker and everything made from it.
+//
+// Plugin code (libexpert_arena_ucx.so, ucx_plugin.h): only the plugin includes UCX's headers.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -18,6 +20,8 @@
 #include <string>
 
 #include "expert_arena/status.h"
+#include "remote/peer_client.h"
+#include "remote/peer_server.h"
 
 namespace expert_arena::remote {
 
@@ -56,5 +60,11 @@ class UcxWorker {
 // by `deadline`), progressing the worker until the close completes.
 void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
                    std::chrono::steady_clock::time_point deadline);
+
+// The plugin's factories (ucx_plugin.cc puts them in its table): ConnectPeer and
+// PeerServer::Start of the core land here once the plugin is loaded.
+Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options);
+Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
+                                                   const ServeOptions& options);
 
 }  // namespace expert_arena::remote

@@ -9,6 +9,12 @@ source_dir=$2
 work=$(mktemp -d /tmp/ea-package-test-XXXXXX)
 trap 'rm -rf "$work"; rm -f /dev/shm/ea-package-test-$$' EXIT
 cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
+# UCX is in the transport plugin, installed next to the library that loads it.
+if [[ -e "$build_dir/lib/libexpert_arena_ucx.so" ]] &&
+  ! ls "$work"/prefix/lib*/libexpert_arena_ucx.so >/dev/null 2>&1; then
+  echo "package test: libexpert_arena_ucx.so is not installed next to libexpert_arena.so" >&2
+  exit 1
+fi
 # 2 layers x 4 experts: 6 routed-expert tensors (gate, up, down per layer).
 "$build_dir/bin/expert-arena" gen-model --format gguf --out "$work/model.gguf" --layers 2 \
   --experts 4 --hidden 64 --ffn 64 >/dev/null

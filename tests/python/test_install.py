@@ -31,3 +31,32 @@ def test_cmake_install_gives_an_importable_package(tmp_path, gen_model):
                          cwd=str(tmp_path), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["private", "6"]
+
+
+def test_cmake_install_carries_the_ucx_plugin(tmp_path, gen_model, shm_path):
+    """The transport plugin is installed next to the module, and the installed module loads
+    it from there (a fill from a peer that is not listening then fails in UCX, not earlier)."""
+    cache = os.path.join(BUILD, "CMakeCache.txt")
+    if not os.path.exists(cache):
+        pytest.skip("no CMake build directory at %s" % BUILD)
+    with open(cache) as f:
+        if not any(line.startswith("UCX_FOUND:INTERNAL=1") for line in f):
+            pytest.skip("built without UCX (libucx-dev)")
+    subprocess.run(["cmake", "--install", BUILD, "--component", "python", "--prefix",
+                    str(tmp_path)], check=True, stdout=subprocess.DEVNULL)
+    sites = [root for root, dirs, _ in os.walk(tmp_path) if "expert_arena" in dirs]
+    assert len(sites) == 1, sites
+    assert os.path.exists(os.path.join(sites[0], "expert_arena", "libexpert_arena_ucx.so"))
+    script = ("import sys, expert_arena\n"
+              "assert expert_arena.__file__.startswith(sys.argv[1]), expert_arena.__file__\n"
+              "a = expert_arena.open(sys.argv[2], shared_path=sys.argv[3],\n"
+              "                      from_peer='127.0.0.1:9', quiet=True)\n"
+              "print(a.report['peer_note'])\n")
+    env = dict(os.environ, PYTHONPATH=sites[0])
+    env.pop("EXPERT_ARENA_UCX_PLUGIN", None)
+    out = subprocess.run([sys.executable, "-c", script, sites[0], gen_model("gguf", "f32"),
+                          shm_path("installed")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "read the model files instead" in out.stdout
+    assert "UCX transport plugin" not in out.stdout, out.stdout

@@ -1,0 +1,56 @@
+// The UCX transport as a plugin. UCX's libucm hooks mmap, munmap, madvise and brk in every
+// process that loads it, and an engine may bring its own UCX (another version, through NIXL):
+// so UCX is never linked into the library, the tools or the Python module. Everything that
+// calls UCX (ucx_worker.cc, peer_client.cc, peer_server.cc, ucx_plugin.cc) is built into
+// libexpert_arena_ucx.so, the only object that links UCX, and the core reaches it through
+// one extern "C" entry, expert_arena_ucx_v1, which returns a UcxPlugin table. Ucx() loads it
+// at the first peer fill or server (docs/cross-host.md says where it is looked for).
+//
+// C++ types cross this boundary: the plugin and the core come from the same build and the
+// same compiler, which the table's `build` string checks. The plugin carries its own copy of
+// the parts of the core it uses (expert_arena_internal, all symbols local to it) and shares no
+// global state with the process other than the spdlog loggers passed in.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "expert_arena/status.h"
+#include "remote/peer_client.h"
+#include "remote/peer_server.h"
+
+namespace expert_arena::remote {
+
+// The plugin's file name and its one exported symbol, of type UcxPluginEntry.
+inline constexpr char kUcxPluginFile[] = "libexpert_arena_ucx.so";
+inline constexpr char kUcxPluginEntryName[] = "expert_arena_ucx_v1";
+
+// What the plugin offers: factories of the transport's objects, each returning an object the
+// core then uses through its abstract interface (PeerSource, PeerServer).
+//
+// To add an entry (cross-host streaming's StartStreamServer / ConnectStreamPeer, say): append
+// a function pointer at the end, set it in ucx_plugin.cc's table, and call it through Ucx()
+// from a core wrapper (as ucx_loader.cc does for ConnectPeer), with a refusal in
+// remote_unavailable.cc for builds without UCX. Never reorder or remove an entry. No size
+// check is needed: a plugin of another build is refused by `build`; the entry's name (v1)
+// changes only if its own signature does.
+struct UcxPlugin {
+  // "<version> <compiler> <version> sanitize=<...>" of the build that made the plugin.
+  const char* build;
+  const char* ucx_version;  // the UCX the plugin runs on (ucp_get_version_string)
+  Result<std::unique_ptr<PeerSource>> (*connect_peer)(const PeerOptions& options);
+  Result<std::unique_ptr<PeerServer>> (*start_server)(const std::string& path,
+                                                      const ServeOptions& options);
+};
+
+using UcxPluginEntry = const UcxPlugin* (*)();
+
+// The plugin, loaded at the first call (thread-safe) and cached for the life of the process,
+// a failure included. Looked for, in order: $EXPERT_ARENA_UCX_PLUGIN (a path; only it when
+// set), the directory of the object that holds the core (libexpert_arena.so, the tool, the
+// Python module), the installed libdir, then kUcxPluginFile by name (LD_LIBRARY_PATH, the
+// cache). Loaded RTLD_NOW | RTLD_LOCAL. Errors: kUnsupported naming every path tried and the
+// dynamic linker's text for each.
+Result<const UcxPlugin*> Ucx();
+
+}  // namespace expert_arena::remote
