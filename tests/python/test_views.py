@@ -42,19 +42,37 @@ WRITER = textwrap.dedent("""
     def write_everywhere(arena):
         name = arena.names()[0]
         t, x = arena.torch(name), arena.numpy(name)
-        routes = [
+        # The view's own in-place methods and NumPy routes raise, naming the tensor (NumPy:
+        # its read-only array's own error).
+        refused = [
             lambda: np.asarray(t).__setitem__((0, 0, 0), 7.0),
             lambda: t.__array__().reshape(-1).__setitem__(1, 7.0),
+            lambda: t.numpy().__setitem__((0, 0, 0), 7.0),
+            lambda: memoryview(np.asarray(t)).cast("B").__setitem__(16, 1),
+            lambda: t.add_(1), lambda: t.zero_(), lambda: t.__setitem__(0, 1.0),
+            lambda: t.copy_(torch.zeros_like(t)), lambda: t.set_(torch.zeros(3)),
+            lambda: t.resize_(1), lambda: t.__iadd__(1), lambda: t.detach().fill_(0),
+            lambda: torch.nn.Parameter(t, requires_grad=False).mul_(2),
+        ]
+        for route in refused:
+            try:
+                route()
+            except ValueError as e:
+                assert name in str(e) or "read-only" in str(e), e
+            except TypeError as e:  # memoryview: "cannot modify read-only memory"
+                assert "read-only" in str(e), e
+            else:
+                raise AssertionError("a write was not refused")
+        # What torch cannot intercept without a per-op cost writes a private page.
+        private = [
             lambda: torch.from_numpy(arena.numpy(name)).view(-1)[2].fill_(7.0),
             lambda: dl.from_dlpack(dl.to_dlpack(t)).view(-1)[3].fill_(7.0),
-            lambda: memoryview(np.asarray(t)).cast("B").__setitem__(16, 1),
             lambda: t.as_strided((4,), (1,), 5).fill_(7.0),
             lambda: torch.empty(0).set_(t.storage()).view(-1)[9].fill_(7.0),
-            lambda: torch.add(t, 1, out=t),
-            lambda: t.add_(1), lambda: t.zero_(), lambda: t.__setitem__(0, 1.0),
-            lambda: t[1].mul_(3),
+            lambda: torch.add(t, 1, out=t), lambda: t[1].mul_(3), lambda: torch.relu_(t),
+            lambda: t.as_subclass(torch.Tensor).view(-1)[0].fill_(1.0),
         ]
-        for route in routes:
+        for route in private:
             route()
         # Every write stays in this process's pages, which every view of this process shares.
         assert float(x.reshape(-1)[0]) == 1.0, x.reshape(-1)[:4]
@@ -94,7 +112,9 @@ def test_private_arena_views_write_without_crashing(gen_model):
     with expert_arena.open(gen_model("gguf", "f32"), quiet=True) as a:
         name = a.names()[0]
         t = a.torch(name)
-        np.asarray(t)[0, 0, 0] = 5.0
+        with pytest.raises(ValueError, match="'%s' of a private arena" % name):
+            t.fill_(5.0)
+        t.as_subclass(torch.Tensor)[0, 0, 0] = 5.0
         assert float(a.numpy(name)[0, 0, 0]) == 5.0
 
 
@@ -117,12 +137,15 @@ def test_guarded_view_raises_naming_the_tensor(gen_model, shm_path):
 
 
 def test_views_cost_what_plain_tensors_cost(gen_model):
-    """The default view is a plain torch.Tensor: no Python in its ops (the bench measures the
-    time, bench/python_view_bench.py)."""
+    """The default view is an ArenaTensor whose __torch_function__ is torch's disabled one: no
+    Python runs in its ops, whose results are plain tensors (the bench measures the time,
+    bench/python_view_bench.py)."""
     with expert_arena.open(gen_model("gguf", "f32"), quiet=True) as a:
         t = a.torch(a.names()[0])
-        assert type(t) is torch.Tensor
-        assert type(t[3]) is torch.Tensor and type(t.float()) is torch.Tensor
+        assert type(t) is expert_arena.ArenaTensor
+        assert type(t).__torch_function__ is torch._C._disabled_torch_function_impl
+        assert type(t[3]) is torch.Tensor and type(t * 2) is torch.Tensor
+        assert type(t.as_subclass(torch.Tensor)) is torch.Tensor
 
 
 def test_arena_is_a_mapping_like_safe_open(gen_model, shm_path):
@@ -414,8 +437,11 @@ def test_stream_tensor_dtypes_are_torch_and_numpy_dtypes(stream_dir):
             assert not np.asarray(a.torch(guard=True)).flags.writeable
             with pytest.raises(ValueError):
                 np.asarray(a.torch(guard=True))[0, 0] = 2.0
-            # A plain one writes a private copy of the page (test_stream_views.py).
-            np.asarray(a.torch())[0, 0] = 2.0
+            # So is the default view's; a plain tensor made from it writes a private copy of
+            # the page (test_stream_views.py).
+            with pytest.raises(ValueError, match="read-only"):
+                np.asarray(a.torch())[0, 0] = 2.0
+            a.torch().as_subclass(torch.Tensor)[0, 0] = 2.0
             assert float(a.numpy()[0, 0]) == 2.0
 
 
