@@ -836,8 +836,8 @@ class StreamConsumer:
             out = [wrap(a, cls) if type(a) is not tuple else
                    as_view(a[0], layout(a[1], a[2], a[0].nbytes, a[3]), cls) for a in arrays]
             for v, d in zip(out, descriptors):
-                # The key for refusals (decoded only then) and the descriptor for pickling.
-                v._ea = (_LazyKey(d), (d, where))
+                # The descriptor, for pickling, and for the key a refusal names (decoded then).
+                v._ea = (None, (d, where))
             return out
         raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 
@@ -861,20 +861,6 @@ class StreamConsumer:
 
 
 _NOWHERE = ("/dev/shm", "/var/tmp")
-
-
-class _LazyKey:
-    """A descriptor's key, decoded when a refusal names it."""
-
-    __slots__ = ("_descriptor",)
-
-    def __init__(self, descriptor):
-        self._descriptor = descriptor
-
-    def __str__(self):
-        return repr(_core.decode_descriptor(bytes(self._descriptor))["key"])
-
-    __repr__ = __str__
 
 
 _RECEIVING_CONSUMERS = {}

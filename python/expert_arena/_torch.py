@@ -62,7 +62,12 @@ _detach = torch.Tensor.detach
 def _label(tensor):
     """How a refusal names the tensor: its arena path and name, or its stream key."""
     ea = getattr(tensor, "_ea", None)
-    return ea[0] if ea else "view"
+    if not ea:
+        return "view"
+    if ea[0] is None:  # open_many's views: the key is in the descriptor
+        from . import _core
+        return repr(_core.decode_descriptor(bytes(ea[1][0]))["key"])
+    return ea[0]
 
 
 def _refusal(name):
@@ -204,9 +209,9 @@ def _rewrap(out, args, cls):
                 start, size = _storage_range(a)
                 if start <= p < start + max(size, 1):
                     out = _as_subclass(out, cls)
-                    ea = getattr(a, "_ea", None)
-                    if ea is not None:
-                        out._ea = ea
+                    if getattr(a, "_ea", None) is not None:
+                        # The name only: a part of a stream tensor pickles as bytes.
+                        out._ea = (_label(a), None)
                     return out
         return out if type(out) is _Tensor else _as_subclass(out, _Tensor)
     if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
