@@ -1,23 +1,22 @@
 """The torch half of the package, imported only when a torch call is made.
 
-Arena views are plain `torch.Tensor`s over the arena's copy-on-write mapping
-(`Arena::CopyOnWriteData`): torch has no read-only tensors, and a guard written in Python
-(`__torch_function__`) costs 5-50x a small op. Over a MAP_PRIVATE mapping every route to a
-writable pointer (np.asarray, torch.from_numpy, dlpack, as_strided, set_, out=) is harmless: a
-write copies the page it touches into this process and never reaches the shared file, the
-GPU-registered mapping or another engine; the bytes the other views of this process read are
-then the written ones, as for any tensor.
+Arena and stream torch views are `ArenaTensor`s over this process's copy-on-write mapping
+(`Arena::CopyOnWriteData`, `StreamTensor::private_bytes()`): torch has no read-only tensors,
+and a guard written in Python (`__torch_function__`) costs 4-14x a small op. `ArenaTensor`'s
+`__torch_function__` is torch's disabled implementation, so its ops run no Python; its own
+in-place methods raise naming the tensor. The routes torch gives no Python hook without a
+per-op cost (np.asarray of a derived tensor, torch.from_numpy, dlpack, as_strided, set_, out=)
+are harmless over the MAP_PRIVATE mapping: a write copies the page it touches into this process
+and never reaches the shared file, the GPU-registered mapping or another engine.
+`ReadOnlyTensor` (`guard=True`) runs a Python `__torch_function__` per call and refuses those
+routes too.
 
-Stream tensor views are plain tensors too, over the consumer's copy-on-write mapping of the
-segment (`StreamTensor::private_bytes()`): a write never reaches the producer's bytes.
-`ReadOnlyTensor`, which refuses in-place operations with a ValueError (at the cost of a Python
-call per op), is what `Arena.torch(name, guard=True)`, `StreamTensor.torch(guard=True)` and
-`open_many(view="torch", guard=True)` give, for code that wants a write to raise.
-
-Tensors whose bytes lie in a shared arena cross processes by reference through
-multiprocessing's ForkingPickler (torch.multiprocessing Queues and Pools, multiprocessing's
-own): the pickle holds the arena's path, identity, the byte range, dtype, size and strides,
-and the receiving process attaches to the arena (once) and rebuilds the view zero-copy.
+Tensors whose bytes lie in a shared arena, and stream views, cross processes by reference
+through every pickler but torch.save's (ArenaTensor.__reduce_ex__, a copyreg reduction for
+plain tensors, and multiprocessing's ForkingPickler): the pickle holds the arena's path,
+identity, the byte range, dtype, size and strides (or the stream descriptor), and the receiving
+process attaches to the arena (once) and rebuilds the view zero-copy. torch.save gets the
+bytes.
 """
 
 from __future__ import annotations
