@@ -52,7 +52,8 @@ from ._core import BusyError, NoSpaceError
 __version__ = _core.__version__
 
 # `open` is left out of __all__: `from expert_arena import *` must not shadow the built-in.
-# So are LoadResult, ArenaTensor and ReadOnlyTensor, which import torch (module attributes on first use).
+# So are LoadResult, ArenaTensor and ReadOnlyTensor, which import torch (module attributes on
+# first use).
 __all__ = [
     "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
     "StreamProducer", "StreamTensor",

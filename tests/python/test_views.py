@@ -457,8 +457,8 @@ def test_torch_save_holds_the_bytes_after_the_arena_is_gone(gen_model, shm_path,
         model = Model(1, 4, 64, 96)
         expert_arena.load_into(model, a, gguf_names(0))
         w = a[a.names()[0]]
-        saved = dict(model.state_dict(), view=w, slice=w[2], param=nn.Parameter(w[1],
-                                                                                  requires_grad=False))
+        saved = dict(model.state_dict(), view=w, slice=w[2],
+                     param=nn.Parameter(w[1], requires_grad=False))
         torch.save(saved, tmp_path / "checkpoint.pt")
         torch.save(saved, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
         expected = {k: (nn.Parameter(v.clone(), requires_grad=False) if k == "param"
