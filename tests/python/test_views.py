@@ -458,10 +458,11 @@ def test_torch_save_holds_the_bytes_after_the_arena_is_gone(gen_model, shm_path,
         expert_arena.load_into(model, a, gguf_names(0))
         w = a[a.names()[0]]
         saved = dict(model.state_dict(), view=w, slice=w[2],
-                     param=nn.Parameter(w[1], requires_grad=False))
+                     param=nn.Parameter(w[1], requires_grad=False),  # a plain one's
+                     view_param=nn.Parameter(w, requires_grad=False))  # an ArenaTensor's
         torch.save(saved, tmp_path / "checkpoint.pt")
         torch.save(saved, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
-        expected = {k: (nn.Parameter(v.clone(), requires_grad=False) if k == "param"
+        expected = {k: (nn.Parameter(v.clone(), requires_grad=False) if k.endswith("param")
                         else v.clone()) for k, v in saved.items()}
         torch.save(expected, tmp_path / "expected.pt")
         del model, w, saved
