@@ -256,9 +256,10 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   // Every block not yet given back (after the same settling as Reclaim), oldest first: its
   // key, state, age, the releases still expected and the consumer processes holding it.
   Result<std::vector<PendingBlock>> Pending();
-  // In a forked child: the figures the child inherited (nothing is reclaimed); callers that
-  // must refuse there (the C and Python interfaces do) check CheckProcess() first.
-  StreamStats Stats();
+  // The allocator's figures (after settling moved blocks and, at most every
+  // lease_check_seconds, dead readers' leases). In a forked child it fails as every other call
+  // does there (kInvalidArgument naming the fork): the figures would be the parent's.
+  Result<StreamStats> Stats();
   // Ok in the process that created the producer; in a forked child the error every other call
   // returns there (kInvalidArgument naming the fork and the creator's pid).
   Status CheckProcess() const;

@@ -295,14 +295,13 @@ class PyProducer {
 
   py::dict Stats() {
     auto producer = Get();
-    Status here = producer->CheckProcess();
-    if (!here.ok()) RaiseStatus(here);
-    StreamStats s;
+    std::optional<Result<StreamStats>> s;
     {
       py::gil_scoped_release release;
-      s = producer->Stats();
+      s.emplace(producer->Stats());
     }
-    return StatsDict(s);
+    if (!s->ok()) RaiseStatus(s->status());
+    return StatsDict(**s);
   }
 
   // [{key, state, age_seconds, readers_left, holders, bytes, segment, spilled}], oldest first.
