@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -190,7 +191,7 @@ TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
   testing::FillPattern(data, "a");
   ASSERT_OK_AND_ASSIGN(auto first, producer.Put("a", data, {}, 2));
   ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(first));
-  std::span<std::byte> mine = t.private_bytes();
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> mine, t.private_bytes());
   ASSERT_EQ(mine.size(), data.size());
   EXPECT_NE(mine.data(), t.bytes().data());
   EXPECT_TRUE(testing::CheckPattern(mine, "a"));
@@ -198,7 +199,8 @@ TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
   EXPECT_TRUE(testing::CheckPattern(t.bytes(), "a"));
   ASSERT_OK_AND_ASSIGN(auto theirs, other.Open(first));
   EXPECT_TRUE(testing::CheckPattern(theirs.bytes(), "a"));
-  EXPECT_TRUE(testing::CheckPattern(theirs.private_bytes(), "a"));
+  ASSERT_OK_AND_ASSIGN(auto theirs_private, theirs.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(theirs_private, "a"));
   theirs.Release();
   const uint64_t offset = t.descriptor().offset;
   t.Release();
@@ -207,7 +209,49 @@ TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
   ASSERT_OK_AND_ASSIGN(auto second, producer.Put("b", data, {}));
   ASSERT_OK_AND_ASSIGN(auto u, consumer.Open(second));
   ASSERT_EQ(u.descriptor().offset, offset);  // the same place
-  EXPECT_TRUE(testing::CheckPattern(u.private_bytes(), "b"));
+  ASSERT_OK_AND_ASSIGN(auto u_private, u.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(u_private, "b"));
+}
+
+// How many mappings of files named `name` this process has (/proc/self/maps).
+int MappingsOf(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.size() > name.size() && line.ends_with("/" + name)) ++n;
+  }
+  return n;
+}
+
+// The copy-on-write mapping is made by the first private_bytes() of a segment's blocks, once:
+// a consumer that reads bytes() only never maps a segment twice.
+TEST(StreamConsumer, PrivateMappingIsMadeOnFirstUse) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(30000);
+  testing::FillPattern(data, "a");
+  ASSERT_OK_AND_ASSIGN(auto first, producer.Put("a", data, {}));
+  testing::FillPattern(data, "b");
+  ASSERT_OK_AND_ASSIGN(auto second, producer.Put("b", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto d, TensorDescriptor::Decode(first));
+  const int producers = MappingsOf(d.segment);
+  ASSERT_GE(producers, 1);
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(first));
+  ASSERT_OK_AND_ASSIGN(auto u, consumer.Open(second));
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "a"));
+  EXPECT_EQ(MappingsOf(d.segment), producers + 1);  // the consumer's shared mapping only
+  ASSERT_OK_AND_ASSIGN(auto mine, t.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(mine, "a"));
+  EXPECT_EQ(MappingsOf(d.segment), producers + 2);
+  // The same segment's other blocks, and the same block again, reuse that mapping.
+  ASSERT_OK_AND_ASSIGN(auto theirs, u.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(theirs, "b"));
+  ASSERT_OK_AND_ASSIGN(auto again, t.private_bytes());
+  EXPECT_EQ(again.data(), mine.data());
+  EXPECT_EQ(MappingsOf(d.segment), producers + 2);
+  t.Release();
+  EXPECT_FALSE(t.private_bytes().ok());  // released: refused, never a dangling span
 }
 
 // Descriptors that decode but do not match the segment: refused by Open with the reason.
