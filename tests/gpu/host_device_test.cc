@@ -126,12 +126,17 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
       std::vector<std::byte> back = CopyThroughTheDevice(t.bytes());
       EXPECT_EQ(back, small);
       EXPECT_GE(consumer.Stats().pinned_bytes, o.segment_bytes);
+      // bytes() only: the consumer's shared mapping is registered, no copy-on-write one yet.
+      EXPECT_EQ(device.runtime().registrations(), 2u);
+      ASSERT_OK_AND_ASSIGN(auto mine, t.private_bytes());
+      EXPECT_EQ(CopyThroughTheDevice(mine), small);
       ASSERT_OK_AND_ASSIGN(auto big, consumer.Open(d_large));
       EXPECT_EQ(CopyThroughTheDevice(big.bytes()), large);
+      ASSERT_OK(big.private_bytes().status());  // a one-shot segment's: never registered
     }
     // The one regular segment: the producer's mapping, and the consumer's two (its shared
     // mapping, and the copy-on-write mapping its Python views point into, registered
-    // read-only): three ranges, none of the dedicated segment.
+    // read-only by the first private_bytes()): three ranges, none of the dedicated segment.
     EXPECT_EQ(device.runtime().registrations(), 3u);
     EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);
   }
