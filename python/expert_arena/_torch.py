@@ -342,10 +342,12 @@ def _arena_reference(tensor):
     if tensor.layout != torch.strided or not tensor.is_cpu or \
             (tensor.requires_grad and not tensor.is_leaf):
         return None
-    storage = tensor.storage()
-    nbytes = storage.nbytes()
+    try:
+        start, nbytes = _storage_range(tensor)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return None
     from . import _core
-    found = _core.find_view(storage.data_ptr(), nbytes)
+    found = _core.find_view(start, nbytes)
     if found is None:
         return None
     path, identity_hash, offset = found

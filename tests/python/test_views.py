@@ -489,6 +489,9 @@ def test_write_attempts_name_the_tensor(gen_model, shm_path, stream_dir):
         # Flags and moves are not writes.
         assert w.requires_grad_(False) is w
         assert type(w.detach()) is type(w)
+        moved = a.torch(name)
+        assert moved.share_memory_() is moved and moved.is_shared()
+        assert torch.equal(moved, w)
     with expert_arena.StreamProducer(stream_dir, quiet=True) as producer, \
             expert_arena.StreamConsumer(stream_dir, quiet=True) as consumer:
         d = producer.put("kv-7", torch.ones(4, 4), readers=2)
