@@ -5,7 +5,7 @@ Shared arenas (the first engine loads, the others attach without reading the mod
 
     import expert_arena
     with expert_arena.open(["model.gguf"], shared_path="/dev/shm/model.arena") as arena:
-        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy; a stray write stays private
+        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy; in-place ops raise
         print(arena.report["start_line"])
 
 Tensor streaming (descriptors are bytes an engine sends over its own channel)::
@@ -126,10 +126,11 @@ class Arena(_abc.Mapping):
     block) drops this handle; the mapping lives until the last view made from it is gone.
     Thread-safe for reading; `close()` must not race with calls on the same Arena.
 
-    Views point into this process's copy-on-write mapping of the arena: a write through any
-    route (np.asarray, torch.from_numpy, dlpack, an in-place op) copies the page it touches
-    into this process and never reaches the shared file or another engine (docs/python.md).
-    A shared arena pickles as a reference to its path (the receiver attaches).
+    Views point into this process's copy-on-write mapping of the arena: the torch view's
+    in-place methods raise, and a write by any other route (out=, torch.from_numpy, dlpack)
+    copies the page it touches into this process and never reaches the shared file or another
+    engine (docs/python.md). A shared arena pickles as a reference to its path (the receiver
+    attaches); so do its views (torch.save saves their bytes).
     """
 
     __slots__ = ("_core", "_report", "_layouts", "__weakref__")
@@ -813,7 +814,7 @@ class StreamConsumer:
         fails, those opened before it are released and the exception names its index.
 
         view=None gives StreamTensors; view="numpy" gives read-only NumPy arrays and
-        view="torch" plain tensors in this process's copy-on-write mapping (as
+        view="torch" ArenaTensors in this process's copy-on-write mapping (as
         StreamTensor.torch(); `guard=True`: ReadOnlyTensors), each holding its reader's share
         until it (and every view made from it) is gone, which is the fastest way to read a
         batch."""
