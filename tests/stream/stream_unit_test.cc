@@ -254,6 +254,43 @@ TEST(StreamConsumer, PrivateMappingIsMadeOnFirstUse) {
   EXPECT_FALSE(t.private_bytes().ok());  // released: refused, never a dangling span
 }
 
+// Threads taking the first private bytes of blocks of one segment at once map it once.
+TEST(StreamConsumer, PrivateMappingOnFirstUseIsThreadSafe) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  constexpr int kThreads = 8;
+  std::vector<StreamTensor> tensors;
+  std::string segment;
+  for (int i = 0; i < kThreads; ++i) {
+    std::vector<std::byte> data(10000);
+    testing::FillPattern(data, "t" + std::to_string(i));
+    ASSERT_OK_AND_ASSIGN(auto d, producer.Put("t" + std::to_string(i), data, {}));
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+    segment = t.descriptor().segment;
+    tensors.push_back(std::move(t));
+  }
+  const int before = MappingsOf(segment);
+  std::vector<std::span<std::byte>> got(kThreads);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      auto bytes = tensors[i].private_bytes();
+      if (!bytes.ok() || !testing::CheckPattern(*bytes, "t" + std::to_string(i))) ++failures;
+      if (bytes.ok()) got[i] = *bytes;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(MappingsOf(segment), before + 1);
+  for (int i = 0; i < kThreads; ++i) {
+    // One mapping: each block's private bytes lie where its offset says, from one base.
+    EXPECT_EQ(got[i].data() - tensors[i].descriptor().offset,
+              got[0].data() - tensors[0].descriptor().offset);
+  }
+}
+
 // Descriptors that decode but do not match the segment: refused by Open with the reason.
 TEST(StreamConsumer, RefusesHostileDescriptors) {
   StreamDirs dirs;
