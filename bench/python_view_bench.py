@@ -4,7 +4,8 @@ values (docs/python.md "Benchmark"). Goal: a view within 1.2x of the plain tenso
 .float(), F.linear and matmul.
 
 Three tensors of the same expert weight: a plain tensor (a clone), the default view
-(`arena.torch(name)`, a plain torch.Tensor over the copy-on-write mapping), and the guarded view
+(`arena.torch(name)`, an ArenaTensor over the copy-on-write mapping: a torch.Tensor subclass whose
+__torch_function__ is torch's disabled one, so no Python runs in its ops), and the guarded view
 (`arena.torch(name, guard=True)`, a ReadOnlyTensor whose ops pass through __torch_function__).
 Each op runs --number times per sample, the three tensors' samples taken in turn; the table gives
 the best of --repeat samples per op. The default weight is small (8 experts of 128 x 64), so

@@ -263,7 +263,7 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
         std::vector<std::string> held;
         const uint64_t n = 8ull << 20;
         while (true) {
-          auto st = p->Stats();
+          auto st = p->Stats().value();
           if (st.segments >= 6 && st.free_bytes < n) break;
           auto t0 = Clock::now();
           // Appended, not "g" + std::to_string(): g++ 12 -O3 false -Wrestrict (GCC PR 105651).
@@ -275,7 +275,7 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
           held.push_back(std::move(d).value());
           if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
         }
-        auto st = p->Stats();
+        auto st = p->Stats().value();
         double slow = 0;
         for (double x : t) slow += x > 5e-3 ? x : 0;
         double worst = *std::max_element(t.begin(), t.end());
@@ -580,7 +580,7 @@ int main(int argc, char** argv) {
       }
       t.push_back(Seconds(t0, Clock::now()));
     }
-    auto stats = producer->Stats();
+    auto stats = producer->Stats().value();
     std::printf("\nreserve + free with %llu live blocks: median %.3f us, p99 %.3f us\n",
                 static_cast<unsigned long long>(stats.live_blocks), Median(t) * 1e6, [&] {
                   std::sort(t.begin(), t.end());

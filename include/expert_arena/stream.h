@@ -256,9 +256,10 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   // Every block not yet given back (after the same settling as Reclaim), oldest first: its
   // key, state, age, the releases still expected and the consumer processes holding it.
   Result<std::vector<PendingBlock>> Pending();
-  // In a forked child: the figures the child inherited (nothing is reclaimed); callers that
-  // must refuse there (the C and Python interfaces do) check CheckProcess() first.
-  StreamStats Stats();
+  // The allocator's figures (after settling moved blocks and, at most every
+  // lease_check_seconds, dead readers' leases). In a forked child it fails as every other call
+  // does there (kInvalidArgument naming the fork): the figures would be the parent's.
+  Result<StreamStats> Stats();
   // Ok in the process that created the producer; in a forked child the error every other call
   // returns there (kInvalidArgument naming the fork and the creator's pid).
   Status CheckProcess() const;
@@ -287,13 +288,15 @@ class EXPERT_ARENA_EXPORT StreamTensor {
 
   std::span<const std::byte> bytes() const;
   // The same bytes through this process's copy-on-write (MAP_PRIVATE) mapping of the segment,
-  // made once per mapped segment: reads see the producer's bytes, and a write (which nothing
-  // should do) copies the page it touches into this process and never reaches the segment,
-  // the producer or another reader. What such a write changed is discarded when this
-  // process's last view of the block is released. With a GPU asked for, registered
-  // read-only next to bytes() (pages a write copied are not the pinned ones: a device copy then
-  // reads the producer's bytes). These are what the Python package's views point into.
-  std::span<std::byte> private_bytes() const;
+  // made once per mapped segment, by the first call for one of its blocks: reads see the
+  // producer's bytes, and a write (which nothing should do) copies the page it touches into
+  // this process and never reaches the segment, the producer or another reader. What such a
+  // write changed is discarded when this process's last view of the block is released. With
+  // a GPU asked for, registered read-only next to bytes() (pages a write copied are not the
+  // pinned ones: a device copy then reads the producer's bytes). These are what the Python
+  // package's views point into. Thread-safe. Fails when the mapping cannot be made, and in a
+  // forked child for a segment the parent had not mapped so.
+  Result<std::span<std::byte>> private_bytes() const;
   const TensorDescriptor& descriptor() const;
   void Release();
   void ReleaseWhen(std::function<bool()> ready);

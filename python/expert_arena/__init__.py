@@ -5,7 +5,7 @@ Shared arenas (the first engine loads, the others attach without reading the mod
 
     import expert_arena
     with expert_arena.open(["model.gguf"], shared_path="/dev/shm/model.arena") as arena:
-        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy; a stray write stays private
+        w = arena.torch("blk.0.ffn_up_exps.weight")   # zero-copy; in-place ops raise
         print(arena.report["start_line"])
 
 Tensor streaming (descriptors are bytes an engine sends over its own channel)::
@@ -52,7 +52,8 @@ from ._core import BusyError, NoSpaceError
 __version__ = _core.__version__
 
 # `open` is left out of __all__: `from expert_arena import *` must not shadow the built-in.
-# So are LoadResult and ReadOnlyTensor, which import torch (module attributes on first use).
+# So are LoadResult, ArenaTensor and ReadOnlyTensor, which import torch (module attributes on
+# first use).
 __all__ = [
     "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
     "StreamProducer", "StreamTensor",
@@ -125,10 +126,11 @@ class Arena(_abc.Mapping):
     block) drops this handle; the mapping lives until the last view made from it is gone.
     Thread-safe for reading; `close()` must not race with calls on the same Arena.
 
-    Views point into this process's copy-on-write mapping of the arena: a write through any
-    route (np.asarray, torch.from_numpy, dlpack, an in-place op) copies the page it touches
-    into this process and never reaches the shared file or another engine (docs/python.md).
-    A shared arena pickles as a reference to its path (the receiver attaches).
+    Views point into this process's copy-on-write mapping of the arena: the torch view's
+    in-place methods raise, and a write by any other route (out=, torch.from_numpy, dlpack)
+    copies the page it touches into this process and never reaches the shared file or another
+    engine (docs/python.md). A shared arena pickles as a reference to its path (the receiver
+    attaches); so do its views (torch.save saves their bytes).
     """
 
     __slots__ = ("_core", "_report", "_layouts", "__weakref__")
@@ -239,19 +241,24 @@ class Arena(_abc.Mapping):
         return _dtypes.as_numpy(self._core.buffer(name, False), layout)
 
     def torch(self, name: str, guard: bool = False):
-        """A torch tensor over tensor `name` (no copy), a plain torch.Tensor in this process's
-        copy-on-write mapping: ops cost what they cost on any tensor, and a write (which
-        nothing should do) copies the page it touches into this process only, never the
-        shared bytes. `guard=True` gives an expert_arena ReadOnlyTensor instead, whose
-        in-place ops raise ValueError naming the tensor, at the cost of a Python call per op.
-        Needs torch (ImportError naming python3-torch otherwise)."""
+        """A torch tensor over tensor `name` (no copy): an expert_arena.ArenaTensor, a
+        torch.Tensor subclass over this process's copy-on-write mapping whose ops cost what
+        they cost on a plain tensor (their results are plain tensors) and whose in-place
+        methods raise ValueError naming the tensor. pickle and copy.deepcopy of it send a
+        reference (the receiver attaches), torch.save saves its bytes. `guard=True` gives a
+        ReadOnlyTensor instead, which also makes tensors derived from it read-only and
+        refuses out=, at the cost of a Python call per op. Needs torch (ImportError naming
+        python3-torch otherwise)."""
         t = _load_torch()
         layout = self._layout(name)
-        if guard:
-            view = t.view(self._core.buffer(name, True), layout)
-            view._ea_name = name
-            return view
-        return t.writable_view(self._core.buffer(name, True), layout)
+        view = t.view(self._core.buffer(name, True), layout,
+                      t.ReadOnlyTensor if guard else None)
+        view._ea = (self._label(name), None)
+        return view
+
+    def _label(self, name):
+        path = self.report["path"]
+        return "%r of the arena %s" % (name, path) if path else "%r of a private arena" % name
 
     def data_range(self):
         """(address, bytes) of the data region of the views' copy-on-write mapping: every
@@ -681,24 +688,22 @@ class StreamTensor:
         return self._core.view(False, layout.numpy_dtype, layout.shape)
 
     def torch(self, guard: bool = False):
-        """A torch tensor over the bytes (no copy), a plain torch.Tensor in this process's
-        copy-on-write mapping of the segment: ops cost what they cost on any tensor, and a
-        write (which nothing should do) copies the page it touches into this process only,
-        never the producer's bytes (and is dropped when the share is released).
-        `guard=True` gives an expert_arena ReadOnlyTensor instead, whose in-place ops raise
-        ValueError naming the tensor, at the cost of a Python call per op."""
+        """A torch tensor over the bytes (no copy): an expert_arena.ArenaTensor over this
+        process's copy-on-write mapping of the segment, whose ops cost what they cost on a
+        plain tensor and whose in-place methods raise ValueError naming the key; a write by a
+        route torch cannot intercept (out=, dlpack) stays in this process and is dropped when
+        the share is released. pickle sends its descriptor (the receiver opens it as one more
+        reader). `guard=True` gives a ReadOnlyTensor instead (tensors derived from it are
+        read-only too, out= raises), at the cost of a Python call per op."""
         t = _load_torch()
         layout = self._layout or self._get_layout()
-        if guard:
-            if t.direct(layout):
-                view = t.wrap(self._core.view(True, layout.numpy_dtype, layout.shape))
-            else:
-                view = t.view(self._core.buffer(True), layout)
-            view._ea_name = self.key
-            return view
+        cls = t.ReadOnlyTensor if guard else None
         if t.direct(layout):
-            return t.torch.from_numpy(self._core.view(True, layout.numpy_dtype, layout.shape))
-        return t.writable_view(self._core.buffer(True), layout)
+            view = t.wrap(self._core.view(True, layout.numpy_dtype, layout.shape), cls)
+        else:
+            view = t.view(self._core.buffer(True), layout, cls)
+        view._ea = (repr(self.key), (self._core, self._where or _NOWHERE))
+        return view
 
     @property
     def address(self) -> int:
@@ -809,7 +814,7 @@ class StreamConsumer:
         fails, those opened before it are released and the exception names its index.
 
         view=None gives StreamTensors; view="numpy" gives read-only NumPy arrays and
-        view="torch" plain tensors in this process's copy-on-write mapping (as
+        view="torch" ArenaTensors in this process's copy-on-write mapping (as
         StreamTensor.torch(); `guard=True`: ReadOnlyTensors), each holding its reader's share
         until it (and every view made from it) is gone, which is the fastest way to read a
         batch."""
@@ -827,14 +832,15 @@ class StreamConsumer:
         if view == "torch":
             t = _load_torch()
             arrays = self._core.open_many_arrays(descriptors, t.direct_dtypes(), True)
-            if guard:
-                return [t.wrap(a) if type(a) is not tuple else
-                        t.view(a[0], _dtypes.cached_stream_layout(a[1], a[2], a[0].nbytes, a[3]))
-                        for a in arrays]
-            from_numpy = t.torch.from_numpy
-            return [from_numpy(a) if type(a) is not tuple else t.writable_view(
-                        a[0], _dtypes.cached_stream_layout(a[1], a[2], a[0].nbytes, a[3]))
-                    for a in arrays]
+            cls = t.ReadOnlyTensor if guard else t.ArenaTensor
+            wrap, as_view, layout, where = t.wrap, t.view, _dtypes.cached_stream_layout, \
+                self._where
+            out = [wrap(a, cls) if type(a) is not tuple else
+                   as_view(a[0], layout(a[1], a[2], a[0].nbytes, a[3]), cls) for a in arrays]
+            for v, d in zip(out, descriptors):
+                # The descriptor, for pickling, and for the key a refusal names (decoded then).
+                v._ea = (None, (d, where))
+            return out
         raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 
     def poll_releases(self) -> int:
@@ -854,6 +860,9 @@ class StreamConsumer:
         if _deferred:
             _settle_deferred(wait=True)
         self._core.close()
+
+
+_NOWHERE = ("/dev/shm", "/var/tmp")
 
 
 _RECEIVING_CONSUMERS = {}
@@ -922,4 +931,6 @@ def __getattr__(name):
         return _load_torch().LoadResult
     if name == "ReadOnlyTensor":
         return _load_torch().ReadOnlyTensor
+    if name == "ArenaTensor":
+        return _load_torch().ArenaTensor
     raise AttributeError("module 'expert_arena' has no attribute %r" % name)

@@ -1,26 +1,30 @@
 """The torch half of the package, imported only when a torch call is made.
 
-Arena views are plain `torch.Tensor`s over the arena's copy-on-write mapping
-(`Arena::CopyOnWriteData`): torch has no read-only tensors, and a guard written in Python
-(`__torch_function__`) costs 5-50x a small op. Over a MAP_PRIVATE mapping every route to a
-writable pointer (np.asarray, torch.from_numpy, dlpack, as_strided, set_, out=) is harmless: a
-write copies the page it touches into this process and never reaches the shared file, the
-GPU-registered mapping or another engine; the bytes the other views of this process read are
-then the written ones, as for any tensor.
+Arena and stream torch views are `ArenaTensor`s over this process's copy-on-write mapping
+(`Arena::CopyOnWriteData`, `StreamTensor::private_bytes()`): torch has no read-only tensors,
+and a guard written in Python (`__torch_function__`) costs 4-14x a small op. `ArenaTensor`'s
+`__torch_function__` is torch's disabled implementation, so its ops run no Python; its own
+in-place methods raise naming the tensor. The routes torch gives no Python hook without a
+per-op cost (np.asarray of a derived tensor, torch.from_numpy, dlpack, as_strided, set_, out=)
+are harmless over the MAP_PRIVATE mapping: a write copies the page it touches into this process
+and never reaches the shared file, the GPU-registered mapping or another engine.
+`ReadOnlyTensor` (`guard=True`) runs a Python `__torch_function__` per call and refuses those
+routes too.
 
-Stream tensor views are plain tensors too, over the consumer's copy-on-write mapping of the
-segment (`StreamTensor::private_bytes()`): a write never reaches the producer's bytes.
-`ReadOnlyTensor`, which refuses in-place operations with a ValueError (at the cost of a Python
-call per op), is what `Arena.torch(name, guard=True)`, `StreamTensor.torch(guard=True)` and
-`open_many(view="torch", guard=True)` give, for code that wants a write to raise.
-
-Tensors whose bytes lie in a shared arena cross processes by reference through
-multiprocessing's ForkingPickler (torch.multiprocessing Queues and Pools, multiprocessing's
-own): the pickle holds the arena's path, identity, the byte range, dtype, size and strides,
-and the receiving process attaches to the arena (once) and rebuilds the view zero-copy.
+Tensors whose bytes lie in a shared arena, and stream views, cross processes by reference
+through every pickler but torch.save's (ArenaTensor.__reduce_ex__, a copyreg reduction for
+plain tensors, and multiprocessing's ForkingPickler): the pickle holds the arena's path,
+identity, the byte range, dtype, size and strides (or the stream descriptor), and the receiving
+process attaches to the arena (once) and rebuilds the view zero-copy. torch.save gets the
+bytes.
 """
 
 from __future__ import annotations
+
+import collections
+import copyreg
+import pickle
+import sys
 
 import numpy as np
 
@@ -34,7 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised by test_torch_missing
 _INPLACE_DUNDERS = frozenset({
     "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-    "__imatmul__", "__set__",
+    "__imatmul__", "__idiv__", "__set__",
 })
 
 
@@ -49,8 +53,97 @@ def _writes_in_place(name):
     return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
 
 
-class ReadOnlyTensor(torch.Tensor):
-    """A tensor over shared memory that must not be written: in-place operations raise."""
+_Tensor = torch.Tensor
+_as_subclass = torch.Tensor.as_subclass
+_detach = torch.Tensor.detach
+
+
+def _label(tensor):
+    """How a refusal names the tensor: its arena path and name, or its stream key."""
+    ea = getattr(tensor, "_ea", None)
+    if not ea:
+        return "view"
+    if ea[0] is None:  # open_many's views: the key is in the descriptor
+        from . import _core
+        return repr(_core.decode_descriptor(bytes(ea[1][0]))["key"])
+    return ea[0]
+
+
+def _refusal(name):
+    def refuse(self, *args, **kwargs):
+        raise ValueError(
+            "expert_arena: %s would write into the read-only tensor %s (a zero-copy view of "
+            "shared memory); make a copy first (tensor.clone())" % (name, _label(self)))
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = "Refused: %s would write into shared memory (ValueError)." % name
+    return refuse
+
+
+class ArenaTensor(torch.Tensor):
+    """The torch view the package hands out for an arena tensor or a stream tensor: a
+    torch.Tensor over this process's copy-on-write mapping whose in-place methods raise.
+
+    `__torch_function__` is torch's disabled implementation, so torch's C++ argument parser
+    never calls into Python for it: ops cost what they cost on a plain tensor (about 0.1 us
+    more per call for the subclass check) and their results are plain tensors. The in-place
+    methods (every `*_` method but requires_grad_, share_memory_ and detach_, the in-place
+    operators, `__setitem__`) raise ValueError naming the tensor; numpy() and np.asarray()
+    give read-only arrays. What cannot be intercepted without a per-op cost (out=, torch.*
+    in-place functions, writes through a tensor derived by an op, dlpack, torch.from_numpy of
+    a view's array) writes a private copy of the page (docs/python.md).
+
+    pickle (any pickler but torch.save's), copy.deepcopy and multiprocessing Queues send a
+    reference (arena path, byte range, dtype, size, strides; or the stream descriptor), and
+    the receiver re-attaches zero-copy; torch.save saves the bytes.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def detach(self):
+        # nn.Parameter(view) needs detach() to keep the type (torch 1.13's Parameter.__new__
+        # for subclasses); the result is the same bytes, read-only too.
+        out = _as_subclass(_detach(self), type(self))
+        ea = getattr(self, "_ea", None)
+        if ea is not None:
+            out._ea = ea
+        return out
+
+    def numpy(self):
+        out = _Tensor.numpy(self)
+        out.flags.writeable = False
+        return out
+
+    def __reduce_ex__(self, proto):
+        if not _saving():
+            ref = _reference(self)
+            if ref is not None:
+                return ref
+        return _reduce_bytes(self, proto)
+
+    def __deepcopy__(self, memo):
+        # A deep copy of bytes nothing may write is a new view of the same bytes (as
+        # copy.deepcopy returns a tuple or a str itself): no copy of the data.
+        out = memo.get(id(self))
+        if out is None:
+            out = _as_subclass(_detach(self), type(self))
+            out.__dict__.update(self.__dict__)
+            if self.requires_grad:
+                out.requires_grad_(True)
+            memo[id(self)] = out
+        return out
+
+
+_NOT_WRITES_METHODS = frozenset({"requires_grad_", "share_memory_", "detach_"})
+for _name in dir(torch.Tensor):
+    if (_name.endswith("_") and not _name.endswith("__") and _name not in _NOT_WRITES_METHODS) \
+            or _name in _INPLACE_DUNDERS:
+        setattr(ArenaTensor, _name, _refusal(_name))
+
+
+class ReadOnlyTensor(ArenaTensor):
+    """guard=True: an ArenaTensor whose every torch call passes through Python, so that
+    tensors derived from it (w[3], w.t()) are read-only too and out= raises, at a few
+    microseconds per op."""
 
     def as_subclass(self, cls):
         # torch does not route as_subclass through __torch_function__: without this, a plain
@@ -78,11 +171,10 @@ class ReadOnlyTensor(torch.Tensor):
                 isinstance(out_arg, ReadOnlyTensor):
             target = args[0] if writes and args and isinstance(args[0], ReadOnlyTensor) \
                 else out_arg
-            label = getattr(target, "_ea_name", None)
             raise ValueError(
-                "expert_arena: %s would write into the read-only tensor %s (a view of shared "
-                "memory: an arena or a stream segment); make a copy first (tensor.clone())"
-                % (name, repr(label) if label else "view"))
+                "expert_arena: %s would write into the read-only tensor %s (a zero-copy view "
+                "of shared memory); make a copy first (tensor.clone())"
+                % (name, _label(target)))
         with _DisableTorchFunction():
             out = func(*args, **kwargs) if kwargs else func(*args)
             if to_numpy and isinstance(out, np.ndarray):
@@ -93,8 +185,6 @@ class ReadOnlyTensor(torch.Tensor):
 
 _FUNCTIONS = {}
 _DisableTorchFunction = torch._C.DisableTorchFunction
-_Tensor = torch.Tensor
-_as_subclass = torch.Tensor.as_subclass
 
 
 def _storage_range(t):
@@ -117,7 +207,11 @@ def _rewrap(out, args, cls):
             if isinstance(a, ReadOnlyTensor):
                 start, size = _storage_range(a)
                 if start <= p < start + max(size, 1):
-                    return _as_subclass(out, cls)
+                    out = _as_subclass(out, cls)
+                    if getattr(a, "_ea", None) is not None:
+                        # The name only: a part of a stream tensor pickles as bytes.
+                        out._ea = (_label(a), None)
+                    return out
         return out if type(out) is _Tensor else _as_subclass(out, _Tensor)
     if isinstance(out, (tuple, list)) and any(isinstance(o, _Tensor) for o in out):
         return type(out)(_rewrap(o, args, cls) for o in out)
@@ -143,16 +237,15 @@ def torch_dtype(torch_name: str, numpy_dtype) -> "torch.dtype":
     return dtype
 
 
-def view(buffer: np.ndarray, layout) -> torch.Tensor:
-    """A ReadOnlyTensor over the writable uint8 `buffer` (never handed out) with `layout`.
-
-    The tensor keeps `buffer` alive, and `buffer`'s base keeps the mapping alive.
+def view(buffer: np.ndarray, layout, cls=None) -> torch.Tensor:
+    """An ArenaTensor (or `cls`) over the writable uint8 `buffer` (never handed out) with
+    `layout`. The tensor keeps `buffer` alive, and `buffer`'s base keeps the mapping alive.
     """
     t = torch.from_numpy(buffer)  # uint8; torch 1.13 takes no uint16 arrays
     dtype = torch_dtype(layout.torch_name, layout.numpy_dtype)
     if t.dtype != dtype:
         t = t.view(dtype)
-    return torch.Tensor.as_subclass(t.reshape(layout.shape), ReadOnlyTensor)
+    return _as_subclass(t.reshape(layout.shape), cls or ArenaTensor)
 
 
 _DIRECT = {}
@@ -191,9 +284,10 @@ def direct_dtypes() -> dict:
     return _DIRECT_DTYPES
 
 
-def wrap(array: np.ndarray) -> torch.Tensor:
-    """A ReadOnlyTensor over a writable typed array (never handed out) of a direct layout."""
-    return torch.Tensor.as_subclass(torch.from_numpy(array), ReadOnlyTensor)
+def wrap(array: np.ndarray, cls=None) -> torch.Tensor:
+    """An ArenaTensor (or `cls`) over a writable typed array (never handed out) of a direct
+    layout."""
+    return _as_subclass(torch.from_numpy(array), cls or ArenaTensor)
 
 
 def writable_view(buffer: np.ndarray, layout) -> torch.Tensor:
@@ -248,10 +342,12 @@ def _arena_reference(tensor):
     if tensor.layout != torch.strided or not tensor.is_cpu or \
             (tensor.requires_grad and not tensor.is_leaf):
         return None
-    storage = tensor.storage()
-    nbytes = storage.nbytes()
+    try:
+        start, nbytes = _storage_range(tensor)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return None
     from . import _core
-    found = _core.find_view(storage.data_ptr(), nbytes)
+    found = _core.find_view(start, nbytes)
     if found is None:
         return None
     path, identity_hash, offset = found
@@ -280,18 +376,106 @@ def _attached(path, identity_hash):
 
 
 def rebuild_arena_view(path, identity_hash, offset, nbytes, dtype, size, stride,
-                       storage_offset, requires_grad=False, parameter=False):
+                       storage_offset, requires_grad=False, parameter=False, label=None,
+                       arena_tensor=False):
     """The receiving side of a view sent by reference: attaches to `path` and makes a
-    zero-copy tensor over the same bytes, size and strides."""
+    zero-copy tensor over the same bytes, size and strides (an ArenaTensor when the sender's
+    was one, an nn.Parameter when it was one)."""
     arena = _attached(path, identity_hash)
     buffer = arena._core.region(int(offset), int(nbytes), True)
     t = torch.from_numpy(buffer)
     if dtype != torch.uint8:
         t = t.view(dtype)
     t = t.as_strided(size, stride, storage_offset)
+    if arena_tensor:
+        t = _as_subclass(t, ArenaTensor)
+        if label is not None:
+            t._ea = (label, None)
+        if parameter:
+            return torch.nn.Parameter(t, requires_grad=requires_grad)
+        if requires_grad:
+            t.requires_grad_(True)
+        return t
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return t
+
+
+def rebuild_stream_view(descriptor, directory, spill_directory, requires_grad=False,
+                        parameter=False):
+    """The receiving side of a stream view sent by reference: this process's consumer of the
+    sender's directories opens the descriptor as one more reader, and the view holds that
+    share (given back when the view and every tensor made from it are gone)."""
+    from . import _receive_stream_tensor
+    st = _receive_stream_tensor(descriptor, directory, spill_directory)
+    t = st.torch()
+    del st  # the view holds the share
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _save_codes():
+    import torch.serialization as ser
+    return frozenset(getattr(ser, f).__code__ for f in ("_save", "_legacy_save")
+                     if hasattr(ser, f))
+
+
+_SAVE_CODES = _save_codes()
+
+
+def _saving():
+    """True when the caller is torch.save (its pickler is on this thread's stack): a
+    checkpoint must hold the bytes, not a reference to /dev/shm."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in _SAVE_CODES:
+            return True
+        f = f.f_back
+    return False
+
+
+def _reference(tensor):
+    """The reduction that sends an ArenaTensor by reference, or None (a private arena)."""
+    parameter = bool(getattr(tensor, "_is_param", False))
+    ea = getattr(tensor, "_ea", None)
+    if ea is not None and ea[1] is not None:  # a stream view: (handle, where) or descriptor
+        source, where = ea[1]
+        if not isinstance(source, bytes):
+            from . import _core
+            source = _core.encode_descriptor(source.descriptor())
+        return rebuild_stream_view, (source, where[0], where[1], tensor.requires_grad,
+                                     parameter)
+    ref = _arena_reference(tensor)
+    if ref is None:
+        return None
+    return rebuild_arena_view, ref + (tensor.requires_grad, parameter,
+                                      ea[0] if ea else None, True)
+
+
+def _reduce_bytes(tensor, proto):
+    """torch's own reduction of the same tensor as a plain tensor (or nn.Parameter): the
+    bytes, which torch.load rebuilds as an ordinary tensor."""
+    plain = _detach(_as_subclass(tensor, _Tensor))
+    if getattr(tensor, "_is_param", False):
+        return torch._utils._rebuild_parameter, (plain, tensor.requires_grad,
+                                                 collections.OrderedDict())
+    if tensor.requires_grad:
+        plain.requires_grad_(True)
+    return plain.__reduce_ex__(proto)
+
+
+def _reduce_plain(tensor):
+    """copyreg's reduction of a plain torch.Tensor: one whose storage lies in a shared arena
+    (w[3], w.t() of a view) goes by reference outside torch.save; every other one as torch
+    reduces it."""
+    if type(tensor) is _Tensor and not _saving():
+        ref = _arena_reference(tensor)
+        if ref is not None:
+            return rebuild_arena_view, ref + (tensor.requires_grad, False)
+    return tensor.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
 
 
 def _reducer(previous, parameter):
@@ -323,6 +507,7 @@ def register_reductions():
 
 
 register_reductions()
+copyreg.pickle(torch.Tensor, _reduce_plain)
 
 
 # ---- Loading into modules -----------------------------------------------------------------

@@ -6,6 +6,13 @@ namespace {
 
 // ---- Streaming --------------------------------------------------------------------------
 
+// The bytes the views point into (the consumer's copy-on-write mapping, made on first use).
+std::span<std::byte> PrivateBytes(const StreamTensor& t) {
+  Result<std::span<std::byte>> bytes = t.private_bytes();
+  if (!bytes.ok()) RaiseStatus(bytes.status());
+  return *bytes;
+}
+
 py::dict StatsDict(const StreamStats& s) {
   py::dict d;
   d["total_bytes"] = s.total_bytes;
@@ -295,14 +302,13 @@ class PyProducer {
 
   py::dict Stats() {
     auto producer = Get();
-    Status here = producer->CheckProcess();
-    if (!here.ok()) RaiseStatus(here);
-    StreamStats s;
+    std::optional<Result<StreamStats>> s;
     {
       py::gil_scoped_release release;
-      s = producer->Stats();
+      s.emplace(producer->Stats());
     }
-    return StatsDict(s);
+    if (!s->ok()) RaiseStatus(s->status());
+    return StatsDict(**s);
   }
 
   // [{key, state, age_seconds, readers_left, holders, bytes, segment, spilled}], oldest first.
@@ -365,7 +371,7 @@ class PyStreamTensor {
 
   py::array Buffer(bool writable) const {
     const auto& opened = Get();
-    return ByteArray(opened->tensor.private_bytes(), opened, writable);
+    return ByteArray(PrivateBytes(opened->tensor), opened, writable);
   }
 
   // A read-only (or writable) C-contiguous array of `dtype` and `shape` over the bytes, made in
@@ -373,7 +379,7 @@ class PyStreamTensor {
   py::array View(bool writable, const py::dtype& dtype,
                  const std::vector<py::ssize_t>& shape) const {
     const auto& opened = Get();
-    return TypedArray(opened->tensor.private_bytes(), opened, writable, dtype, shape,
+    return TypedArray(PrivateBytes(opened->tensor), opened, writable, dtype, shape,
                       "stream tensor " + descriptor_.key);
   }
 
@@ -381,7 +387,7 @@ class PyStreamTensor {
   bool released() const { return opened_ == nullptr; }
   const TensorDescriptor& descriptor() const { return descriptor_; }
   uintptr_t Address() const {
-    return reinterpret_cast<uintptr_t>(Get()->tensor.private_bytes().data());
+    return reinterpret_cast<uintptr_t>(PrivateBytes(Get()->tensor).data());
   }
 
  private:
@@ -475,7 +481,7 @@ class PyConsumer {
     std::vector<py::ssize_t> shape;
     for (size_t i = 0; i < n; ++i) {
       const TensorDescriptor& d = opened[i]->tensor.descriptor();
-      std::span<const std::byte> bytes = opened[i]->tensor.private_bytes();
+      std::span<const std::byte> bytes = PrivateBytes(opened[i]->tensor);
       lower.assign(d.dtype);
       for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       PyObject* dtype = PyDict_GetItemString(layouts.ptr(), lower.c_str());

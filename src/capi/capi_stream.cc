@@ -485,9 +485,9 @@ int ea_stream_get_stats(ea_stream_producer* producer, ea_stream_stats* out) {
                              " is smaller than any version of ea_stream_stats");
   }
   return Guarded(kWhat, [&]() -> int {
-    Status here = producer->producer.CheckProcess();
-    if (!here.ok()) return Fail(here);
-    StreamStats s = producer->producer.Stats();
+    Result<StreamStats> got = producer->producer.Stats();
+    if (!got.ok()) return Fail(got.status());
+    const StreamStats& s = *got;
     ea_stream_stats st{};
     st.size = sizeof st;
     st.total_bytes = s.total_bytes;

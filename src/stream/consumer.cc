@@ -14,15 +14,16 @@
 // peer's string (the key) quotes it escaped (common/escape.h); the segment path is ours plus a
 // name Decode checked against [A-Za-z0-9_.-].
 //
-// Each mapped segment is also mapped copy-on-write (platform::Mapping::MapFileCopyOnWrite,
+// A mapped segment is also mapped copy-on-write (platform::Mapping::MapFileCopyOnWrite,
 // MAP_NORESERVE on hugetlbfs) for the views handed to code that may write through them (the
-// Python package): a write copies a page privately. When the last view of a block in this
-// process that used those bytes is released, its pages there are queued to be dropped
-// (MADV_DONTNEED on a private mapping reverts them to the file's), which the next Open of the
-// segment does, adjacent ranges merged into one call, before it hands out a view: a later block
-// in the same place reads the producer's bytes again. Where the kernel refuses that, the
-// mapping is replaced by a fresh one (the old one stays mapped until the segment is dropped:
-// live views point into it).
+// Python package), on the first private_bytes() of one of its blocks (a consumer reading
+// bytes() only never makes it): a write copies a page privately. When the last view of a
+// block in this process that used those bytes is released, its pages there are queued to be
+// dropped (MADV_DONTNEED on a private mapping reverts them to the file's), which the next Open
+// of the segment does, adjacent ranges merged into one call, before it hands out a view: a
+// later block in the same place reads the producer's bytes again. Where the kernel refuses
+// that, the mapping is replaced by a fresh one (the old one stays mapped until the segment is
+// dropped: live views point into it).
 //
 // Fork (stream/fork_guard.h): a consumer belongs to the process that created it. In a forked
 // child Open fails naming the fork, and releasing or dropping what the child inherited (views,
@@ -64,7 +65,7 @@ struct PeerSegment {
   uint32_t reader_index = 0;
   uint64_t views = 0;
   std::unordered_map<uint32_t, uint32_t> held;  // slot -> views of it in this process
-  platform::Mapping private_view;               // copy-on-write mapping of the whole file
+  platform::Mapping private_view;  // copy-on-write mapping of the whole file (made lazily)
   std::vector<platform::Mapping> retired_private;   // replaced; views may still point in
   std::unordered_map<uint32_t, bool> private_used;  // slots whose private bytes were handed out
   // [begin, end) page ranges of released blocks whose private pages are still to be dropped:
@@ -91,8 +92,8 @@ struct StreamTensor::State {
   PeerSegment* segment = nullptr;
   TensorDescriptor descriptor;
   std::span<const std::byte> bytes;
-  std::span<std::byte> private_bytes;
-  bool private_used = false;  // private_bytes() was called
+  std::span<std::byte> private_bytes;  // set by the first private_bytes()
+  bool private_used = false;           // private_bytes() was called
   std::function<bool()> ready;
 };
 
@@ -130,6 +131,11 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
     deferred_mu.unlock();
   }
   Result<PeerSegment*> MapLocked(bool spill, const std::string& name);
+  // Maps `seg` copy-on-write (and registers that mapping read-only with the GPU when the
+  // shared one is): on the first private_bytes() of one of its blocks.
+  Status MapPrivateLocked(PeerSegment& seg);
+  // The private bytes of `state`'s block, mapping its segment privately first if needed.
+  Result<std::span<std::byte>> PrivateBytes(StreamTensor::State& state);
   void DropLocked(
       std::map<std::pair<bool, std::string>, std::unique_ptr<PeerSegment>>::iterator it);
   void DropUnlinkedLocked(bool now);
@@ -202,18 +208,8 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
         hugetlbfs_dirs.emplace(dir, fs.ok() && fs->kind == platform::FsKind::kHugetlbfs).first;
   }
   seg->hugetlbfs = hugetlbfs->second;
-  auto private_view = platform::Mapping::MapFileCopyOnWrite(seg->file.fd, seg->file.file_bytes(),
-                                                            kHugePageBytes, seg->hugetlbfs);
-  if (!private_view.ok()) {
-    stream::AtomicWord(view.readers[seg->reader_index].owner).store(0, std::memory_order_release);
-    return private_view.status().WithContext("stream consumer: the copy-on-write view mapping");
-  }
-  seg->private_view = std::move(private_view).value();
   if (!seg->one_shot()) {
-    // Read-populated, the private mapping maps the file's pages (no copy, no memory).
-    Status p = platform::AdviseRange(seg->private_view.data(), seg->private_view.size(),
-                                     platform::Advice::kPopulateRead, seg->file.path);
-    if (!p.ok()) log->debug("{}", p.message());
+    // Read-populated: the consumer's first read of each block takes no fault.
     Status s = platform::AdviseRange(seg->file.mapping.data(), seg->file.file_bytes(),
                                      platform::Advice::kPopulateRead, seg->file.path);
     if (!s.ok()) log->debug("{}", s.message());
@@ -229,29 +225,63 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
         log->warn("stream consumer: GPU registration of {} failed: {}", seg->file.path,
                   reg.status().message());
       }
-      if (seg->file.pinned_bytes > 0) {
-        // Read-only, as for the arena's views: pinning with write intent would copy every
-        // page of a private mapping. The file's pages are pinned twice, not copied.
-        auto private_reg = gpu::RegisterHostRange(seg->private_view.bytes(),
-                                                  {.device = options.gpu,
-                                                   .pin_budget_bytes = options.pin_budget_bytes,
-                                                   .read_only = true,
-                                                   .logger = log});
-        if (private_reg.ok() && (*private_reg)->report().registered_bytes > 0) {
-          seg->private_registration = std::move(private_reg).value();
-        } else {
-          log->warn(
-              "stream consumer: the copy-on-write view mapping of {} is not registered with "
-              "{} ({}): device copies from the Python views are staged",
-              seg->file.path, options.gpu,
-              private_reg.ok() ? (*private_reg)->report().note : private_reg.status().message());
-        }
-      }
     }
   }
   PeerSegment* raw = seg.get();
   segments.emplace(key, std::move(seg));
   return raw;
+}
+
+Status StreamConsumer::Impl::MapPrivateLocked(PeerSegment& seg) {
+  auto private_view = platform::Mapping::MapFileCopyOnWrite(seg.file.fd, seg.file.file_bytes(),
+                                                            kHugePageBytes, seg.hugetlbfs);
+  if (!private_view.ok()) {
+    return private_view.status().WithContext("stream consumer: the copy-on-write view mapping");
+  }
+  seg.private_view = std::move(private_view).value();
+  if (seg.one_shot()) return Status::Ok();
+  // Read-populated, the private mapping maps the file's pages (no copy, no memory).
+  Status p = platform::AdviseRange(seg.private_view.data(), seg.private_view.size(),
+                                   platform::Advice::kPopulateRead, seg.file.path);
+  if (!p.ok()) log->debug("{}", p.message());
+  if (seg.file.pinned_bytes > 0) {
+    // Read-only, as for the arena's views: pinning with write intent would copy every page of
+    // a private mapping. The file's pages are pinned twice, not copied.
+    auto private_reg = gpu::RegisterHostRange(seg.private_view.bytes(),
+                                              {.device = options.gpu,
+                                               .pin_budget_bytes = options.pin_budget_bytes,
+                                               .read_only = true,
+                                               .logger = log});
+    if (private_reg.ok() && (*private_reg)->report().registered_bytes > 0) {
+      seg.private_registration = std::move(private_reg).value();
+    } else {
+      log->warn(
+          "stream consumer: the copy-on-write view mapping of {} is not registered with {} "
+          "({}): device copies from the Python views are staged",
+          seg.file.path, options.gpu,
+          private_reg.ok() ? (*private_reg)->report().note : private_reg.status().message());
+    }
+  }
+  return Status::Ok();
+}
+
+Result<std::span<std::byte>> StreamConsumer::Impl::PrivateBytes(StreamTensor::State& state) {
+  std::lock_guard lock(mu);
+  if (state.private_bytes.data() == nullptr) {
+    PeerSegment& seg = *state.segment;
+    if (seg.private_view.data() == nullptr) {
+      // In a forked child the inherited descriptor is closed: only what the parent mapped.
+      if (Foreign()) {
+        return InvalidArgument("stream private_bytes: " +
+                               stream::ForkedMessage("StreamConsumer", pid));
+      }
+      EA_RETURN_IF_ERROR(MapPrivateLocked(seg));
+    }
+    state.private_bytes = {seg.private_view.data() + state.descriptor.offset,
+                           state.descriptor.length};
+  }
+  state.private_used = true;
+  return state.private_bytes;
 }
 
 void StreamConsumer::Impl::DropLocked(
@@ -512,7 +542,6 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   state->consumer = impl_;
   state->segment = seg;
   state->bytes = {seg->file.mapping.data() + d.offset, d.length};
-  state->private_bytes = {seg->private_view.data() + d.offset, d.length};
   state->descriptor = std::move(d);
   return StreamTensor(std::move(state));
 }
@@ -583,9 +612,11 @@ StreamTensor& StreamTensor::operator=(StreamTensor&& other) noexcept {
 StreamTensor::~StreamTensor() { Release(); }
 
 std::span<const std::byte> StreamTensor::bytes() const { return state_->bytes; }
-std::span<std::byte> StreamTensor::private_bytes() const {
-  state_->private_used = true;
-  return state_->private_bytes;
+Result<std::span<std::byte>> StreamTensor::private_bytes() const {
+  if (!state_ || state_->consumer == nullptr) {
+    return InvalidArgument("stream private_bytes: the tensor was released");
+  }
+  return state_->consumer->PrivateBytes(*state_);
 }
 const TensorDescriptor& StreamTensor::descriptor() const { return state_->descriptor; }
 

@@ -854,12 +854,12 @@ Status StreamProducer::Reclaim() {
 
 Status StreamProducer::CheckProcess() const { return impl_->CheckProcess("stream stats"); }
 
-StreamStats StreamProducer::Stats() {
+Result<StreamStats> StreamProducer::Stats() {
+  // In a forked child the figures would be the parent's, inherited: refused like every call.
+  EA_RETURN_IF_ERROR(impl_->CheckProcess("stream stats"));
   std::lock_guard lock(impl_->mu);
-  if (!impl_->Foreign()) {  // in a forked child: the inherited figures, nothing reclaimed
-    impl_->MaybeCheckLeases();
-    impl_->ReclaimMoved();
-  }
+  impl_->MaybeCheckLeases();
+  impl_->ReclaimMoved();
   return impl_->StatsLocked();
 }
 

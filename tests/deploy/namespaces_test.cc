@@ -66,11 +66,11 @@ EA_CHILD_ROLE(ns_produce) {
     for (;;) pause();
   }
   if (!WaitFor(base + ".stop", 120)) return 5;
-  for (int i = 0; i < 6000 && producer->Stats().live_blocks > 0; ++i) {
+  for (int i = 0; i < 6000 && producer->Stats()->live_blocks > 0; ++i) {
     (void)producer->Reclaim();
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  return producer->Stats().live_blocks == 0 ? 0 : 6;
+  return producer->Stats()->live_blocks == 0 ? 0 : 6;
 }
 
 // args: name: opens the descriptor in /dev/shm/NAME.desc, checks every byte, releases.

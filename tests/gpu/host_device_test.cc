@@ -106,14 +106,14 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
     std::vector<std::byte> small(64 * kKiB, std::byte{1});
     std::vector<std::byte> large(o.segment_bytes + kMiB, std::byte{2});
     ASSERT_OK_AND_ASSIGN(std::string d_small, producer.Put("small", small, {"u8", {small.size()}}));
-    StreamStats s = producer.Stats();
+    StreamStats s = producer.Stats().value();
     EXPECT_EQ(s.segments, 1u);
     EXPECT_GE(s.pinned_bytes, o.segment_bytes);
     const uint64_t pinned_one = s.pinned_bytes;
     EXPECT_EQ(device.runtime().registered_bytes(), pinned_one);
     EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);  // populated before registering
     ASSERT_OK_AND_ASSIGN(std::string d_large, producer.Put("large", large, {"u8", {large.size()}}));
-    s = producer.Stats();
+    s = producer.Stats().value();
     EXPECT_EQ(s.dedicated_segments, 1u);
     EXPECT_EQ(s.pinned_bytes, pinned_one);  // the dedicated segment is not pinned
     EXPECT_EQ(device.runtime().registered_bytes(), pinned_one);
@@ -126,12 +126,17 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
       std::vector<std::byte> back = CopyThroughTheDevice(t.bytes());
       EXPECT_EQ(back, small);
       EXPECT_GE(consumer.Stats().pinned_bytes, o.segment_bytes);
+      // bytes() only: the consumer's shared mapping is registered, no copy-on-write one yet.
+      EXPECT_EQ(device.runtime().registrations(), 2u);
+      ASSERT_OK_AND_ASSIGN(auto mine, t.private_bytes());
+      EXPECT_EQ(CopyThroughTheDevice(mine), small);
       ASSERT_OK_AND_ASSIGN(auto big, consumer.Open(d_large));
       EXPECT_EQ(CopyThroughTheDevice(big.bytes()), large);
+      ASSERT_OK(big.private_bytes().status());  // a one-shot segment's: never registered
     }
     // The one regular segment: the producer's mapping, and the consumer's two (its shared
     // mapping, and the copy-on-write mapping its Python views point into, registered
-    // read-only): three ranges, none of the dedicated segment.
+    // read-only by the first private_bytes()): three ranges, none of the dedicated segment.
     EXPECT_EQ(device.runtime().registrations(), 3u);
     EXPECT_EQ(device.runtime().unpopulated_pages(), 0u);
   }
@@ -160,10 +165,10 @@ TEST(HostDeviceTest, ReleaseAfterHoldsTheBlockUntilTheCopyIsDone) {
     t.ReleaseAfter(std::move(copied));
   }
   EXPECT_EQ(consumer.PollReleases(), 1u);
-  EXPECT_EQ(producer.Stats().live_blocks, 1u);  // still held for the copy
+  EXPECT_EQ(producer.Stats()->live_blocks, 1u);  // still held for the copy
   device.runtime().FinishEvents();
   EXPECT_EQ(consumer.PollReleases(), 0u);
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);
 }
 
 }  // namespace

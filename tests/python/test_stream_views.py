@@ -1,10 +1,10 @@
-"""Stream views are plain tensors over a private copy-on-write mapping (issue 21, items 2, 5).
+"""Stream views are ArenaTensors over a private copy-on-write mapping (issue 21, items 2, 5).
 
-Every route from an opened StreamTensor to writable memory (np.asarray, torch.from_numpy,
-dlpack, __array__, the buffer protocol, as_strided, set_, out=) writes into this process's
-private copy of a page, never into the producer's segment: a second consumer in another
-process reads the producer's bytes, and nothing crashes. `guard=True` keeps the raising
-ReadOnlyTensor.
+The view's in-place methods and NumPy routes raise naming the key; every other route from an
+opened StreamTensor to writable memory (torch.from_numpy, dlpack, as_strided, set_, out=, a
+tensor derived by an op) writes into this process's private copy of a page, never into the
+producer's segment: a second consumer in another process reads the producer's bytes, and
+nothing crashes. `guard=True` keeps the ReadOnlyTensor, which also refuses derived tensors.
 """
 
 import os
@@ -29,9 +29,24 @@ WRITER = textwrap.dedent(r"""
     for d in descriptors:
         t = c.open(d)
         v, n = t.torch(), t.numpy()
-        assert type(v) is torch.Tensor and v.data_ptr() == t.address
+        assert isinstance(v, expert_arena.ArenaTensor) and v.data_ptr() == t.address
+        # The view's in-place methods and NumPy routes raise, naming the key.
+        refused = [lambda: v.add_(1), lambda: v.zero_(), lambda: v.__setitem__(0, 1),
+                   lambda: v.copy_(v.clone()), lambda: v.__imul__(2)]
+        if v.dtype != torch.bfloat16:  # (NumPy has no bfloat16: numpy() raises TypeError)
+            refused += [lambda: np.asarray(v).reshape(-1).__setitem__(0, 7),
+                        lambda: v.numpy().reshape(-1).__setitem__(0, 7)]
+        for route in refused:
+            try:
+                route()
+            except ValueError as e:
+                assert t.key in str(e) or "read-only" in str(e), e
+            else:
+                raise AssertionError("a write was not refused")
+        # The routes torch cannot intercept write this process's private copy of a page.
         # NumPy has no bfloat16: its routes go through the same bytes as int16.
-        w = v.view(torch.int16) if v.dtype == torch.bfloat16 else v
+        plain = v.as_subclass(torch.Tensor)
+        w = plain.view(torch.int16) if v.dtype == torch.bfloat16 else plain
         routes = [
             lambda: np.asarray(w).reshape(-1).__setitem__(0, 7),
             lambda: w.__array__().reshape(-1).__setitem__(1, 7),
@@ -42,7 +57,8 @@ WRITER = textwrap.dedent(r"""
             lambda: v.view(-1).as_strided((4,), (1,), 5).fill_(7),
             lambda: torch.empty(0, dtype=v.dtype).set_(v.storage()).view(-1)[9].fill_(7),
             lambda: torch.add(v, 1, out=v),
-            lambda: v.add_(1), lambda: v.zero_(), lambda: v.view(-1).__setitem__(0, 1),
+            lambda: plain.add_(1), lambda: v.view(-1).zero_(),
+            lambda: v.view(-1).__setitem__(0, 1),
             lambda: torch.from_numpy(np.asarray(w)).view(-1).fill_(5),
         ]
         for route in routes:
@@ -51,7 +67,7 @@ WRITER = textwrap.dedent(r"""
         assert float(n.reshape(-1)[0]) == 5.0
         for view in c.open_many([d], view="torch") + [t.torch(guard=False)]:
             view.view(-1).fill_(3)
-        del v, w, n, view
+        del v, w, n, view, plain
         t.release()
     print("wrote", len(descriptors), flush=True)
 """)
@@ -98,7 +114,7 @@ def test_a_write_is_dropped_with_the_share_so_a_reused_block_reads_the_producer(
             expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
         d1 = p.put("a", torch.ones(1000))
         (v,) = c.open_many([d1], view="torch")
-        np.asarray(v)[:] = -1.0  # a private copy of its pages
+        v.as_subclass(torch.Tensor)[:] = -1.0  # a private copy of its pages
         assert float(v[0]) == -1.0
         del v
         p.reclaim()

@@ -42,19 +42,37 @@ WRITER = textwrap.dedent("""
     def write_everywhere(arena):
         name = arena.names()[0]
         t, x = arena.torch(name), arena.numpy(name)
-        routes = [
+        # The view's own in-place methods and NumPy routes raise, naming the tensor (NumPy:
+        # its read-only array's own error).
+        refused = [
             lambda: np.asarray(t).__setitem__((0, 0, 0), 7.0),
             lambda: t.__array__().reshape(-1).__setitem__(1, 7.0),
+            lambda: t.numpy().__setitem__((0, 0, 0), 7.0),
+            lambda: memoryview(np.asarray(t)).cast("B").__setitem__(16, 1),
+            lambda: t.add_(1), lambda: t.zero_(), lambda: t.__setitem__(0, 1.0),
+            lambda: t.copy_(torch.zeros_like(t)), lambda: t.set_(torch.zeros(3)),
+            lambda: t.resize_(1), lambda: t.__iadd__(1), lambda: t.detach().fill_(0),
+            lambda: torch.nn.Parameter(t, requires_grad=False).mul_(2),
+        ]
+        for route in refused:
+            try:
+                route()
+            except ValueError as e:
+                assert name in str(e) or "read-only" in str(e), e
+            except TypeError as e:  # memoryview: "cannot modify read-only memory"
+                assert "read-only" in str(e), e
+            else:
+                raise AssertionError("a write was not refused")
+        # What torch cannot intercept without a per-op cost writes a private page.
+        private = [
             lambda: torch.from_numpy(arena.numpy(name)).view(-1)[2].fill_(7.0),
             lambda: dl.from_dlpack(dl.to_dlpack(t)).view(-1)[3].fill_(7.0),
-            lambda: memoryview(np.asarray(t)).cast("B").__setitem__(16, 1),
             lambda: t.as_strided((4,), (1,), 5).fill_(7.0),
             lambda: torch.empty(0).set_(t.storage()).view(-1)[9].fill_(7.0),
-            lambda: torch.add(t, 1, out=t),
-            lambda: t.add_(1), lambda: t.zero_(), lambda: t.__setitem__(0, 1.0),
-            lambda: t[1].mul_(3),
+            lambda: torch.add(t, 1, out=t), lambda: t[1].mul_(3), lambda: torch.relu_(t),
+            lambda: t.as_subclass(torch.Tensor).view(-1)[0].fill_(1.0),
         ]
-        for route in routes:
+        for route in private:
             route()
         # Every write stays in this process's pages, which every view of this process shares.
         assert float(x.reshape(-1)[0]) == 1.0, x.reshape(-1)[:4]
@@ -94,7 +112,9 @@ def test_private_arena_views_write_without_crashing(gen_model):
     with expert_arena.open(gen_model("gguf", "f32"), quiet=True) as a:
         name = a.names()[0]
         t = a.torch(name)
-        np.asarray(t)[0, 0, 0] = 5.0
+        with pytest.raises(ValueError, match="'%s' of a private arena" % name):
+            t.fill_(5.0)
+        t.as_subclass(torch.Tensor)[0, 0, 0] = 5.0
         assert float(a.numpy(name)[0, 0, 0]) == 5.0
 
 
@@ -117,12 +137,15 @@ def test_guarded_view_raises_naming_the_tensor(gen_model, shm_path):
 
 
 def test_views_cost_what_plain_tensors_cost(gen_model):
-    """The default view is a plain torch.Tensor: no Python in its ops (the bench measures the
-    time, bench/python_view_bench.py)."""
+    """The default view is an ArenaTensor whose __torch_function__ is torch's disabled one: no
+    Python runs in its ops, whose results are plain tensors (the bench measures the time,
+    bench/python_view_bench.py)."""
     with expert_arena.open(gen_model("gguf", "f32"), quiet=True) as a:
         t = a.torch(a.names()[0])
-        assert type(t) is torch.Tensor
-        assert type(t[3]) is torch.Tensor and type(t.float()) is torch.Tensor
+        assert type(t) is expert_arena.ArenaTensor
+        assert type(t).__torch_function__ is torch._C._disabled_torch_function_impl
+        assert type(t[3]) is torch.Tensor and type(t * 2) is torch.Tensor
+        assert type(t.as_subclass(torch.Tensor)) is torch.Tensor
 
 
 def test_arena_is_a_mapping_like_safe_open(gen_model, shm_path):
@@ -260,7 +283,8 @@ def test_views_cross_queues_and_pools_by_reference(gen_model, shm_path, method):
     path = shm_path()
     with expert_arena.open(gen_model("gguf", "f32"), shared_path=path, quiet=True) as a:
         w = a.torch(a.names()[0])
-        views = [w[3 % w.shape[0]], w[1].t(), nn.Parameter(w[0], requires_grad=False)]
+        views = [w[3 % w.shape[0]], w[1].t(), nn.Parameter(w[0], requires_grad=False), w,
+                 nn.Parameter(w, requires_grad=False)]
         # The pickle is a reference: a few hundred bytes, whatever the tensor's size.
         from multiprocessing.reduction import ForkingPickler
         data = bytes(ForkingPickler.dumps(w))
@@ -284,6 +308,7 @@ def test_views_cross_queues_and_pools_by_reference(gen_model, shm_path, method):
             assert inside and shape == tuple(v.shape)
             assert total == pytest.approx(float(v.double().sum()))
         assert results[2][2] == "Parameter"
+        assert results[3][2] == results[4][2] == "ArenaTensor"
 
 
 def _stream_child(q, out):
@@ -331,13 +356,196 @@ def test_arena_pickles_as_a_reference_to_its_path(gen_model, shm_path):
             pickle.dumps(private)
 
 
-def test_plain_pickle_and_deepcopy_copy_the_bytes(gen_model):
-    """Outside multiprocessing a view pickles and deep-copies like any tensor: its bytes."""
+RECEIVER = textwrap.dedent("""
+    import pickle, sys
+    import torch
+    import expert_arena, expert_arena._torch as et
+    with open(sys.argv[1], "rb") as f:
+        items = pickle.load(f)
+    for t in items:
+        # Zero-copy: the tensor points into this process's mapping of the arena it attached.
+        inside = any(s <= t.data_ptr() < s + n
+                     for s, n in (a.data_range() for a in et._ATTACHED.values()))
+        total = float(t.double().sum())
+        try:
+            t.add_(1)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        print(type(t).__name__, inside, repr(total), refused, flush=True)
+""")
+
+
+def test_plain_pickle_sends_a_reference_that_another_process_attaches(gen_model, shm_path,
+                                                                      tmp_path):
+    """pickle.dump of a view, of a slice of it and of a Parameter made from it is a few hundred
+    bytes; a process started afresh loads them as zero-copy views of the arena, still read-only
+    where the sender's was."""
+    path = shm_path()
+    with expert_arena.open(gen_model("gguf", "f32"), shared_path=path, quiet=True) as a:
+        name = a.names()[0]
+        w = a[name]
+        # (the plain slice last: the receiver's write to it is seen by its other views)
+        items = [w, nn.Parameter(w, requires_grad=False), w[1].t()]
+        for item in items:
+            assert len(pickle.dumps(item)) < 1024 < w.numel() * 4
+        with open(tmp_path / "views.pickle", "wb") as f:
+            pickle.dump(items, f)
+        out = subprocess.run([sys.executable, "-c", RECEIVER, str(tmp_path / "views.pickle")],
+                             env=child_env(), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        lines = [line.split(" ", 3) for line in out.stdout.splitlines()]
+        assert [line[:2] for line in lines] == [["ArenaTensor", "True"], ["ArenaTensor", "True"],
+                                                ["Tensor", "True"]]
+        for item, line in zip(items, lines):
+            assert float(line[2]) == float(item.double().sum())
+        assert name in lines[0][3] and path in lines[0][3] and "read-only" in lines[1][3]
+        assert lines[2][3] == ""  # a plain tensor: the write went to a private page
+
+
+def test_deepcopy_is_a_new_view_of_the_same_bytes(gen_model, shm_path):
     import copy
+    path = shm_path()
+    with expert_arena.open(gen_model("gguf", "f32", 1, 4, 64, 96), shared_path=path,
+                           quiet=True) as a:
+        w = a[a.names()[0]]
+        c = copy.deepcopy(w)
+        assert type(c) is type(w) and c is not w and c.data_ptr() == w.data_ptr()
+        assert torch.equal(c, w)
+        with pytest.raises(ValueError, match=a.names()[0]):
+            c.zero_()
+        # A module holding views deep-copies without copying them (a memo keeps one copy
+        # per tensor), and its parameters stay parameters.
+        model = Model(1, 4, 64, 96)
+        expert_arena.load_into(model, a, gguf_names(0))
+        twin = copy.deepcopy(model)
+        assert twin.layers[0].up.data_ptr() == model.layers[0].up.data_ptr()
+        assert isinstance(twin.layers[0].up, nn.Parameter) and not twin.layers[0].up.requires_grad
+        assert twin.layers[0].router.weight.data_ptr() != model.layers[0].router.weight.data_ptr()
+        x = torch.randn(3, 64)
+        with torch.no_grad():
+            assert torch.equal(twin(x), model(x))
+    # A private arena has no file to refer to: deepcopy still shares the bytes, pickle copies.
     with expert_arena.open(gen_model("gguf", "f32"), quiet=True) as a:
-        w = a.torch(a.names()[0])
-        for clone in (pickle.loads(pickle.dumps(w[1])), copy.deepcopy(w[1])):
-            assert torch.equal(clone, w[1]) and clone.data_ptr() != w[1].data_ptr()
+        w = a[a.names()[0]]
+        assert copy.deepcopy(w).data_ptr() == w.data_ptr()
+        back = pickle.loads(pickle.dumps(w))
+        assert torch.equal(back, w) and back.data_ptr() != w.data_ptr()
+        assert type(back) is torch.Tensor
+
+
+LOADER = textwrap.dedent("""
+    import sys
+    import torch
+    saved = torch.load(sys.argv[1])
+    expected = torch.load(sys.argv[2])
+    for key, value in expected.items():
+        got = saved[key]
+        assert torch.equal(got, value), key
+        assert type(got) is type(value), (key, type(got), type(value))
+    print("ok", sorted(saved), flush=True)
+""")
+
+
+def test_torch_save_holds_the_bytes_after_the_arena_is_gone(gen_model, shm_path, tmp_path):
+    """torch.save of views, of a Parameter made from one, and of a module's state_dict loaded
+    with load_into writes the data: another process loads it after the arena file is removed,
+    and gets plain tensors and Parameters."""
+    path = shm_path()
+    with expert_arena.open(gen_model("gguf", "f32", 1, 4, 64, 96), shared_path=path,
+                           quiet=True) as a:
+        model = Model(1, 4, 64, 96)
+        expert_arena.load_into(model, a, gguf_names(0))
+        w = a[a.names()[0]]
+        saved = dict(model.state_dict(), view=w, slice=w[2],
+                     param=nn.Parameter(w[1], requires_grad=False),  # a plain one's
+                     view_param=nn.Parameter(w, requires_grad=False))  # an ArenaTensor's
+        torch.save(saved, tmp_path / "checkpoint.pt")
+        torch.save(saved, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+        expected = {k: (nn.Parameter(v.clone(), requires_grad=False) if k.endswith("param")
+                        else v.clone()) for k, v in saved.items()}
+        torch.save(expected, tmp_path / "expected.pt")
+        del model, w, saved
+    os.unlink(path)
+    for checkpoint in ("checkpoint.pt", "legacy.pt"):
+        out = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / checkpoint),
+                              str(tmp_path / "expected.pt")], env=child_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("ok")
+
+
+def test_write_attempts_name_the_tensor(gen_model, shm_path, stream_dir):
+    path = shm_path()
+    with expert_arena.open(gen_model("gguf", "f32"), shared_path=path, quiet=True) as a:
+        name = a.names()[1]
+        w = a.torch(name)
+        for attempt in (lambda: w.add_(1), lambda: w.__setitem__(0, 1.0), lambda: w.copy_(w),
+                        lambda: w.__imul__(2), lambda: w.index_fill_(0, torch.tensor([0]), 1.0),
+                        lambda: nn.Parameter(w, requires_grad=False).zero_()):
+            with pytest.raises(ValueError) as e:
+                attempt()
+            assert "'%s' of the arena %s" % (name, path) in str(e.value)
+        # Flags and moves are not writes.
+        assert w.requires_grad_(False) is w
+        assert type(w.detach()) is type(w)
+        moved = a.torch(name)
+        assert moved.share_memory_() is moved and moved.is_shared()
+        assert torch.equal(moved, w)
+    with expert_arena.StreamProducer(stream_dir, quiet=True) as producer, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as consumer:
+        d = producer.put("kv-7", torch.ones(4, 4), readers=2)
+        (v,) = consumer.open_many([d], view="torch")
+        with consumer.open(d) as t:
+            for view in (v, t.torch()):
+                with pytest.raises(ValueError, match="'kv-7'"):
+                    view.fill_(0)
+        del v
+
+
+STREAM_RECEIVER = textwrap.dedent("""
+    import gc, pickle, sys
+    import expert_arena
+    with open(sys.argv[1], "rb") as f:
+        views = pickle.load(f)
+    print(" ".join("%s:%s" % (type(v).__name__, float(v.sum())) for v in views), flush=True)
+    del views
+    gc.collect()
+    print("released", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_pickled_stream_view_is_opened_as_one_more_reader(stream_dir, tmp_path):
+    """pickle of a stream view sends its descriptor; the receiving process opens it as one more
+    reader and gives that share back when its view is gone, never the sender's."""
+    with expert_arena.StreamProducer(stream_dir, quiet=True) as producer, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as consumer:
+        d1 = producer.put("a", torch.full((64,), 2.0), readers=2)
+        d2 = producer.put("b", torch.full((8,), 3.0), readers=2)
+        (v1,) = consumer.open_many([d1], view="torch")
+        t2 = consumer.open(d2)
+        v2 = t2.torch()
+        t2.release()  # the view still holds the share, and still pickles
+        with open(tmp_path / "views.pickle", "wb") as f:
+            pickle.dump([v1, v2], f)
+        assert len(pickle.dumps(v1)) < 1024
+        child = subprocess.Popen([sys.executable, "-c", STREAM_RECEIVER,
+                                  str(tmp_path / "views.pickle")], env=child_env(),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().split() == ["ArenaTensor:128.0", "ArenaTensor:24.0"]
+            assert child.stdout.readline().strip() == "released"
+            # The child gave its shares back (it is still alive: no lease ended); the
+            # sender's are held by its views.
+            pending = {p["key"]: p["readers_left"] for p in producer.pending()}
+            assert pending == {"a": 1, "b": 1}
+            del v1, v2
+            producer.reclaim()
+            assert producer.pending() == [] and producer.stats()["live_blocks"] == 0
+        finally:
+            child.stdin.close()
+            assert child.wait(60) == 0
 
 
 # ---- FP8 --------------------------------------------------------------------------------
@@ -414,8 +622,11 @@ def test_stream_tensor_dtypes_are_torch_and_numpy_dtypes(stream_dir):
             assert not np.asarray(a.torch(guard=True)).flags.writeable
             with pytest.raises(ValueError):
                 np.asarray(a.torch(guard=True))[0, 0] = 2.0
-            # A plain one writes a private copy of the page (test_stream_views.py).
-            np.asarray(a.torch())[0, 0] = 2.0
+            # So is the default view's; a plain tensor made from it writes a private copy of
+            # the page (test_stream_views.py).
+            with pytest.raises(ValueError, match="read-only"):
+                np.asarray(a.torch())[0, 0] = 2.0
+            a.torch().as_subclass(torch.Tensor)[0, 0] = 2.0
             assert float(a.numpy()[0, 0]) == 2.0
 
 

@@ -179,7 +179,7 @@ TEST(StreamSoak, RandomSizesAbortsAndAKilledConsumer) {
     outcome = consumers[0].Output();
     for (const auto& k : keys_of_killed) ASSERT_OK(producer.Abort(k));
     ASSERT_OK(producer.Reclaim());
-    StreamStats s = producer.Stats();
+    StreamStats s = producer.Stats().value();
     std::printf(
         "soak: %llu tensors in %.1f s (%llu spilled, %llu aborted keys), consumer 0: %s"
         "segments %llu, fragmentation warnings %llu, dead readers cleared %llu\n",

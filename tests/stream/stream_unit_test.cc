@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -190,7 +191,7 @@ TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
   testing::FillPattern(data, "a");
   ASSERT_OK_AND_ASSIGN(auto first, producer.Put("a", data, {}, 2));
   ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(first));
-  std::span<std::byte> mine = t.private_bytes();
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> mine, t.private_bytes());
   ASSERT_EQ(mine.size(), data.size());
   EXPECT_NE(mine.data(), t.bytes().data());
   EXPECT_TRUE(testing::CheckPattern(mine, "a"));
@@ -198,7 +199,8 @@ TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
   EXPECT_TRUE(testing::CheckPattern(t.bytes(), "a"));
   ASSERT_OK_AND_ASSIGN(auto theirs, other.Open(first));
   EXPECT_TRUE(testing::CheckPattern(theirs.bytes(), "a"));
-  EXPECT_TRUE(testing::CheckPattern(theirs.private_bytes(), "a"));
+  ASSERT_OK_AND_ASSIGN(auto theirs_private, theirs.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(theirs_private, "a"));
   theirs.Release();
   const uint64_t offset = t.descriptor().offset;
   t.Release();
@@ -207,7 +209,86 @@ TEST(StreamConsumer, PrivateBytesAreCopyOnWriteAndDroppedWithTheView) {
   ASSERT_OK_AND_ASSIGN(auto second, producer.Put("b", data, {}));
   ASSERT_OK_AND_ASSIGN(auto u, consumer.Open(second));
   ASSERT_EQ(u.descriptor().offset, offset);  // the same place
-  EXPECT_TRUE(testing::CheckPattern(u.private_bytes(), "b"));
+  ASSERT_OK_AND_ASSIGN(auto u_private, u.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(u_private, "b"));
+}
+
+// How many mappings of files named `name` this process has (/proc/self/maps).
+int MappingsOf(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.size() > name.size() && line.ends_with("/" + name)) ++n;
+  }
+  return n;
+}
+
+// The copy-on-write mapping is made by the first private_bytes() of a segment's blocks, once:
+// a consumer that reads bytes() only never maps a segment twice.
+TEST(StreamConsumer, PrivateMappingIsMadeOnFirstUse) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> data(30000);
+  testing::FillPattern(data, "a");
+  ASSERT_OK_AND_ASSIGN(auto first, producer.Put("a", data, {}));
+  testing::FillPattern(data, "b");
+  ASSERT_OK_AND_ASSIGN(auto second, producer.Put("b", data, {}));
+  ASSERT_OK_AND_ASSIGN(auto d, TensorDescriptor::Decode(first));
+  const int producers = MappingsOf(d.segment);
+  ASSERT_GE(producers, 1);
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(first));
+  ASSERT_OK_AND_ASSIGN(auto u, consumer.Open(second));
+  EXPECT_TRUE(testing::CheckPattern(t.bytes(), "a"));
+  EXPECT_EQ(MappingsOf(d.segment), producers + 1);  // the consumer's shared mapping only
+  ASSERT_OK_AND_ASSIGN(auto mine, t.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(mine, "a"));
+  EXPECT_EQ(MappingsOf(d.segment), producers + 2);
+  // The same segment's other blocks, and the same block again, reuse that mapping.
+  ASSERT_OK_AND_ASSIGN(auto theirs, u.private_bytes());
+  EXPECT_TRUE(testing::CheckPattern(theirs, "b"));
+  ASSERT_OK_AND_ASSIGN(auto again, t.private_bytes());
+  EXPECT_EQ(again.data(), mine.data());
+  EXPECT_EQ(MappingsOf(d.segment), producers + 2);
+  t.Release();
+  EXPECT_FALSE(t.private_bytes().ok());  // released: refused, never a dangling span
+}
+
+// Threads taking the first private bytes of blocks of one segment at once map it once.
+TEST(StreamConsumer, PrivateMappingOnFirstUseIsThreadSafe) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  constexpr int kThreads = 8;
+  std::vector<StreamTensor> tensors;
+  std::string segment;
+  for (int i = 0; i < kThreads; ++i) {
+    std::vector<std::byte> data(10000);
+    testing::FillPattern(data, "t" + std::to_string(i));
+    ASSERT_OK_AND_ASSIGN(auto d, producer.Put("t" + std::to_string(i), data, {}));
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+    segment = t.descriptor().segment;
+    tensors.push_back(std::move(t));
+  }
+  const int before = MappingsOf(segment);
+  std::vector<std::span<std::byte>> got(kThreads);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      auto bytes = tensors[i].private_bytes();
+      if (!bytes.ok() || !testing::CheckPattern(*bytes, "t" + std::to_string(i))) ++failures;
+      if (bytes.ok()) got[i] = *bytes;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(MappingsOf(segment), before + 1);
+  for (int i = 0; i < kThreads; ++i) {
+    // One mapping: each block's private bytes lie where its offset says, from one base.
+    EXPECT_EQ(got[i].data() - tensors[i].descriptor().offset,
+              got[0].data() - tensors[0].descriptor().offset);
+  }
 }
 
 // Descriptors that decode but do not match the segment: refused by Open with the reason.
@@ -272,14 +353,14 @@ TEST(StreamProducer, WarnsWhenFragmentationFailsAReserve) {
     if (i % 2 == 1) kept.push_back(std::move(held[i]));
   }
   held.clear();  // frees every other block: 1 MiB free in 64 KiB pieces
-  StreamStats before = producer.Stats();
+  StreamStats before = producer.Stats().value();
   EXPECT_EQ(before.free_bytes, 1u << 20);
   EXPECT_EQ(before.largest_free_block, 64u << 10);
   ASSERT_OK_AND_ASSIGN(auto big, producer.Reserve("big", 256 << 10));
   EXPECT_TRUE(big.spilled());
   logger->flush();
   EXPECT_NE(logged.str().find("fragmentation"), std::string::npos) << logged.str();
-  StreamStats after = producer.Stats();
+  StreamStats after = producer.Stats().value();
   EXPECT_EQ(after.fragmentation_failures, 1u);
   EXPECT_EQ(after.spills, 1u);
 }
@@ -322,7 +403,7 @@ TEST(StreamProducer, FragmentationWarningIsRateLimitedAndTheCounterCountsEvery) 
   }
   logger->flush();
   const std::string first = logged.str();
-  EXPECT_EQ(producer.Stats().fragmentation_failures, 50u);
+  EXPECT_EQ(producer.Stats()->fragmentation_failures, 50u);
   if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(400)) {
     // All 50 within the interval: one line, for the first.
     EXPECT_EQ(CountLines(first, "fragmentation"), 1u) << first;
@@ -338,7 +419,7 @@ TEST(StreamProducer, FragmentationWarningIsRateLimitedAndTheCounterCountsEvery) 
   EXPECT_EQ(CountLines(all, "fragmentation"), CountLines(first, "fragmentation") + 1) << all;
   EXPECT_NE(all.find("fragmentation (51 so far"), std::string::npos) << all;
   EXPECT_NE(all.find("more since the last warning"), std::string::npos) << all;
-  StreamStats stats = producer.Stats();
+  StreamStats stats = producer.Stats().value();
   EXPECT_EQ(stats.fragmentation_failures, 51u);
   EXPECT_EQ(stats.spills, 51u);
 }
@@ -357,7 +438,7 @@ TEST(StreamProducer, GrowsAheadInTheBackgroundAndWaitsForItInsteadOfGrowingTwice
   // Needs a new segment now: it waits for the grower's (or takes it when it is there).
   ASSERT_OK_AND_ASSIGN(auto c, producer.Reserve("c", 4 << 20));
   EXPECT_FALSE(c.spilled());
-  StreamStats s = producer.Stats();
+  StreamStats s = producer.Stats().value();
   EXPECT_EQ(s.segments, 2u);
   EXPECT_EQ(s.segments_grown_ahead, 1u);
   held.push_back(std::move(a));
@@ -371,7 +452,7 @@ TEST(StreamProducer, GrowsAheadInTheBackgroundAndWaitsForItInsteadOfGrowingTwice
   }
   ASSERT_OK_AND_ASSIGN(auto e, producer.Reserve("e", 4 << 20));
   EXPECT_TRUE(e.spilled());
-  s = producer.Stats();
+  s = producer.Stats().value();
   EXPECT_EQ(s.segments, 3u);
   EXPECT_EQ(s.spills, 1u);
   EXPECT_GE(s.segments_grown_ahead, 1u);
@@ -386,9 +467,9 @@ TEST(StreamProducer, WithoutGrowAheadGrowsOnlyWhenAReserveNeedsIt) {
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   ASSERT_OK_AND_ASSIGN(auto a, producer.Reserve("a", 6 << 20));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_EQ(producer.Stats().segments, 1u);
+  EXPECT_EQ(producer.Stats()->segments, 1u);
   ASSERT_OK_AND_ASSIGN(auto b, producer.Reserve("b", 6 << 20));
-  StreamStats s = producer.Stats();
+  StreamStats s = producer.Stats().value();
   EXPECT_EQ(s.segments, 2u);
   EXPECT_EQ(s.segments_grown_ahead, 0u);
 }
@@ -487,7 +568,7 @@ TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
   ASSERT_FALSE(published.ok());
   EXPECT_EQ(published.status().code(), StatusCode::kBusy);
   ASSERT_OK(other.Publish({}));
-  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 1u);
 }
 
 // Assigning over an unpublished reservation gives its space back at once and keeps the one
@@ -497,15 +578,15 @@ TEST(StreamProducer, MoveAssigningAReservationGivesTheOldSpaceBack) {
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
   ASSERT_OK_AND_ASSIGN(auto first, producer.Reserve("first", 4096));
   ASSERT_OK_AND_ASSIGN(auto second, producer.Reserve("second", 8192));
-  EXPECT_EQ(producer.Stats().live_blocks, 2u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 2u);
   first = std::move(second);
-  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 1u);
   EXPECT_EQ(first.bytes().size(), 8192u);
   ASSERT_OK(first.Publish({}));
-  EXPECT_EQ(producer.Stats().live_blocks, 1u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 1u);
   ASSERT_OK_AND_ASSIGN(uint64_t marked, producer.Abort("second"));
   EXPECT_EQ(marked, 1u);
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);
 }
 
 // Writers on several threads put tensors of their own keys while another thread aborts keys
@@ -560,7 +641,7 @@ TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
   }
   for (int i = 0; i < kPerWriter; ++i) ASSERT_OK(producer.Abort("victim_" + std::to_string(i)));
   ASSERT_OK(producer.Reclaim());
-  StreamStats s = producer.Stats();
+  StreamStats s = producer.Stats().value();
   EXPECT_EQ(s.live_blocks, 0u);
   EXPECT_EQ(s.free_bytes, s.total_bytes);
 }
@@ -598,7 +679,7 @@ TEST(StreamSweep, AliveByLockNotByPid) {
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
   // Creating commits nothing: the first segment comes with the first put.
   EXPECT_TRUE(producer.SegmentPaths().empty());
-  EXPECT_EQ(producer.Stats().segments, 0u);
+  EXPECT_EQ(producer.Stats()->segments, 0u);
   std::vector<std::byte> data(4096);
   ASSERT_OK(producer.Put("k", data, {}).status());
   ASSERT_EQ(producer.SegmentPaths().size(), 1u);
@@ -663,7 +744,7 @@ TEST(StreamProducer, WarnsWhenFreeSpaceIsShortAndSpillsWhenGrowthHitsIt) {
     EXPECT_NE(logged.str().find("free now"), std::string::npos) << logged.str();
     std::vector<std::byte> data(4 << 20);
     for (int i = 0; i < 4; ++i) ASSERT_OK(producer.Put("t" + std::to_string(i), data, {}));
-    StreamStats s = producer.Stats();
+    StreamStats s = producer.Stats().value();
     EXPECT_GE(s.spills, 1u);
     EXPECT_LT(s.segments, 4u);
     logger->flush();
@@ -685,7 +766,7 @@ TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {
   std::vector<std::byte> data(4096);
   ASSERT_OK_AND_ASSIGN(auto d, producer.Put("k", data, {}));
   ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
-  if (producer.Stats().pinned_bytes == 0) {
+  if (producer.Stats()->pinned_bytes == 0) {
     EXPECT_EQ(consumer.Stats().pinned_bytes, 0u);
   }
 }
@@ -714,7 +795,7 @@ TEST(StreamProducer, AbortMatchesNoSuffixNoInfixAndIsIdempotent) {
     EXPECT_EQ(marked, 0u) << "'" << absent << "'";
   }
   ASSERT_OK(producer.Reclaim());
-  EXPECT_EQ(producer.Stats().live_blocks, keys.size() - 2);
+  EXPECT_EQ(producer.Stats()->live_blocks, keys.size() - 2);
   ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
   for (const auto& [key, desc] : descs) {
     auto t = consumer.Open(desc);
@@ -743,12 +824,12 @@ TEST(StreamProducer, AKeyReusedAfterItsAbortIsANewRequest) {
   ASSERT_OK_AND_ASSIGN(auto second, producer.Put("r", data, {}));
   held.Release();
   ASSERT_OK(producer.Reclaim());
-  EXPECT_EQ(producer.Stats().live_blocks, 1u);  // the aborted block went, the new one stays
+  EXPECT_EQ(producer.Stats()->live_blocks, 1u);  // the aborted block went, the new one stays
   ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(second));
   EXPECT_TRUE(testing::CheckPattern(t.bytes(), "r"));
   t.Release();
   ASSERT_OK(producer.Reclaim());
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);
 }
 
 // Field lesson 004: per-request bookkeeping on the sender grew on the success path and a stale
@@ -765,7 +846,7 @@ TEST(StreamProducer, AbortOfAFinishedKeyNeverTakesTheBlockThatReusedItsSlot) {
     ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(old_desc));
   }  // released: the request finished normally
   ASSERT_OK(producer.Reclaim());
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);
   testing::FillPattern(data, "new");
   ASSERT_OK_AND_ASSIGN(auto new_desc, producer.Put("new", data, {}));
   ASSERT_OK_AND_ASSIGN(auto o, TensorDescriptor::Decode(old_desc));
@@ -804,7 +885,7 @@ TEST(StreamProducer, GrowthNeverMovesALiveReservationOrView) {
     ASSERT_OK_AND_ASSIGN(auto d, producer.Put(key, data, {}));
     more.push_back(d);
   }
-  EXPECT_GE(producer.Stats().segments, 3u);
+  EXPECT_GE(producer.Stats()->segments, 3u);
   EXPECT_EQ(writing.bytes().data(), before.data());
   EXPECT_EQ(view.bytes().data(), view_before);
   testing::FillPattern(before, "writing");  // through the pointer taken before the growth
@@ -833,7 +914,7 @@ TEST(StreamProducer, AtTheCapSpillsWithoutWaitingOutTheStrictBound) {
   ASSERT_OK(producer.Put("fill", data, {}));
   ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("more", 1 << 20));
   EXPECT_TRUE(r.spilled());
-  EXPECT_EQ(producer.Stats().spills, 1u);
+  EXPECT_EQ(producer.Stats()->spills, 1u);
 }
 
 // PutMany hands out one descriptor per item, in order, each with its own dtype and shape.
@@ -864,7 +945,7 @@ TEST(StreamProducer, PutManyPublishesEveryItemWithItsInfo) {
     }
   }
   ASSERT_OK(producer.Reclaim());
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);  // two readers each released every item
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);  // two readers each released every item
   ASSERT_OK_AND_ASSIGN(auto none, producer.PutMany({}));
   EXPECT_TRUE(none.empty());
 }
@@ -889,7 +970,7 @@ TEST(StreamProducer, PutManyThatFailsPartWayPublishesNothing) {
       << failed.status().ToString();
   EXPECT_NE(failed.status().message().find("nothing of the batch was published"),
             std::string::npos);
-  StreamStats st = producer.Stats();
+  StreamStats st = producer.Stats().value();
   EXPECT_EQ(st.live_blocks, 0u);
   EXPECT_EQ(st.free_bytes, st.total_bytes);
   // The keys of the refused batch own nothing: an abort finds no block.
@@ -902,11 +983,11 @@ TEST(StreamProducer, PutManyThatFailsPartWayPublishesNothing) {
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("item 1 of 2"), std::string::npos)
       << refused.status().ToString();
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);
   // The batch that fits goes through whole.
   ASSERT_OK_AND_ASSIGN(auto fits, producer.PutMany(std::span(items).first(2)));
   EXPECT_EQ(fits.size(), 2u);
-  EXPECT_EQ(producer.Stats().live_blocks, 2u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 2u);
 }
 
 // ---- peers' strings in messages --------------------------------------------------------------
@@ -954,7 +1035,7 @@ TEST(StreamProducer, RefusesEmptyKeysAndKeysWithControlBytesBeforeReserving) {
       EXPECT_TRUE(PrintableAscii(s.message())) << EscapeForMessage(s.message());
     }
   }
-  StreamStats stats = producer.Stats();
+  StreamStats stats = producer.Stats().value();
   EXPECT_EQ(stats.live_blocks, 0u);
   EXPECT_EQ(stats.spills, 0u);
   EXPECT_EQ(producer.SegmentPaths(), segments);
@@ -990,7 +1071,7 @@ TEST(StreamProducer, RefusesADtypeOrShapeNoDescriptorCarries) {
   ASSERT_FALSE(put.ok());
   EXPECT_NE(put.status().message().find("17 dimensions"), std::string::npos)
       << put.status().message();
-  EXPECT_EQ(producer.Stats().live_blocks, 0u);
+  EXPECT_EQ(producer.Stats()->live_blocks, 0u);
 
   ASSERT_OK_AND_ASSIGN(auto r, producer.Reserve("k", data.size()));
   testing::FillPattern(r.bytes(), "k");
