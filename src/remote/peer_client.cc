@@ -489,9 +489,16 @@ Status UcxPeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& 
     // endpoint, and they complete before we leave.
     CloseEndpoint(*st.ucx, st.ep, true, Clock::now() + std::chrono::seconds(5));
     st.ep = nullptr;
+    // A read with no UCX request left (am: asked, not answered) can no longer land anything.
+    auto drop_idle = [&st] {
+      st.reads.remove_if([](const PendingRead& r) {
+        return r.finished() || (r.ask == nullptr && r.request == nullptr && r.desc == nullptr);
+      });
+    };
+    drop_idle();
     for (int i = 0; i < 500 && !st.reads.empty(); ++i) {
       st.PollReads(10);
-      drop_finished();
+      drop_idle();
     }
     st.ReleaseReads();
   }
