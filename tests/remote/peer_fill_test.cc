@@ -249,6 +249,17 @@ TEST_P(PeerFillTest, TwoHostsFillIsByteExactAndLocalEnginesAttach) {
   EXPECT_NE(out.find("from peer " + server.address), std::string::npos) << out;
   ASSERT_EQ(Run(1, "verify /dev/shm/fill.arena", &out), 0) << out;
   EXPECT_EQ(DataDigest(1, "/dev/shm/fill.arena"), DataDigest(0, kServed));
+  // A load that takes the other transport only is refused before any byte, nothing published.
+  const std::string other = GetParam() == "am" ? "get" : "am";
+  EXPECT_EQ(Run(1,
+                "load --arena /dev/shm/other-transport.arena --from-peer " + server.address +
+                    " --peer-transport " + other,
+                &out),
+            1);
+  EXPECT_NE(out.find("serves by " + GetParam() + ", and this fill takes " + other + " only"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(Exists(1, "/dev/shm/other-transport.arena"));
 
   // With the model: the local identity, so a local engine with the same files attaches.
   ASSERT_EQ(Run(1,
