@@ -545,6 +545,13 @@ TEST_P(PeerFillTest, RangeOutsideTheArenaIsRefusedAndLogged) {
     }
     EXPECT_NE(out.find("closed: "), std::string::npos) << out;
   }
+  if (GetParam() == "am") {
+    // A raw get of an address in the server's process, with a key of the probe's own (all a
+    // tcp get request needs): an am server has no RMA handler and does not answer. A server
+    // that did would read address 4096 and die, which the checks below would see.
+    EXPECT_EQ(Sh(probe + "rawget:4096:64", &out), 4) << out;
+    EXPECT_NE(out.find("no answer"), std::string::npos) << out;
+  }
   // An ordinary fill from the same server still works.
   ASSERT_EQ(Run(1, "load --arena /dev/shm/after-probe.arena --from-peer " + server.address, &out),
             0)

@@ -3,15 +3,19 @@
 // Speaks the wire protocol of src/remote/wire.h with plain UCX calls (the tool links UCX; the
 // library's client would never ask for such a range).
 //
-//   peer_range_probe HOST:PORT TOKEN OFFSET:BYTES...
+//   peer_range_probe HOST:PORT TOKEN (OFFSET:BYTES | rawget:ADDRESS:BYTES)...
 //
 // Says hello, prints "offer <transport> <file bytes>", then asks for each range in turn and
 // prints "range OFFSET:BYTES: <N> bytes" when it is answered, or "closed: <UCX status>" when the
-// server closed the endpoint instead (then exits 3). Exit 0: every range answered; 2: usage or
-// no offer; 4: no answer and no close within 20 s.
+// server closed the endpoint instead (then exits 3). rawget: a ucp_get_nbx of ADDRESS in the
+// server's process with a key of the probe's own (on tcp a get request carries none): prints
+// "rawget ...: <N> bytes" when the server answers it, "no answer" (exit 4) when it does not
+// within 3 s. Exit 0: every request answered; 2: usage or no offer; 4: no answer and no
+// close within 20 s (3 s for rawget).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -73,7 +77,7 @@ int main(int argc, char** argv) {
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_AM;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
   ucp_context_h context;
   if (ucp_init(&params, nullptr, &context) != UCS_OK) return 2;
   ucp_worker_params_t wp{};
@@ -151,12 +155,61 @@ int main(int argc, char** argv) {
     std::printf("refused\n");
     return 2;
   }
-  std::printf("offer %s %llu\n",
+  std::printf("offer %s %llu %llu\n",
               wire::PeerTransportName(static_cast<wire::PeerTransport>(offer.transport)),
-              static_cast<unsigned long long>(offer.header_bytes + offer.data_bytes));
+              static_cast<unsigned long long>(offer.header_bytes + offer.data_bytes),
+              static_cast<unsigned long long>(offer.region_address));
   std::fflush(stdout);
 
   for (int i = 3; i < argc; ++i) {
+    unsigned long address = 0;
+    unsigned long bytes = 0;
+    if (std::sscanf(argv[i], "rawget:%lu:%lu", &address, &bytes) == 2) {
+      // A key packed from a registration of our own: all that a tcp get request needs.
+      std::vector<char> local(bytes);
+      ucp_mem_map_params_t map{};
+      map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+      map.address = local.data();
+      map.length = local.size();
+      ucp_mem_h memory;
+      void* packed = nullptr;
+      size_t packed_bytes = 0;
+      ucp_rkey_h rkey = nullptr;
+      if (ucp_mem_map(context, &map, &memory) != UCS_OK ||
+          ucp_rkey_pack(context, memory, &packed, &packed_bytes) != UCS_OK ||
+          ucp_ep_rkey_unpack(ep, packed, &rkey) != UCS_OK) {
+        std::printf("cannot make a key\n");
+        return 2;
+      }
+      ucp_request_param_t param{};
+      ucs_status_ptr_t get = ucp_get_nbx(ep, local.data(), bytes, address, rkey, &param);
+      deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+      while (UCS_PTR_IS_PTR(get) && get != nullptr &&
+             ucp_request_check_status(get) == UCS_INPROGRESS && !st.failed &&
+             std::chrono::steady_clock::now() < deadline) {
+        ucp_worker_progress(worker);
+      }
+      if (st.failed) {
+        std::printf("closed: %s\n", ucs_status_string(st.failure));
+        return 3;
+      }
+      if (UCS_PTR_IS_ERR(get)) {
+        std::printf("rawget refused here: %s\n", ucs_status_string(UCS_PTR_STATUS(get)));
+        return 2;
+      }
+      if (get != nullptr && ucp_request_check_status(get) == UCS_INPROGRESS) {
+        std::printf("no answer\n");
+        std::fflush(stdout);
+        _exit(4);  // a get in flight: leave without tearing UCX down under it
+      }
+      if (get != nullptr) ucp_request_free(get);
+      ucp_rkey_destroy(rkey);
+      ucp_rkey_buffer_release(packed);
+      ucp_mem_unmap(context, memory);
+      std::printf("rawget %s: %lu bytes\n", argv[i], bytes);
+      std::fflush(stdout);
+      continue;
+    }
     Range range{};
     if (std::sscanf(argv[i], "%lu:%lu", &range.offset, &range.bytes) != 2) return 2;
     st.answered = false;
