@@ -429,8 +429,8 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
 
 Status UcxPeerServer::Run(const std::function<bool()>& stop) {
   while (!stop()) {
-    // Busy while peers read (tcp's get is served by this worker), asleep on the event fd
-    // otherwise.
+    // Busy while peers read (tcp's get, and am's sends, progress on this worker), asleep on the
+    // event fd otherwise.
     for (int i = 0; i < 64 && ucx->Progress(0); ++i) {
     }
     Tend();
