@@ -1,13 +1,16 @@
 #!/bin/bash
 # Peer fill across two "hosts" (network namespaces joined by a veth pair, each with its own
-# /dev/shm and sysfs) against ucx_perftest on the same link in the same run (ucp_get and
-# ucp_put_bw, same message size as the fill's chunks), and against a cold load of the same
+# /dev/shm and sysfs), by each transport of `serve` (am: the server sends the ranges asked
+# for; get: the client reads the server's registration), against ucx_perftest on the same link
+# in the same run (ucp_get, ucp_am_bw and ucp_put_bw, same message size as the fill's chunks),
+# and against a cold load of the same
 # model from the disk. Optionally under tc rate limits (tbf: this VM's kernel has no
 # sch_netem), to show that the fill tracks the link. Needs root. Holds the machine-wide
 # benchmark lock. Writes OUT/peer_fill.tsv (a row per fill) and, with gnuplot, OUT/peer_fill.png.
 #
 #   bench/peer_fill_bench.sh [--gib N (4)] [--rates "none 10gbit 1gbit"] [--dir DIR (/tmp)]
 #                            [--build-dir build] [--runs R (2)] [--out OUT (bench/results)]
+#                            [--transport "am get" (both, alternating in each run)]
 set -eu
 gib=4
 rates="none"
@@ -15,6 +18,7 @@ dir=/tmp
 build=build
 runs=2
 out=bench/results
+transports="am get"
 while [ $# -gt 0 ]; do
   case "$1" in
     --gib) gib=$2; shift 2 ;;
@@ -23,6 +27,7 @@ while [ $# -gt 0 ]; do
     --build-dir) build=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --transport) transports=$2; shift 2 ;;
     *) echo "peer_fill_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -32,7 +37,7 @@ command -v ucx_perftest >/dev/null || { echo "peer_fill_bench.sh: needs ucx_perf
 
 mkdir -p "$out"
 tsv="$out/peer_fill.tsv"
-printf 'link\trun\tfill_mib_s\tucp_get_mib_s\tucp_put_bw_mib_s\tcold_disk_mib_s\tlink_mib_s\n' >"$tsv"
+printf 'link\trun\ttransport\tfill_mib_s\tucp_get_mib_s\tucp_am_bw_mib_s\tucp_put_bw_mib_s\tcold_disk_mib_s\tlink_mib_s\n' >"$tsv"
 
 exec 9>/tmp/expert-arena-bench.lock
 flock 9
@@ -79,7 +84,7 @@ done
 on() { h=$1; shift; nsenter --net=/run/netns/$tag$h --mount="$run/$h.mnt" -- env UCX_TLS=tcp "$@"; }
 json() { /usr/bin/python3 -c "import json,sys; j=json.loads([l for l in sys.stdin if l.startswith('{')][0]); print($1)"; }
 
-echo "# peer_fill_bench: $(date -u +%F), $(nproc) cores, $(uname -r), UCX $(ucx_info -v | sed -n "s/^# Version //p"), UCX_TLS=tcp, chunk ${chunk_mib} MiB"
+echo "# peer_fill_bench: $(date -u +%F), $(nproc) cores, $(uname -r), UCX $(ucx_info -v | sed -n "s/^# Version //p"), UCX_TLS=tcp, chunk ${chunk_mib} MiB, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # Cold load from the disk on host a (page cache dropped): what a host without a peer does.
 sync
@@ -108,15 +113,18 @@ for rate in $rates; do
     done
   fi
   get=$(perftest ucp_get $(( mib / chunk_mib )))
+  am_bw=$(perftest ucp_am_bw $(( mib / chunk_mib )))
   # put over tcp needs the target's worker to progress; ucx_perftest's target does not: at
   # ~26 MiB/s the whole size would take minutes, so 32 messages of the same size.
   put=$(perftest ucp_put_bw 32)
   for r in $(seq "$runs"); do
+  for transport in $transports; do
     serve_out=$(mktemp)
     # Not through on(): $! must be the server itself (nsenter and env exec it), so that the
     # TERM below reaches it.
     nsenter --net=/run/netns/${tag}a --mount="$run/a.mnt" -- env UCX_TLS=tcp \
-      "$tool" serve /dev/shm/bench.arena --listen 10.213.250.1:0 --json >"$serve_out" 2>/dev/null &
+      "$tool" serve /dev/shm/bench.arena --listen 10.213.250.1:0 --transport "$transport" --json \
+      >"$serve_out" 2>/dev/null &
     server=$!
     for i in $(seq 100); do grep -q port "$serve_out" && break; sleep 0.1; done
     port=$(json "j['port']" <"$serve_out")
@@ -125,7 +133,7 @@ for rate in $rates; do
     rm -f "$serve_out"
     on b "$tool" verify /dev/shm/bench.arena >/dev/null
     on b "$tool" rm /dev/shm/bench.arena >/dev/null
-    echo "link $rate: fill run $r: $(echo "$fill" | json "'%.2f s in all, fill %.2f s = %.0f MiB/s; peer_bytes %d' % (j['seconds'], j['load_seconds'], j['tensor_bytes']/1048576/j['load_seconds'], j['peer_bytes'])"); ucx_perftest ucp_get $get MiB/s, ucp_put_bw $put MiB/s"
+    echo "link $rate: fill run $r by $(echo "$fill" | json "j['peer_transport']"): $(echo "$fill" | json "'%.2f s in all, fill %.2f s = %.0f MiB/s; peer_bytes %d' % (j['seconds'], j['load_seconds'], j['tensor_bytes']/1048576/j['load_seconds'], j['peer_bytes'])"); ucx_perftest ucp_get $get MiB/s, ucp_am_bw $am_bw MiB/s, ucp_put_bw $put MiB/s; load average $(cut -d' ' -f1 /proc/loadavg)"
     # The link's own rate in MiB/s (tbf counts bits of whole frames), or nothing unlimited.
     case "$rate" in
       none) link_mibs=NaN ;;
@@ -133,9 +141,10 @@ for rate in $rates; do
       *mbit) link_mibs=$(( ${rate%mbit} * 1000000 / 8 / 1048576 )) ;;
       *) link_mibs=NaN ;;
     esac
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rate" "$r" \
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$rate" "$r" "$transport" \
       "$(echo "$fill" | json "'%.0f' % (j['tensor_bytes']/1048576/j['load_seconds'])")" \
-      "$get" "$put" "$cold_mibs" "$link_mibs" >>"$tsv"
+      "$get" "$am_bw" "$put" "$cold_mibs" "$link_mibs" >>"$tsv"
+  done
   done
   if [ "$rate" != none ]; then
     for h in a b; do ip netns exec $tag$h tc qdisc del dev ${tag}v$h root; done
@@ -155,10 +164,12 @@ set ylabel "MiB/s (log scale)"
 set xlabel "link (tc tbf rate; none = the bare veth pair)"
 set style data linespoints
 set xtics rotate by 0
-plot "$tsv" using 0:3:xtic(stringcolumn(1)."/".stringcolumn(2)) pt 7 ps 1.5 lw 2 title "expert-arena load --from-peer", \
-     "" using 0:4 pt 5 lw 1 dt 2 title "ucx_perftest ucp_get (same run, same link)", \
-     "" using 0:5 pt 4 lw 1 dt 3 title "ucx_perftest ucp_put_bw", \
-     "" using 0:6 lw 1 dt 4 title "cold load from the disk (page cache dropped)", \
-     "" using 0:7 pt 2 lw 1 title "link rate"
+plot "$tsv" using 0:(stringcolumn(3) eq "am" ? \$4 : NaN):xtic(stringcolumn(1)."/".stringcolumn(2)."/".stringcolumn(3)) pt 7 ps 1.5 lw 2 title "expert-arena load --from-peer, serve --transport am", \
+     "" using 0:(stringcolumn(3) eq "get" ? \$4 : NaN) pt 9 ps 1.5 lw 2 title "expert-arena load --from-peer, serve --transport get", \
+     "" using 0:5 pt 5 lw 1 dt 2 title "ucx_perftest ucp_get (same run, same link)", \
+     "" using 0:6 pt 6 lw 1 dt 2 title "ucx_perftest ucp_am_bw", \
+     "" using 0:7 pt 4 lw 1 dt 3 title "ucx_perftest ucp_put_bw", \
+     "" using 0:8 lw 1 dt 4 title "cold load from the disk (page cache dropped)", \
+     "" using 0:9 pt 2 lw 1 title "link rate"
 PLOT
 echo "wrote $tsv and $out/peer_fill.png"

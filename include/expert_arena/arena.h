@@ -99,6 +99,9 @@ struct ArenaOptions {
   std::string peer_token;
   // The longest wait for the peer (connect, answer, next chunk) before the fill is abandoned.
   double peer_stall_seconds = 30.0;
+  // How the peer's bytes may cross: "auto" (what the server offers), "am" (only ranges the
+  // server checks and sends; a get server is refused) or "get" (docs/cross-host.md).
+  std::string peer_transport = "auto";
 };
 
 enum class ArenaRole { kLoaded, kAttached, kPrivate };
@@ -156,6 +159,7 @@ struct ArenaReport {
   std::string from_peer;    // the peer filled from (options.from_peer), when it did
   uint64_t peer_bytes = 0;  // bytes received from the peer (header region and data)
   std::string peer_note;    // why the fill from options.from_peer failed, when it fell back
+  std::string peer_transport;  // "am" or "get": how the peer's bytes crossed, when it filled
   std::string kernel_release;                        // uname -r
   std::vector<KernelFallbackReport> kernel_missing;  // every newer feature this kernel lacks
   std::string kernel_note;  // the start line's part: the ones whose fallback ran, and the cost

@@ -291,7 +291,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     `from_peer="HOST:PORT"` fills the shared arena from `expert-arena serve` on another host
     over UCX, checking every tensor's checksum (docs/cross-host.md); `model_files` may then be
     empty (the peer's table is used), and when given, their layout must be the peer's and they
-    are read if the fill fails (report["peer_note"] says why). `peer_token` is the peer's
+    are read if the fill fails (report["peer_note"] says why; report["peer_transport"] says how
+    the bytes crossed: "am" or "get"). `peer_token` is the peer's
     shared token.
 
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another

@@ -205,6 +205,7 @@ class PyArena {
     d["from_peer"] = r.from_peer;
     d["peer_bytes"] = r.peer_bytes;
     d["peer_note"] = r.peer_note;
+    d["peer_transport"] = r.peer_transport;
     return d;
   }
 

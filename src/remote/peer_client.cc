@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <list>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -52,6 +53,20 @@ void PauseForTest(const std::string& pause_file) {
   }
 }
 
+// One read of a range of the peer's arena file into local memory, by get or by asking (am).
+struct PendingRead {
+  uint64_t id = 0;  // the caller's (a chunk number)
+  std::byte* dest = nullptr;
+  Range range{};  // file offsets; am: the request's body, kept until it is sent
+  ucs_status_ptr_t request = nullptr;  // the get, or am's rendezvous receive
+  ucs_status_ptr_t ask = nullptr;      // am: the request's send
+  void* desc = nullptr;                // am: a rendezvous descriptor to receive
+  bool arrived = false;                // am: the answer came (copied, or a descriptor)
+  bool done = false;
+  ucs_status_t status = UCS_OK;
+  bool finished() const { return done && ask == nullptr && request == nullptr; }
+};
+
 }  // namespace
 
 // The client side over one UCX worker and endpoint (plugin code: see ucx_plugin.h).
@@ -66,12 +81,113 @@ struct UcxPeerSource final : PeerSource {
   bool offered = false;
   std::vector<std::byte> offer_bytes;
   format::ArenaTable peer_table;
+  PeerTransport transport_used = PeerTransport::kGet;
+  std::list<PendingRead> reads;  // in flight
+  std::string protocol_error;    // am: the peer sent what was not asked for
   uint64_t received = 0;
   double seconds = 0;
 
   ~UcxPeerSource() override {
     if (rkey != nullptr) ucp_rkey_destroy(rkey);
+    ReleaseReads();
     if (ucx) CloseEndpoint(*ucx, ep, failed, Clock::now() + std::chrono::seconds(2));
+  }
+
+  // Frees what is left of the reads (UCX releases a pending request when it completes).
+  void ReleaseReads() {
+    for (PendingRead& r : reads) {
+      if (r.ask != nullptr) ucp_request_free(r.ask);
+      if (r.request != nullptr) ucp_request_free(r.request);
+      if (r.desc != nullptr) ucp_am_data_release(ucx->worker(), r.desc);
+    }
+    reads.clear();
+  }
+
+  // Starts reading [offset, +bytes) of the peer's file into `dest`.
+  void StartRead(uint64_t id, std::byte* dest, uint64_t offset, uint64_t bytes) {
+    PendingRead& r = reads.emplace_back();
+    r.id = id;
+    r.dest = dest;
+    r.range = {offset, bytes};
+    ucp_request_param_t param{};
+    ucs_status_ptr_t p;
+    if (transport_used == PeerTransport::kGet) {
+      p = ucp_get_nbx(ep, dest, bytes, offer.region_address + offset, rkey, &param);
+      r.done = !UCS_PTR_IS_PTR(p) || p == nullptr;
+      if (UCS_PTR_IS_PTR(p)) r.request = p;
+    } else {
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+      p = ucp_am_send_nbx(ep, kRangeRequestId, nullptr, 0, &r.range, sizeof r.range, &param);
+      if (UCS_PTR_IS_ERR(p)) r.done = true;
+      if (UCS_PTR_IS_PTR(p)) r.ask = p;
+    }
+    if (UCS_PTR_IS_ERR(p)) r.status = UCS_PTR_STATUS(p);
+  }
+
+  // Progresses the worker and the reads in flight (a finished read stays in `reads` for the
+  // caller to take).
+  void PollReads(int idle_ms) {
+    ucx->Progress(idle_ms);
+    for (PendingRead& r : reads) {
+      if (r.ask != nullptr && ucp_request_check_status(r.ask) != UCS_INPROGRESS) {
+        ucs_status_t s = ucp_request_check_status(r.ask);
+        ucp_request_free(r.ask);
+        r.ask = nullptr;
+        if (s != UCS_OK && !r.done) {
+          r.done = true;
+          r.status = s;
+        }
+      }
+      if (r.desc != nullptr) {
+        // A rendezvous answer: received straight into the local arena.
+        ucp_request_param_t param{};
+        ucs_status_ptr_t p =
+            ucp_am_recv_data_nbx(ucx->worker(), r.desc, r.dest, r.range.bytes, &param);
+        r.desc = nullptr;
+        if (UCS_PTR_IS_PTR(p) && p != nullptr) {
+          r.request = p;
+        } else {
+          r.done = true;
+          if (UCS_PTR_IS_ERR(p)) r.status = UCS_PTR_STATUS(p);
+        }
+      }
+      if (r.request != nullptr && ucp_request_check_status(r.request) != UCS_INPROGRESS) {
+        ucs_status_t s = ucp_request_check_status(r.request);
+        ucp_request_free(r.request);
+        r.request = nullptr;
+        r.done = true;
+        if (s != UCS_OK) r.status = s;
+      }
+    }
+  }
+
+  // The peer's answer to a range request (kRangeDataId): only a range that was asked for and
+  // has not arrived is taken, into its own destination.
+  ucs_status_t OnRangeData(const void* header, size_t header_length, void* data, size_t length,
+                           const ucp_am_recv_param_t* param) {
+    Range range{};
+    if (header_length != sizeof range) {
+      protocol_error = "an answer with a " + std::to_string(header_length) + "-byte header";
+      return UCS_OK;
+    }
+    std::memcpy(&range, header, sizeof range);
+    for (PendingRead& r : reads) {
+      if (r.arrived || r.done || r.range.offset != range.offset || r.range.bytes != range.bytes)
+        continue;
+      if (length != range.bytes) break;
+      r.arrived = true;
+      if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        r.desc = data;  // received in PollReads, outside this callback
+        return UCS_INPROGRESS;
+      }
+      std::memcpy(r.dest, data, length);
+      r.done = true;
+      return UCS_OK;
+    }
+    protocol_error = "bytes [" + std::to_string(range.offset) + ", +" + std::to_string(length) +
+                     ") sent that were not asked for";
+    return UCS_OK;
   }
 
   Status PeerGone(const std::string& doing) const {
@@ -81,15 +197,25 @@ struct UcxPeerSource final : PeerSource {
             ")");
   }
 
-  // One bounded get of [remote, +bytes) into `local`.
-  Status Get(void* local, uint64_t bytes, uint64_t remote, const std::string& what) {
-    ucp_request_param_t param{};
-    ucs_status_ptr_t r = ucp_get_nbx(ep, local, bytes, offer.region_address + remote, rkey, &param);
-    Status s = ucx->Wait(r, Clock::now() + Seconds(options.stall_seconds),
-                         "reading " + what + " from peer " + options.address);
-    if (!s.ok() && failed) return PeerGone("while reading " + what);
-    if (s.ok()) received += bytes;
-    return s;
+  // One bounded read of [remote, +bytes) of the peer's file into `local`.
+  Status Read(void* local, uint64_t bytes, uint64_t remote, const std::string& what) {
+    StartRead(0, static_cast<std::byte*>(local), remote, bytes);
+    const auto deadline = Clock::now() + Seconds(options.stall_seconds);
+    while (!reads.front().finished() && !failed && protocol_error.empty() &&
+           Clock::now() < deadline) {
+      PollReads(10);
+    }
+    if (failed) return PeerGone("while reading " + what);
+    if (!protocol_error.empty()) return Corrupt("peer " + options.address + ": " + protocol_error);
+    if (!reads.front().finished()) {
+      return TimedOut("reading " + what + " from peer " + options.address +
+                      ": no answer within the deadline");
+    }
+    ucs_status_t s = reads.front().status;
+    reads.clear();
+    if (s != UCS_OK) return UcxStatus(s, "reading " + what + " from peer " + options.address);
+    received += bytes;
+    return Status::Ok();
   }
 
   const format::ArenaTable& table() const override { return peer_table; }
@@ -97,6 +223,7 @@ struct UcxPeerSource final : PeerSource {
   Status Fill(std::span<std::byte> data, const format::ArenaTable& table, const ReadyFront* front,
               uint64_t front_base) override;
   uint64_t bytes_received() const override { return received; }
+  const char* transport() const override { return PeerTransportName(transport_used); }
   double fill_seconds() const override { return seconds; }
 };
 
@@ -110,7 +237,8 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
                            std::to_string(kMaxTokenBytes));
   }
   EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(peer));
-  EA_ASSIGN_OR_RETURN(st.ucx, UcxWorker::Create());
+  // A client that only takes am needs no RMA: its worker then answers no get of the server.
+  EA_ASSIGN_OR_RETURN(st.ucx, UcxWorker::Create(options.transport != "am"));
 
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -127,6 +255,14 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
     return UCS_OK;
   };
   ucs_status_t s = ucp_worker_set_am_recv_handler(st.ucx->worker(), &am);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+  am.id = kRangeDataId;
+  am.cb = [](void* arg, const void* header, size_t header_length, void* data, size_t length,
+             const ucp_am_recv_param_t* param) -> ucs_status_t {
+    return static_cast<UcxPeerSource*>(arg)->OnRangeData(header, header_length, data, length,
+                                                         param);
+  };
+  s = ucp_worker_set_am_recv_handler(st.ucx->worker(), &am);
   if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
 
   ucp_ep_params_t params{};
@@ -201,12 +337,24 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
                    std::to_string(offer.data_bytes) + ", region " +
                    std::to_string(offer.region_bytes) + ")");
   }
-  s = ucp_ep_rkey_unpack(st.ep, payload, &st.rkey);
-  if (s != UCS_OK) return UcxStatus(s, "peer " + peer + ": unpack its rkey");
+  if (offer.transport > static_cast<uint32_t>(PeerTransport::kAm)) {
+    return Unsupported("peer " + peer + " offers an unknown transport (" +
+                       std::to_string(offer.transport) + ")");
+  }
+  st.transport_used = static_cast<PeerTransport>(offer.transport);
+  const char* offered = PeerTransportName(st.transport_used);
+  if (options.transport != "auto" && options.transport != offered) {
+    return PermissionDenied("peer " + peer + " serves by " + offered + ", and this fill takes " +
+                            options.transport + " only (--peer-transport)");
+  }
+  if (st.transport_used == PeerTransport::kGet) {
+    s = ucp_ep_rkey_unpack(st.ep, payload, &st.rkey);
+    if (s != UCS_OK) return UcxStatus(s, "peer " + peer + ": unpack its rkey");
+  }
 
   // The header region, validated like a local one: the peer's file size is header + data.
   std::vector<uint64_t> region(offer.header_bytes / 8);
-  EA_RETURN_IF_ERROR(st.Get(region.data(), offer.header_bytes, 0, "the header region"));
+  EA_RETURN_IF_ERROR(st.Read(region.data(), offer.header_bytes, 0, "the header region"));
   std::span<const std::byte> header(reinterpret_cast<const std::byte*>(region.data()),
                                     offer.header_bytes);
   auto summary = format::SummarizeHeader(header.first(sizeof(format::HeaderFixed)));
@@ -247,67 +395,49 @@ Status UcxPeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& 
   const size_t window = TuningFromEnvironment("EXPERT_ARENA_PEER_WINDOW", 8, 1, 256);
   const uint64_t chunks = (end + chunk_bytes - 1) / chunk_bytes;
   std::vector<uint8_t> done(chunks, 0);
-  struct InFlight {
-    uint64_t chunk;
-    ucs_status_ptr_t request;
-  };
-  std::vector<InFlight> flight;
   uint64_t next = 0;    // the next chunk to ask for
   uint64_t landed = 0;  // chunks [0, landed) are all in place
   size_t hashed = 0;    // tensors (in `order`) checked so far
   Status error = Status::Ok();
   auto last_progress = Clock::now();
   const uint64_t remote_data = st.offer.header_bytes;
+  auto failure = [&](ucs_status_t s) {
+    if (st.failed) return st.PeerGone("mid-transfer after " + FormatBytes(st.received));
+    if (!st.protocol_error.empty()) return Corrupt("peer " + peer + ": " + st.protocol_error);
+    return UcxStatus(s, "read from peer " + peer);
+  };
 
   while (error.ok() && (landed < chunks || hashed < order.size())) {
-    while (error.ok() && flight.size() < window && next < chunks) {
+    while (error.ok() && st.reads.size() < window && next < chunks) {
       uint64_t offset = next * chunk_bytes;
       uint64_t bytes = std::min(chunk_bytes, end - offset);
       if (front != nullptr) {
         error = front->WaitFor(front_base + offset + bytes);
         if (!error.ok()) break;
       }
-      ucp_request_param_t param{};
-      ucs_status_ptr_t r =
-          ucp_get_nbx(st.ep, data.data() + offset, bytes,
-                      st.offer.region_address + remote_data + offset, st.rkey, &param);
-      if (UCS_PTR_IS_ERR(r)) {
-        error = st.failed ? st.PeerGone("mid-transfer")
-                          : UcxStatus(UCS_PTR_STATUS(r), "read from peer " + peer);
-        break;
-      }
-      if (r == nullptr) {
-        done[next] = 1;
-        st.received += bytes;
-      } else {
-        flight.push_back({next, r});
-      }
+      st.StartRead(next, data.data() + offset, remote_data + offset, bytes);
       ++next;
     }
     if (!error.ok()) break;
-    st.ucx->Progress(flight.empty() ? 0 : 1);
-    for (size_t i = 0; i < flight.size();) {
-      ucs_status_t s = ucp_request_check_status(flight[i].request);
-      if (s == UCS_INPROGRESS) {
-        ++i;
+    st.PollReads(st.reads.empty() ? 0 : 1);
+    for (auto it = st.reads.begin(); it != st.reads.end();) {
+      if (!it->finished()) {
+        ++it;
         continue;
       }
-      ucp_request_free(flight[i].request);
-      if (s != UCS_OK) {
-        error = st.failed ? st.PeerGone("mid-transfer after " + FormatBytes(st.received))
-                          : UcxStatus(s, "read from peer " + peer);
-        flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
-        continue;
+      if (it->status != UCS_OK) {
+        error = failure(it->status);
+        st.reads.erase(it);
+        break;
       }
-      uint64_t offset = flight[i].chunk * chunk_bytes;
-      st.received += std::min(chunk_bytes, end - offset);
-      done[flight[i].chunk] = 1;
+      st.received += it->range.bytes;
+      done[it->id] = 1;
       last_progress = Clock::now();
-      flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
+      it = st.reads.erase(it);
     }
     if (!error.ok()) break;
-    if (st.failed) {
-      error = st.PeerGone("mid-transfer after " + FormatBytes(st.received));
+    if (st.failed || !st.protocol_error.empty()) {
+      error = failure(UCS_OK);
       break;
     }
     uint64_t before = landed;
@@ -333,7 +463,7 @@ Status UcxPeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& 
       PauseForTest(pause_file);
       last_progress = Clock::now();
     }
-    if (error.ok() && !flight.empty() &&
+    if (error.ok() && !st.reads.empty() &&
         Clock::now() - last_progress > Seconds(st.options.stall_seconds)) {
       error = TimedOut("peer " + peer + ": no data for " +
                        std::to_string(static_cast<int>(st.options.stall_seconds)) + " s after " +
@@ -345,28 +475,32 @@ Status UcxPeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& 
   // gently. Closing by force while the server still has answers queued trips an assertion in
   // UCX 1.13's tcp transport on the server (uct_tcp_ep_pending_purge, seen once in ~10 runs).
   const auto drain_deadline = Clock::now() + Seconds(st.options.stall_seconds);
-  while (!flight.empty() && !st.failed && Clock::now() < drain_deadline) {
-    st.ucx->Progress(1);
-    for (size_t i = 0; i < flight.size();) {
-      if (ucp_request_check_status(flight[i].request) == UCS_INPROGRESS) {
-        ++i;
-        continue;
-      }
-      ucp_request_free(flight[i].request);
-      flight.erase(flight.begin() + static_cast<ptrdiff_t>(i));
-    }
+  auto drop_finished = [&st] {
+    st.reads.remove_if([](const PendingRead& r) { return r.finished(); });
+  };
+  drop_finished();
+  while (!st.reads.empty() && !st.failed && st.protocol_error.empty() &&
+         Clock::now() < drain_deadline) {
+    st.PollReads(1);
+    drop_finished();
   }
-  if (!flight.empty()) {
-    // The peer is gone or silent: a forced close fails every request on the endpoint, and
-    // they complete before we leave.
+  if (!st.reads.empty()) {
+    // The peer is gone, silent or misbehaving: a forced close fails every request on the
+    // endpoint, and they complete before we leave.
     CloseEndpoint(*st.ucx, st.ep, true, Clock::now() + std::chrono::seconds(5));
     st.ep = nullptr;
-    for (InFlight& f : flight) {
-      for (int i = 0; i < 500 && ucp_request_check_status(f.request) == UCS_INPROGRESS; ++i) {
-        st.ucx->Progress(10);
-      }
-      ucp_request_free(f.request);
+    // A read with no UCX request left (am: asked, not answered) can no longer land anything.
+    auto drop_idle = [&st] {
+      st.reads.remove_if([](const PendingRead& r) {
+        return r.finished() || (r.ask == nullptr && r.request == nullptr && r.desc == nullptr);
+      });
+    };
+    drop_idle();
+    for (int i = 0; i < 500 && !st.reads.empty(); ++i) {
+      st.PollReads(10);
+      drop_idle();
     }
+    st.ReleaseReads();
   }
   st.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return error;

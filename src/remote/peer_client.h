@@ -1,9 +1,11 @@
 // Filling an arena from a peer's (the client side of `load --from-peer`).
 //
 // ConnectPeer connects to a server (peer_server.h), presents the token, takes the offer and
-// reads the server's header region (ucp_get_nbx), which it validates like a local header
+// reads the server's header region (by the offered transport: ucp_get_nbx, or range requests
+// answered by active messages), which it validates like a local header
 // (sizes, checksums, every range): the peer's tensor table, with every tensor's checksum.
-// PeerSource::Fill then reads the data region into a local one in pipelined chunks and checks
+// PeerSource::Fill then reads the data region into a local one in pipelined chunks (the same
+// transport; am's answers are received straight into the local region) and checks
 // each tensor's xxh3-64 as soon as its last byte landed.
 //
 // Never a hang: the endpoint has peer error handling (a reset or a missed keepalive fails it),
@@ -38,6 +40,9 @@ struct PeerOptions {
   std::string token;
   // The longest wait for anything (connect, offer, a chunk) before the fill is abandoned.
   double stall_seconds = 30;
+  // "auto": the transport the server offers; "am" or "get": only that one (another is
+  // refused). With "am" the client's UCX context has no RMA feature either.
+  std::string transport = "auto";
   spdlog::logger* logger = nullptr;
 };
 
@@ -61,6 +66,7 @@ class PeerSource {
                       const ReadyFront* front, uint64_t front_base) = 0;
 
   virtual uint64_t bytes_received() const = 0;  // header region and data
+  virtual const char* transport() const = 0;    // "am" or "get", as the peer offered
   virtual double fill_seconds() const = 0;
 };
 

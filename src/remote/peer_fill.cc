@@ -49,6 +49,12 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   peer_options.address = options.from_peer;
   peer_options.token = options.peer_token;
   peer_options.stall_seconds = options.peer_stall_seconds;
+  peer_options.transport = options.peer_transport;
+  if (peer_options.transport != "auto" && peer_options.transport != "am" &&
+      peer_options.transport != "get") {
+    return InvalidArgument("peer_transport \"" + peer_options.transport +
+                           "\": auto, am or get");
+  }
   peer_options.logger = &log;
   EA_ASSIGN_OR_RETURN(std::unique_ptr<PeerSource> peer, ConnectPeer(peer_options));
 
@@ -84,6 +90,7 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, log));
   impl->report.from_peer = options.from_peer;
   impl->report.peer_bytes = peer->bytes_received();
+  impl->report.peer_transport = peer->transport();
   // Model bytes read here: the local headers, when files were given (0 without).
   impl->report.bytes_read = metadata_bytes;
   return impl;

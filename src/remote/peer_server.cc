@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <vector>
 
@@ -25,6 +26,22 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Ranges one peer may have asked for and not yet been sent (a client asks for a window of 8
+// by default, 256 at most), and the sends of one peer in flight at once.
+constexpr size_t kMaxAskedRanges = 1024;
+constexpr size_t kMaxSendsPerPeer = 16;
+// Ranges above this go by rendezvous: the client receives them straight into its arena.
+constexpr uint64_t kEagerRangeBytes = 64 * 1024;
+// A peer being disconnected whose sends are still in flight gets this long to take them
+// before its endpoint is closed by force.
+constexpr auto kSendDrain = std::chrono::seconds(10);
+
+// One answer to a range request: its header lives until the send completes.
+struct RangeSend {
+  Range range{};
+  ucs_status_ptr_t request = nullptr;
+};
+
 // One peer's endpoint, from its connection request to its close.
 struct Connection {
   ucp_ep_h ep = nullptr;
@@ -37,8 +54,12 @@ struct Connection {
   bool hello_ok = false;
   bool answered = false;  // offer or refusal sent
   bool closing = false;
+  Clock::time_point closing_since;
   std::vector<std::byte> reply;  // kept until the send completes
   ucs_status_ptr_t send = nullptr;
+  std::deque<Range> asked;  // range requests not yet answered (checked in the main loop)
+  std::string bad_request;  // a request that could not even be read
+  std::list<RangeSend> sends;
 };
 
 bool SameToken(const std::string& a, const std::string& b) {
@@ -67,11 +88,13 @@ struct UcxPeerServer final : PeerServer {
   std::vector<ucp_conn_request_h> requests;  // accepted in the main loop
   std::list<Connection> connections;
   uint64_t offered = 0;
+  uint64_t refused = 0;
 
   ~UcxPeerServer() override {
     auto deadline = Clock::now() + std::chrono::seconds(2);
     for (Connection& c : connections) {
       if (c.send != nullptr && !UCS_PTR_IS_ERR(c.send)) ucp_request_free(c.send);
+      for (RangeSend& r : c.sends) ucp_request_free(r.request);
       CloseEndpoint(*ucx, c.ep, true, deadline);
     }
     connections.clear();
@@ -111,10 +134,58 @@ struct UcxPeerServer final : PeerServer {
     if (s != UCS_OK) {
       log->warn("expert-arena serve: peer {}: cannot accept: {}", peer, ucs_status_string(s));
       c.ep = nullptr;
-      c.closing = true;
+      Hangup(c);
       return;
     }
     log->info("expert-arena serve: peer {} connected", peer);
+  }
+
+  void Hangup(Connection& c) {
+    if (c.closing) return;
+    c.closing = true;
+    c.closing_since = Clock::now();
+  }
+
+  // Sends the ranges `c` asked for, each checked against the file first; anything else is
+  // refused, logged, and the peer disconnected.
+  void ServeRanges(Connection& c) {
+    std::string why = c.bad_request;
+    while (why.empty() && !c.asked.empty() && c.sends.size() < kMaxSendsPerPeer) {
+      const Range r = c.asked.front();
+      const uint64_t file = serve_info.file_bytes;
+      if (serve_info.transport != PeerTransport::kAm) {
+        why = "a range request to a server that serves by get (--transport get)";
+      } else if (!c.hello_ok || !c.answered) {
+        why = "a range request before the offer";
+      } else if (r.bytes == 0 || r.bytes > kMaxRangeBytes || r.offset > file ||
+                 r.bytes > file - r.offset) {
+        why = "bytes [" + std::to_string(r.offset) + ", +" + std::to_string(r.bytes) +
+              ") asked, outside the arena file (" + std::to_string(file) + " bytes)";
+      }
+      if (!why.empty()) break;
+      c.asked.pop_front();
+      RangeSend& send = c.sends.emplace_back();
+      send.range = r;
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = r.bytes > kEagerRangeBytes ? UCP_AM_SEND_FLAG_RNDV : 0;
+      send.request = ucp_am_send_nbx(c.ep, kRangeDataId, &send.range, sizeof send.range,
+                                     static_cast<const std::byte*>(mapping.data()) + r.offset,
+                                     r.bytes, &param);
+      if (send.request == nullptr) {
+        c.sends.pop_back();
+      } else if (UCS_PTR_IS_ERR(send.request)) {
+        c.failed = true;
+        c.failure = UCS_PTR_STATUS(send.request);
+        c.sends.pop_back();
+        return;
+      }
+    }
+    if (why.empty()) return;
+    ++refused;
+    log->warn("expert-arena serve: peer {}: refused {}; disconnected", c.peer, why);
+    c.asked.clear();
+    Hangup(c);
   }
 
   void Answer(Connection& c) {
@@ -129,17 +200,20 @@ struct UcxPeerServer final : PeerServer {
       offer.payload_bytes = static_cast<uint32_t>(refusal.size());
     } else {
       offer.status = static_cast<uint32_t>(OfferStatus::kOk);
-      offer.region_address = reinterpret_cast<uint64_t>(mapping.data());
-      offer.region_bytes = mapping.size();
+      offer.transport = static_cast<uint32_t>(serve_info.transport);
+      // am: no address, no key; the peer names ranges of the file.
+      const bool get = serve_info.transport == PeerTransport::kGet;
+      offer.region_address = get ? reinterpret_cast<uint64_t>(mapping.data()) : 0;
+      offer.region_bytes = get ? mapping.size() : serve_info.file_bytes;
       offer.header_bytes = serve_info.file_bytes - serve_info.data_bytes;
       offer.data_bytes = serve_info.data_bytes;
       offer.identity_hash = serve_info.identity_hash;
-      offer.payload_bytes = static_cast<uint32_t>(rkey_bytes);
+      offer.payload_bytes = get ? static_cast<uint32_t>(rkey_bytes) : 0;
     }
     c.reply.resize(sizeof offer + offer.payload_bytes);
     std::memcpy(c.reply.data(), &offer, sizeof offer);
     if (c.hello_ok) {
-      std::memcpy(c.reply.data() + sizeof offer, rkey, rkey_bytes);
+      if (offer.payload_bytes > 0) std::memcpy(c.reply.data() + sizeof offer, rkey, rkey_bytes);
     } else {
       std::memcpy(c.reply.data() + sizeof offer, refusal.data(), refusal.size());
     }
@@ -148,8 +222,9 @@ struct UcxPeerServer final : PeerServer {
     c.answered = true;
     if (c.hello_ok) {
       ++offered;
-      log->info("expert-arena serve: peer {}: offered {} ({})", c.peer,
-                FormatBytes(serve_info.file_bytes), serve_info.identity);
+      log->info("expert-arena serve: peer {}: offered {} ({}) by {}", c.peer,
+                FormatBytes(serve_info.file_bytes), serve_info.identity,
+                PeerTransportName(serve_info.transport));
     } else {
       log->warn("expert-arena serve: peer {}: refused: {}", c.peer, refusal);
     }
@@ -170,22 +245,43 @@ struct UcxPeerServer final : PeerServer {
         } else if (ucp_request_check_status(c.send) != UCS_INPROGRESS) {
           ucp_request_free(c.send);
           c.send = nullptr;
-          if (!c.hello_ok) c.closing = true;  // the refusal is out: hang up
+          if (!c.hello_ok) Hangup(c);  // the refusal is out: hang up
         }
       }
+      for (auto s = c.sends.begin(); s != c.sends.end();) {
+        ucs_status_t status = ucp_request_check_status(s->request);
+        if (status == UCS_INPROGRESS) {
+          ++s;
+          continue;
+        }
+        ucp_request_free(s->request);
+        if (status != UCS_OK && !c.failed) {
+          c.failed = true;
+          c.failure = status;
+        }
+        s = c.sends.erase(s);
+      }
       if (!c.failed && !c.closing && c.hello && !c.answered) Answer(c);
+      if (!c.failed && !c.closing) ServeRanges(c);
       if (!c.failed && !c.closing && !c.hello &&
           std::chrono::duration<double>(now - c.since).count() > hello_timeout_seconds) {
         log->warn("expert-arena serve: peer {}: no hello within {} s; disconnected", c.peer,
                   hello_timeout_seconds);
-        c.closing = true;
+        Hangup(c);
       }
-      if ((c.failed || c.closing) && c.send == nullptr) {
+      // A peer disconnected while answers to it are in flight gets kSendDrain to take them:
+      // a forced close with answers queued can trip UCX 1.13's tcp transport
+      // (uct_tcp_ep_pending_purge; docs/cross-host.md).
+      const bool drained =
+          c.sends.empty() || c.failed || (c.closing && now - c.closing_since > kSendDrain);
+      if ((c.failed || c.closing) && c.send == nullptr && drained) {
         if (c.failed) {
           // A peer that finished closes its endpoint: that reaches us as a reset.
           log->info("expert-arena serve: peer {} disconnected ({})", c.peer,
                     ucs_status_string(c.failure));
         }
+        for (RangeSend& r : c.sends) ucp_request_free(r.request);  // released as they fail
+        c.sends.clear();
         CloseEndpoint(*ucx, c.ep, true, Clock::now() + std::chrono::seconds(2));
         it = connections.erase(it);
         continue;
@@ -196,6 +292,7 @@ struct UcxPeerServer final : PeerServer {
 
   const ServeInfo& info() const override { return serve_info; }
   uint64_t peers_offered() const override { return offered; }
+  uint64_t ranges_refused() const override { return refused; }
   Status Run(const std::function<bool()>& stop) override;
 };
 
@@ -205,6 +302,7 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
   state->log = ResolveLogger(options.logger);
   state->token = options.token;
   state->hello_timeout_seconds = options.hello_timeout_seconds;
+  state->serve_info.transport = options.transport;
   if (options.token.size() > kMaxTokenBytes) {
     return InvalidArgument("token of " + std::to_string(options.token.size()) + " bytes; at most " +
                            std::to_string(kMaxTokenBytes));
@@ -243,19 +341,24 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
   if (state->serve_info.file_bytes > st.size)
     return Corrupt(path + ": data region past the file's end");
 
-  EA_ASSIGN_OR_RETURN(state->ucx, UcxWorker::Create());
-  // Registered once, read-only: peers may read the file, never write it.
-  ucp_mem_map_params_t map{};
-  map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                   UCP_MEM_MAP_PARAM_FIELD_PROT;
-  map.address = state->mapping.data();
-  map.length = state->serve_info.file_bytes;
-  map.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ;
-  ucs_status_t s = ucp_mem_map(state->ucx->context(), &map, &state->memory);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_mem_map of " + path);
-  s = ucp_rkey_pack(state->ucx->context(), state->memory, &state->rkey, &state->rkey_bytes);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_rkey_pack of " + path);
-  if (state->rkey_bytes > kMaxRkeyBytes) return Internal("packed rkey too large");
+  const bool get = options.transport == PeerTransport::kGet;
+  // am: no RMA feature, so this worker answers no get or put request of any peer.
+  EA_ASSIGN_OR_RETURN(state->ucx, UcxWorker::Create(get));
+  ucs_status_t s = UCS_OK;
+  if (get) {
+    // Registered once, read-only: peers may read the file, never write it.
+    ucp_mem_map_params_t map{};
+    map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                     UCP_MEM_MAP_PARAM_FIELD_PROT;
+    map.address = state->mapping.data();
+    map.length = state->serve_info.file_bytes;
+    map.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ;
+    s = ucp_mem_map(state->ucx->context(), &map, &state->memory);
+    if (s != UCS_OK) return UcxStatus(s, "ucp_mem_map of " + path);
+    s = ucp_rkey_pack(state->ucx->context(), state->memory, &state->rkey, &state->rkey_bytes);
+    if (s != UCS_OK) return UcxStatus(s, "ucp_rkey_pack of " + path);
+    if (state->rkey_bytes > kMaxRkeyBytes) return Internal("packed rkey too large");
+  }
 
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -278,6 +381,27 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
     }
     c->token.assign(static_cast<const char*>(data) + sizeof hello, hello.token_bytes);
     c->hello_ok = SameToken(c->token, st->token);
+    return UCS_OK;
+  };
+  s = ucp_worker_set_am_recv_handler(state->ucx->worker(), &am);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+  // Range requests are queued here and checked in the main loop (ServeRanges).
+  am.id = kRangeRequestId;
+  am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
+             const ucp_am_recv_param_t* param) -> ucs_status_t {
+    auto* st = static_cast<UcxPeerServer*>(arg);
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+    Connection* c = st->Find(param->reply_ep);
+    if (c == nullptr || !c->bad_request.empty()) return UCS_OK;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != sizeof(Range)) {
+      c->bad_request = "a malformed range request (" + std::to_string(length) + " bytes)";
+    } else if (c->asked.size() >= kMaxAskedRanges) {
+      c->bad_request = "more than " + std::to_string(kMaxAskedRanges) + " ranges asked at once";
+    } else {
+      Range r{};
+      std::memcpy(&r, data, sizeof r);
+      c->asked.push_back(r);
+    }
     return UCS_OK;
   };
   s = ucp_worker_set_am_recv_handler(state->ucx->worker(), &am);
@@ -305,8 +429,8 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
 
 Status UcxPeerServer::Run(const std::function<bool()>& stop) {
   while (!stop()) {
-    // Busy while peers read (tcp's get is served by this worker), asleep on the event fd
-    // otherwise.
+    // Busy while peers read (tcp's get, and am's sends, progress on this worker), asleep on the
+    // event fd otherwise.
     for (int i = 0; i < 64 && ucx->Progress(0); ++i) {
     }
     Tend();

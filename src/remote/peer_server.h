@@ -1,10 +1,17 @@
 // Serving a published arena to peers over UCX (`expert-arena serve`).
 //
 // The server holds USER on the arena file like an engine (so nobody replaces or removes it
-// while it is served), maps it read-only, registers the mapping with UCX once and packs its
-// rkey. A peer connects to the listener, sends a hello with the shared token (when one is
-// set); only then does it get the offer (sizes, identity, rkey) and read the file with
-// ucp_get_nbx. Many peers may read at once. See docs/cross-host.md.
+// while it is served) and maps it read-only. A peer connects to the listener, sends a hello
+// with the shared token (when one is set); only then does it get the offer (sizes, identity,
+// transport). Then, by the transport:
+//   am (default): the peer asks for ranges of the file; the server checks each against the
+//     file and sends exactly those bytes (ucp_am_send_nbx, rendezvous for large ones); a
+//     range outside the file is refused, logged, and the endpoint closed. The context has no
+//     RMA feature: no get or put request is served at all.
+//   get: the mapping is registered with UCX once and its rkey sent in the offer; the peer
+//     reads with ucp_get_nbx. On UCX's tcp transport a get request carries no key: a peer
+//     could read any address of this process (docs/cross-host.md).
+// Many peers may read at once. See docs/cross-host.md.
 //
 // Thread-safety: none; Run() progresses the worker on the calling thread.
 #pragma once
@@ -15,6 +22,7 @@
 #include <string>
 
 #include "expert_arena/status.h"
+#include "remote/wire.h"
 
 namespace spdlog {
 class logger;
@@ -30,6 +38,7 @@ struct ServeOptions {
   std::string token;
   // A peer that has not said hello by then is disconnected.
   double hello_timeout_seconds = 10;
+  PeerTransport transport = PeerTransport::kAm;
   std::shared_ptr<spdlog::logger> logger;
 };
 
@@ -41,6 +50,7 @@ struct ServeInfo {
   uint64_t identity_hash = 0;
   uint64_t data_bytes = 0;
   uint64_t file_bytes = 0;
+  PeerTransport transport = PeerTransport::kAm;
 };
 
 // A listening server. Made by Start; the UCX implementation lives in the transport plugin
@@ -61,6 +71,8 @@ class PeerServer {
   virtual Status Run(const std::function<bool()>& stop) = 0;
   // Peers that were offered the arena so far.
   virtual uint64_t peers_offered() const = 0;
+  // Range requests refused (outside the file, before an offer, on a get server) so far.
+  virtual uint64_t ranges_refused() const = 0;
 };
 
 }  // namespace expert_arena::remote

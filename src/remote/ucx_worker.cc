@@ -14,7 +14,7 @@ Status UcxStatus(ucs_status_t status, const std::string& what) {
   return Status(code, what + ": " + ucs_status_string(status));
 }
 
-Result<std::unique_ptr<UcxWorker>> UcxWorker::Create() {
+Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(bool rma) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
@@ -26,7 +26,7 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create() {
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | (rma ? UCP_FEATURE_RMA : 0);
   params.name = "expert-arena";
   s = ucp_init(&params, config, &w->context_);
   ucp_config_release(config);

@@ -31,7 +31,10 @@ Status UcxStatus(ucs_status_t status, const std::string& what);
 class UcxWorker {
  public:
   // kIoError naming the UCX call when UCX cannot start (no usable transport, bad UCX_TLS).
-  static Result<std::unique_ptr<UcxWorker>> Create();
+  // Without `rma` the context has no UCP_FEATURE_RMA: UCX then installs no handler for get or
+  // put requests on this worker, so a peer cannot read or write this process's memory through
+  // it, whatever it sends (on tcp, where get and put are emulated by the target's worker).
+  static Result<std::unique_ptr<UcxWorker>> Create(bool rma);
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;

@@ -48,6 +48,7 @@ def test_open_from_peer_without_the_model(server, shm_path, monkeypatch):
         assert report["role"] == "loaded"
         assert report["from_peer"] == address
         assert report["peer_bytes"] >= report["tensor_bytes"]
+        assert report["peer_transport"] == "am"  # serve's default
         assert report["bytes_read"] == 0
         assert arena.names() == source.names()
         for name in source.names():

@@ -3,6 +3,8 @@
 // /dev/shm tmpfs and a sysfs of its own network namespace, where UCX finds its interfaces), so
 // no host sees another's arenas. UCX_TLS=tcp: every namespace has the same boot id, and UCX
 // would otherwise take shared memory. Loopback in the test's own namespace is the other case.
+// Every test runs with both transports of `serve` (--transport am, the default, and get); the
+// loads follow what the server offers.
 #include <signal.h>
 #include <unistd.h>
 
@@ -134,7 +136,7 @@ struct Server {
   std::string address;  // HOST:PORT
 };
 
-class PeerFillTest : public ::testing::Test {
+class PeerFillTest : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
     hosts_ = new Hosts();
@@ -165,18 +167,24 @@ class PeerFillTest : public ::testing::Test {
   }
   void SetUp() override {
     if (!skip_.empty()) SKIP_OR_FAIL(skip_);
+    // Each case starts from hosts that hold only the served arena (the cases of the other
+    // transport used the same names).
+    for (int host = 0; host < Hosts::kCount; ++host) {
+      Sh(hosts_->On(host) +
+         "find /dev/shm -maxdepth 1 -name '*.arena' ! -name served.arena -delete");
+    }
   }
 
   static constexpr const char* kServed = "/dev/shm/served.arena";
 
-  // `expert-arena serve PATH` on `host`, once it says where it listens.
-  static Server Serve(int host, const std::string& path, const std::string& extra = "") {
+  // `expert-arena serve PATH --transport <param>` on `host`, once it says where it listens.
+  Server Serve(int host, const std::string& path, const std::string& extra = "") {
     Server server;
     const std::string listen = host < 0 ? "127.0.0.1:0" : hosts_->Address(host) + ":0";
     const std::string prefix = host < 0 ? "exec env UCX_TLS=tcp " : "exec " + hosts_->On(host);
     server.child = testing::SpawnProgram(
-        "/bin/sh",
-        {"-c", prefix + Tool() + " serve " + path + " --listen " + listen + " --json " + extra});
+        "/bin/sh", {"-c", prefix + Tool() + " serve " + path + " --listen " + listen +
+                              " --transport " + GetParam() + " --json " + extra});
     if (!server.child.WaitForOutput("\"port\"", 60)) return server;
     auto j = JsonLine(server.child.Output());
     if (j.is_object()) server.address = j["address"].get<std::string>();
@@ -222,7 +230,7 @@ std::filesystem::path PeerFillTest::dir_;
 std::string PeerFillTest::model_;
 std::string PeerFillTest::other_;
 
-TEST_F(PeerFillTest, TwoHostsFillIsByteExactAndLocalEnginesAttach) {
+TEST_P(PeerFillTest, TwoHostsFillIsByteExactAndLocalEnginesAttach) {
   Server server = Serve(0, kServed);
   ASSERT_FALSE(server.address.empty()) << server.child.Output();
   std::string out;
@@ -235,11 +243,23 @@ TEST_F(PeerFillTest, TwoHostsFillIsByteExactAndLocalEnginesAttach) {
   EXPECT_EQ(j["role"], "loaded");
   EXPECT_EQ(j["from_peer"], server.address);
   EXPECT_EQ(j["reader"], "ucx");
+  EXPECT_EQ(j["peer_transport"], GetParam());
   EXPECT_EQ(j["bytes_read"], 0);
   EXPECT_GE(j["peer_bytes"].get<uint64_t>(), j["tensor_bytes"].get<uint64_t>());
   EXPECT_NE(out.find("from peer " + server.address), std::string::npos) << out;
   ASSERT_EQ(Run(1, "verify /dev/shm/fill.arena", &out), 0) << out;
   EXPECT_EQ(DataDigest(1, "/dev/shm/fill.arena"), DataDigest(0, kServed));
+  // A load that takes the other transport only is refused before any byte, nothing published.
+  const std::string other = GetParam() == "am" ? "get" : "am";
+  EXPECT_EQ(Run(1,
+                "load --arena /dev/shm/other-transport.arena --from-peer " + server.address +
+                    " --peer-transport " + other,
+                &out),
+            1);
+  EXPECT_NE(out.find("serves by " + GetParam() + ", and this fill takes " + other + " only"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(Exists(1, "/dev/shm/other-transport.arena"));
 
   // With the model: the local identity, so a local engine with the same files attaches.
   ASSERT_EQ(Run(1,
@@ -260,7 +280,7 @@ TEST_F(PeerFillTest, TwoHostsFillIsByteExactAndLocalEnginesAttach) {
   EXPECT_EQ(server.child.Wait(30), 0);
 }
 
-TEST_F(PeerFillTest, ServerKilledMidTransferPublishesNothingAndFallsBack) {
+TEST_P(PeerFillTest, ServerKilledMidTransferPublishesNothingAndFallsBack) {
   const std::string pause = (dir_ / "pause").string();
   for (bool with_model : {true, false}) {
     SCOPED_TRACE(with_model ? "with --model" : "without --model");
@@ -301,7 +321,7 @@ TEST_F(PeerFillTest, ServerKilledMidTransferPublishesNothingAndFallsBack) {
   }
 }
 
-TEST_F(PeerFillTest, ServerUnreachableMidTransferIsAnErrorNotAHang) {
+TEST_P(PeerFillTest, ServerUnreachableMidTransferIsAnErrorNotAHang) {
   const std::string pause = (dir_ / "pause-link").string();
   Server server = Serve(0, kServed);
   ASSERT_FALSE(server.address.empty()) << server.child.Output();
@@ -328,7 +348,7 @@ TEST_F(PeerFillTest, ServerUnreachableMidTransferIsAnErrorNotAHang) {
   EXPECT_EQ(server.child.Wait(30), 0);
 }
 
-TEST_F(PeerFillTest, CorruptedByteOnTheServerIsRefused) {
+TEST_P(PeerFillTest, CorruptedByteOnTheServerIsRefused) {
   const std::string bad = "/dev/shm/corrupt.arena";
   std::string out;
   ASSERT_EQ(Run(0, "load --model " + model_ + " --arena " + bad, &out), 0) << out;
@@ -365,7 +385,7 @@ TEST_F(PeerFillTest, CorruptedByteOnTheServerIsRefused) {
   EXPECT_EQ(server.child.Wait(30), 0);
 }
 
-TEST_F(PeerFillTest, ThreeHostChain) {
+TEST_P(PeerFillTest, ThreeHostChain) {
   Server first = Serve(0, kServed);
   ASSERT_FALSE(first.address.empty()) << first.child.Output();
   std::string out;
@@ -387,7 +407,7 @@ TEST_F(PeerFillTest, ThreeHostChain) {
   EXPECT_EQ(second.child.Wait(30), 0);
 }
 
-TEST_F(PeerFillTest, TwoPeersFillAtOnceFromOneServer) {
+TEST_P(PeerFillTest, TwoPeersFillAtOnceFromOneServer) {
   Server server = Serve(0, kServed);
   ASSERT_FALSE(server.address.empty()) << server.child.Output();
   std::vector<testing::Child> loads;
@@ -409,7 +429,7 @@ TEST_F(PeerFillTest, TwoPeersFillAtOnceFromOneServer) {
   EXPECT_NE(server.child.Output().find("\"port\""), std::string::npos);
 }
 
-TEST_F(PeerFillTest, AnotherModelIsRefusedAndTheLocalFilesAreRead) {
+TEST_P(PeerFillTest, AnotherModelIsRefusedAndTheLocalFilesAreRead) {
   Server server = Serve(0, kServed);
   ASSERT_FALSE(server.address.empty()) << server.child.Output();
   std::string out;
@@ -428,7 +448,7 @@ TEST_F(PeerFillTest, AnotherModelIsRefusedAndTheLocalFilesAreRead) {
   EXPECT_EQ(server.child.Wait(30), 0);
 }
 
-TEST_F(PeerFillTest, LoopbackWithTokenAndRefusals) {
+TEST_P(PeerFillTest, LoopbackWithTokenAndRefusals) {
   testing::ScopedPath served("served");
   testing::ScopedPath filled("filled");
   std::string out;
@@ -463,7 +483,7 @@ TEST_F(PeerFillTest, LoopbackWithTokenAndRefusals) {
   EXPECT_NE(out.find("no default on all interfaces"), std::string::npos) << out;
 }
 
-TEST_F(PeerFillTest, CInterfaceFillsFromPeer) {
+TEST_P(PeerFillTest, CInterfaceFillsFromPeer) {
   testing::ScopedPath served("c-served");
   testing::ScopedPath filled("c-filled");
   std::string out;
@@ -499,6 +519,65 @@ TEST_F(PeerFillTest, CInterfaceFillsFromPeer) {
   server.child.Kill(SIGTERM);
   EXPECT_EQ(server.child.Wait(30), 0);
 }
+
+// A peer that asks for bytes outside the arena file (peer_range_probe speaks the wire protocol
+// with plain UCX) is refused, logged and disconnected; the server serves on.
+TEST_P(PeerFillTest, RangeOutsideTheArenaIsRefusedAndLogged) {
+  std::string out;
+  ASSERT_EQ(Run(0, "info " + std::string(kServed) + " --json", &out), 0) << out;
+  auto info = nlohmann::json::parse(out.substr(out.find('{')));
+  const uint64_t file = info["header_bytes"].get<uint64_t>() + info["data_bytes"].get<uint64_t>();
+  Server server = Serve(0, kServed, "2>&1");
+  ASSERT_FALSE(server.address.empty()) << server.child.Output();
+  const std::string probe =
+      hosts_->On(1) + testing::BinDir() + "/peer_range_probe " + server.address + " '' ";
+  // Past the end (straddling it), then one whose end wraps around 2^64.
+  const std::string past = std::to_string(file - 100) + ":4096";
+  const std::string wraps = "18446744073709547520:8192";
+  for (const std::string& range : {past, wraps}) {
+    SCOPED_TRACE(range);
+    EXPECT_EQ(Sh(probe + "0:4096 " + range, &out), 3) << out;
+    EXPECT_NE(out.find("offer " + GetParam() + " " + std::to_string(file)), std::string::npos)
+        << out;
+    if (GetParam() == "am") {
+      // The range inside is sent: the probe can read, and is stopped only at the bad one.
+      EXPECT_NE(out.find("range 0:4096: 4096 bytes"), std::string::npos) << out;
+    }
+    EXPECT_NE(out.find("closed: "), std::string::npos) << out;
+  }
+  if (GetParam() == "am") {
+    // A raw get of an address in the server's process, with a key of the probe's own (all a
+    // tcp get request needs): an am server has no RMA handler and does not answer. A server
+    // that did would read address 4096 and die, which the checks below would see.
+    EXPECT_EQ(Sh(probe + "rawget:4096:64", &out), 4) << out;
+    EXPECT_NE(out.find("no answer"), std::string::npos) << out;
+  }
+  // An ordinary fill from the same server still works.
+  ASSERT_EQ(Run(1, "load --arena /dev/shm/after-probe.arena --from-peer " + server.address, &out),
+            0)
+      << out;
+  ASSERT_EQ(Run(1, "verify /dev/shm/after-probe.arena", &out), 0) << out;
+  server.child.Kill(SIGTERM);
+  EXPECT_EQ(server.child.Wait(30), 0);
+  const std::string log = server.child.Output();
+  if (GetParam() == "am") {
+    EXPECT_NE(log.find("refused bytes [" + std::to_string(file - 100) +
+                       ", +4096) asked, outside the arena file (" + std::to_string(file) +
+                       " bytes); disconnected"),
+              std::string::npos)
+        << log;
+    EXPECT_NE(log.find("refused bytes [18446744073709547520, +8192)"), std::string::npos) << log;
+  } else {
+    EXPECT_NE(log.find("refused a range request to a server that serves by get"), std::string::npos)
+        << log;
+  }
+  EXPECT_NE(log.find("(2 range requests refused)"), std::string::npos) << log;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PeerFillTest, ::testing::Values("am", "get"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 }  // namespace
 }  // namespace expert_arena

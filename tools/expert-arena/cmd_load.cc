@@ -37,6 +37,7 @@ struct LoadArgs {
   std::string from_peer;
   std::string token;
   double peer_stall = 30;
+  std::string peer_transport = "auto";
   std::string mode = "0600";
   bool allow_foreign_owner = false;
 };
@@ -99,6 +100,7 @@ int RunLoad(const LoadArgs& args) {
     if (token != nullptr) options.peer_token = token;
   }
   options.peer_stall_seconds = args.peer_stall;
+  options.peer_transport = args.peer_transport;
   auto result = Arena::Open(model, options);
   if (!result.ok()) {
     std::fprintf(stderr, "expert-arena load: %s\n", result.status().message().c_str());
@@ -136,6 +138,7 @@ int RunLoad(const LoadArgs& args) {
       j["from_peer"] = r.from_peer;  // empty when the fill failed and the files were read
       j["peer_bytes"] = r.peer_bytes;
       j["peer_note"] = r.peer_note;
+      j["peer_transport"] = r.peer_transport;  // "am" or "get"; empty when the files were read
     }
     std::cout << j.dump() << std::endl;
   }
@@ -183,6 +186,10 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
   cmd->add_option("--token", args->token, "The peer's shared token (default: $EXPERT_ARENA_TOKEN)");
   cmd->add_option("--peer-stall-timeout", args->peer_stall,
                   "Seconds without progress from the peer before the fill is abandoned");
+  cmd->add_option("--peer-transport", args->peer_transport,
+                  "auto (what the peer offers), am (only ranges the peer checks and sends; a "
+                  "get server is refused) or get")
+      ->check(CLI::IsMember({"auto", "am", "get"}));
   cmd->callback([args, &exit_code] { exit_code = RunLoad(*args); });
 }
 

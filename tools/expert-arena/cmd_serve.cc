@@ -19,6 +19,7 @@ struct ServeArgs {
   std::string listen = "127.0.0.1:0";
   std::string token;
   double hello_timeout = 10;
+  std::string transport = "am";
   bool json = false;
 };
 
@@ -31,6 +32,8 @@ int RunServe(const ServeArgs& args) {
     if (token != nullptr) options.token = token;
   }
   options.hello_timeout_seconds = args.hello_timeout;
+  options.transport =
+      args.transport == "get" ? remote::PeerTransport::kGet : remote::PeerTransport::kAm;
   // SIGINT/SIGTERM are taken synchronously between progress rounds.
   sigset_t set;
   sigemptyset(&set);
@@ -55,12 +58,13 @@ int RunServe(const ServeArgs& args) {
     j["identity_hash"] = hash;
     j["data_bytes"] = info.data_bytes;
     j["token"] = !options.token.empty();
+    j["transport"] = remote::PeerTransportName(info.transport);
     j["pid"] = getpid();
     std::cout << j.dump() << std::endl;
   } else {
     std::cout << "expert-arena serve: serving " << info.path << " on " << info.address << " ("
-              << info.identity << ")" << (options.token.empty() ? "" : ", token required")
-              << std::endl;
+              << info.identity << ") by " << remote::PeerTransportName(info.transport)
+              << (options.token.empty() ? "" : ", token required") << std::endl;
   }
   Status run = (*server)->Run([&] {
     timespec zero{0, 0};
@@ -71,8 +75,11 @@ int RunServe(const ServeArgs& args) {
     std::fprintf(stderr, "expert-arena serve: %s\n", run.message().c_str());
     return 1;
   }
-  std::fprintf(stderr, "expert-arena serve: stopped after offering %s to %llu peers\n",
-               info.path.c_str(), static_cast<unsigned long long>((*server)->peers_offered()));
+  std::fprintf(stderr,
+               "expert-arena serve: stopped after offering %s to %llu peers (%llu range requests "
+               "refused)\n",
+               info.path.c_str(), static_cast<unsigned long long>((*server)->peers_offered()),
+               static_cast<unsigned long long>((*server)->ranges_refused()));
   return 0;
 }
 
@@ -91,6 +98,11 @@ void RegisterServe(CLI::App& app, int& exit_code) {
                   "$EXPERT_ARENA_TOKEN)");
   cmd->add_option("--hello-timeout", args->hello_timeout,
                   "Seconds a connected peer has to present itself");
+  cmd->add_option("--transport", args->transport,
+                  "am (default): send only the ranges of the arena file a peer asks for, each "
+                  "checked; get: peers read the registered mapping with ucp_get (on UCX's tcp "
+                  "transport a get carries no key: trusted networks only)")
+      ->check(CLI::IsMember({"am", "get"}));
   cmd->add_flag("--json", args->json, "Print one JSON line once listening");
   cmd->callback([args, &exit_code] { exit_code = RunServe(*args); });
 }
