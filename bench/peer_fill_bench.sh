@@ -164,12 +164,12 @@ set ylabel "MiB/s (log scale)"
 set xlabel "link (tc tbf rate; none = the bare veth pair)"
 set style data linespoints
 set xtics rotate by 0
-plot "$tsv" using 0:(stringcolumn(3) eq "am" ? \$4 : NaN):xtic(stringcolumn(1)."/".stringcolumn(2)."/".stringcolumn(3)) pt 7 ps 1.5 lw 2 title "expert-arena load --from-peer, serve --transport am", \
-     "" using 0:(stringcolumn(3) eq "get" ? \$4 : NaN) pt 9 ps 1.5 lw 2 title "expert-arena load --from-peer, serve --transport get", \
-     "" using 0:5 pt 5 lw 1 dt 2 title "ucx_perftest ucp_get (same run, same link)", \
-     "" using 0:6 pt 6 lw 1 dt 2 title "ucx_perftest ucp_am_bw", \
-     "" using 0:7 pt 4 lw 1 dt 3 title "ucx_perftest ucp_put_bw", \
-     "" using 0:8 lw 1 dt 4 title "cold load from the disk (page cache dropped)", \
-     "" using 0:9 pt 2 lw 1 title "link rate"
+plot "$tsv" every ::1 using 0:(stringcolumn(3) eq "am" ? \$4 : NaN):xtic(stringcolumn(1)."/".stringcolumn(2)."/".stringcolumn(3)) pt 7 ps 1.5 lw 2 title "expert-arena load --from-peer, serve --transport am", \
+     "" every ::1 using 0:(stringcolumn(3) eq "get" ? \$4 : NaN) pt 9 ps 1.5 lw 2 title "expert-arena load --from-peer, serve --transport get", \
+     "" every ::1 using 0:5 pt 5 lw 1 dt 2 title "ucx_perftest ucp_get (same run, same link)", \
+     "" every ::1 using 0:6 pt 6 lw 1 dt 2 title "ucx_perftest ucp_am_bw", \
+     "" every ::1 using 0:7 pt 4 lw 1 dt 3 title "ucx_perftest ucp_put_bw", \
+     "" every ::1 using 0:8 lw 1 dt 4 title "cold load from the disk (page cache dropped)", \
+     "" every ::1 using 0:9 pt 2 lw 1 title "link rate"
 PLOT
 echo "wrote $tsv and $out/peer_fill.png"
