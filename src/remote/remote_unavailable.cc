@@ -2,6 +2,7 @@
 // refuse with a message that says how to get them.
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
+#include "remote/stream_remote.h"
 
 namespace expert_arena::remote {
 namespace {
@@ -48,5 +49,17 @@ const ServeInfo& PeerServer::info() const {
 }
 Status PeerServer::Run(const std::function<bool()>&) { return NotBuilt(); }
 uint64_t PeerServer::peers_offered() const { return 0; }
+
+Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions&) {
+  return Unsupported(
+      "expert-arena was built without UCX (install libucx-dev and rebuild with "
+      "-DEXPERT_ARENA_UCX=ON): a stream producer cannot listen for other hosts");
+}
+Result<std::shared_ptr<StreamPeer>> ConnectStreamPeer(const StreamPeerOptions& options) {
+  return Unsupported(
+      "expert-arena was built without UCX (install libucx-dev and rebuild with "
+      "-DEXPERT_ARENA_UCX=ON): cannot open the descriptor of a stream producer on another host (" +
+      options.address + ")");
+}
 
 }  // namespace expert_arena::remote

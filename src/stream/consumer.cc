@@ -41,9 +41,11 @@
 #include "common/escape.h"
 #include "common/logging.h"
 #include "expert_arena/stream.h"
+#include "platform/file.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
+#include "remote/stream_remote.h"
 #include "stream/fork_guard.h"
 #include "stream/segment_file.h"
 
@@ -84,10 +86,20 @@ std::atomic_ref<uint64_t> Control(BlockSlot& s) { return stream::AtomicWord(s.co
 std::atomic_ref<uint64_t> Holders(BlockSlot& s) { return stream::AtomicWord(s.holders); }
 uint64_t Relaxed(uint64_t& w) { return stream::AtomicWord(w).load(std::memory_order_relaxed); }
 
+// A tensor fetched from a producer on another host: its bytes in our own memory, and the hold
+// its producer keeps for us until we release it (docs/cross-host.md).
+struct RemoteView {
+  std::shared_ptr<remote::StreamPeer> peer;
+  uint64_t hold = 0;
+  platform::Mapping memory;
+  std::unique_ptr<gpu::Registration> registration;
+};
+
 }  // namespace
 
 struct StreamTensor::State {
   std::shared_ptr<StreamConsumer::Impl> consumer;  // null while in the deferred list
+  std::unique_ptr<RemoteView> remote;              // set for a tensor of another host
   PeerSegment* segment = nullptr;
   TensorDescriptor descriptor;
   std::span<const std::byte> bytes;
@@ -109,6 +121,10 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   uint64_t dropped = 0;
   Clock::time_point last_unlink_check{};
   std::map<std::string, bool> hugetlbfs_dirs;  // directory -> on hugetlbfs (statfs once)
+  std::string boot_id;                         // to tell a descriptor of this host
+  std::mutex peers_mu;                         // connections to producers on other hosts
+  std::map<std::string, std::shared_ptr<remote::StreamPeer>> peers;
+  std::weak_ptr<Impl> self_weak;
 
   std::mutex deferred_mu;
   std::vector<std::unique_ptr<StreamTensor::State>> deferred;
@@ -141,6 +157,12 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   // Gives an opened view's hold back without spending its share (a failed OpenMany).
   void Undo(StreamTensor::State& state);
   uint64_t Poll();
+  // True when the descriptor's producer is on another host: another boot id, or its segment
+  // is not in our directory (another mount namespace).
+  bool IsRemote(const TensorDescriptor& d) const;
+  Result<StreamTensor> OpenRemote(std::string_view encoded, TensorDescriptor d);
+  // Ends a remote tensor's hold: spent (a release) or given back.
+  void EndRemote(StreamTensor::State& state, bool spend);
 };
 
 StreamConsumer::Impl::~Impl() {
@@ -338,7 +360,70 @@ void StreamConsumer::Impl::Unhold(PeerSegment& seg, const StreamTensor::State& s
   }
 }
 
+void StreamConsumer::Impl::EndRemote(StreamTensor::State& state, bool spend) {
+  std::unique_ptr<RemoteView> view = std::move(state.remote);
+  if (!Foreign()) view->peer->Release(view->hold, spend);
+  // The registration goes before the memory (members in reverse order).
+}
+
+bool StreamConsumer::Impl::IsRemote(const TensorDescriptor& d) const {
+  if (d.remote.empty()) return false;
+  if (d.boot_id.empty() || d.boot_id != boot_id) return true;
+  const std::string& dir = d.spilled ? options.spill_directory : options.directory;
+  return !platform::StatPath(dir + "/" + d.segment).ok();
+}
+
+Result<StreamTensor> StreamConsumer::Impl::OpenRemote(std::string_view encoded,
+                                                      TensorDescriptor d) {
+  std::shared_ptr<remote::StreamPeer> peer;
+  {
+    std::lock_guard lock(peers_mu);
+    auto it = peers.find(d.remote);
+    if (it != peers.end() && it->second->alive()) peer = it->second;
+  }
+  if (!peer) {
+    remote::StreamPeerOptions po;
+    po.address = d.remote;
+    po.token = options.remote_token;
+    po.timeout_seconds = options.remote_timeout_seconds;
+    po.logger = log;
+    auto connected = remote::ConnectStreamPeer(po);
+    if (!connected.ok()) {
+      return connected.status().WithContext("stream open of key " + QuoteForMessage(d.key));
+    }
+    peer = *connected;
+    std::lock_guard lock(peers_mu);
+    peers[d.remote] = peer;
+  }
+  auto view = std::make_unique<RemoteView>();
+  view->peer = peer;
+  // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
+  const uint64_t rounded =
+      (std::max<uint64_t>(d.length, 1) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  EA_ASSIGN_OR_RETURN(view->memory, platform::Mapping::MapAnonymous(rounded, kHugePageBytes));
+  std::span<std::byte> into{view->memory.data(), d.length};
+  auto hold = peer->Fetch(encoded, d.producer_instance, into);
+  if (!hold.ok()) {
+    return hold.status().WithContext("stream open of key " + QuoteForMessage(d.key));
+  }
+  view->hold = *hold;
+  if (options.gpu != "none" && !options.gpu.empty()) {
+    auto reg = gpu::RegisterHostRange(
+        view->memory.bytes(),
+        {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
+    if (reg.ok()) view->registration = std::move(reg).value();
+  }
+  auto state = std::make_unique<StreamTensor::State>();
+  state->consumer = self_weak.lock();
+  state->bytes = into;
+  state->private_bytes = into;
+  state->descriptor = std::move(d);
+  state->remote = std::move(view);
+  return StreamTensor(std::move(state));
+}
+
 void StreamConsumer::Impl::Release(StreamTensor::State& state) {
+  if (state.remote) return EndRemote(state, true);
   if (Foreign()) {
     state.segment = nullptr;  // the parent's hold: the parent releases it
     return;
@@ -368,6 +453,11 @@ void StreamConsumer::Impl::Release(StreamTensor::State& state) {
 }
 
 void StreamConsumer::Impl::Undo(StreamTensor::State& state) {
+  if (state.remote) return EndRemote(state, false);
+  if (Foreign()) {
+    state.segment = nullptr;
+    return;
+  }
   std::lock_guard lock(mu);
   PeerSegment& seg = *state.segment;
   if (state.private_used) seg.private_used[state.descriptor.slot] = true;
@@ -420,6 +510,8 @@ Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
   impl->pid = platform::CurrentPid();
   auto start = platform::ProcessStartTime(impl->pid);
   impl->start_time = start.ok() ? *start : 0;
+  impl->boot_id = platform::BootId();
+  impl->self_weak = impl;
   auto dir = platform::StatPath(options.directory);
   if (!dir.ok()) return dir.status().WithContext("stream consumer directory");
   EA_RETURN_IF_ERROR(stream::RegisterForFork(impl.get()));
@@ -461,6 +553,7 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   }
   EA_ASSIGN_OR_RETURN(TensorDescriptor d, TensorDescriptor::Decode(encoded));
   impl_->Poll();
+  if (impl_->IsRemote(d)) return impl_->OpenRemote(encoded, std::move(d));
   std::lock_guard lock(impl_->mu);
   impl_->DropUnlinkedLocked(false);
   EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
@@ -595,6 +688,15 @@ void StreamTensor::Release() {
   consumer->Release(*state_);
   state_.reset();
 }
+
+void StreamTensor::GiveBack() {
+  if (!state_) return;
+  auto consumer = std::move(state_->consumer);
+  consumer->Undo(*state_);
+  state_.reset();
+}
+
+bool StreamTensor::remote() const { return state_ && state_->remote != nullptr; }
 
 void StreamTensor::ReleaseAfter(CopyEvent copied) {
   auto event = std::make_shared<CopyEvent>(std::move(copied));
