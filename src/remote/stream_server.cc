@@ -274,12 +274,11 @@ void Server::Serve(OpenAsk& ask) {
   h.send = ucp_am_send_nbx(c->ep, kStreamDataId, &h.header, sizeof h.header, bytes.data(),
                            bytes.size(), &param);
   h.sending = true;
-  PauseForTest();
 }
 
 // Test only: when EXPERT_ARENA_TEST_STREAM_PAUSE_FILE names a path, the server creates it once
-// a data send has started and stops serving (at most 60 s) until it is removed, so a test can
-// kill the producer at a known point mid-transfer.
+// a data send has started and stops serving (at most 60 s, holding no lock) until it is
+// removed, so a test can kill the producer, or abort the key, at a known point mid-transfer.
 void Server::PauseForTest() {
   const char* path = std::getenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE");
   if (path == nullptr || *path == '\0') return;
@@ -342,6 +341,7 @@ void Server::Tend() {
   std::vector<OpenAsk> opens;
   opens.swap(opens_);
   for (OpenAsk& ask : opens) Serve(ask);
+  if (!opens.empty()) PauseForTest();
   std::lock_guard lock(mu_);
   for (const ReleaseAsk& r : releases_) {
     for (auto it = holds_.begin(); it != holds_.end(); ++it) {

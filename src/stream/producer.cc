@@ -124,6 +124,13 @@ Status CheckInfo(std::string_view what, std::string_view key, const TensorInfo& 
   return Status::Ok();
 }
 
+// "60 s", "0.5 s".
+std::string FormatSeconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
 std::string RandomHex() {
   std::random_device rd;
   char buf[16];
@@ -778,7 +785,7 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
                   swept ? "; swept " + std::to_string(swept) + " dead segments" : "",
                   impl->server ? "; serving other hosts on " + impl->server->address() +
                                      (o.listen_token.empty() ? "" : " (token)") + ", lease " +
-                                     std::to_string(o.remote_lease_seconds) + " s"
+                                     FormatSeconds(o.remote_lease_seconds)
                                : "");
   return StreamProducer(std::move(impl));
 }

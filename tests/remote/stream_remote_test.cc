@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "expert_arena/expert_arena.h"
@@ -175,6 +176,35 @@ TEST_F(StreamLoopbackTest, AbortBeforeOpenIsRefused) {
   EXPECT_NE(t.status().message().find("\"gone\" was aborted by the producer"), std::string::npos)
       << t.status().ToString();
   EXPECT_EQ(Live(*producer), 0u);
+}
+
+TEST_F(StreamLoopbackTest, AbortDuringTheTransferFailsTheOpen) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("inflight", 8 << 20, 1);
+  auto desc = producer->Put("inflight", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  // The server stops right after it started sending the bytes, until the file goes.
+  const std::string pause = there_.spill() + "/paused";
+  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
+  std::optional<Result<StreamTensor>> opened;
+  std::thread open([&] { opened.emplace(consumer->Open(*desc)); });
+  const bool paused = testing::WaitForFile(pause, 60);
+  unsetenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE");
+  EXPECT_TRUE(paused);
+  auto marked = producer->Abort("inflight");
+  ASSERT_TRUE(marked.ok());
+  EXPECT_EQ(*marked, 1u);
+  std::filesystem::remove(pause);
+  open.join();
+  ASSERT_TRUE(opened.has_value());
+  ASSERT_FALSE(opened->ok());
+  EXPECT_NE(opened->status().message().find("aborted by the producer during the transfer"),
+            std::string::npos)
+      << opened->status().ToString();
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
 }
 
 TEST_F(StreamLoopbackTest, OpenManyFailureGivesRemoteHoldsBackUnspent) {
