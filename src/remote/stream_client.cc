@@ -80,6 +80,8 @@ class Peer final : public StreamPeer {
     return !failed_;
   }
 
+  uint64_t instance_id() const override { return welcome_.instance_id; }  // set before shared
+
  private:
   Status Gone(const std::string& doing) {
     return Status(

@@ -71,6 +71,8 @@ class StreamPeer {
   virtual void Release(uint64_t hold, bool spend) = 0;
   // False once the connection failed (the next open connects anew).
   virtual bool alive() const = 0;
+  // The instance id of the server this connection reached.
+  virtual uint64_t instance_id() const = 0;
 };
 
 struct StreamPeerOptions {

@@ -375,38 +375,51 @@ bool StreamConsumer::Impl::IsRemote(const TensorDescriptor& d) const {
 
 Result<StreamTensor> StreamConsumer::Impl::OpenRemote(std::string_view encoded,
                                                       TensorDescriptor d) {
-  std::shared_ptr<remote::StreamPeer> peer;
-  {
-    std::lock_guard lock(peers_mu);
-    auto it = peers.find(d.remote);
-    if (it != peers.end() && it->second->alive()) peer = it->second;
-  }
-  if (!peer) {
-    remote::StreamPeerOptions po;
-    po.address = d.remote;
-    po.token = options.remote_token;
-    po.timeout_seconds = options.remote_timeout_seconds;
-    po.logger = log;
-    auto connected = remote::ConnectStreamPeer(po);
-    if (!connected.ok()) {
-      return connected.status().WithContext("stream open of key " + QuoteForMessage(d.key));
-    }
-    peer = *connected;
-    std::lock_guard lock(peers_mu);
-    peers[d.remote] = peer;
-  }
   auto view = std::make_unique<RemoteView>();
-  view->peer = peer;
   // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
   const uint64_t rounded =
       (std::max<uint64_t>(d.length, 1) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   EA_ASSIGN_OR_RETURN(view->memory, platform::Mapping::MapAnonymous(rounded, kHugePageBytes));
   std::span<std::byte> into{view->memory.data(), d.length};
-  auto hold = peer->Fetch(encoded, d.producer_instance, into);
-  if (!hold.ok()) {
-    return hold.status().WithContext("stream open of key " + QuoteForMessage(d.key));
+  const std::string what = "stream open of key " + QuoteForMessage(d.key);
+  // A cached connection whose producer went away since (it restarted on the same address)
+  // fails only when used, or reached another instance than the descriptor's: then one fresh
+  // connection is tried.
+  for (int attempt = 0;; ++attempt) {
+    std::shared_ptr<remote::StreamPeer> peer;
+    bool cached = false;
+    {
+      std::lock_guard lock(peers_mu);
+      auto it = peers.find(d.remote);
+      // Another instance there now: this connection reached a producer that is gone.
+      if (it != peers.end() && it->second->alive() &&
+          it->second->instance_id() == d.producer_instance) {
+        peer = it->second;
+        cached = true;
+      }
+    }
+    if (!peer) {
+      remote::StreamPeerOptions po;
+      po.address = d.remote;
+      po.token = options.remote_token;
+      po.timeout_seconds = options.remote_timeout_seconds;
+      po.logger = log;
+      auto connected = remote::ConnectStreamPeer(po);
+      if (!connected.ok()) return connected.status().WithContext(what);
+      peer = *connected;
+      std::lock_guard lock(peers_mu);
+      peers[d.remote] = peer;
+    }
+    auto hold = peer->Fetch(encoded, d.producer_instance, into);
+    if (hold.ok()) {
+      view->peer = peer;
+      view->hold = *hold;
+      break;
+    }
+    if (!cached || attempt > 0 || peer->alive() || hold.status().code() != StatusCode::kIoError) {
+      return hold.status().WithContext(what);
+    }
   }
-  view->hold = *hold;
   if (options.gpu != "none" && !options.gpu.empty()) {
     auto reg = gpu::RegisterHostRange(
         view->memory.bytes(),

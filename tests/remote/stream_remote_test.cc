@@ -298,6 +298,45 @@ TEST_F(StreamLoopbackTest, DescriptorOfADeadOrRestartedProducerIsRefused) {
       << stale.status().ToString();
 }
 
+TEST_F(StreamLoopbackTest, ConsumerReconnectsToAProducerRestartedOnTheSameAddress) {
+  // The old producer's connection lingers on the port (FIN_WAIT/TIME_WAIT): without
+  // UCX_TCP_CM_REUSEADDR=y UCX refuses to listen there again ("Device is busy"), as it would
+  // for an operator's producer restarted on a fixed port (docs/cross-host.md).
+  setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
+  struct Unset {
+    ~Unset() { unsetenv("UCX_TCP_CM_REUSEADDR"); }
+  } unset;
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  std::string address;
+  std::string old_desc;
+  auto bytes = TensorBytes("k", 5000, 4);
+  {
+    auto first = StreamProducer::Create(Producer());
+    ASSERT_TRUE(first.ok());
+    address = first->remote_address();
+    auto d = first->Put("k", bytes, {.dtype = "f32"});
+    auto again = first->Put("k2", bytes, {.dtype = "f32"});
+    ASSERT_TRUE(d.ok() && again.ok());
+    old_desc = *again;
+    auto t = consumer->Open(*d);  // the consumer now keeps a connection to it
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+  }
+  StreamOptions o = Producer();
+  o.listen = address;
+  auto second = StreamProducer::Create(o);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  auto d = second->Put("k", bytes, {.dtype = "f32"});
+  ASSERT_TRUE(d.ok());
+  auto t = consumer->Open(*d);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+  auto stale = consumer->Open(old_desc);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_NE(stale.status().message().find("another instance"), std::string::npos)
+      << stale.status().ToString();
+}
+
 TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {
   StreamOptions o = here_.Producer("xs");
   auto producer = StreamProducer::Create(o);
