@@ -351,6 +351,29 @@ TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {
   EXPECT_FALSE(StreamProducer::Create(o).ok());
 }
 
+TEST(RemoteDescriptorTest, RemoteFieldsRoundTripAndAHostileAddressIsRefused) {
+  TensorDescriptor d;
+  d.segment = "ea-stream-xs-1-2-abcd-0";
+  d.length = 10;
+  d.key = "k";
+  d.dtype = "u8";
+  d.remote = "[fe80::1%eth0]:4791";
+  d.producer_instance = 42;
+  d.boot_id = "0123abcd-0123-4567-89ab-0123456789ab";
+  auto back = TensorDescriptor::Decode(d.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->remote, d.remote);
+  EXPECT_EQ(back->producer_instance, 42u);
+  EXPECT_EQ(back->boot_id, d.boot_id);
+  for (const std::string bad : {"10.0.0.1:1; rm -rf /", "a/b:1", "x\n:1"}) {
+    d.remote = bad;
+    auto refused = TensorDescriptor::Decode(d.Encode());
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("is not ADDR:PORT"), std::string::npos)
+        << refused.status().ToString();
+  }
+}
+
 // ---- two hosts -----------------------------------------------------------------------------
 
 // Two hosts on one veth pair, made once for the suite.
