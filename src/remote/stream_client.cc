@@ -1,6 +1,7 @@
 // A consumer's connection to a producer's stream server (stream_remote.h, docs/cross-host.md).
 // One UCX worker per connection, progressed only inside the calls below (under `mu`): an open
-// sends the descriptor, then receives the bytes straight into the caller's buffer (eager: a
+// (or a batch of them, all requests in flight at once) sends the descriptor, then receives the
+// bytes straight into the caller's buffer (eager: a
 // copy in the callback; rendezvous: ucp_am_recv_data_nbx into it), checks their xxh3, and waits
 // for the producer's "done". Every wait is bounded by the timeout, and the endpoint's peer
 // error handling (with UCX keepalive) ends it sooner when the producer dies or vanishes; a
@@ -10,7 +11,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <vector>
 
 #include "common/logging.h"
 #include "load/fast_xxh3.h"
@@ -61,6 +64,9 @@ class Peer final : public StreamPeer {
 
   Result<uint64_t> Fetch(std::string_view descriptor, uint64_t instance_id,
                          std::span<std::byte> into) override;
+  std::vector<Result<uint64_t>> FetchMany(std::span<const std::string_view> descriptors,
+                                          uint64_t instance_id,
+                                          std::span<const std::span<std::byte>> into) override;
 
   void Release(uint64_t hold, bool spend) override {
     std::lock_guard lock(mu_);
@@ -89,28 +95,31 @@ class Peer final : public StreamPeer {
         "stream producer at " + options_.address + " went away " + doing + " (" +
             ucs_status_string(failure_) + ")");
   }
-  // After a failed or stalled transfer: the endpoint goes, so nothing lands in the buffer.
+  // After a failed or stalled transfer: the endpoint goes, so nothing lands in the buffers.
   void Abandon() {
-    if (fetching_ != nullptr && fetching_->receive != nullptr &&
-        !UCS_PTR_IS_ERR(fetching_->receive)) {
-      ucp_request_cancel(ucx_->worker(), fetching_->receive);
+    for (auto& [id, f] : fetching_) {
+      if (f->receive != nullptr && !UCS_PTR_IS_ERR(f->receive))
+        ucp_request_cancel(ucx_->worker(), f->receive);
     }
     CloseEndpoint(*ucx_, ep_, true, Clock::now() + std::chrono::seconds(2));
     ep_ = nullptr;
-    if (fetching_ != nullptr && fetching_->receive != nullptr &&
-        !UCS_PTR_IS_ERR(fetching_->receive)) {
-      for (int i = 0; i < 200 && ucp_request_check_status(fetching_->receive) == UCS_INPROGRESS;
-           ++i)
-        ucx_->Progress(1);
-      ucp_request_free(fetching_->receive);
-      fetching_->receive = nullptr;
-    }
-    if (fetching_ != nullptr && fetching_->rndv != nullptr) {
-      ucp_am_data_release(ucx_->worker(), fetching_->rndv);
-      fetching_->rndv = nullptr;
+    for (auto& [id, f] : fetching_) {
+      if (f->receive != nullptr && !UCS_PTR_IS_ERR(f->receive)) {
+        for (int i = 0; i < 200 && ucp_request_check_status(f->receive) == UCS_INPROGRESS; ++i)
+          ucx_->Progress(1);
+        ucp_request_free(f->receive);
+      }
+      f->receive = nullptr;
+      if (f->rndv != nullptr) ucp_am_data_release(ucx_->worker(), f->rndv);
+      f->rndv = nullptr;
     }
     if (!failed_) failure_ = UCS_ERR_CANCELED;
     failed_ = true;
+  }
+
+  Fetching* FindFetching(uint64_t request) {
+    auto it = fetching_.find(request);
+    return it == fetching_.end() ? nullptr : it->second;
   }
 
   StreamPeerOptions options_;
@@ -124,7 +133,7 @@ class Peer final : public StreamPeer {
   StreamWelcome welcome_{};
   std::string welcome_text_;
   uint64_t next_request_ = 0;
-  Fetching* fetching_ = nullptr;
+  std::map<uint64_t, Fetching*> fetching_;  // the opens in flight, by request id
 };
 
 Status Peer::Connect(const StreamPeerOptions& options) {
@@ -166,13 +175,12 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                   [](void* arg, const void* header, size_t header_length, void* data, size_t length,
                      const ucp_am_recv_param_t* param) -> ucs_status_t {
                     auto* self = static_cast<Peer*>(arg);
-                    Fetching* f = self->fetching_;
                     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-                    if (header_length != sizeof(StreamData) || f == nullptr || f->header)
-                      return UCS_OK;
+                    if (header_length != sizeof(StreamData)) return UCS_OK;
                     StreamData h{};
                     std::memcpy(&h, header, sizeof h);
-                    if (h.request != f->request) return UCS_OK;
+                    Fetching* f = self->FindFetching(h.request);
+                    if (f == nullptr || f->header) return UCS_OK;
                     f->header = true;
                     f->data = h;
                     if (h.status != static_cast<uint32_t>(StreamStatus::kOk)) {
@@ -197,13 +205,13 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                   [](void* arg, const void*, size_t, void* data, size_t length,
                      const ucp_am_recv_param_t* param) -> ucs_status_t {
                     auto* self = static_cast<Peer*>(arg);
-                    Fetching* f = self->fetching_;
-                    if (f == nullptr || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+                    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
                         length < sizeof(StreamDone))
                       return UCS_OK;
                     StreamDone d{};
                     std::memcpy(&d, data, sizeof d);
-                    if (d.request != f->request) return UCS_OK;
+                    Fetching* f = self->FindFetching(d.request);
+                    if (f == nullptr || f->done) return UCS_OK;
                     f->done = true;
                     f->done_msg = d;
                     f->done_text = Printable(static_cast<const char*>(data) + sizeof d,
@@ -269,101 +277,148 @@ Status Peer::Connect(const StreamPeerOptions& options) {
 
 Result<uint64_t> Peer::Fetch(std::string_view descriptor, uint64_t instance_id,
                              std::span<std::byte> into) {
+  std::string_view one[] = {descriptor};
+  std::span<std::byte> where[] = {into};
+  return std::move(FetchMany(one, instance_id, where)[0]);
+}
+
+std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> descriptors,
+                                              uint64_t instance_id,
+                                              std::span<const std::span<std::byte>> into) {
   std::lock_guard lock(mu_);
+  const size_t n = descriptors.size();
   const std::string& peer = options_.address;
-  if (failed_) return Gone("earlier");
+  std::vector<Result<uint64_t>> out;
+  auto all = [&](const Status& s) {
+    out.assign(n, Result<uint64_t>(s));
+    return std::move(out);
+  };
+  if (failed_ || !ucx_) return all(Gone("earlier"));
   if (instance_id != welcome_.instance_id) {
-    return Busy("the descriptor was made by another instance of the stream producer at " + peer +
-                " (it restarted since): stale, refused");
+    return all(Busy("the descriptor was made by another instance of the stream producer at " +
+                    peer + " (it restarted since): stale, refused"));
   }
-  if (descriptor.size() > kStreamMaxDescriptorBytes) return InvalidArgument("descriptor too long");
-  Fetching f;
-  f.request = ++next_request_;
-  f.into = into;
-  fetching_ = &f;
+  for (std::string_view d : descriptors)
+    if (d.size() > kStreamMaxDescriptorBytes) return all(InvalidArgument("descriptor too long"));
+  std::vector<Fetching> fs(n);
+  for (size_t i = 0; i < n; ++i) {
+    fs[i].request = ++next_request_;
+    fs[i].into = into[i];
+    fetching_[fs[i].request] = &fs[i];
+  }
   struct Clear {
-    Fetching*& p;
-    ~Clear() { p = nullptr; }
+    std::map<uint64_t, Fetching*>& map;
+    ~Clear() { map.clear(); }
   } clear{fetching_};
-  std::vector<std::byte> msg(sizeof(StreamOpen) + descriptor.size());
-  StreamOpen open{f.request, instance_id, static_cast<uint32_t>(descriptor.size()), 0};
-  std::memcpy(msg.data(), &open, sizeof open);
-  std::memcpy(msg.data() + sizeof open, descriptor.data(), descriptor.size());
-  ucp_request_param_t send{};
-  send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  send.flags = UCP_AM_SEND_FLAG_REPLY;
   const auto deadline = Clock::now() + Seconds(options_.timeout_seconds);
-  Status sent =
-      ucx_->Wait(ucp_am_send_nbx(ep_, kStreamOpenId, nullptr, 0, msg.data(), msg.size(), &send),
-                 deadline, "stream open request to " + peer);
-  if (!sent.ok()) {
-    if (failed_) return Gone("before the open was sent");
-    Abandon();
-    return sent;
+  // Every open goes out before any answer is awaited: one round trip for the batch.
+  std::vector<std::vector<std::byte>> msgs(n);
+  std::vector<ucs_status_ptr_t> sends(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    msgs[i].resize(sizeof(StreamOpen) + descriptors[i].size());
+    StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()), 0};
+    std::memcpy(msgs[i].data(), &open, sizeof open);
+    std::memcpy(msgs[i].data() + sizeof open, descriptors[i].data(), descriptors[i].size());
+    ucp_request_param_t send{};
+    send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    send.flags = UCP_AM_SEND_FLAG_REPLY;
+    sends[i] = ucp_am_send_nbx(ep_, kStreamOpenId, nullptr, 0, msgs[i].data(), msgs[i].size(),
+                               &send);
   }
+  Status sent = Status::Ok();
+  for (size_t i = 0; i < n; ++i) {
+    Status s = ucx_->Wait(sends[i], deadline, "stream open request to " + peer);
+    if (sent.ok() && !s.ok()) sent = s;
+  }
+  if (!sent.ok()) {
+    bool gone = failed_;
+    Abandon();
+    return all(gone ? Gone("before the open was sent") : sent);
+  }
+  auto finished = [](const Fetching& f) {
+    return (f.header && !f.refusal.empty()) || (f.landed && f.done);
+  };
   for (;;) {
-    if (f.rndv != nullptr && f.receive == nullptr) {
-      ucp_request_param_t param{};
-      void* desc = f.rndv;
-      f.rndv = nullptr;
-      f.receive = ucp_am_recv_data_nbx(ucx_->worker(), desc, into.data(), into.size(), &param);
-      if (f.receive == nullptr) {
-        f.landed = true;
-      } else if (UCS_PTR_IS_ERR(f.receive)) {
-        Status s = UcxStatus(UCS_PTR_STATUS(f.receive), "receiving a tensor from " + peer);
-        f.receive = nullptr;
-        Abandon();
-        return s;
-      }
-    }
-    if (f.receive != nullptr) {
-      ucs_status_t s = ucp_request_check_status(f.receive);
-      if (s != UCS_INPROGRESS) {
-        ucp_request_free(f.receive);
-        f.receive = nullptr;
-        if (s != UCS_OK) {
+    bool busy = false;
+    bool all_finished = true;
+    for (Fetching& f : fs) {
+      if (f.rndv != nullptr && f.receive == nullptr) {
+        ucp_request_param_t param{};
+        void* desc = f.rndv;
+        f.rndv = nullptr;
+        f.receive = ucp_am_recv_data_nbx(ucx_->worker(), desc, f.into.data(), f.into.size(),
+                                         &param);
+        if (f.receive == nullptr) {
+          f.landed = true;
+        } else if (UCS_PTR_IS_ERR(f.receive)) {
+          Status s = UcxStatus(UCS_PTR_STATUS(f.receive), "receiving a tensor from " + peer);
+          f.receive = nullptr;
           Abandon();
-          return Gone("mid-transfer");
+          return all(s);
         }
-        f.landed = true;
       }
-    }
-    if (f.header && !f.refusal.empty()) {
-      if (f.data.status == static_cast<uint32_t>(StreamStatus::kOk)) {
+      if (f.receive != nullptr) {
+        busy = true;
+        ucs_status_t s = ucp_request_check_status(f.receive);
+        if (s != UCS_INPROGRESS) {
+          ucp_request_free(f.receive);
+          f.receive = nullptr;
+          if (s != UCS_OK) {
+            Abandon();
+            return all(Gone("mid-transfer"));
+          }
+          f.landed = true;
+        }
+      }
+      if (f.header && !f.refusal.empty() &&
+          f.data.status == static_cast<uint32_t>(StreamStatus::kOk)) {
         Abandon();  // a malformed answer: this connection is not trusted further
-        return Corrupt("stream open from " + peer + ": " + f.refusal);
+        return all(Corrupt("stream open from " + peer + ": " + f.refusal));
       }
-      return Busy("stream producer at " + peer + " refused the open: " + f.refusal);
+      all_finished = all_finished && finished(f);
     }
-    if (f.landed && f.done) break;
+    if (all_finished) break;
     if (failed_) {
+      bool any_header = false;
+      for (const Fetching& f : fs) any_header = any_header || f.header;
       Abandon();
-      return Gone(f.header ? "mid-transfer" : "before sending the tensor");
+      return all(Gone(any_header ? "mid-transfer" : "before sending the tensor"));
     }
     if (Clock::now() > deadline) {
       Abandon();
-      return TimedOut("stream open from " + peer + ": no tensor within " +
-                      std::to_string(options_.timeout_seconds) + " s (the producer stalled)");
+      return all(TimedOut("stream open from " + peer + ": no tensor within " +
+                          std::to_string(options_.timeout_seconds) +
+                          " s (the producer stalled)"));
     }
-    ucx_->Progress(f.receive != nullptr ? 0 : 5);
+    ucx_->Progress(busy ? 0 : 5);
   }
-  if (f.done_msg.status != static_cast<uint32_t>(StreamStatus::kOk)) {
-    return Busy("stream producer at " + peer + " refused the open: " + f.done_text);
+  fetching_.clear();
+  for (Fetching& f : fs) {
+    if (!f.refusal.empty()) {
+      out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.refusal));
+      continue;
+    }
+    if (f.done_msg.status != static_cast<uint32_t>(StreamStatus::kOk)) {
+      out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.done_text));
+      continue;
+    }
+    if (load::FastXxh3(f.into.data(), f.into.size()) != f.data.xxh3) {
+      // Give the hold back unspent: the bytes were damaged on the way, not read.
+      StreamRelease r{f.data.hold, 0, 0};
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_AM_SEND_FLAG_REPLY;
+      (void)ucx_->Wait(ucp_am_send_nbx(ep_, kStreamReleaseId, nullptr, 0, &r, sizeof r, &param),
+                       Clock::now() + std::chrono::seconds(2), "stream give-back");
+      out.emplace_back(Corrupt("stream open from " + peer + ": the " +
+                               std::to_string(f.into.size()) +
+                               " bytes received do not match the producer's xxh3 (damaged in "
+                               "transit)"));
+      continue;
+    }
+    out.emplace_back(f.data.hold);
   }
-  const uint64_t hash = load::FastXxh3(into.data(), into.size());
-  if (hash != f.data.xxh3) {
-    fetching_ = nullptr;
-    // Give the hold back unspent: the bytes were damaged on the way, not read.
-    StreamRelease r{f.data.hold, 0, 0};
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_REPLY;
-    (void)ucx_->Wait(ucp_am_send_nbx(ep_, kStreamReleaseId, nullptr, 0, &r, sizeof r, &param),
-                     Clock::now() + std::chrono::seconds(2), "stream give-back");
-    return Corrupt("stream open from " + peer + ": the " + std::to_string(into.size()) +
-                   " bytes received do not match the producer's xxh3 (damaged in transit)");
-  }
-  return f.data.hold;
+  return out;
 }
 
 }  // namespace

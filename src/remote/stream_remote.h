@@ -67,6 +67,11 @@ class StreamPeer {
   // producer. Fails (never hangs past the timeout) when the producer refuses, dies or stalls.
   virtual Result<uint64_t> Fetch(std::string_view descriptor, uint64_t instance_id,
                                  std::span<std::byte> into) = 0;
+  // Fetch of several blocks of the same producer instance, all requests in flight at once (one
+  // round trip for the batch instead of one each). One result per descriptor, in order.
+  virtual std::vector<Result<uint64_t>> FetchMany(std::span<const std::string_view> descriptors,
+                                                  uint64_t instance_id,
+                                                  std::span<const std::span<std::byte>> into) = 0;
   // Ends a hold: `spend` spends this reader's share (a release), else gives it back unspent.
   virtual void Release(uint64_t hold, bool spend) = 0;
   // False once the connection failed (the next open connects anew).

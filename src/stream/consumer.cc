@@ -160,7 +160,10 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   // True when the descriptor's producer is on another host: another boot id, or its segment
   // is not in our directory (another mount namespace).
   bool IsRemote(const TensorDescriptor& d) const;
-  Result<StreamTensor> OpenRemote(std::string_view encoded, TensorDescriptor d);
+  // Fetches descriptors of one producer instance on another host, all requests in flight at
+  // once; all or none (on failure *failed is the index of the item that failed).
+  Status OpenRemote(std::span<const std::string_view> encoded, std::vector<TensorDescriptor> ds,
+                    std::vector<StreamTensor>* out, size_t* failed);
   // Ends a remote tensor's hold: spent (a release) or given back.
   void EndRemote(StreamTensor::State& state, bool spend);
 };
@@ -373,15 +376,27 @@ bool StreamConsumer::Impl::IsRemote(const TensorDescriptor& d) const {
   return !platform::StatPath(dir + "/" + d.segment).ok();
 }
 
-Result<StreamTensor> StreamConsumer::Impl::OpenRemote(std::string_view encoded,
-                                                      TensorDescriptor d) {
-  auto view = std::make_unique<RemoteView>();
-  // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
-  const uint64_t rounded =
-      (std::max<uint64_t>(d.length, 1) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
-  EA_ASSIGN_OR_RETURN(view->memory, platform::Mapping::MapAnonymous(rounded, kHugePageBytes));
-  std::span<std::byte> into{view->memory.data(), d.length};
-  const std::string what = "stream open of key " + QuoteForMessage(d.key);
+Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encoded,
+                                        std::vector<TensorDescriptor> ds,
+                                        std::vector<StreamTensor>* out, size_t* failed) {
+  const size_t n = ds.size();
+  *failed = 0;
+  std::vector<std::unique_ptr<RemoteView>> views(n);
+  std::vector<std::span<std::byte>> into(n);
+  for (size_t i = 0; i < n; ++i) {
+    views[i] = std::make_unique<RemoteView>();
+    // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
+    const uint64_t rounded = (std::max<uint64_t>(ds[i].length, 1) + kHugePageBytes - 1) /
+                             kHugePageBytes * kHugePageBytes;
+    auto memory = platform::Mapping::MapAnonymous(rounded, kHugePageBytes);
+    if (!memory.ok()) {
+      *failed = i;
+      return memory.status().WithContext("stream open of key " + QuoteForMessage(ds[i].key));
+    }
+    views[i]->memory = std::move(memory).value();
+    into[i] = {views[i]->memory.data(), ds[i].length};
+  }
+  const TensorDescriptor& d = ds[0];  // every one of the same producer instance
   // A cached connection whose producer went away since (it restarted on the same address)
   // fails only when used, or reached another instance than the descriptor's: then one fresh
   // connection is tried.
@@ -405,34 +420,50 @@ Result<StreamTensor> StreamConsumer::Impl::OpenRemote(std::string_view encoded,
       po.timeout_seconds = options.remote_timeout_seconds;
       po.logger = log;
       auto connected = remote::ConnectStreamPeer(po);
-      if (!connected.ok()) return connected.status().WithContext(what);
+      if (!connected.ok()) {
+        return connected.status().WithContext("stream open of key " + QuoteForMessage(d.key));
+      }
       peer = *connected;
       std::lock_guard lock(peers_mu);
       peers[d.remote] = peer;
     }
-    auto hold = peer->Fetch(encoded, d.producer_instance, into);
-    if (hold.ok()) {
-      view->peer = peer;
-      view->hold = *hold;
+    std::vector<Result<uint64_t>> holds = peer->FetchMany(encoded, d.producer_instance, into);
+    size_t bad = n;
+    for (size_t i = 0; i < n && bad == n; ++i)
+      if (!holds[i].ok()) bad = i;
+    if (bad == n) {
+      for (size_t i = 0; i < n; ++i) {
+        views[i]->peer = peer;
+        views[i]->hold = *holds[i];
+      }
       break;
     }
-    if (!cached || attempt > 0 || peer->alive() || hold.status().code() != StatusCode::kIoError) {
-      return hold.status().WithContext(what);
+    // All or none: the holds that were served go back unspent.
+    for (size_t i = 0; i < n; ++i)
+      if (holds[i].ok()) peer->Release(*holds[i], false);
+    const Status& why = holds[bad].status();
+    if (!cached || attempt > 0 || peer->alive() || why.code() != StatusCode::kIoError) {
+      *failed = bad;
+      return why.WithContext("stream open of key " + QuoteForMessage(ds[bad].key));
     }
   }
-  if (options.gpu != "none" && !options.gpu.empty()) {
-    auto reg = gpu::RegisterHostRange(
-        view->memory.bytes(),
-        {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
-    if (reg.ok()) view->registration = std::move(reg).value();
+  for (size_t i = 0; i < n; ++i) {
+    RemoteView& view = *views[i];
+    if (options.gpu != "none" && !options.gpu.empty()) {
+      auto reg = gpu::RegisterHostRange(
+          view.memory.bytes(),
+          {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
+      if (reg.ok()) view.registration = std::move(reg).value();
+    }
+    auto state = std::make_unique<StreamTensor::State>();
+    state->consumer = self_weak.lock();
+    state->bytes = into[i];
+    state->private_bytes = into[i];
+    state->descriptor = std::move(ds[i]);
+    state->remote = std::move(views[i]);
+    out->push_back(StreamTensor(std::move(state)));
   }
-  auto state = std::make_unique<StreamTensor::State>();
-  state->consumer = self_weak.lock();
-  state->bytes = into;
-  state->private_bytes = into;
-  state->descriptor = std::move(d);
-  state->remote = std::move(view);
-  return StreamTensor(std::move(state));
+  return Status::Ok();
 }
 
 void StreamConsumer::Impl::Release(StreamTensor::State& state) {
@@ -566,7 +597,15 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   }
   EA_ASSIGN_OR_RETURN(TensorDescriptor d, TensorDescriptor::Decode(encoded));
   impl_->Poll();
-  if (impl_->IsRemote(d)) return impl_->OpenRemote(encoded, std::move(d));
+  if (impl_->IsRemote(d)) {
+    std::vector<StreamTensor> out;
+    std::vector<TensorDescriptor> ds;
+    ds.push_back(std::move(d));
+    size_t failed = 0;
+    std::string_view one[] = {encoded};
+    EA_RETURN_IF_ERROR(impl_->OpenRemote(one, std::move(ds), &out, &failed));
+    return std::move(out[0]);
+  }
   std::lock_guard lock(impl_->mu);
   impl_->DropUnlinkedLocked(false);
   EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
@@ -625,6 +664,34 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
 
 Result<std::vector<StreamTensor>> StreamConsumer::OpenMany(
     std::span<const std::string_view> descriptors) {
+  // Descriptors of one producer on another host: fetched as one batch (every request in
+  // flight at once), all or none like the loop below.
+  if (descriptors.size() >= 2 && !impl_->Foreign()) {
+    std::vector<TensorDescriptor> ds;
+    for (std::string_view e : descriptors) {
+      auto d = TensorDescriptor::Decode(e);
+      if (!d.ok() || !impl_->IsRemote(*d) ||
+          (!ds.empty() && (d->remote != ds[0].remote ||
+                           d->producer_instance != ds[0].producer_instance))) {
+        ds.clear();
+        break;
+      }
+      ds.push_back(std::move(d).value());
+    }
+    if (!ds.empty()) {
+      impl_->Poll();
+      std::vector<StreamTensor> opened;
+      size_t failed = 0;
+      Status s = impl_->OpenRemote(descriptors, std::move(ds), &opened, &failed);
+      if (s.ok()) return opened;
+      return Status(s.code(), "stream open_many: item " + std::to_string(failed) + " of " +
+                                  std::to_string(descriptors.size()) + ": " + s.message() +
+                                  (descriptors.size() > 1
+                                       ? " (the other items were given back unread: each "
+                                         "descriptor opens again)"
+                                       : ""));
+    }
+  }
   std::vector<StreamTensor> opened;
   opened.reserve(descriptors.size());
   for (size_t i = 0; i < descriptors.size(); ++i) {

@@ -207,6 +207,36 @@ TEST_F(StreamLoopbackTest, AbortDuringTheTransferFailsTheOpen) {
   EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
 }
 
+TEST_F(StreamLoopbackTest, OpenManyFetchesABatchBitExact) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  // Eager and rendezvous sizes in one batch.
+  std::vector<std::vector<std::byte>> tensors;
+  std::vector<std::string> descs;
+  for (int i = 0; i < 33; ++i) {
+    const std::string key = "batch-" + std::to_string(i);
+    tensors.push_back(TensorBytes(key, i == 32 ? (4 << 20) : (64 << 10), 1));
+    auto d = producer->Put(key, tensors.back(), {.dtype = "u8"});
+    ASSERT_TRUE(d.ok());
+    descs.push_back(*d);
+  }
+  std::vector<std::string_view> views(descs.begin(), descs.end());
+  auto opened = consumer->OpenMany(views);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  ASSERT_EQ(opened->size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_TRUE((*opened)[i].remote());
+    ASSERT_EQ((*opened)[i].bytes().size(), tensors[i].size());
+    EXPECT_EQ(std::memcmp((*opened)[i].bytes().data(), tensors[i].data(), tensors[i].size()), 0)
+        << i;
+  }
+  EXPECT_EQ(RemoteHolders(*producer), tensors.size());
+  opened->clear();  // every release crosses the wire
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
+}
+
 TEST_F(StreamLoopbackTest, OpenManyFailureGivesRemoteHoldsBackUnspent) {
   auto producer = StreamProducer::Create(Producer());
   ASSERT_TRUE(producer.ok());
