@@ -394,6 +394,9 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
       return memory.status().WithContext("stream open of key " + QuoteForMessage(ds[i].key));
     }
     views[i]->memory = std::move(memory).value();
+    // Transparent huge pages in "madvise" mode too; where the kernel refuses, 4 KiB pages.
+    (void)platform::AdviseRange(views[i]->memory.data(), rounded, platform::Advice::kHugePage,
+                                "remote tensor memory");
     into[i] = {views[i]->memory.data(), ds[i].length};
   }
   const TensorDescriptor& d = ds[0];  // every one of the same producer instance
