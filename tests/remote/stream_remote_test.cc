@@ -367,6 +367,24 @@ TEST_F(StreamLoopbackTest, ConsumerReconnectsToAProducerRestartedOnTheSameAddres
       << stale.status().ToString();
 }
 
+TEST_F(StreamLoopbackTest, ListensOnlyOnTheAddressGiven) {
+  auto producer = StreamProducer::Create(Producer());  // 127.0.0.1
+  ASSERT_TRUE(producer.ok());
+  auto desc = producer->Put("k", TensorBytes("k", 100, 1), {});
+  ASSERT_TRUE(desc.ok());
+  // The same port on another loopback address of this host: nothing listens there.
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  const std::string port = d->remote.substr(d->remote.rfind(':'));
+  d->remote = "127.0.0.2" + port;
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto t = consumer->Open(d->Encode());
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("cannot reach"), std::string::npos)
+      << t.status().ToString();
+}
+
 TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {
   StreamOptions o = here_.Producer("xs");
   auto producer = StreamProducer::Create(o);
