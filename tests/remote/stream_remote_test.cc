@@ -477,7 +477,13 @@ class Hosts {
     return "ea" + std::to_string(getpid()) + "x" + std::to_string(host);
   }
   std::string Veth(int host) const {
-    return "x" + std::to_string(getpid()) + "v" + std::to_string(host);
+    // Piece by piece: "x" + std::to_string(...) draws a bogus -Wrestrict from g++ 12 at -O3
+    // (GCC PR 105651).
+    std::string name = "xs";
+    name += std::to_string(getpid());
+    name += 'v';
+    name += std::to_string(host);
+    return name;
   }
   std::string MountFile(int host) const { return run_ + "/h" + std::to_string(host) + ".mnt"; }
   bool made_ = false;
