@@ -111,6 +111,16 @@ typedef struct ea_stream_params {
   int allow_foreign_owner;         /* consumer: map segments of another user; 0 */
   int quiet;                       /* nonzero: no log lines (start, growth, spill) on stderr */
   double lease_check_seconds;      /* how often a put may check for dead consumers; 1.0 */
+  /* Across hosts over UCX (docs/cross-host.md). Producer: listen is "ADDR:PORT" to serve
+   * consumers on other hosts (port 0: any free port, see ea_stream_producer_remote_address);
+   * NULL: nothing listens. listen_token: the producer asks remote consumers for it, a consumer
+   * presents it; NULL: none. remote_lease_seconds: a remote consumer's hold ends at most this
+   * long after its tensor was served; 60. remote_timeout_seconds: a consumer's bound on one
+   * open from another host; 30. */
+  const char* listen;
+  const char* listen_token;
+  double remote_lease_seconds;
+  double remote_timeout_seconds;
 } ea_stream_params;
 
 /* The producer's counters (StreamStats). */
@@ -243,6 +253,11 @@ EXPERT_ARENA_EXPORT int ea_stream_get_stats(ea_stream_producer* producer, ea_str
  * segment files; valid until ea_stream_producer_destroy (NULL for NULL). */
 EXPERT_ARENA_EXPORT const char* ea_stream_producer_name(const ea_stream_producer* producer);
 
+/* "ADDR:PORT" the producer serves other hosts on ("" without ea_stream_params.listen); valid
+ * until ea_stream_producer_destroy (NULL for NULL). */
+EXPERT_ARENA_EXPORT const char* ea_stream_producer_remote_address(
+    const ea_stream_producer* producer);
+
 /* A block the producer still holds for its readers (ea_stream_pending). */
 typedef struct ea_stream_pending_block {
   size_t size;          /* set by the caller in out[0]: sizeof(ea_stream_pending_block) */
@@ -254,6 +269,7 @@ typedef struct ea_stream_pending_block {
   uint32_t holders;      /* consumer processes holding a view of it now */
   uint64_t bytes;
   int spilled;
+  uint32_t remote_holders; /* consumers on other hosts holding it (ea_stream_params.listen) */
 } ea_stream_pending_block;
 
 /* Ends the leases of dead consumers (as ea_stream_reclaim does), then lists the blocks not yet

@@ -72,6 +72,12 @@ struct EXPERT_ARENA_EXPORT TensorDescriptor {
   std::string dtype;
   std::vector<uint64_t> shape;
   std::string key;  // the request key that owns the block
+  // Set by a producer that listens for consumers on other hosts (StreamOptions::listen); a
+  // consumer on another host (another boot id, or the segment not in its directory) fetches
+  // the bytes from there (docs/cross-host.md).
+  std::string remote;              // "ADDR:PORT" of the producer's stream server
+  uint64_t producer_instance = 0;  // that server's instance id (a restarted producer differs)
+  std::string boot_id;             // the producer host's /proc/sys/kernel/random/boot_id
 
   std::string Encode() const;
   static Result<TensorDescriptor> Decode(std::string_view bytes);
@@ -138,6 +144,17 @@ struct StreamOptions {
   // Reclaim() and Pending(), and at most this often from Reserve/Put and Stats() (each check
   // tries one OFD lock per consumer entry in use).
   double lease_check_seconds = 1.0;
+  // Across hosts (docs/cross-host.md): "ADDR:PORT" to serve this producer's tensors to
+  // consumers on other hosts over UCX (port 0: any free port, see remote_address()). Empty
+  // (the default): nothing listens. Descriptors then carry the address, so a consumer on
+  // another host opens them with the same Open call.
+  std::string listen;
+  // When not empty, a remote consumer must present it (ConsumerOptions::remote_token) before
+  // any byte is served.
+  std::string listen_token;
+  // A remote consumer's share of a block is held for it while its endpoint lives and for at
+  // most this many seconds after the block was served (then spent, as a release would).
+  double remote_lease_seconds = 60.0;
   // Logger for the start line, growth, fragmentation and spill notes; null: "expert_arena".
   std::shared_ptr<spdlog::logger> logger;
 };
@@ -150,6 +167,10 @@ struct ConsumerOptions {
   uint64_t pin_budget_bytes = 4ull << 30;
   // Map segments owned by another user (refused by default).
   bool allow_foreign_owner = false;
+  // Descriptors of a producer on another host: the token its listen_token asks for, and the
+  // bound on one remote open (connection, transfer) when the producer stops answering.
+  std::string remote_token;
+  double remote_timeout_seconds = 30.0;
   std::shared_ptr<spdlog::logger> logger;
 };
 
@@ -179,6 +200,10 @@ struct PendingBlock {
   uint64_t bytes = 0;         // of the tensor
   std::string segment;        // file name in the stream or spill directory
   bool spilled = false;
+  // Consumers on other hosts holding it through this producer's stream server (each until its
+  // release, its endpoint fails or remote_lease_seconds pass); `holders` counts this
+  // process once for all of them.
+  uint32_t remote_holders = 0;
 };
 
 class StreamProducer;
@@ -266,6 +291,8 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   // The names of this producer's segment files (for tools and tests).
   std::vector<std::string> SegmentPaths();
   const std::string& instance_name() const;
+  // "ADDR:PORT" the producer serves remote consumers on ("" without StreamOptions::listen).
+  std::string remote_address() const;
 
   struct Impl;
 
@@ -300,6 +327,12 @@ class EXPERT_ARENA_EXPORT StreamTensor {
   const TensorDescriptor& descriptor() const;
   void Release();
   void ReleaseWhen(std::function<bool()> ready);
+  // Gives the hold back without spending this reader's share: the descriptor opens again
+  // (what a failed OpenMany does with the views it opened).
+  void GiveBack();
+  // True when the bytes were fetched from a producer on another host into this process's
+  // own memory (docs/cross-host.md); false for the zero-copy view of a local segment.
+  bool remote() const;
   // Releases once the device copy recorded by `copied` is done (or failed: a failed copy no
   // longer reads these bytes).
   void ReleaseAfter(CopyEvent copied);

@@ -360,7 +360,8 @@ class StreamProducer:
                  max_segments=32, strict=False, gpu="none", *, strict_wait_seconds=1.0,
                  pin_budget_bytes=4 << 30, block_alignment=4096, spill_directory="/var/tmp",
                  huge="auto", copy_threads=0, grow_ahead=True, sweep_at_start=True,
-                 quiet=False, lease_check_seconds=1.0):
+                 quiet=False, lease_check_seconds=1.0, listen=None, listen_token=None,
+                 remote_lease_seconds=60.0):
         if not lease_check_seconds >= 0:
             raise ValueError("StreamProducer(): lease_check_seconds must be >= 0 (0 checks "
                              "readers' leases at every reserve), got %r" % (lease_check_seconds,))
@@ -369,7 +370,8 @@ class StreamProducer:
             int(max_segments), bool(strict), float(strict_wait_seconds), gpu,
             int(pin_budget_bytes), int(block_alignment),
             os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
-            bool(sweep_at_start), bool(quiet), float(lease_check_seconds))
+            bool(sweep_at_start), bool(quiet), float(lease_check_seconds), listen or "",
+            listen_token or "", float(remote_lease_seconds))
         _emit_logs()
 
     def __enter__(self):
@@ -454,6 +456,11 @@ class StreamProducer:
     @property
     def instance_name(self) -> str:
         return self._core.instance_name()
+
+    @property
+    def remote_address(self) -> str:
+        """"ADDR:PORT" this producer serves other hosts on (`listen=`), "" when it does not."""
+        return self._core.remote_address()
 
     @property
     def closed(self) -> bool:
@@ -782,11 +789,13 @@ class StreamConsumer:
     """
 
     def __init__(self, directory="/dev/shm", *, spill_directory="/var/tmp", gpu="none",
-                 pin_budget_bytes=4 << 30, allow_foreign_owner=False, quiet=False):
+                 pin_budget_bytes=4 << 30, allow_foreign_owner=False, quiet=False,
+                 remote_token=None, remote_timeout_seconds=30.0):
         self._where = (os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)))
         self._core = _core.StreamConsumer(
             os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)), gpu,
-            int(pin_budget_bytes), bool(allow_foreign_owner), bool(quiet))
+            int(pin_budget_bytes), bool(allow_foreign_owner), bool(quiet), remote_token or "",
+            float(remote_timeout_seconds))
         _emit_logs()
 
     def __enter__(self):

@@ -97,8 +97,13 @@ class PyProducer {
              uint32_t max_segments, bool strict, double strict_wait_seconds, const std::string& gpu,
              uint64_t pin_budget_bytes, uint64_t block_alignment,
              const std::string& spill_directory, const std::string& huge, uint32_t copy_threads,
-             bool grow_ahead, bool sweep_at_start, bool quiet, double lease_check_seconds) {
+             bool grow_ahead, bool sweep_at_start, bool quiet, double lease_check_seconds,
+             const std::string& listen, const std::string& listen_token,
+             double remote_lease_seconds) {
     StreamOptions options;
+    options.listen = listen;
+    options.listen_token = listen_token;
+    options.remote_lease_seconds = remote_lease_seconds;
     options.directory = directory;
     options.logical_name = logical_name;
     options.segment_bytes = segment_bytes;
@@ -311,7 +316,8 @@ class PyProducer {
     return StatsDict(**s);
   }
 
-  // [{key, state, age_seconds, readers_left, holders, bytes, segment, spilled}], oldest first.
+  // [{key, state, age_seconds, readers_left, holders, bytes, segment, spilled,
+  //   remote_holders}], oldest first.
   py::list Pending() {
     auto producer = Get();
     std::optional<Result<std::vector<PendingBlock>>> pending;
@@ -331,6 +337,7 @@ class PyProducer {
       d["bytes"] = b.bytes;
       d["segment"] = b.segment;
       d["spilled"] = b.spilled;
+      d["remote_holders"] = b.remote_holders;
       out.append(std::move(d));
     }
     return out;
@@ -338,6 +345,7 @@ class PyProducer {
 
   std::vector<std::string> SegmentPaths() { return Get()->SegmentPaths(); }
   std::string InstanceName() { return Get()->instance_name(); }
+  std::string RemoteAddress() { return Get()->remote_address(); }
   bool closed() const { return producer_ == nullptr; }
 
   void Close() {
@@ -399,8 +407,10 @@ class PyConsumer {
  public:
   PyConsumer(const std::string& directory, const std::string& spill_directory,
              const std::string& gpu, uint64_t pin_budget_bytes, bool allow_foreign_owner,
-             bool quiet) {
+             bool quiet, const std::string& remote_token, double remote_timeout_seconds) {
     ConsumerOptions options;
+    options.remote_token = remote_token;
+    options.remote_timeout_seconds = remote_timeout_seconds;
     options.directory = directory;
     options.spill_directory = spill_directory;
     options.gpu = gpu;
@@ -557,6 +567,11 @@ py::dict DescriptorDict(const TensorDescriptor& d) {
   out["dtype"] = d.dtype;
   out["shape"] = Shape(d.shape);
   out["key"] = d.key;
+  if (!d.remote.empty()) {  // a listening producer's (docs/cross-host.md)
+    out["remote"] = d.remote;
+    out["producer_instance"] = d.producer_instance;
+    out["boot_id"] = d.boot_id;
+  }
   return out;
 }
 
@@ -589,13 +604,15 @@ void BindStream(py::module_& m) {
   py::class_<PyProducer>(m, "StreamProducer")
       .def(py::init<const std::string&, const std::string&, uint64_t, uint32_t, bool, double,
                     const std::string&, uint64_t, uint64_t, const std::string&, const std::string&,
-                    uint32_t, bool, bool, bool, double>(),
+                    uint32_t, bool, bool, bool, double, const std::string&, const std::string&,
+                    double>(),
            py::arg("directory"), py::arg("logical_name"), py::arg("segment_bytes"),
            py::arg("max_segments"), py::arg("strict"), py::arg("strict_wait_seconds"),
            py::arg("gpu"), py::arg("pin_budget_bytes"), py::arg("block_alignment"),
            py::arg("spill_directory"), py::arg("huge"), py::arg("copy_threads"),
            py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"),
-           py::arg("lease_check_seconds"))
+           py::arg("lease_check_seconds"), py::arg("listen"), py::arg("listen_token"),
+           py::arg("remote_lease_seconds"))
       .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
            py::arg("dtype"), py::arg("shape"), py::arg("readers"))
       .def("put_many", &PyProducer::PutMany, py::arg("items"), py::arg("readers"))
@@ -609,6 +626,7 @@ void BindStream(py::module_& m) {
       .def("segment_paths", &PyProducer::SegmentPaths)
       .def("pending", &PyProducer::Pending)
       .def("instance_name", &PyProducer::InstanceName)
+      .def("remote_address", &PyProducer::RemoteAddress)
       .def("close", &PyProducer::Close)
       .def_property_readonly("closed", &PyProducer::closed);
 
@@ -637,9 +655,10 @@ void BindStream(py::module_& m) {
 
   py::class_<PyConsumer>(m, "StreamConsumer")
       .def(py::init<const std::string&, const std::string&, const std::string&, uint64_t, bool,
-                    bool>(),
+                    bool, const std::string&, double>(),
            py::arg("directory"), py::arg("spill_directory"), py::arg("gpu"),
-           py::arg("pin_budget_bytes"), py::arg("allow_foreign_owner"), py::arg("quiet"))
+           py::arg("pin_budget_bytes"), py::arg("allow_foreign_owner"), py::arg("quiet"),
+           py::arg("remote_token"), py::arg("remote_timeout_seconds"))
       .def("open", &PyConsumer::Open)
       .def("open_summary", &PyConsumer::OpenSummary)
       .def("open_many_summary", &PyConsumer::OpenManySummary)
@@ -663,6 +682,11 @@ void BindStream(py::module_& m) {
     d.dtype = fields["dtype"].cast<std::string>();
     d.shape = fields["shape"].cast<std::vector<uint64_t>>();
     d.key = fields["key"].cast<std::string>();
+    if (fields.contains("remote")) {
+      d.remote = fields["remote"].cast<std::string>();
+      d.producer_instance = fields["producer_instance"].cast<uint64_t>();
+      d.boot_id = fields["boot_id"].cast<std::string>();
+    }
     return py::bytes(d.Encode());
   });
   m.def("decode_descriptor", [](const py::bytes& wire) {

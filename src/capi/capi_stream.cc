@@ -23,12 +23,14 @@
 struct ea_stream_producer {
   expert_arena::StreamProducer producer;
   std::vector<expert_arena::PendingBlock> pending;  // the strings of ea_stream_pending
+  std::string remote_address;                       // of ea_stream_producer_remote_address
 };
 
 struct ea_stream_reservation {
   expert_arena::Reservation reservation;
   std::string key;
   bool published = false;
+  size_t remote_bytes = 0;  // what the producer's remote fields add to a descriptor
 };
 
 struct ea_stream_consumer {
@@ -93,24 +95,34 @@ int ReadInfo(const char* what, const char* dtype, const uint64_t* shape, uint32_
 // empty key, dtype and shape with the longest segment name (measured once), plus the key's and
 // dtype's bytes and 8 per dimension (the wire form carries each as is, after a length).
 // Checked before anything is reserved or published.
-size_t DescriptorBound(std::string_view key, const TensorInfo& info) {
+// `remote_bytes`: RemoteBytes() of the producer.
+size_t DescriptorBound(std::string_view key, const TensorInfo& info, size_t remote_bytes) {
   static const size_t base = [] {
     TensorDescriptor probe;
     probe.segment.assign(kLongestSegmentName, 'x');
     probe.dtype.clear();
     return probe.Encode().size();
   }();
-  return base + key.size() + info.dtype.size() + sizeof(uint64_t) * info.shape.size();
+  return base + key.size() + info.dtype.size() + sizeof(uint64_t) * info.shape.size() +
+         remote_bytes;
+}
+
+// What a listening producer's descriptors carry more (its address, instance id and boot id).
+size_t RemoteBytes(const std::string& remote_address) {
+  if (remote_address.empty()) return 0;
+  return sizeof(uint16_t) + remote_address.size() + sizeof(uint64_t) + sizeof(uint16_t) + 36;
 }
 
 int CheckCapacity(const char* what, std::string_view key, const TensorInfo& info,
-                  void* out_descriptor, size_t capacity, size_t* descriptor_len) {
+                  size_t remote_bytes, void* out_descriptor, size_t capacity,
+                  size_t* descriptor_len) {
   if (descriptor_len == nullptr) {
     return Fail(-EINVAL, std::string(what) + ": descriptor_len is NULL");
   }
   // EA_STREAM_DESCRIPTOR_MAX holds any descriptor the producer can make: a larger bound means
   // a key, dtype or shape that the put refuses with its own message.
-  size_t need = std::min<size_t>(DescriptorBound(key, info), EA_STREAM_DESCRIPTOR_MAX);
+  size_t need =
+      std::min<size_t>(DescriptorBound(key, info, remote_bytes), EA_STREAM_DESCRIPTOR_MAX);
   if (out_descriptor == nullptr || capacity < need) {
     *descriptor_len = need;
     return Fail(-ERANGE, std::string(what) + ": descriptor buffer of " +
@@ -180,6 +192,8 @@ void ea_stream_params_init_sized(ea_stream_params* params, size_t size) {
   defaults.warning_interval_seconds = d.warning_interval_seconds;
   defaults.sweep_at_start = d.sweep_at_start ? 1 : 0;
   defaults.lease_check_seconds = d.lease_check_seconds;
+  defaults.remote_lease_seconds = d.remote_lease_seconds;
+  defaults.remote_timeout_seconds = expert_arena::ConsumerOptions{}.remote_timeout_seconds;
   std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
 }
 
@@ -218,10 +232,18 @@ int ea_stream_producer_create(const ea_stream_params* params_in, ea_stream_produ
                                std::to_string(p.lease_check_seconds) + " is not 0 or more");
     }
     o.lease_check_seconds = p.lease_check_seconds;
+    o.listen = capi::Text(p.listen, "");
+    o.listen_token = capi::Text(p.listen_token, "");
+    if (!o.listen.empty() && !(p.remote_lease_seconds > 0)) {
+      return Fail(-EINVAL, std::string(kWhat) + ": remote_lease_seconds " +
+                               std::to_string(p.remote_lease_seconds) + " is not more than 0");
+    }
+    o.remote_lease_seconds = p.remote_lease_seconds;
     if (p.quiet != 0) o.logger = capi::QuietLogger();
     auto producer = StreamProducer::Create(o);
     if (!producer.ok()) return Fail(producer.status());
-    *out = new ea_stream_producer{std::move(producer).value(), {}};
+    std::string address = producer->remote_address();
+    *out = new ea_stream_producer{std::move(producer).value(), {}, address};
     return 0;
   });
 }
@@ -235,6 +257,10 @@ void ea_stream_producer_destroy(ea_stream_producer* producer) {
 
 const char* ea_stream_producer_name(const ea_stream_producer* producer) {
   return producer == nullptr ? nullptr : producer->producer.instance_name().c_str();
+}
+
+const char* ea_stream_producer_remote_address(const ea_stream_producer* producer) {
+  return producer == nullptr ? nullptr : producer->remote_address.c_str();
 }
 
 int ea_stream_put(ea_stream_producer* producer, const char* key, const void* data, uint64_t bytes,
@@ -252,8 +278,9 @@ int ea_stream_put(ea_stream_producer* producer, const char* key, const void* dat
   return Guarded(kWhat, [&]() -> int {
     TensorInfo info;
     if (int rc = capi::ReadInfo(kWhat, dtype, shape, ndim, &info); rc != 0) return rc;
-    if (int rc = capi::CheckCapacity(kWhat, key, info, out_descriptor, descriptor_capacity,
-                                     descriptor_len);
+    if (int rc = capi::CheckCapacity(kWhat, key, info,
+                                     capi::RemoteBytes(producer->remote_address), out_descriptor,
+                                     descriptor_capacity, descriptor_len);
         rc != 0) {
       return rc;
     }
@@ -307,7 +334,8 @@ int ea_stream_put_many(ea_stream_producer* producer, const ea_stream_put_item* i
           rc != 0) {
         return rc;
       }
-      need += std::min<size_t>(capi::DescriptorBound(batch[i].key, batch[i].info),
+      need += std::min<size_t>(capi::DescriptorBound(batch[i].key, batch[i].info,
+                                                     capi::RemoteBytes(producer->remote_address)),
                                EA_STREAM_DESCRIPTOR_MAX);
     }
     if (out_descriptors == nullptr || descriptors_capacity < need) {
@@ -348,7 +376,8 @@ int ea_stream_reserve(ea_stream_producer* producer, const char* key, uint64_t by
   return Guarded(kWhat, [&]() -> int {
     auto r = producer->producer.Reserve(key, bytes);
     if (!r.ok()) return Fail(r.status());
-    auto* handle = new ea_stream_reservation{std::move(r).value(), key, false};
+    auto* handle = new ea_stream_reservation{std::move(r).value(), key, false,
+                                             capi::RemoteBytes(producer->remote_address)};
     if (data != nullptr) *data = handle->reservation.bytes().data();
     *out = handle;
     return 0;
@@ -389,8 +418,8 @@ int ea_stream_publish(ea_stream_reservation* reservation, const char* dtype, con
   return Guarded(kWhat, [&]() -> int {
     TensorInfo info;
     if (int rc = capi::ReadInfo(kWhat, dtype, shape, ndim, &info); rc != 0) return rc;
-    if (int rc = capi::CheckCapacity(kWhat, reservation->key, info, out_descriptor,
-                                     descriptor_capacity, descriptor_len);
+    if (int rc = capi::CheckCapacity(kWhat, reservation->key, info, reservation->remote_bytes,
+                                     out_descriptor, descriptor_capacity, descriptor_len);
         rc != 0) {
       return rc;
     }
@@ -462,6 +491,7 @@ int ea_stream_pending(ea_stream_producer* producer, ea_stream_pending_block* out
       b.holders = p.holders;
       b.bytes = p.bytes;
       b.spilled = p.spilled ? 1 : 0;
+      b.remote_holders = p.remote_holders;
       // The caller's array has the caller's stride; fields it lacks are not written.
       char* at = reinterpret_cast<char*>(out) + i * stride;
       std::memcpy(at, &b, std::min(stride, sizeof b));
@@ -523,6 +553,12 @@ int ea_stream_consumer_create(const ea_stream_params* params_in, ea_stream_consu
     o.gpu = capi::Text(p.gpu, "none");
     o.pin_budget_bytes = p.pin_budget_bytes;
     o.allow_foreign_owner = p.allow_foreign_owner != 0;
+    o.remote_token = capi::Text(p.listen_token, "");
+    if (!(p.remote_timeout_seconds > 0)) {
+      return Fail(-EINVAL, std::string(kWhat) + ": remote_timeout_seconds " +
+                               std::to_string(p.remote_timeout_seconds) + " is not more than 0");
+    }
+    o.remote_timeout_seconds = p.remote_timeout_seconds;
     if (p.quiet != 0) o.logger = capi::QuietLogger();
     auto consumer = StreamConsumer::Create(o);
     if (!consumer.ok()) return Fail(consumer.status());

@@ -212,4 +212,15 @@ std::string ShmemHugeSetting() {
   return text->substr(open + 1, close - open - 1);
 }
 
+std::string BootId() {
+  auto text = ReadSmallFile("/proc/sys/kernel/random/boot_id");
+  if (!text.ok()) return "";
+  std::string id;
+  for (char c : *text) {
+    if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || c == '-') id += c;
+    if (c == '\n') break;
+  }
+  return id.size() == 36 ? id : "";
+}
+
 }  // namespace expert_arena::platform

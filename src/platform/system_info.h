@@ -73,4 +73,8 @@ Result<HugetlbPool> ReadHugetlbPool();
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled, the bracketed word ("never", ...).
 std::string ShmemHugeSetting();
 
+// This boot's id (/proc/sys/kernel/random/boot_id, 36 characters of [0-9a-f-]); "" when it
+// cannot be read. Two processes with one boot id run on one kernel (one host).
+std::string BootId();
+
 }  // namespace expert_arena::platform

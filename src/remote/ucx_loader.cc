@@ -90,4 +90,18 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   return ucx->start_server(path, resolved);
 }
 
+Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions& options) {
+  EA_ASSIGN_OR_RETURN(const UcxPlugin* ucx, Ucx());
+  StreamServerOptions resolved = options;
+  resolved.logger = ResolveLogger(options.logger);
+  return ucx->start_stream_server(resolved);
+}
+
+Result<std::shared_ptr<StreamPeer>> ConnectStreamPeer(const StreamPeerOptions& options) {
+  EA_ASSIGN_OR_RETURN(const UcxPlugin* ucx, Ucx());
+  StreamPeerOptions resolved = options;
+  resolved.logger = ResolveLogger(options.logger);
+  return ucx->connect_stream_peer(resolved);
+}
+
 }  // namespace expert_arena::remote

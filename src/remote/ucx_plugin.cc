@@ -14,6 +14,8 @@ expert_arena_ucx_v1() {
       .ucx_version = ucp_get_version_string(),
       .connect_peer = &ConnectUcxPeer,
       .start_server = &StartUcxServer,
+      .start_stream_server = &StartUcxStreamServer,
+      .connect_stream_peer = &ConnectUcxStreamPeer,
   };
   return &plugin;
 }

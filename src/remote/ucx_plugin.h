@@ -1,7 +1,8 @@
 // The UCX transport as a plugin. UCX's libucm hooks mmap, munmap, madvise and brk in every
 // process that loads it, and an engine may bring its own UCX (another version, through NIXL):
 // so UCX is never linked into the library, the tools or the Python module. Everything that
-// calls UCX (ucx_worker.cc, peer_client.cc, peer_server.cc, ucx_plugin.cc) is built into
+// calls UCX (ucx_worker.cc, peer_client.cc, peer_server.cc, stream_server.cc, stream_client.cc,
+// ucx_plugin.cc) is built into
 // libexpert_arena_ucx.so, the only object that links UCX, and the core reaches it through
 // one extern "C" entry, expert_arena_ucx_v1, which returns a UcxPlugin table. Ucx() loads it
 // at the first peer fill or server (docs/cross-host.md says where it is looked for).
@@ -18,6 +19,7 @@
 #include "expert_arena/status.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
+#include "remote/stream_remote.h"
 
 namespace expert_arena::remote {
 
@@ -26,9 +28,10 @@ inline constexpr char kUcxPluginFile[] = "libexpert_arena_ucx.so";
 inline constexpr char kUcxPluginEntryName[] = "expert_arena_ucx_v1";
 
 // What the plugin offers: factories of the transport's objects, each returning an object the
-// core then uses through its abstract interface (PeerSource, PeerServer).
+// core then uses through its abstract interface (PeerSource, PeerServer, StreamServer,
+// StreamPeer).
 //
-// To add an entry (cross-host streaming's StartStreamServer / ConnectStreamPeer, say): append
+// To add an entry: append
 // a function pointer at the end, set it in ucx_plugin.cc's table, and call it through Ucx()
 // from a core wrapper (as ucx_loader.cc does for ConnectPeer), with a refusal in
 // remote_unavailable.cc for builds without UCX. Never reorder or remove an entry. No size
@@ -41,6 +44,9 @@ struct UcxPlugin {
   Result<std::unique_ptr<PeerSource>> (*connect_peer)(const PeerOptions& options);
   Result<std::unique_ptr<PeerServer>> (*start_server)(const std::string& path,
                                                       const ServeOptions& options);
+  // Tensor streams across hosts (stream_remote.h).
+  Result<std::unique_ptr<StreamServer>> (*start_stream_server)(const StreamServerOptions& options);
+  Result<std::shared_ptr<StreamPeer>> (*connect_stream_peer)(const StreamPeerOptions& options);
 };
 
 using UcxPluginEntry = const UcxPlugin* (*)();

@@ -22,6 +22,7 @@
 #include "expert_arena/status.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
+#include "remote/stream_remote.h"
 
 namespace expert_arena::remote {
 
@@ -69,5 +70,8 @@ void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
 Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options);
 Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
                                                    const ServeOptions& options);
+// StartStreamServer and ConnectStreamPeer of the core (stream_remote.h), likewise.
+Result<std::unique_ptr<StreamServer>> StartUcxStreamServer(const StreamServerOptions& options);
+Result<std::shared_ptr<StreamPeer>> ConnectUcxStreamPeer(const StreamPeerOptions& options);
 
 }  // namespace expert_arena::remote

@@ -42,9 +42,11 @@
 #include "common/escape.h"
 #include "common/logging.h"
 #include "expert_arena/stream.h"
+#include "platform/file.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
+#include "remote/stream_remote.h"
 #include "stream/fork_guard.h"
 #include "stream/segment_file.h"
 
@@ -85,10 +87,20 @@ std::atomic_ref<uint64_t> Control(BlockSlot& s) { return stream::AtomicWord(s.co
 std::atomic_ref<uint64_t> Holders(BlockSlot& s) { return stream::AtomicWord(s.holders); }
 uint64_t Relaxed(uint64_t& w) { return stream::AtomicWord(w).load(std::memory_order_relaxed); }
 
+// A tensor fetched from a producer on another host: its bytes in our own memory, and the hold
+// its producer keeps for us until we release it (docs/cross-host.md).
+struct RemoteView {
+  std::shared_ptr<remote::StreamPeer> peer;
+  uint64_t hold = 0;
+  platform::Mapping memory;
+  std::unique_ptr<gpu::Registration> registration;
+};
+
 }  // namespace
 
 struct StreamTensor::State {
   std::shared_ptr<StreamConsumer::Impl> consumer;  // null while in the deferred list
+  std::unique_ptr<RemoteView> remote;              // set for a tensor of another host
   PeerSegment* segment = nullptr;
   TensorDescriptor descriptor;
   std::span<const std::byte> bytes;
@@ -110,6 +122,10 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   uint64_t dropped = 0;
   Clock::time_point last_unlink_check{};
   std::map<std::string, bool> hugetlbfs_dirs;  // directory -> on hugetlbfs (statfs once)
+  std::string boot_id;                         // to tell a descriptor of this host
+  std::mutex peers_mu;                         // connections to producers on other hosts
+  std::map<std::string, std::shared_ptr<remote::StreamPeer>> peers;
+  std::weak_ptr<Impl> self_weak;
 
   std::mutex deferred_mu;
   std::vector<std::unique_ptr<StreamTensor::State>> deferred;
@@ -147,6 +163,15 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   // Gives an opened view's hold back without spending its share (a failed OpenMany).
   void Undo(StreamTensor::State& state);
   uint64_t Poll();
+  // True when the descriptor's producer is on another host: another boot id, or its segment
+  // is not in our directory (another mount namespace).
+  bool IsRemote(const TensorDescriptor& d) const;
+  // Fetches descriptors of one producer instance on another host, all requests in flight at
+  // once; all or none (on failure *failed is the index of the item that failed).
+  Status OpenRemote(std::span<const std::string_view> encoded, std::vector<TensorDescriptor> ds,
+                    std::vector<StreamTensor>* out, size_t* failed);
+  // Ends a remote tensor's hold: spent (a release) or given back.
+  void EndRemote(StreamTensor::State& state, bool spend);
 };
 
 StreamConsumer::Impl::~Impl() {
@@ -368,7 +393,114 @@ void StreamConsumer::Impl::Unhold(PeerSegment& seg, const StreamTensor::State& s
   }
 }
 
+void StreamConsumer::Impl::EndRemote(StreamTensor::State& state, bool spend) {
+  std::unique_ptr<RemoteView> view = std::move(state.remote);
+  if (!Foreign()) view->peer->Release(view->hold, spend);
+  // The registration goes before the memory (members in reverse order).
+}
+
+bool StreamConsumer::Impl::IsRemote(const TensorDescriptor& d) const {
+  if (d.remote.empty()) return false;
+  if (d.boot_id.empty() || d.boot_id != boot_id) return true;
+  const std::string& dir = d.spilled ? options.spill_directory : options.directory;
+  return !platform::StatPath(dir + "/" + d.segment).ok();
+}
+
+Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encoded,
+                                        std::vector<TensorDescriptor> ds,
+                                        std::vector<StreamTensor>* out, size_t* failed) {
+  const size_t n = ds.size();
+  *failed = 0;
+  std::vector<std::unique_ptr<RemoteView>> views(n);
+  std::vector<std::span<std::byte>> into(n);
+  for (size_t i = 0; i < n; ++i) {
+    views[i] = std::make_unique<RemoteView>();
+    // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
+    const uint64_t rounded = (std::max<uint64_t>(ds[i].length, 1) + kHugePageBytes - 1) /
+                             kHugePageBytes * kHugePageBytes;
+    auto memory = platform::Mapping::MapAnonymous(rounded, kHugePageBytes);
+    if (!memory.ok()) {
+      *failed = i;
+      return memory.status().WithContext("stream open of key " + QuoteForMessage(ds[i].key));
+    }
+    views[i]->memory = std::move(memory).value();
+    // Transparent huge pages in "madvise" mode too; where the kernel refuses, 4 KiB pages.
+    (void)platform::AdviseRange(views[i]->memory.data(), rounded, platform::Advice::kHugePage,
+                                "remote tensor memory");
+    into[i] = {views[i]->memory.data(), ds[i].length};
+  }
+  const TensorDescriptor& d = ds[0];  // every one of the same producer instance
+  // A cached connection whose producer went away since (it restarted on the same address)
+  // fails only when used, or reached another instance than the descriptor's: then one fresh
+  // connection is tried.
+  for (int attempt = 0;; ++attempt) {
+    std::shared_ptr<remote::StreamPeer> peer;
+    bool cached = false;
+    {
+      std::lock_guard lock(peers_mu);
+      auto it = peers.find(d.remote);
+      // Another instance there now: this connection reached a producer that is gone.
+      if (it != peers.end() && it->second->alive() &&
+          it->second->instance_id() == d.producer_instance) {
+        peer = it->second;
+        cached = true;
+      }
+    }
+    if (!peer) {
+      remote::StreamPeerOptions po;
+      po.address = d.remote;
+      po.token = options.remote_token;
+      po.timeout_seconds = options.remote_timeout_seconds;
+      po.logger = log;
+      auto connected = remote::ConnectStreamPeer(po);
+      if (!connected.ok()) {
+        return connected.status().WithContext("stream open of key " + QuoteForMessage(d.key));
+      }
+      peer = *connected;
+      std::lock_guard lock(peers_mu);
+      peers[d.remote] = peer;
+    }
+    std::vector<Result<uint64_t>> holds = peer->FetchMany(encoded, d.producer_instance, into);
+    size_t bad = n;
+    for (size_t i = 0; i < n && bad == n; ++i)
+      if (!holds[i].ok()) bad = i;
+    if (bad == n) {
+      for (size_t i = 0; i < n; ++i) {
+        views[i]->peer = peer;
+        views[i]->hold = *holds[i];
+      }
+      break;
+    }
+    // All or none: the holds that were served go back unspent.
+    for (size_t i = 0; i < n; ++i)
+      if (holds[i].ok()) peer->Release(*holds[i], false);
+    const Status& why = holds[bad].status();
+    if (!cached || attempt > 0 || peer->alive() || why.code() != StatusCode::kIoError) {
+      *failed = bad;
+      return why.WithContext("stream open of key " + QuoteForMessage(ds[bad].key));
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    RemoteView& view = *views[i];
+    if (options.gpu != "none" && !options.gpu.empty()) {
+      auto reg = gpu::RegisterHostRange(
+          view.memory.bytes(),
+          {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
+      if (reg.ok()) view.registration = std::move(reg).value();
+    }
+    auto state = std::make_unique<StreamTensor::State>();
+    state->consumer = self_weak.lock();
+    state->bytes = into[i];
+    state->private_bytes = into[i];
+    state->descriptor = std::move(ds[i]);
+    state->remote = std::move(views[i]);
+    out->push_back(StreamTensor(std::move(state)));
+  }
+  return Status::Ok();
+}
+
 void StreamConsumer::Impl::Release(StreamTensor::State& state) {
+  if (state.remote) return EndRemote(state, true);
   if (Foreign()) {
     state.segment = nullptr;  // the parent's hold: the parent releases it
     return;
@@ -398,6 +530,11 @@ void StreamConsumer::Impl::Release(StreamTensor::State& state) {
 }
 
 void StreamConsumer::Impl::Undo(StreamTensor::State& state) {
+  if (state.remote) return EndRemote(state, false);
+  if (Foreign()) {
+    state.segment = nullptr;
+    return;
+  }
   std::lock_guard lock(mu);
   PeerSegment& seg = *state.segment;
   if (state.private_used) seg.private_used[state.descriptor.slot] = true;
@@ -450,6 +587,8 @@ Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
   impl->pid = platform::CurrentPid();
   auto start = platform::ProcessStartTime(impl->pid);
   impl->start_time = start.ok() ? *start : 0;
+  impl->boot_id = platform::BootId();
+  impl->self_weak = impl;
   auto dir = platform::StatPath(options.directory);
   if (!dir.ok()) return dir.status().WithContext("stream consumer directory");
   EA_RETURN_IF_ERROR(stream::RegisterForFork(impl.get()));
@@ -491,6 +630,15 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
   }
   EA_ASSIGN_OR_RETURN(TensorDescriptor d, TensorDescriptor::Decode(encoded));
   impl_->Poll();
+  if (impl_->IsRemote(d)) {
+    std::vector<StreamTensor> out;
+    std::vector<TensorDescriptor> ds;
+    ds.push_back(std::move(d));
+    size_t failed = 0;
+    std::string_view one[] = {encoded};
+    EA_RETURN_IF_ERROR(impl_->OpenRemote(one, std::move(ds), &out, &failed));
+    return std::move(out[0]);
+  }
   std::lock_guard lock(impl_->mu);
   impl_->DropUnlinkedLocked(false);
   EA_ASSIGN_OR_RETURN(PeerSegment * seg, impl_->MapLocked(d.spilled, d.segment));
@@ -548,6 +696,34 @@ Result<StreamTensor> StreamConsumer::Open(std::string_view encoded) {
 
 Result<std::vector<StreamTensor>> StreamConsumer::OpenMany(
     std::span<const std::string_view> descriptors) {
+  // Descriptors of one producer on another host: fetched as one batch (every request in
+  // flight at once), all or none like the loop below.
+  if (descriptors.size() >= 2 && !impl_->Foreign()) {
+    std::vector<TensorDescriptor> ds;
+    for (std::string_view e : descriptors) {
+      auto d = TensorDescriptor::Decode(e);
+      if (!d.ok() || !impl_->IsRemote(*d) ||
+          (!ds.empty() && (d->remote != ds[0].remote ||
+                           d->producer_instance != ds[0].producer_instance))) {
+        ds.clear();
+        break;
+      }
+      ds.push_back(std::move(d).value());
+    }
+    if (!ds.empty()) {
+      impl_->Poll();
+      std::vector<StreamTensor> opened;
+      size_t failed = 0;
+      Status s = impl_->OpenRemote(descriptors, std::move(ds), &opened, &failed);
+      if (s.ok()) return opened;
+      return Status(s.code(), "stream open_many: item " + std::to_string(failed) + " of " +
+                                  std::to_string(descriptors.size()) + ": " + s.message() +
+                                  (descriptors.size() > 1
+                                       ? " (the other items were given back unread: each "
+                                         "descriptor opens again)"
+                                       : ""));
+    }
+  }
   std::vector<StreamTensor> opened;
   opened.reserve(descriptors.size());
   for (size_t i = 0; i < descriptors.size(); ++i) {
@@ -626,6 +802,15 @@ void StreamTensor::Release() {
   consumer->Release(*state_);
   state_.reset();
 }
+
+void StreamTensor::GiveBack() {
+  if (!state_) return;
+  auto consumer = std::move(state_->consumer);
+  consumer->Undo(*state_);
+  state_.reset();
+}
+
+bool StreamTensor::remote() const { return state_ && state_->remote != nullptr; }
 
 void StreamTensor::ReleaseAfter(CopyEvent copied) {
   auto event = std::make_shared<CopyEvent>(std::move(copied));

@@ -2,6 +2,8 @@
 //   "EATD" u16 version u16 flags u32 total_bytes
 //   u32 slot u64 generation u64 offset u64 length
 //   u16 len + segment name, u16 len + dtype, u16 len + key, u16 ndim + u64 dims[ndim]
+//   with flag 2 (a producer that listens, docs/cross-host.md): u16 len + "ADDR:PORT",
+//   u64 producer instance, u16 len + boot id
 //   u64 xxh3 of everything before it
 // Decode checks every length against the bytes it got and the name against what a segment
 // name may be (one path component, no ".."), so a peer cannot make a consumer open a file
@@ -22,6 +24,8 @@ namespace {
 constexpr char kMagic[4] = {'E', 'A', 'T', 'D'};
 constexpr uint16_t kVersion = 1;
 constexpr uint16_t kFlagSpilled = 1;
+constexpr uint16_t kFlagRemote = 2;  // remote address, producer instance, boot id follow
+constexpr size_t kMaxRemoteText = 300;
 constexpr size_t kMaxDescriptorBytes = 4096;
 constexpr size_t kMaxDims = stream::kMaxDescriptorDims;
 constexpr size_t kMaxText = stream::kMaxDescriptorText;
@@ -72,7 +76,8 @@ std::string TensorDescriptor::Encode() const {
   std::string out;
   out.append(kMagic, 4);
   Put<uint16_t>(out, kVersion);
-  Put<uint16_t>(out, spilled ? kFlagSpilled : 0);
+  Put<uint16_t>(out, static_cast<uint16_t>((spilled ? kFlagSpilled : 0) |
+                                           (remote.empty() ? 0 : kFlagRemote)));
   Put<uint32_t>(out, 0);  // total bytes, patched below
   Put<uint32_t>(out, slot);
   Put<uint64_t>(out, generation);
@@ -83,6 +88,11 @@ std::string TensorDescriptor::Encode() const {
   PutText(out, key);
   Put<uint16_t>(out, static_cast<uint16_t>(shape.size()));
   for (uint64_t d : shape) Put<uint64_t>(out, d);
+  if (!remote.empty()) {
+    PutText(out, remote);
+    Put<uint64_t>(out, producer_instance);
+    PutText(out, boot_id);
+  }
   uint32_t total = static_cast<uint32_t>(out.size() + sizeof(uint64_t));
   std::memcpy(out.data() + 8, &total, sizeof total);
   Put<uint64_t>(out, XXH3_64bits(out.data(), out.size()));
@@ -114,7 +124,8 @@ Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
   if (XXH3_64bits(bytes.data(), bytes.size() - 8) != stored_hash) {
     return Refuse("checksum mismatch (damaged in transit)");
   }
-  if ((flags & ~kFlagSpilled) != 0) return Refuse("unknown flags " + std::to_string(flags));
+  if ((flags & ~(kFlagSpilled | kFlagRemote)) != 0)
+    return Refuse("unknown flags " + std::to_string(flags));
   TensorDescriptor d;
   d.spilled = (flags & kFlagSpilled) != 0;
   uint16_t ndim = 0;
@@ -127,6 +138,23 @@ Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
   d.shape.resize(ndim);
   for (auto& dim : d.shape) {
     if (!body.Get(&dim)) return Refuse("truncated shape");
+  }
+  if ((flags & kFlagRemote) != 0) {
+    if (!body.GetText(&d.remote) || !body.Get(&d.producer_instance) || !body.GetText(&d.boot_id))
+      return Refuse("truncated remote fields");
+    // An address and a boot id: printable, short, no path or shell characters.
+    auto plain = [](const std::string& t, const char* extra) {
+      for (char c : t) {
+        bool ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                  std::strchr(extra, c) != nullptr;
+        if (!ok || c == '\0') return false;
+      }
+      return true;
+    };
+    if (d.remote.empty() || d.remote.size() > kMaxRemoteText || !plain(d.remote, ".:-[]%_"))
+      return Refuse("remote address " + QuoteForMessage(d.remote) + " is not ADDR:PORT");
+    if (d.boot_id.size() > 64 || !plain(d.boot_id, "-"))
+      return Refuse("boot id " + QuoteForMessage(d.boot_id) + " is not a boot id");
   }
   if (body.pos() != bytes.size() - 20) return Refuse("trailing bytes after the fields");
   if (!stream::IsValidSegmentName(d.segment)) {

@@ -53,6 +53,7 @@
 #include "platform/memory_copy.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
+#include "remote/stream_remote.h"
 #include "stream/block_allocator.h"
 #include "stream/fork_guard.h"
 #include "stream/segment_file.h"
@@ -123,6 +124,13 @@ Status CheckInfo(std::string_view what, std::string_view key, const TensorInfo& 
   return Status::Ok();
 }
 
+// "60 s", "0.5 s".
+std::string FormatSeconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
 std::string RandomHex() {
   std::random_device rd;
   char buf[16];
@@ -171,6 +179,9 @@ struct StreamProducer::Impl : stream::ForkParticipant {
   uint64_t growing_bytes = 0;
   std::condition_variable grown;
   std::thread grower;
+  // Across hosts (StreamOptions::listen): the stream server, and what descriptors carry.
+  std::unique_ptr<remote::StreamServer> server;
+  std::string boot_id;
 
   ~Impl() override;
   // True in a forked child of the process that created this producer.
@@ -342,6 +353,7 @@ void StreamProducer::Impl::RemoveSegment(uint32_t id) {
 
 StreamProducer::Impl::~Impl() {
   stream::UnregisterForFork(this);
+  server.reset();  // ends remote holds (their shares spent) while the segments still exist
   {
     std::lock_guard lock(mu);
     stopping = true;
@@ -748,13 +760,33 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
                    RandomHex();
   // The first segment comes with the first reserve: a producer that never puts commits
   // nothing (and spends no time on 2 MiB pages).
+  if (!o.listen.empty()) {
+    remote::StreamServerOptions so;
+    so.listen = o.listen;
+    so.token = o.listen_token;
+    so.lease_seconds = o.remote_lease_seconds;
+    so.directory = o.directory;
+    so.spill_directory = o.spill_directory;
+    so.segment_prefix = impl->instance + "-";
+    so.logger = impl->log;
+    auto server = remote::StartStreamServer(so);
+    if (!server.ok()) return server.status().WithContext("stream listen " + o.listen);
+    impl->server = std::move(server).value();
+    impl->boot_id = platform::BootId();
+  } else if (!o.listen_token.empty()) {
+    return InvalidArgument("stream listen_token given without listen (ADDR:PORT)");
+  }
   EA_RETURN_IF_ERROR(stream::RegisterForFork(impl.get()));
-  impl->log->info("stream {}: {} on {} ({} free), segments of {} up to {} ({}), spill to {}{}{}",
+  impl->log->info("stream {}: {} on {} ({} free), segments of {} up to {} ({}), spill to {}{}{}{}",
                   impl->instance, o.directory, platform::FsKindName(fs.kind),
                   FormatBytes(fs.available_bytes), FormatBytes(o.segment_bytes), o.max_segments,
                   FormatBytes(impl->cap_bytes), o.spill_directory,
                   o.strict ? " (strict: no spill)" : "",
-                  swept ? "; swept " + std::to_string(swept) + " dead segments" : "");
+                  swept ? "; swept " + std::to_string(swept) + " dead segments" : "",
+                  impl->server ? "; serving other hosts on " + impl->server->address() +
+                                     (o.listen_token.empty() ? "" : " (token)") + ", lease " +
+                                     FormatSeconds(o.remote_lease_seconds)
+                               : "");
   return StreamProducer(std::move(impl));
 }
 
@@ -820,6 +852,7 @@ Result<uint64_t> StreamProducer::Abort(std::string_view key) {
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream abort"));
   std::lock_guard lock(impl_->mu);
   auto it = impl_->keys.find(std::string(key));  // exact ownership: never a prefix
+  if (impl_->server) impl_->server->Aborted(key);  // transfers in flight end refused
   if (it == impl_->keys.end()) return uint64_t{0};
   std::vector<BlockRef> refs = it->second;
   uint64_t marked = 0;
@@ -865,6 +898,9 @@ Result<StreamStats> StreamProducer::Stats() {
 
 Result<std::vector<PendingBlock>> StreamProducer::Pending() {
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream pending"));
+  // First: expired leases end (their shares spent) and the blocks they held free below.
+  std::vector<remote::RemoteHold> remote_holds;
+  if (impl_->server) remote_holds = impl_->server->Holds();
   std::lock_guard lock(impl_->mu);
   impl_->ReclaimAll();
   impl_->last_lease_check = Clock::now();
@@ -888,6 +924,8 @@ Result<std::vector<PendingBlock>> StreamProducer::Pending() {
       p.bytes = stream::AtomicWord(s.length).load(std::memory_order_relaxed);
       p.segment = seg->file.name;
       p.spilled = seg->file.kind == SegmentKind::kSpill;
+      for (const remote::RemoteHold& h : remote_holds)
+        if (h.slot == slot && h.segment == seg->file.name) ++p.remote_holders;
       out.push_back(std::move(p));
     }
   }
@@ -905,6 +943,10 @@ std::vector<std::string> StreamProducer::SegmentPaths() {
 }
 
 const std::string& StreamProducer::instance_name() const { return impl_->instance; }
+
+std::string StreamProducer::remote_address() const {
+  return impl_->server ? impl_->server->address() : std::string();
+}
 
 // ---- Reservation ---------------------------------------------------------------------------
 
@@ -967,6 +1009,11 @@ Status PublishLocked(StreamProducer::Impl& p, Reservation::State& st, const Tens
   d.dtype = info.dtype;
   d.shape = info.shape;
   d.key = st.key;
+  if (p.server) {
+    d.remote = p.server->address();
+    d.producer_instance = p.server->instance_id();
+    d.boot_id = p.boot_id;
+  }
   return Status::Ok();
 }
 

@@ -50,6 +50,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(again->segment == d.segment && again->spilled == d.spilled && again->slot == d.slot &&
              again->generation == d.generation && again->offset == d.offset &&
              again->length == d.length && again->dtype == d.dtype && again->shape == d.shape &&
-             again->key == d.key);
+             again->key == d.key && again->remote == d.remote &&
+             again->producer_instance == d.producer_instance && again->boot_id == d.boot_id);
+  FUZZ_CHECK(ControlByteProblem(d.remote).empty() && ControlByteProblem(d.boot_id).empty());
   return 0;
 }

@@ -331,6 +331,14 @@ void StreamSeeds() {
   bad.offset = UINT64_MAX;
   Write("descriptor", "offset-overflow-fixed", std::string(1, '\1') + bad.Encode());
   Write("descriptor", "truncated", valid.substr(0, valid.size() - 9));
+  // A listening producer's descriptor (docs/cross-host.md), and one with a hostile address.
+  TensorDescriptor remote = d;
+  remote.remote = "10.0.0.1:4791";
+  remote.producer_instance = 0x1234567890abcdefull;
+  remote.boot_id = "0123abcd-0123-4567-89ab-0123456789ab";
+  Write("descriptor", "remote", std::string(1, '\0') + remote.Encode());
+  remote.remote = "10.0.0.1:4791; rm -rf /";
+  Write("descriptor", "remote-bad-address-fixed", std::string(1, '\1') + remote.Encode());
 
   // A regular segment of 4 MiB of data, as CreateSegment writes its header.
   stream::SegmentHeader h{};

@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -394,3 +395,92 @@ def test_ctypes_put_many_opens_in_the_package_consumer(slib, stream_dir):
         consumer.close()
         lib.ea_stream_producer_destroy(producer)
     assert os.listdir(stream_dir) == []
+
+
+class RemoteStreamParams(ctypes.Structure):
+    """ea_stream_params with the fields added for streams across hosts."""
+    _fields_ = StreamParams._fields_ + [
+        ("lease_check_seconds", ctypes.c_double), ("listen", ctypes.c_char_p),
+        ("listen_token", ctypes.c_char_p), ("remote_lease_seconds", ctypes.c_double),
+        ("remote_timeout_seconds", ctypes.c_double)]
+
+
+class RemotePendingBlock(ctypes.Structure):
+    """ea_stream_pending_block."""
+    _fields_ = [("size", ctypes.c_size_t), ("key", ctypes.c_char_p), ("state", ctypes.c_char_p),
+                ("segment", ctypes.c_char_p), ("age_seconds", ctypes.c_double),
+                ("readers_left", ctypes.c_uint32), ("holders", ctypes.c_uint32),
+                ("bytes", ctypes.c_uint64), ("spilled", ctypes.c_int),
+                ("remote_holders", ctypes.c_uint32)]
+
+
+def test_ctypes_listen_serves_a_consumer_of_another_directory(slib, stream_dir, tmp_path,
+                                                              monkeypatch):
+    """The C params listen, listen_token, remote_lease_seconds and remote_timeout_seconds over
+    loopback (UCX_TLS=tcp): the consumer's directory does not hold the segment, so it fetches
+    the tensor (tests/remote/stream_remote_test.cc has the two-host cases)."""
+    lib = slib
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    as_params = ctypes.POINTER(StreamParams)
+
+    def params(directory, **fields):
+        p = RemoteStreamParams()
+        lib.ea_stream_params_init_sized(ctypes.cast(ctypes.pointer(p), as_params),
+                                        ctypes.sizeof(p))
+        assert p.remote_lease_seconds == 60 and p.remote_timeout_seconds == 30
+        p.directory = os.fsencode(directory)
+        p.logical_name = b"xs"
+        p.segment_bytes = 8 << 20
+        p.max_segments = 2
+        p.quiet = 1
+        for k, v in fields.items():
+            setattr(p, k, v)
+        return ctypes.cast(ctypes.pointer(p), as_params), p
+
+    producer = ctypes.c_void_p()
+    pp, keep_p = params(stream_dir, listen=b"127.0.0.1:0", listen_token=b"t0ken")
+    rc = lib.ea_stream_producer_create(pp, ctypes.byref(producer))
+    if rc != 0 and b"without UCX" in lib.ea_last_error() and os.environ.get("CI") != "true":
+        pytest.skip(lib.ea_last_error().decode())
+    assert rc == 0, lib.ea_last_error()
+    lib.ea_stream_producer_remote_address.argtypes = [ctypes.c_void_p]
+    lib.ea_stream_producer_remote_address.restype = ctypes.c_char_p
+    lib.ea_stream_pending.argtypes = [ctypes.c_void_p, ctypes.POINTER(RemotePendingBlock),
+                                      ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    consumer = ctypes.c_void_p()
+    try:
+        assert lib.ea_stream_producer_remote_address(producer).startswith(b"127.0.0.1:")
+        data = np.arange(100000, dtype=np.float32)
+        desc = ctypes_put(lib, producer, "remote", data, "f32")
+        other = tmp_path / "consumer"
+        other.mkdir()
+        cp, keep_c = params(other, listen_token=b"t0ken", remote_timeout_seconds=10.0)
+        assert lib.ea_stream_consumer_create(cp, ctypes.byref(consumer)) == 0, \
+            lib.ea_last_error()
+        tensor = ctypes.c_void_p()
+        assert lib.ea_stream_open(consumer, desc, len(desc), ctypes.byref(tensor)) == 0, \
+            lib.ea_last_error()
+        info = StreamTensorInfo()
+        info.size = ctypes.sizeof(info)
+        assert lib.ea_stream_tensor_get_info(tensor, ctypes.byref(info)) == 0
+        assert ctypes.string_at(info.data, info.bytes) == data.tobytes()
+        blocks = (RemotePendingBlock * 4)()
+        blocks[0].size = ctypes.sizeof(RemotePendingBlock)
+        count = ctypes.c_size_t()
+        assert lib.ea_stream_pending(producer, blocks, 4, ctypes.byref(count)) == 0
+        assert count.value == 1 and blocks[0].remote_holders == 1
+        lib.ea_stream_release(tensor)
+        for _ in range(500):  # the release crosses the wire
+            if live_blocks(lib, producer) == 0:
+                break
+            time.sleep(0.01)
+        assert live_blocks(lib, producer) == 0
+        # A zero or negative timeout is refused with the field's name.
+        bad, keep_b = params(other, remote_timeout_seconds=0.0)
+        refused = ctypes.c_void_p()
+        assert lib.ea_stream_consumer_create(bad, ctypes.byref(refused)) != 0
+        assert b"remote_timeout_seconds" in lib.ea_last_error()
+    finally:
+        if consumer:
+            lib.ea_stream_consumer_destroy(consumer)
+        lib.ea_stream_producer_destroy(producer)

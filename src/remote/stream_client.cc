@@ -1,0 +1,433 @@
+// A consumer's connection to a producer's stream server (stream_remote.h, docs/cross-host.md).
+// One UCX worker per connection, progressed only inside the calls below (under `mu`): an open
+// (or a batch of them, all requests in flight at once) sends the descriptor, then receives the
+// bytes straight into the caller's buffer (eager: a
+// copy in the callback; rendezvous: ucp_am_recv_data_nbx into it), checks their xxh3, and waits
+// for the producer's "done". Every wait is bounded by the timeout, and the endpoint's peer
+// error handling (with UCX keepalive) ends it sooner when the producer dies or vanishes; a
+// failed transfer closes the endpoint before the buffer is handed back, so nothing lands in it
+// afterwards.
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "common/logging.h"
+#include "load/fast_xxh3.h"
+#include "platform/net.h"
+#include "remote/stream_remote.h"
+#include "remote/stream_wire.h"
+#include "remote/ucx_worker.h"
+
+namespace expert_arena::remote {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::chrono::nanoseconds Seconds(double s) {
+  return std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9));
+}
+
+std::string Printable(const void* data, size_t bytes) {
+  std::string out(static_cast<const char*>(data), std::min<size_t>(bytes, kStreamMaxTextBytes));
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return out;
+}
+
+// The open in progress (one at a time).
+struct Fetching {
+  uint64_t request = 0;
+  std::span<std::byte> into;
+  bool header = false;  // the data message arrived
+  StreamData data{};
+  std::string refusal;
+  void* rndv = nullptr;  // a rendezvous descriptor to receive
+  ucs_status_ptr_t receive = nullptr;
+  bool landed = false;
+  bool done = false;
+  StreamDone done_msg{};
+  std::string done_text;
+};
+
+class Peer final : public StreamPeer {
+ public:
+  ~Peer() override {
+    std::lock_guard lock(mu_);
+    if (ucx_) CloseEndpoint(*ucx_, ep_, failed_, Clock::now() + std::chrono::seconds(2));
+  }
+
+  Status Connect(const StreamPeerOptions& options);
+
+  Result<uint64_t> Fetch(std::string_view descriptor, uint64_t instance_id,
+                         std::span<std::byte> into) override;
+  std::vector<Result<uint64_t>> FetchMany(std::span<const std::string_view> descriptors,
+                                          uint64_t instance_id,
+                                          std::span<const std::span<std::byte>> into) override;
+
+  void Release(uint64_t hold, bool spend) override {
+    std::lock_guard lock(mu_);
+    if (failed_ || !ucx_) return;
+    StreamRelease r{hold, spend ? 1u : 0u, 0};
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY;
+    Status s = ucx_->Wait(ucp_am_send_nbx(ep_, kStreamReleaseId, nullptr, 0, &r, sizeof r, &param),
+                          Clock::now() + Seconds(std::min(options_.timeout_seconds, 5.0)),
+                          "stream release to " + options_.address);
+    if (!s.ok()) log_->warn("{} (the producer's lease ends the hold)", s.message());
+  }
+
+  bool alive() const override {
+    std::lock_guard lock(mu_);
+    return !failed_;
+  }
+
+  uint64_t instance_id() const override { return welcome_.instance_id; }  // set before shared
+
+ private:
+  Status Gone(const std::string& doing) {
+    return Status(
+        failure_ == UCS_ERR_ENDPOINT_TIMEOUT ? StatusCode::kTimedOut : StatusCode::kIoError,
+        "stream producer at " + options_.address + " went away " + doing + " (" +
+            ucs_status_string(failure_) + ")");
+  }
+  // After a failed or stalled transfer: the endpoint goes, so nothing lands in the buffers.
+  void Abandon() {
+    for (auto& [id, f] : fetching_) {
+      if (f->receive != nullptr && !UCS_PTR_IS_ERR(f->receive))
+        ucp_request_cancel(ucx_->worker(), f->receive);
+    }
+    CloseEndpoint(*ucx_, ep_, true, Clock::now() + std::chrono::seconds(2));
+    ep_ = nullptr;
+    for (auto& [id, f] : fetching_) {
+      if (f->receive != nullptr && !UCS_PTR_IS_ERR(f->receive)) {
+        for (int i = 0; i < 200 && ucp_request_check_status(f->receive) == UCS_INPROGRESS; ++i)
+          ucx_->Progress(1);
+        ucp_request_free(f->receive);
+      }
+      f->receive = nullptr;
+      if (f->rndv != nullptr) ucp_am_data_release(ucx_->worker(), f->rndv);
+      f->rndv = nullptr;
+    }
+    if (!failed_) failure_ = UCS_ERR_CANCELED;
+    failed_ = true;
+  }
+
+  Fetching* FindFetching(uint64_t request) {
+    auto it = fetching_.find(request);
+    return it == fetching_.end() ? nullptr : it->second;
+  }
+
+  StreamPeerOptions options_;
+  std::shared_ptr<spdlog::logger> log_;
+  mutable std::mutex mu_;
+  std::unique_ptr<UcxWorker> ucx_;
+  ucp_ep_h ep_ = nullptr;
+  bool failed_ = false;
+  ucs_status_t failure_ = UCS_OK;
+  bool welcomed_ = false;
+  StreamWelcome welcome_{};
+  std::string welcome_text_;
+  uint64_t next_request_ = 0;
+  std::map<uint64_t, Fetching*> fetching_;  // the opens in flight, by request id
+};
+
+Status Peer::Connect(const StreamPeerOptions& options) {
+  options_ = options;
+  log_ = ResolveLogger(options.logger);
+  const std::string& peer = options.address;
+  if (options.token.size() > kStreamMaxTokenBytes) {
+    return InvalidArgument("stream remote token of " + std::to_string(options.token.size()) +
+                           " bytes; at most " + std::to_string(kStreamMaxTokenBytes));
+  }
+  EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(peer));
+  EA_ASSIGN_OR_RETURN(ucx_, UcxWorker::Create(/*rma=*/false));
+  auto set_handler = [&](uint32_t id, ucp_am_recv_callback_t cb) {
+    ucp_am_handler_param_t am{};
+    am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    am.id = id;
+    am.arg = this;
+    am.cb = cb;
+    ucs_status_t s = ucp_worker_set_am_recv_handler(ucx_->worker(), &am);
+    return s == UCS_OK ? Status::Ok() : UcxStatus(s, "ucp_worker_set_am_recv_handler");
+  };
+  EA_RETURN_IF_ERROR(set_handler(
+      kStreamWelcomeId,
+      [](void* arg, const void*, size_t, void* data, size_t length,
+         const ucp_am_recv_param_t* param) -> ucs_status_t {
+        auto* self = static_cast<Peer*>(arg);
+        if (self->welcomed_ || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+            length < sizeof(StreamWelcome))
+          return UCS_OK;
+        self->welcomed_ = true;
+        std::memcpy(&self->welcome_, data, sizeof self->welcome_);
+        self->welcome_text_ = Printable(static_cast<const char*>(data) + sizeof(StreamWelcome),
+                                        length - sizeof(StreamWelcome));
+        return UCS_OK;
+      }));
+  EA_RETURN_IF_ERROR(
+      set_handler(kStreamDataId,
+                  [](void* arg, const void* header, size_t header_length, void* data, size_t length,
+                     const ucp_am_recv_param_t* param) -> ucs_status_t {
+                    auto* self = static_cast<Peer*>(arg);
+                    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+                    if (header_length != sizeof(StreamData)) return UCS_OK;
+                    StreamData h{};
+                    std::memcpy(&h, header, sizeof h);
+                    Fetching* f = self->FindFetching(h.request);
+                    if (f == nullptr || f->header) return UCS_OK;
+                    f->header = true;
+                    f->data = h;
+                    if (h.status != static_cast<uint32_t>(StreamStatus::kOk)) {
+                      f->refusal = rndv ? "refused (text not received)" : Printable(data, length);
+                      return UCS_OK;
+                    }
+                    if (h.length != f->into.size() || length != f->into.size()) {
+                      f->refusal = "the producer sent " + std::to_string(length) +
+                                   " bytes for a block of " + std::to_string(f->into.size());
+                      return UCS_OK;
+                    }
+                    if (rndv) {
+                      f->rndv = data;
+                      return UCS_INPROGRESS;  // received in Fetch with ucp_am_recv_data_nbx
+                    }
+                    if (length > 0) std::memcpy(f->into.data(), data, length);
+                    f->landed = true;
+                    return UCS_OK;
+                  }));
+  EA_RETURN_IF_ERROR(
+      set_handler(kStreamDoneId,
+                  [](void* arg, const void*, size_t, void* data, size_t length,
+                     const ucp_am_recv_param_t* param) -> ucs_status_t {
+                    auto* self = static_cast<Peer*>(arg);
+                    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+                        length < sizeof(StreamDone))
+                      return UCS_OK;
+                    StreamDone d{};
+                    std::memcpy(&d, data, sizeof d);
+                    Fetching* f = self->FindFetching(d.request);
+                    if (f == nullptr || f->done) return UCS_OK;
+                    f->done = true;
+                    f->done_msg = d;
+                    f->done_text = Printable(static_cast<const char*>(data) + sizeof d,
+                                             std::min<size_t>(d.text_bytes, length - sizeof d));
+                    return UCS_OK;
+                  }));
+
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  params.sockaddr.addr = address.get();
+  params.sockaddr.addrlen = address.length;
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler.arg = this;
+  params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* self = static_cast<Peer*>(arg);
+    self->failed_ = true;
+    self->failure_ = status;
+  };
+  ucs_status_t s = ucp_ep_create(ucx_->worker(), &params, &ep_);
+  if (s != UCS_OK) return UcxStatus(s, "connect to stream producer " + peer);
+
+  std::vector<std::byte> hello_bytes(sizeof(StreamHello) + options.token.size());
+  StreamHello hello{kStreamMagic, kStreamVersion, static_cast<uint32_t>(options.token.size())};
+  std::memcpy(hello_bytes.data(), &hello, sizeof hello);
+  if (!options.token.empty())
+    std::memcpy(hello_bytes.data() + sizeof hello, options.token.data(), options.token.size());
+  ucp_request_param_t send{};
+  send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  send.flags = UCP_AM_SEND_FLAG_REPLY;
+  const auto deadline = Clock::now() + Seconds(options.timeout_seconds);
+  Status sent = ucx_->Wait(ucp_am_send_nbx(ep_, kStreamHelloId, nullptr, 0, hello_bytes.data(),
+                                           hello_bytes.size(), &send),
+                           deadline, "hello to stream producer " + peer);
+  if (!sent.ok()) {
+    if (failed_) {
+      return Status(StatusCode::kIoError,
+                    "cannot reach the stream producer at " + peer + " (" +
+                        ucs_status_string(failure_) +
+                        "): it exited, or does not listen there (a descriptor of a dead producer)");
+    }
+    return sent;
+  }
+  while (!welcomed_ && !failed_) {
+    if (Clock::now() > deadline) {
+      return TimedOut("stream producer at " + peer + " did not answer within " +
+                      std::to_string(options.timeout_seconds) + " s");
+    }
+    ucx_->Progress(10);
+  }
+  if (!welcomed_) return Gone("before answering the hello");
+  if (welcome_.magic != kStreamMagic || welcome_.version != kStreamVersion) {
+    return Unsupported("stream producer at " + peer + " speaks another protocol version (" +
+                       std::to_string(welcome_.version) + ", this is " +
+                       std::to_string(kStreamVersion) + ")");
+  }
+  if (welcome_.status != static_cast<uint32_t>(StreamStatus::kOk)) {
+    return PermissionDenied("stream producer at " + peer + " refused: " + welcome_text_);
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> Peer::Fetch(std::string_view descriptor, uint64_t instance_id,
+                             std::span<std::byte> into) {
+  std::string_view one[] = {descriptor};
+  std::span<std::byte> where[] = {into};
+  return std::move(FetchMany(one, instance_id, where)[0]);
+}
+
+std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> descriptors,
+                                              uint64_t instance_id,
+                                              std::span<const std::span<std::byte>> into) {
+  std::lock_guard lock(mu_);
+  const size_t n = descriptors.size();
+  const std::string& peer = options_.address;
+  std::vector<Result<uint64_t>> out;
+  auto all = [&](const Status& s) {
+    out.assign(n, Result<uint64_t>(s));
+    return std::move(out);
+  };
+  if (failed_ || !ucx_) return all(Gone("earlier"));
+  if (instance_id != welcome_.instance_id) {
+    return all(Busy("the descriptor was made by another instance of the stream producer at " +
+                    peer + " (it restarted since): stale, refused"));
+  }
+  for (std::string_view d : descriptors)
+    if (d.size() > kStreamMaxDescriptorBytes) return all(InvalidArgument("descriptor too long"));
+  std::vector<Fetching> fs(n);
+  for (size_t i = 0; i < n; ++i) {
+    fs[i].request = ++next_request_;
+    fs[i].into = into[i];
+    fetching_[fs[i].request] = &fs[i];
+  }
+  struct Clear {
+    std::map<uint64_t, Fetching*>& map;
+    ~Clear() { map.clear(); }
+  } clear{fetching_};
+  const auto deadline = Clock::now() + Seconds(options_.timeout_seconds);
+  // Every open goes out before any answer is awaited: one round trip for the batch.
+  std::vector<std::vector<std::byte>> msgs(n);
+  std::vector<ucs_status_ptr_t> sends(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    msgs[i].resize(sizeof(StreamOpen) + descriptors[i].size());
+    StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()), 0};
+    std::memcpy(msgs[i].data(), &open, sizeof open);
+    std::memcpy(msgs[i].data() + sizeof open, descriptors[i].data(), descriptors[i].size());
+    ucp_request_param_t send{};
+    send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    send.flags = UCP_AM_SEND_FLAG_REPLY;
+    sends[i] = ucp_am_send_nbx(ep_, kStreamOpenId, nullptr, 0, msgs[i].data(), msgs[i].size(),
+                               &send);
+  }
+  Status sent = Status::Ok();
+  for (size_t i = 0; i < n; ++i) {
+    Status s = ucx_->Wait(sends[i], deadline, "stream open request to " + peer);
+    if (sent.ok() && !s.ok()) sent = s;
+  }
+  if (!sent.ok()) {
+    bool gone = failed_;
+    Abandon();
+    return all(gone ? Gone("before the open was sent") : sent);
+  }
+  auto finished = [](const Fetching& f) {
+    return (f.header && !f.refusal.empty()) || (f.landed && f.done);
+  };
+  for (;;) {
+    bool busy = false;
+    bool all_finished = true;
+    for (Fetching& f : fs) {
+      if (f.rndv != nullptr && f.receive == nullptr) {
+        ucp_request_param_t param{};
+        void* desc = f.rndv;
+        f.rndv = nullptr;
+        f.receive = ucp_am_recv_data_nbx(ucx_->worker(), desc, f.into.data(), f.into.size(),
+                                         &param);
+        if (f.receive == nullptr) {
+          f.landed = true;
+        } else if (UCS_PTR_IS_ERR(f.receive)) {
+          Status s = UcxStatus(UCS_PTR_STATUS(f.receive), "receiving a tensor from " + peer);
+          f.receive = nullptr;
+          Abandon();
+          return all(s);
+        }
+      }
+      if (f.receive != nullptr) {
+        busy = true;
+        ucs_status_t s = ucp_request_check_status(f.receive);
+        if (s != UCS_INPROGRESS) {
+          ucp_request_free(f.receive);
+          f.receive = nullptr;
+          if (s != UCS_OK) {
+            Abandon();
+            return all(Gone("mid-transfer"));
+          }
+          f.landed = true;
+        }
+      }
+      if (f.header && !f.refusal.empty() &&
+          f.data.status == static_cast<uint32_t>(StreamStatus::kOk)) {
+        Abandon();  // a malformed answer: this connection is not trusted further
+        return all(Corrupt("stream open from " + peer + ": " + f.refusal));
+      }
+      all_finished = all_finished && finished(f);
+    }
+    if (all_finished) break;
+    if (failed_) {
+      bool any_header = false;
+      for (const Fetching& f : fs) any_header = any_header || f.header;
+      Abandon();
+      return all(Gone(any_header ? "mid-transfer" : "before sending the tensor"));
+    }
+    if (Clock::now() > deadline) {
+      Abandon();
+      return all(TimedOut("stream open from " + peer + ": no tensor within " +
+                          std::to_string(options_.timeout_seconds) +
+                          " s (the producer stalled)"));
+    }
+    ucx_->Progress(busy ? 0 : 5);
+  }
+  fetching_.clear();
+  for (Fetching& f : fs) {
+    if (!f.refusal.empty()) {
+      out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.refusal));
+      continue;
+    }
+    if (f.done_msg.status != static_cast<uint32_t>(StreamStatus::kOk)) {
+      out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.done_text));
+      continue;
+    }
+    if (load::FastXxh3(f.into.data(), f.into.size()) != f.data.xxh3) {
+      // Give the hold back unspent: the bytes were damaged on the way, not read.
+      StreamRelease r{f.data.hold, 0, 0};
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_AM_SEND_FLAG_REPLY;
+      (void)ucx_->Wait(ucp_am_send_nbx(ep_, kStreamReleaseId, nullptr, 0, &r, sizeof r, &param),
+                       Clock::now() + std::chrono::seconds(2), "stream give-back");
+      out.emplace_back(Corrupt("stream open from " + peer + ": the " +
+                               std::to_string(f.into.size()) +
+                               " bytes received do not match the producer's xxh3 (damaged in "
+                               "transit)"));
+      continue;
+    }
+    out.emplace_back(f.data.hold);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<StreamPeer>> ConnectUcxStreamPeer(const StreamPeerOptions& options) {
+  auto peer = std::make_shared<Peer>();
+  Status s = peer->Connect(options);
+  if (!s.ok()) return s;
+  return std::shared_ptr<StreamPeer>(std::move(peer));
+}
+
+}  // namespace expert_arena::remote

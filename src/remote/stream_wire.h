@@ -1,0 +1,80 @@
+// What crosses the wire for a tensor stream across hosts (docs/cross-host.md). Active
+// messages only; the consumer never gets an rkey, so it reads nothing the producer did not
+// choose to send:
+//   consumer -> producer  kStreamHelloId: StreamHello, then the token's bytes
+//   producer -> consumer  kStreamWelcomeId: StreamWelcome (+ a refusal's text)
+//   consumer -> producer  kStreamOpenId: StreamOpen, then the encoded descriptor
+//   producer -> consumer  kStreamDataId: header StreamData, data = the block's bytes (status
+//                         kOk) or a refusal's text
+//   producer -> consumer  kStreamDoneId: StreamDone (+ text), once the data send completed: kOk,
+//                         or kRefused when the key was aborted meanwhile
+//   consumer -> producer  kStreamReleaseId: StreamRelease (spend the share, or give it back)
+// Fixed-size little-endian structs; every length is checked against the message's size.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace expert_arena::remote {
+
+inline constexpr uint64_t kStreamMagic = 0x4d414552'54534145ull;  // "EASTREAM"
+inline constexpr uint32_t kStreamVersion = 1;
+inline constexpr uint32_t kStreamHelloId = 0x4551;
+inline constexpr uint32_t kStreamWelcomeId = 0x4552;
+inline constexpr uint32_t kStreamOpenId = 0x4553;
+inline constexpr uint32_t kStreamDataId = 0x4554;
+inline constexpr uint32_t kStreamDoneId = 0x4555;
+inline constexpr uint32_t kStreamReleaseId = 0x4556;
+inline constexpr uint32_t kStreamMaxTokenBytes = 256;
+inline constexpr uint32_t kStreamMaxDescriptorBytes = 4096;
+inline constexpr uint32_t kStreamMaxTextBytes = 1024;
+
+enum class StreamStatus : uint32_t { kOk = 0, kRefused = 1 };
+
+struct StreamHello {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t token_bytes;
+};
+
+struct StreamWelcome {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t status;  // StreamStatus
+  uint64_t instance_id;
+};
+
+struct StreamOpen {
+  uint64_t request;
+  uint64_t instance_id;  // the descriptor's producer instance
+  uint32_t descriptor_bytes;
+  uint32_t reserved;
+};
+
+struct StreamData {
+  uint64_t request;
+  uint32_t status;  // StreamStatus
+  uint32_t reserved;
+  uint64_t hold;    // the producer's id of this consumer's hold (kOk)
+  uint64_t length;  // of the data that follows: the block (kOk) or the text
+  uint64_t xxh3;    // of the block's bytes (kOk)
+};
+
+struct StreamDone {
+  uint64_t request;
+  uint32_t status;
+  uint32_t text_bytes;  // the refusal's text follows
+};
+
+struct StreamRelease {
+  uint64_t hold;
+  uint32_t spend;  // 1: a release (the share is spent); 0: given back unread
+  uint32_t reserved;
+};
+
+static_assert(sizeof(StreamHello) == 16 && sizeof(StreamWelcome) == 24);
+static_assert(sizeof(StreamOpen) == 24 && sizeof(StreamData) == 40);
+static_assert(sizeof(StreamDone) == 16 && sizeof(StreamRelease) == 16);
+static_assert(std::is_trivially_copyable_v<StreamData>);
+
+}  // namespace expert_arena::remote

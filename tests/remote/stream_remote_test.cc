@@ -1,0 +1,703 @@
+// Tensor streams across hosts (StreamOptions::listen, docs/cross-host.md) over real UCX.
+// Loopback: a producer and a consumer whose stream directories differ (so the consumer cannot
+// see the segment and fetches it), in this process, over 127.0.0.1. Two hosts: network
+// namespaces joined by a veth pair, each with its own mount namespace (its own /dev/shm and
+// sysfs), the producer and the consumer in child processes there. UCX_TLS=tcp everywhere:
+// every namespace has this machine's boot id, and UCX would otherwise take shared memory.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "expert_arena/expert_arena.h"
+#include "remote/peer_client.h"
+#include "stream/stream_test_util.h"
+#include "test_util.h"
+
+namespace expert_arena {
+namespace {
+
+using testing::CheckPattern;
+using testing::FillPattern;
+
+const bool kTcpOnly = [] {
+  setenv("UCX_TLS", "tcp", 1);
+  return true;
+}();
+
+bool InCi() {
+  const char* ci = std::getenv("CI");
+  return ci != nullptr && std::string(ci) == "true";
+}
+
+#define SKIP_OR_FAIL(why)        \
+  do {                           \
+    if (InCi()) FAIL() << (why); \
+    GTEST_SKIP() << (why);       \
+  } while (0)
+
+int Sh(const std::string& command, std::string* out = nullptr, double timeout = 120) {
+  auto child = testing::SpawnProgram("/bin/sh", {"-c", command + " 2>&1"});
+  int code = child.Wait(timeout);
+  if (out != nullptr) *out = child.Output();
+  return code;
+}
+
+// The dtypes a stream carries in the field, with an element size each (the library does not
+// interpret them; the bytes must come back bit-exact whatever they are).
+const std::vector<std::pair<std::string, size_t>> kDtypes = {
+    {"f64", 8}, {"f32", 4}, {"f16", 2}, {"bf16", 2}, {"f8_e4m3", 1}, {"f8_e5m2", 1}, {"i64", 8},
+    {"i32", 4}, {"i16", 2}, {"i8", 1},  {"u8", 1},   {"bool", 1},    {"q4_k", 1}};
+
+// Bytes of a tensor of `dtype`: the pattern of its key, plus the NaNs, infinities, negative
+// zeros and denormals of its size, so nothing on the way may normalize them.
+std::vector<std::byte> TensorBytes(const std::string& key, size_t elements, size_t element) {
+  std::vector<std::byte> bytes(elements * element);
+  FillPattern(bytes, key);
+  const uint8_t specials[][8] = {{0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xf8, 0x7f},   // NaN f64
+                                 {0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80},   // -denormal
+                                 {0x00, 0x00, 0x80, 0xff, 0x01, 0x80, 0xc0, 0x7f}};  // -inf f32..
+  for (size_t i = 0; i < 3 && (i + 1) * element <= bytes.size(); ++i)
+    std::memcpy(bytes.data() + i * element, specials[i], element);
+  return bytes;
+}
+
+class StreamLoopbackTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!remote::RemoteBuilt()) SKIP_OR_FAIL("built without UCX (libucx-dev)");
+  }
+  StreamOptions Producer(const std::string& token = "", double lease = 60) {
+    StreamOptions o = here_.Producer("xs");
+    o.segment_bytes = 16ull << 20;
+    o.max_segments = 4;
+    o.listen = "127.0.0.1:0";
+    o.listen_token = token;
+    o.remote_lease_seconds = lease;
+    return o;
+  }
+  ConsumerOptions Consumer(const std::string& token = "") {
+    ConsumerOptions o = there_.Consumer();  // another directory: the segment is not there
+    o.remote_token = token;
+    o.remote_timeout_seconds = 20;
+    return o;
+  }
+  // Blocks the producer still holds, after settling.
+  static size_t Live(StreamProducer& p) {
+    auto pending = p.Pending();
+    return pending.ok() ? pending->size() : 999;
+  }
+  static uint32_t RemoteHolders(StreamProducer& p) {
+    uint32_t n = 0;
+    auto pending = p.Pending();
+    if (pending.ok())
+      for (const auto& b : *pending) n += b.remote_holders;
+    return n;
+  }
+  // Waits (bounded: a hang fails the test instead) until `pred` holds.
+  template <typename Pred>
+  static bool Eventually(Pred pred, double seconds = 30) {
+    auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < end) {
+      if (pred()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return pred();
+  }
+  testing::StreamDirs here_;
+  testing::StreamDirs there_;
+};
+
+TEST_F(StreamLoopbackTest, EveryDtypeBitExactAndReleaseCrossesTheWire) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  ASSERT_FALSE(producer->remote_address().empty());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok()) << consumer.status().ToString();
+  // Sizes around UCX's eager/rendezvous switch, and one larger than a segment (dedicated).
+  const std::vector<size_t> elements = {1, 1000, 70000, 5u << 20};
+  for (size_t n : elements) {
+    for (const auto& [dtype, size] : kDtypes) {
+      if (n == (5u << 20) && size != 4) continue;  // one 20 MiB tensor is enough
+      const std::string key = dtype + "-" + std::to_string(n);
+      auto bytes = TensorBytes(key, n, size);
+      auto desc = producer->Put(key, bytes, {.dtype = dtype, .shape = {n}});
+      ASSERT_TRUE(desc.ok()) << desc.status().ToString();
+      auto d = TensorDescriptor::Decode(*desc);
+      ASSERT_TRUE(d.ok());
+      EXPECT_EQ(d->remote, producer->remote_address());
+      auto t = consumer->Open(*desc);
+      ASSERT_TRUE(t.ok()) << key << ": " << t.status().ToString();
+      EXPECT_TRUE(t->remote());
+      EXPECT_EQ(t->descriptor().dtype, dtype);
+      ASSERT_EQ(t->bytes().size(), bytes.size());
+      EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0) << key;
+      EXPECT_EQ(RemoteHolders(*producer), 1u) << key;
+      t->Release();
+      // The release crossed the wire: the block (readers = 1) is freed at the producer.
+      EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; })) << key;
+    }
+  }
+  EXPECT_EQ(producer->Stats()->live_blocks, 0u);
+}
+
+TEST_F(StreamLoopbackTest, SameHostConsumerKeepsTheZeroCopyPath) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = StreamConsumer::Create(here_.Consumer());  // the producer's directory
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("local", 4096, 4);
+  auto desc = producer->Put("local", bytes, {.dtype = "f32"});
+  ASSERT_TRUE(desc.ok());
+  auto t = consumer->Open(*desc);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_FALSE(t->remote());
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+  EXPECT_EQ(RemoteHolders(*producer), 0u);
+}
+
+TEST_F(StreamLoopbackTest, AbortBeforeOpenIsRefused) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("gone", 1 << 16, 2);
+  auto desc = producer->Put("gone", bytes, {.dtype = "bf16"});
+  ASSERT_TRUE(desc.ok());
+  ASSERT_TRUE(producer->Abort("gone").ok());
+  auto t = consumer->Open(*desc);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("\"gone\" was aborted by the producer"), std::string::npos)
+      << t.status().ToString();
+  EXPECT_EQ(Live(*producer), 0u);
+}
+
+TEST_F(StreamLoopbackTest, AbortDuringTheTransferFailsTheOpen) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("inflight", 8 << 20, 1);
+  auto desc = producer->Put("inflight", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  // The server stops right after it started sending the bytes, until the file goes.
+  const std::string pause = there_.spill() + "/paused";
+  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
+  std::optional<Result<StreamTensor>> opened;
+  std::thread open([&] { opened.emplace(consumer->Open(*desc)); });
+  const bool paused = testing::WaitForFile(pause, 60);
+  unsetenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE");
+  EXPECT_TRUE(paused);
+  auto marked = producer->Abort("inflight");
+  ASSERT_TRUE(marked.ok());
+  EXPECT_EQ(*marked, 1u);
+  std::filesystem::remove(pause);
+  open.join();
+  ASSERT_TRUE(opened.has_value());
+  ASSERT_FALSE(opened->ok());
+  EXPECT_NE(opened->status().message().find("aborted by the producer during the transfer"),
+            std::string::npos)
+      << opened->status().ToString();
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
+}
+
+TEST_F(StreamLoopbackTest, OpenManyFetchesABatchBitExact) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  // Eager and rendezvous sizes in one batch.
+  std::vector<std::vector<std::byte>> tensors;
+  std::vector<std::string> descs;
+  for (int i = 0; i < 33; ++i) {
+    const std::string key = "batch-" + std::to_string(i);
+    tensors.push_back(TensorBytes(key, i == 32 ? (4 << 20) : (64 << 10), 1));
+    auto d = producer->Put(key, tensors.back(), {.dtype = "u8"});
+    ASSERT_TRUE(d.ok());
+    descs.push_back(*d);
+  }
+  std::vector<std::string_view> views(descs.begin(), descs.end());
+  auto opened = consumer->OpenMany(views);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  ASSERT_EQ(opened->size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_TRUE((*opened)[i].remote());
+    ASSERT_EQ((*opened)[i].bytes().size(), tensors[i].size());
+    EXPECT_EQ(std::memcmp((*opened)[i].bytes().data(), tensors[i].data(), tensors[i].size()), 0)
+        << i;
+  }
+  EXPECT_EQ(RemoteHolders(*producer), tensors.size());
+  opened->clear();  // every release crosses the wire
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
+}
+
+TEST_F(StreamLoopbackTest, OpenManyFailureGivesRemoteHoldsBackUnspent) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto a = TensorBytes("a", 1000, 4);
+  auto da = producer->Put("a", a, {.dtype = "f32"});
+  auto db = producer->Put("b", a, {.dtype = "f32"});
+  ASSERT_TRUE(da.ok() && db.ok());
+  ASSERT_TRUE(producer->Abort("b").ok());
+  std::vector<std::string_view> both = {*da, *db};
+  auto many = consumer->OpenMany(both);
+  ASSERT_FALSE(many.ok());
+  // "a" was given back unspent: it opens again, and its hold was ended at the producer.
+  EXPECT_TRUE(Eventually([&] { return RemoteHolders(*producer) == 0; }));
+  auto again = consumer->Open(*da);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(std::memcmp(again->bytes().data(), a.data(), a.size()), 0);
+}
+
+TEST_F(StreamLoopbackTest, WrongOrMissingTokenIsRefusedBeforeAnyByte) {
+  auto producer = StreamProducer::Create(Producer("s3cret"));
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto bytes = TensorBytes("t", 1000, 4);
+  auto desc = producer->Put("t", bytes, {.dtype = "f32"});
+  ASSERT_TRUE(desc.ok());
+  for (const std::string token : {"", "wrong!"}) {
+    auto consumer = StreamConsumer::Create(Consumer(token));
+    ASSERT_TRUE(consumer.ok());
+    auto t = consumer->Open(*desc);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), StatusCode::kPermission) << t.status().ToString();
+    EXPECT_NE(t.status().message().find("token"), std::string::npos) << t.status().ToString();
+  }
+  EXPECT_EQ(RemoteHolders(*producer), 0u);
+  auto good = StreamConsumer::Create(Consumer("s3cret"));
+  ASSERT_TRUE(good.ok());
+  auto t = good->Open(*desc);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+}
+
+TEST_F(StreamLoopbackTest, LeaseExpiryFreesAHeldBlock) {
+  auto producer = StreamProducer::Create(Producer("", 0.5));
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("leased", 1 << 20, 1);
+  auto desc = producer->Put("leased", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto t = consumer->Open(*desc);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  // Held past its lease: the producer spends the share and frees the block, while the
+  // consumer's own copy stays readable.
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+  t->Release();  // a no-op at the producer now
+  EXPECT_EQ(Live(*producer), 0u);
+}
+
+TEST_F(StreamLoopbackTest, DescriptorOfADeadOrRestartedProducerIsRefused) {
+  std::string desc;
+  std::string address;
+  {
+    auto producer = StreamProducer::Create(Producer());
+    ASSERT_TRUE(producer.ok());
+    address = producer->remote_address();
+    auto bytes = TensorBytes("old", 1000, 4);
+    auto d = producer->Put("old", bytes, {.dtype = "f32"});
+    ASSERT_TRUE(d.ok());
+    desc = *d;
+  }
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto dead = consumer->Open(desc);
+  ASSERT_FALSE(dead.ok());
+  EXPECT_NE(dead.status().message().find("cannot reach"), std::string::npos)
+      << dead.status().ToString();
+  // A new producer on the same port: another instance, refused without a byte read.
+  StreamOptions o = Producer();
+  o.listen = address;
+  auto restarted = StreamProducer::Create(o);
+  ASSERT_TRUE(restarted.ok()) << restarted.status().ToString();
+  auto bytes = TensorBytes("old", 1000, 4);
+  ASSERT_TRUE(restarted->Put("old", bytes, {.dtype = "f32"}).ok());
+  auto stale = consumer->Open(desc);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_NE(stale.status().message().find("another instance"), std::string::npos)
+      << stale.status().ToString();
+}
+
+TEST_F(StreamLoopbackTest, ConsumerReconnectsToAProducerRestartedOnTheSameAddress) {
+  // The old producer's connection lingers on the port (FIN_WAIT/TIME_WAIT): without
+  // UCX_TCP_CM_REUSEADDR=y UCX refuses to listen there again ("Device is busy"), as it would
+  // for an operator's producer restarted on a fixed port (docs/cross-host.md).
+  setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
+  struct Unset {
+    ~Unset() { unsetenv("UCX_TCP_CM_REUSEADDR"); }
+  } unset;
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  std::string address;
+  std::string old_desc;
+  auto bytes = TensorBytes("k", 5000, 4);
+  {
+    auto first = StreamProducer::Create(Producer());
+    ASSERT_TRUE(first.ok());
+    address = first->remote_address();
+    auto d = first->Put("k", bytes, {.dtype = "f32"});
+    auto again = first->Put("k2", bytes, {.dtype = "f32"});
+    ASSERT_TRUE(d.ok() && again.ok());
+    old_desc = *again;
+    auto t = consumer->Open(*d);  // the consumer now keeps a connection to it
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+  }
+  StreamOptions o = Producer();
+  o.listen = address;
+  auto second = StreamProducer::Create(o);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  auto d = second->Put("k", bytes, {.dtype = "f32"});
+  ASSERT_TRUE(d.ok());
+  auto t = consumer->Open(*d);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+  auto stale = consumer->Open(old_desc);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_NE(stale.status().message().find("another instance"), std::string::npos)
+      << stale.status().ToString();
+}
+
+TEST_F(StreamLoopbackTest, ListensOnlyOnTheAddressGiven) {
+  auto producer = StreamProducer::Create(Producer());  // 127.0.0.1
+  ASSERT_TRUE(producer.ok());
+  auto desc = producer->Put("k", TensorBytes("k", 100, 1), {});
+  ASSERT_TRUE(desc.ok());
+  // The same port on another loopback address of this host: nothing listens there.
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  const std::string port = d->remote.substr(d->remote.rfind(':'));
+  d->remote = "127.0.0.2" + port;
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto t = consumer->Open(d->Encode());
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("cannot reach"), std::string::npos)
+      << t.status().ToString();
+}
+
+TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {
+  StreamOptions o = here_.Producer("xs");
+  auto producer = StreamProducer::Create(o);
+  ASSERT_TRUE(producer.ok());
+  EXPECT_TRUE(producer->remote_address().empty());
+  auto desc = producer->Put("k", TensorBytes("k", 10, 1), {});
+  ASSERT_TRUE(desc.ok());
+  EXPECT_TRUE(TensorDescriptor::Decode(*desc)->remote.empty());
+  o.listen_token = "t";
+  EXPECT_FALSE(StreamProducer::Create(o).ok());
+  o.listen = "no-such-host.invalid:1";
+  EXPECT_FALSE(StreamProducer::Create(o).ok());
+}
+
+TEST(RemoteDescriptorTest, RemoteFieldsRoundTripAndAHostileAddressIsRefused) {
+  TensorDescriptor d;
+  d.segment = "ea-stream-xs-1-2-abcd-0";
+  d.length = 10;
+  d.key = "k";
+  d.dtype = "u8";
+  d.remote = "[fe80::1%eth0]:4791";
+  d.producer_instance = 42;
+  d.boot_id = "0123abcd-0123-4567-89ab-0123456789ab";
+  auto back = TensorDescriptor::Decode(d.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->remote, d.remote);
+  EXPECT_EQ(back->producer_instance, 42u);
+  EXPECT_EQ(back->boot_id, d.boot_id);
+  for (const std::string bad : {"10.0.0.1:1; rm -rf /", "a/b:1", "x\n:1"}) {
+    d.remote = bad;
+    auto refused = TensorDescriptor::Decode(d.Encode());
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("is not ADDR:PORT"), std::string::npos)
+        << refused.status().ToString();
+  }
+}
+
+// ---- two hosts -----------------------------------------------------------------------------
+
+// Two hosts on one veth pair, made once for the suite.
+class Hosts {
+ public:
+  std::string Make() {
+    if (!remote::RemoteBuilt()) return "built without UCX (libucx-dev)";
+    if (geteuid() != 0) return "needs root to make network and mount namespaces";
+    if (Sh("command -v ip && command -v nsenter && command -v unshare") != 0)
+      return "needs ip (iproute2), nsenter and unshare (util-linux)";
+    const std::string pid = std::to_string(getpid());
+    run_ = "/run/ea-xs-" + pid;
+    subnet_ = "10.214." + std::to_string(20 + getpid() % 200) + ".";
+    std::string script = "set -e; mkdir -p " + run_ + "; mount --bind " + run_ + " " + run_ +
+                         "; mount --make-private " + run_ + ";";
+    made_ = true;
+    script += " ip netns add " + Namespace(0) + "; ip netns add " + Namespace(1) +
+              "; ip link add " + Veth(0) + " netns " + Namespace(0) + " type veth peer name " +
+              Veth(1) + " netns " + Namespace(1) + ";";
+    for (int i = 0; i < 2; ++i) {
+      script += " ip -n " + Namespace(i) + " addr add " + Address(i) + "/24 dev " + Veth(i) +
+                "; ip -n " + Namespace(i) + " link set " + Veth(i) + " up; ip -n " + Namespace(i) +
+                " link set lo up; touch " + MountFile(i) + "; nsenter --net=/run/netns/" +
+                Namespace(i) + " unshare --mount=" + MountFile(i) +
+                " --propagation private sh -c 'mount -t tmpfs -o size=256m tmpfs /dev/shm && "
+                "umount -l /sys && mount -t sysfs sysfs /sys';";
+    }
+    // Until both ends of the pair have their carrier (a veth comes up a moment after "up").
+    script += " for i in $(seq 100); do ip -n " + Namespace(0) + " link show " + Veth(0) +
+              " | grep -q LOWER_UP && ip -n " + Namespace(1) + " link show " + Veth(1) +
+              " | grep -q LOWER_UP && break; sleep 0.1; done";
+    std::string out;
+    if (Sh(script, &out) != 0) return "cannot make the test network: " + out;
+    return "";
+  }
+  ~Hosts() {
+    if (!made_) return;
+    std::string script;
+    for (int i = 0; i < 2; ++i)
+      script += "umount " + MountFile(i) + "; ip netns del " + Namespace(i) + "; ";
+    script += "umount " + run_ + "; rm -rf " + run_;
+    (void)Sh(script);
+  }
+  std::string Address(int host) const { return subnet_ + std::to_string(host + 1); }
+  // The prefix that runs a command on `host`.
+  std::string On(int host) const {
+    return "nsenter --net=/run/netns/" + Namespace(host) + " --mount=" + MountFile(host) +
+           " -- env UCX_TLS=tcp ";
+  }
+
+ private:
+  std::string Namespace(int host) const {
+    return "ea" + std::to_string(getpid()) + "x" + std::to_string(host);
+  }
+  std::string Veth(int host) const {
+    // Piece by piece: "x" + std::to_string(...) draws a bogus -Wrestrict from g++ 12 at -O3
+    // (GCC PR 105651).
+    std::string name = "xs";
+    name += std::to_string(getpid());
+    name += 'v';
+    name += std::to_string(host);
+    return name;
+  }
+  std::string MountFile(int host) const { return run_ + "/h" + std::to_string(host) + ".mnt"; }
+  bool made_ = false;
+  std::string run_;
+  std::string subnet_;
+};
+
+constexpr uint64_t kBigBytes = 24ull << 20;
+
+// The producer of the two-host cases: puts one tensor of every dtype, a "held" one and a big
+// one, writes their descriptors to CHANNEL/descs, says READY, then reports the remote holders
+// and live blocks whenever they change, until CHANNEL/stop exists.
+//   args: listen-address channel-directory lease-seconds
+EA_CHILD_ROLE(xs_producer) {
+  if (args.size() != 3) return 2;
+  const std::string dir = "/dev/shm/xs-producer";
+  std::filesystem::create_directories(dir);
+  StreamOptions o;
+  o.directory = dir;
+  o.spill_directory = args[1] + "/spill-" + std::to_string(getpid());
+  o.logical_name = "xs";
+  o.segment_bytes = 32ull << 20;
+  o.max_segments = 4;
+  o.listen = args[0];
+  o.remote_lease_seconds = std::stod(args[2]);
+  auto producer = StreamProducer::Create(o);
+  if (!producer.ok()) {
+    std::printf("ERROR %s\n", producer.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<std::string> messages;
+  for (const auto& [dtype, size] : kDtypes) {
+    auto bytes = TensorBytes(dtype, 100003, size);
+    auto d = producer->Put(dtype, bytes, {.dtype = dtype, .shape = {100003}});
+    if (!d.ok()) return 3;
+    messages.push_back(dtype);
+    messages.push_back(*d);
+  }
+  for (const std::string key : {"held", "big"}) {
+    auto bytes = TensorBytes(key, key == std::string("big") ? kBigBytes : 1 << 20, 1);
+    auto d = producer->Put(key, bytes, {.dtype = "u8"});
+    if (!d.ok()) return 3;
+    messages.push_back(key);
+    messages.push_back(*d);
+  }
+  testing::WriteMessages(args[1] + "/descs", messages);
+  std::printf("READY %s\n", producer->remote_address().c_str());
+  std::fflush(stdout);
+  std::string last;
+  while (!std::filesystem::exists(args[1] + "/stop")) {
+    auto pending = producer->Pending();
+    if (pending.ok()) {
+      uint32_t remote = 0;
+      for (const auto& b : *pending) remote += b.remote_holders;
+      std::string now =
+          "HOLDS " + std::to_string(remote) + " LIVE " + std::to_string(pending->size());
+      if (now != last) {
+        std::printf("%s\n", now.c_str());
+        std::fflush(stdout);
+        last = now;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(o.spill_directory);
+  return 0;
+}
+
+// The consumer of the two-host cases. args: channel-directory mode
+//   all:  opens every dtype's tensor, checks its bytes, releases it; "OK <n>" when all match
+//   hold: opens "held", says HOLDING and waits to be killed
+//   big:  says OPENING, opens "big"; prints OK or "ERROR <message>"
+EA_CHILD_ROLE(xs_consumer) {
+  if (args.size() != 2) return 2;
+  const std::string dir = "/dev/shm/xs-consumer";
+  std::filesystem::create_directories(dir);
+  ConsumerOptions o;
+  o.directory = dir;
+  o.spill_directory = dir;
+  o.remote_timeout_seconds = 60;  // the bound is the producer's death, not this
+  auto consumer = StreamConsumer::Create(o);
+  if (!consumer.ok()) return 3;
+  auto messages = testing::ReadMessages(args[0] + "/descs");
+  std::map<std::string, std::string> descs;
+  for (size_t i = 0; i + 1 < messages.size(); i += 2) descs[messages[i]] = messages[i + 1];
+  const std::string mode = args[1];
+  if (mode == "all") {
+    int good = 0;
+    for (const auto& [dtype, size] : kDtypes) {
+      auto t = consumer->Open(descs[dtype]);
+      if (!t.ok()) {
+        std::printf("ERROR %s: %s\n", dtype.c_str(), t.status().ToString().c_str());
+        continue;
+      }
+      auto want = TensorBytes(dtype, 100003, size);
+      if (t->remote() && t->bytes().size() == want.size() &&
+          std::memcmp(t->bytes().data(), want.data(), want.size()) == 0)
+        ++good;
+      else
+        std::printf("MISMATCH %s\n", dtype.c_str());
+      t->Release();
+    }
+    std::printf("OK %d\n", good);
+  } else if (mode == "hold") {
+    auto t = consumer->Open(descs["held"]);
+    if (!t.ok()) {
+      std::printf("ERROR %s\n", t.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("HOLDING\n");
+    std::fflush(stdout);
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  } else if (mode == "big") {
+    std::printf("OPENING\n");
+    std::fflush(stdout);
+    auto t = consumer->Open(descs["big"]);
+    if (t.ok()) {
+      std::printf("OK\n");
+    } else {
+      std::printf("ERROR %s\n", t.status().ToString().c_str());
+    }
+  }
+  std::fflush(stdout);
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+
+class StreamTwoHostsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    hosts_ = new Hosts();
+    skip_ = hosts_->Make();
+  }
+  static void TearDownTestSuite() { delete hosts_; }
+  void SetUp() override {
+    if (!skip_.empty()) SKIP_OR_FAIL(skip_);
+    channel_ = std::filesystem::temp_directory_path() /
+               ("ea-xs-" + std::to_string(getpid()) + "-" + std::to_string(++runs_));
+    std::filesystem::create_directories(channel_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(channel_, ec);
+  }
+  // A child role on `host`, under env `extra` ("K=V ...").
+  testing::Child On(int host, const std::string& role, const std::vector<std::string>& args,
+                    const std::string& extra = "") {
+    std::string line = "exec " + hosts_->On(host) + extra + " " +
+                       std::filesystem::read_symlink("/proc/self/exe").string() +
+                       " --ea-child-role=" + role;
+    for (const auto& a : args) line += " '" + a + "'";
+    return testing::SpawnProgram("/bin/sh", {"-c", line});
+  }
+  testing::Child StartProducer(double lease = 60, const std::string& extra = "") {
+    auto p =
+        On(0, "xs_producer", {hosts_->Address(0) + ":0", channel_, std::to_string(lease)}, extra);
+    EXPECT_TRUE(p.WaitForOutput("READY", 60)) << p.Output();
+    return p;
+  }
+  void Stop(testing::Child& producer) {
+    testing::TouchFile(channel_ + "/stop");
+    EXPECT_EQ(producer.Wait(60), 0) << producer.Output();
+  }
+
+  static Hosts* hosts_;
+  static std::string skip_;
+  static int runs_;
+  std::string channel_;
+};
+Hosts* StreamTwoHostsTest::hosts_ = nullptr;
+std::string StreamTwoHostsTest::skip_;
+int StreamTwoHostsTest::runs_ = 0;
+
+TEST_F(StreamTwoHostsTest, EveryDtypeBitExactAcrossHosts) {
+  auto producer = StartProducer();
+  auto consumer = On(1, "xs_consumer", {channel_, "all"});
+  EXPECT_EQ(consumer.Wait(120), 0);
+  EXPECT_NE(consumer.Output().find("OK " + std::to_string(kDtypes.size())), std::string::npos)
+      << consumer.Output();
+  // Every release crossed the wire: only "held" and "big" are left.
+  EXPECT_TRUE(producer.WaitForOutput("HOLDS 0 LIVE 2", 60)) << producer.Output();
+  Stop(producer);
+}
+
+TEST_F(StreamTwoHostsTest, KilledConsumerLosesItsHold) {
+  auto producer = StartProducer();
+  auto consumer = On(1, "xs_consumer", {channel_, "hold"});
+  ASSERT_TRUE(consumer.WaitForOutput("HOLDING", 60)) << consumer.Output();
+  EXPECT_TRUE(producer.WaitForOutput("HOLDS 1", 60)) << producer.Output();
+  consumer.Kill(SIGKILL);
+  consumer.Wait(30);
+  // Its endpoint fails (the connection reset, or keepalive): the share is spent and "held"
+  // freed, long before its 60 s lease.
+  EXPECT_TRUE(producer.WaitForOutput("HOLDS 0 LIVE " + std::to_string(kDtypes.size() + 1), 50))
+      << producer.Output();
+  Stop(producer);
+}
+
+TEST_F(StreamTwoHostsTest, KilledProducerFailsAnOpenInFlight) {
+  const std::string pause = channel_ + "/paused";
+  auto producer = StartProducer(60, "EXPERT_ARENA_TEST_STREAM_PAUSE_FILE=" + pause);
+  auto consumer = On(1, "xs_consumer", {channel_, "big"});
+  ASSERT_TRUE(consumer.WaitForOutput("OPENING", 60)) << consumer.Output();
+  ASSERT_TRUE(testing::WaitForFile(pause, 60)) << producer.Output();
+  producer.Kill(SIGKILL);  // mid-transfer: the data send started, not all of it landed
+  producer.Wait(30);
+  // A clear error, never a hang (the consumer's own bound is 60 s; this waits 50).
+  EXPECT_TRUE(consumer.WaitForOutput("ERROR", 50)) << consumer.Output();
+  EXPECT_NE(consumer.Output().find("went away"), std::string::npos) << consumer.Output();
+  std::printf("%s", consumer.Output().c_str());
+  EXPECT_EQ(consumer.Wait(30), 0);
+  std::filesystem::remove(pause);
+}
+
+}  // namespace
+}  // namespace expert_arena
