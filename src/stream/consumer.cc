@@ -61,6 +61,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// At most this much released remote tensor memory is kept for reuse (StreamConsumer::Impl::pool).
+constexpr uint64_t kRemotePoolBytes = 256 * kMiB;
+
 struct PeerSegment {
   stream::SegmentFile file;
   bool spill = false;
@@ -126,6 +129,11 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
   std::mutex peers_mu;                         // connections to producers on other hosts
   std::map<std::string, std::shared_ptr<remote::StreamPeer>> peers;
   std::weak_ptr<Impl> self_weak;
+  // Remote tensors' memory, kept after their release (never while a view holds it) for the
+  // next remote opens of the same rounded size: no fresh mmap and zero-fill faults a round.
+  std::mutex pool_mu;
+  std::multimap<uint64_t, platform::Mapping> pool;  // by size
+  uint64_t pool_bytes = 0;
 
   std::mutex deferred_mu;
   std::vector<std::unique_ptr<StreamTensor::State>> deferred;
@@ -172,6 +180,8 @@ struct StreamConsumer::Impl : stream::ForkParticipant {
                     std::vector<StreamTensor>* out, size_t* failed);
   // Ends a remote tensor's hold: spent (a release) or given back.
   void EndRemote(StreamTensor::State& state, bool spend);
+  // Memory for a remote tensor of `bytes` (a multiple of 2 MiB): pooled, else fresh.
+  Result<platform::Mapping> RemoteMemory(uint64_t bytes);
 };
 
 StreamConsumer::Impl::~Impl() {
@@ -395,8 +405,35 @@ void StreamConsumer::Impl::Unhold(PeerSegment& seg, const StreamTensor::State& s
 
 void StreamConsumer::Impl::EndRemote(StreamTensor::State& state, bool spend) {
   std::unique_ptr<RemoteView> view = std::move(state.remote);
-  if (!Foreign()) view->peer->Release(view->hold, spend);
-  // The registration goes before the memory (members in reverse order).
+  state.bytes = {};
+  state.private_bytes = {};
+  if (Foreign()) return;  // a forked child's copy: dropped, never pooled
+  view->peer->Release(view->hold, spend);
+  view->registration.reset();  // before the memory
+  const uint64_t size = view->memory.size();
+  std::lock_guard lock(pool_mu);
+  if (pool_bytes + size > kRemotePoolBytes) return;  // unmapped with the view
+  pool_bytes += size;
+  pool.emplace(size, std::move(view->memory));
+}
+
+Result<platform::Mapping> StreamConsumer::Impl::RemoteMemory(uint64_t bytes) {
+  {
+    std::lock_guard lock(pool_mu);
+    auto it = pool.find(bytes);
+    if (it != pool.end()) {
+      platform::Mapping memory = std::move(it->second);
+      pool.erase(it);
+      pool_bytes -= bytes;
+      return memory;
+    }
+  }
+  EA_ASSIGN_OR_RETURN(platform::Mapping memory,
+                      platform::Mapping::MapAnonymous(bytes, kHugePageBytes));
+  // Transparent huge pages in "madvise" mode too; where the kernel refuses, 4 KiB pages.
+  (void)platform::AdviseRange(memory.data(), bytes, platform::Advice::kHugePage,
+                              "remote tensor memory");
+  return memory;
 }
 
 bool StreamConsumer::Impl::IsRemote(const TensorDescriptor& d) const {
@@ -418,15 +455,12 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
     // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
     const uint64_t rounded = (std::max<uint64_t>(ds[i].length, 1) + kHugePageBytes - 1) /
                              kHugePageBytes * kHugePageBytes;
-    auto memory = platform::Mapping::MapAnonymous(rounded, kHugePageBytes);
+    auto memory = RemoteMemory(rounded);
     if (!memory.ok()) {
       *failed = i;
       return memory.status().WithContext("stream open of key " + QuoteForMessage(ds[i].key));
     }
     views[i]->memory = std::move(memory).value();
-    // Transparent huge pages in "madvise" mode too; where the kernel refuses, 4 KiB pages.
-    (void)platform::AdviseRange(views[i]->memory.data(), rounded, platform::Advice::kHugePage,
-                                "remote tensor memory");
     into[i] = {views[i]->memory.data(), ds[i].length};
   }
   const TensorDescriptor& d = ds[0];  // every one of the same producer instance

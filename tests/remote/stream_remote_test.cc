@@ -237,6 +237,51 @@ TEST_F(StreamLoopbackTest, OpenManyFetchesABatchBitExact) {
   EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
 }
 
+TEST_F(StreamLoopbackTest, ReleasedMemoryIsReusedButNeverUnderAHeldView) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto put = [&](const std::string& key, size_t bytes) {
+    auto tensor = TensorBytes(key, bytes, 1);
+    auto d = producer->Put(key, tensor, {.dtype = "u8"});
+    EXPECT_TRUE(d.ok()) << key;
+    return std::make_pair(d.ok() ? *d : std::string(), tensor);
+  };
+  auto [first_desc, first_bytes] = put("held", 64 << 10);
+  auto held = consumer->Open(first_desc);
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  const std::byte* held_at = held->bytes().data();
+  // More tensors of the same size arrive and go while the first is held: none lands on it.
+  for (int i = 0; i < 8; ++i) {
+    auto [desc, bytes] = put("more-" + std::to_string(i), 64 << 10);
+    auto t = consumer->Open(desc);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_NE(t->bytes().data(), held_at) << i;
+    EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0) << i;
+    t->Release();
+    ASSERT_EQ(std::memcmp(held->bytes().data(), first_bytes.data(), first_bytes.size()), 0)
+        << "the held view changed after tensor " << i;
+  }
+  // Once released, its memory takes the next tensor of that size (the only one pooled while
+  // another view is held), which arrives bit-exact over the old bytes.
+  auto [other_desc, other_bytes] = put("other", 64 << 10);
+  auto other = consumer->Open(other_desc);
+  ASSERT_TRUE(other.ok());
+  const std::byte* other_at = other->bytes().data();
+  held->Release();
+  auto [next_desc, next_bytes] = put("next", 64 << 10);
+  auto next = consumer->Open(next_desc);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->bytes().data(), held_at);
+  EXPECT_NE(next->bytes().data(), other_at);
+  EXPECT_EQ(std::memcmp(next->bytes().data(), next_bytes.data(), next_bytes.size()), 0);
+  EXPECT_EQ(std::memcmp(other->bytes().data(), other_bytes.data(), other_bytes.size()), 0);
+  next->Release();
+  other->Release();
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
+}
+
 TEST_F(StreamLoopbackTest, OpenManyFailureGivesRemoteHoldsBackUnspent) {
   auto producer = StreamProducer::Create(Producer());
   ASSERT_TRUE(producer.ok());
