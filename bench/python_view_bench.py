@@ -8,11 +8,14 @@ Three tensors of the same expert weight: a plain tensor (a clone), the default v
 __torch_function__ is torch's disabled one, so no Python runs in its ops), and the guarded view
 (`arena.torch(name, guard=True)`, a ReadOnlyTensor whose ops pass through __torch_function__).
 Each op runs --number times per sample, the three tensors' samples taken in turn; the table gives
-the best of --repeat samples per op. The default weight is small (8 experts of 128 x 64), so
-that the per-call overhead, which is what a view could add, is most of each op's time.
+the best of --repeat samples per op. Short samples, many of them (60 x 500 calls, about 0.5 ms
+each): this VM's speed changes for seconds at a time, and a sample short enough to fall in a
+quiet stretch gives the same figure run after run. The default weight is small (8 experts of
+128 x 64), so that the per-call overhead, which is what a view could add, is most of each op's
+time.
 
     flock /tmp/expert-arena-bench.lock /usr/bin/python3 bench/python_view_bench.py \\
-        [--bin build/bin] [--dir /dev/shm] [--dtype f32] [--repeat 15] [--number 2000] [--hidden 64] [--ffn 128]
+        [--bin build/bin] [--dir /dev/shm] [--dtype f32] [--repeat 60] [--number 500] [--hidden 64] [--ffn 128]
 
 Needs the package on PYTHONPATH (build/python) and torch (python3-torch).
 """
@@ -52,8 +55,8 @@ def main():
     parser.add_argument("--bin", default="build/bin")
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16"))
-    parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=60)
+    parser.add_argument("--number", type=int, default=500)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=128)
     args = parser.parse_args()

@@ -56,6 +56,9 @@ def _writes_in_place(name):
 _Tensor = torch.Tensor
 _as_subclass = torch.Tensor.as_subclass
 _detach = torch.Tensor.detach
+# A new tensor of class `cls` over a plain tensor's storage, size and strides, that is not an
+# autograd view of it (as_subclass makes one: indexing a view of a view costs 0.1 us more).
+_make_subclass = torch.Tensor._make_subclass
 
 
 def _label(tensor):
@@ -84,8 +87,9 @@ class ArenaTensor(torch.Tensor):
     torch.Tensor over this process's copy-on-write mapping whose in-place methods raise.
 
     `__torch_function__` is torch's disabled implementation, so torch's C++ argument parser
-    never calls into Python for it: ops cost what they cost on a plain tensor (about 0.1 us
-    more per call for the subclass check) and their results are plain tensors. The in-place
+    never calls into Python for it, and its per-call lookup of that attribute is answered in
+    C (_core.fast_torch_function_lookup): ops cost what they cost on a plain tensor (20-50 ns
+    more per call) and their results are plain tensors. The in-place
     methods (every `*_` method but requires_grad_, share_memory_ and detach_, the in-place
     operators, `__setitem__`) raise ValueError naming the tensor; numpy() and np.asarray()
     give read-only arrays. What cannot be intercepted without a per-op cost (out=, torch.*
@@ -102,7 +106,7 @@ class ArenaTensor(torch.Tensor):
     def detach(self):
         # nn.Parameter(view) needs detach() to keep the type (torch 1.13's Parameter.__new__
         # for subclasses); the result is the same bytes, read-only too.
-        out = _as_subclass(_detach(self), type(self))
+        out = _make_subclass(type(self), _detach(self))
         ea = getattr(self, "_ea", None)
         if ea is not None:
             out._ea = ea
@@ -125,7 +129,7 @@ class ArenaTensor(torch.Tensor):
         # copy.deepcopy returns a tuple or a str itself): no copy of the data.
         out = memo.get(id(self))
         if out is None:
-            out = _as_subclass(_detach(self), type(self))
+            out = _make_subclass(type(self), _detach(self))
             out.__dict__.update(self.__dict__)
             if self.requires_grad:
                 out.requires_grad_(True)
@@ -138,6 +142,11 @@ for _name in dir(torch.Tensor):
     if (_name.endswith("_") and not _name.endswith("__") and _name not in _NOT_WRITES_METHODS) \
             or _name in _INPLACE_DUNDERS:
         setattr(ArenaTensor, _name, _refusal(_name))
+
+# torch asks each tensor argument for its __torch_function__ on every call: answered from
+# ArenaTensor's class dict without a string built per call (python/src/torch_type.cc).
+from . import _core  # noqa: E402
+_core.fast_torch_function_lookup(ArenaTensor)
 
 
 class ReadOnlyTensor(ArenaTensor):
@@ -245,7 +254,7 @@ def view(buffer: np.ndarray, layout, cls=None) -> torch.Tensor:
     dtype = torch_dtype(layout.torch_name, layout.numpy_dtype)
     if t.dtype != dtype:
         t = t.view(dtype)
-    return _as_subclass(t.reshape(layout.shape), cls or ArenaTensor)
+    return _make_subclass(cls or ArenaTensor, t.reshape(layout.shape))
 
 
 _DIRECT = {}
@@ -287,7 +296,7 @@ def direct_dtypes() -> dict:
 def wrap(array: np.ndarray, cls=None) -> torch.Tensor:
     """An ArenaTensor (or `cls`) over a writable typed array (never handed out) of a direct
     layout."""
-    return _as_subclass(torch.from_numpy(array), cls or ArenaTensor)
+    return _make_subclass(cls or ArenaTensor, torch.from_numpy(array))
 
 
 def writable_view(buffer: np.ndarray, layout) -> torch.Tensor:
@@ -388,7 +397,7 @@ def rebuild_arena_view(path, identity_hash, offset, nbytes, dtype, size, stride,
         t = t.view(dtype)
     t = t.as_strided(size, stride, storage_offset)
     if arena_tensor:
-        t = _as_subclass(t, ArenaTensor)
+        t = _make_subclass(ArenaTensor, t)
         if label is not None:
             t._ea = (label, None)
         if parameter:

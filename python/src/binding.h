@@ -241,6 +241,7 @@ void BindArena(py::module_& m);
 // Adds StreamProducer, Reservation, StreamTensor, StreamConsumer, sweep and the descriptor
 // functions to the module (stream_binding.cc).
 void BindStream(py::module_& m);
+void BindTorchType(py::module_& m);
 
 }  // namespace expert_arena::python
 

@@ -34,6 +34,7 @@ PYBIND11_MODULE(_core, m) {
 
   BindArena(m);
   BindStream(m);
+  BindTorchType(m);
 
   m.def("ggml_block", [](const std::string& name) -> std::optional<std::pair<uint32_t, uint32_t>> {
     const source::GgmlType* type = source::FindGgmlTypeByName(name);

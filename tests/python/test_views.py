@@ -2,6 +2,7 @@
 parameters in nn.Modules, views sent to other processes by reference, FP8 decoding, and the
 error a package without its compiled module raises."""
 
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -146,6 +147,72 @@ def test_views_cost_what_plain_tensors_cost(gen_model):
         assert type(t).__torch_function__ is torch._C._disabled_torch_function_impl
         assert type(t[3]) is torch.Tensor and type(t * 2) is torch.Tensor
         assert type(t.as_subclass(torch.Tensor)) is torch.Tensor
+        # Not an autograd view of the tensor over the mapping: indexing a view of a view
+        # costs more than indexing a plain tensor.
+        assert t._base is None and not t._is_view()
+        assert not a.torch(a.names()[1], guard=True)._is_view()
+        # torch's per-call lookup goes through the char* API, which ArenaTensor answers
+        # from its class (python/src/torch_type.cc); every other name as Python does.
+        get = ctypes.pythonapi.PyObject_GetAttrString
+        get.restype, get.argtypes = ctypes.py_object, (ctypes.py_object, ctypes.c_char_p)
+        assert get(t, b"__torch_function__") is torch._C._disabled_torch_function_impl
+        assert get(t, b"shape") == t.shape and get(t, b"_ea") == t._ea
+        with pytest.raises(AttributeError):
+            get(t, b"no_such_attribute")
+
+
+def test_stream_torch_views_are_not_autograd_views(stream_dir):
+    with expert_arena.StreamProducer(stream_dir, quiet=True) as producer, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as consumer:
+        ds = [producer.put("a", torch.ones(4, 4)), producer.put("b", torch.ones(3).bfloat16())]
+        views = consumer.open_many(ds, view="torch")
+        for v in views:
+            assert type(v) is expert_arena.ArenaTensor and not v._is_view()
+        with consumer.open(producer.put("c", torch.ones(2))) as t:
+            assert not t.torch()._is_view()
+        del views
+
+
+CLASS_CHANGES = textwrap.dedent("""
+    import sys
+    import torch
+    import expert_arena
+    calls = []
+
+    def spy(cls, func, types, args=(), kwargs=None):
+        calls.append(func.__name__)
+        with torch._C.DisableTorchFunction():
+            return func(*args, **(kwargs or {}))
+
+    a = expert_arena.open(sys.argv[1], quiet=True)
+    t = a.torch(a.names()[0])
+    assert type(t + 1) is torch.Tensor and not calls  # the lookup is cached from here
+    expert_arena.ArenaTensor.__torch_function__ = classmethod(spy)
+    t + 1
+    assert len(calls) == 1, calls
+    del expert_arena.ArenaTensor.__torch_function__
+    calls.clear()
+    # torch.Tensor's own __torch_function__ now: results keep the subclass.
+    assert type(t + 1) is expert_arena.ArenaTensor and not calls
+
+    class Spied(expert_arena.ArenaTensor):
+        __torch_function__ = classmethod(spy)
+
+    s = torch.Tensor._make_subclass(Spied, torch.zeros(2))
+    s * 2
+    assert len(calls) == 1, calls
+    print("ok", flush=True)
+""")
+
+
+def test_torch_sees_changes_to_the_view_class(gen_model):
+    """ArenaTensor's fast __torch_function__ answer follows the class: a new value, a deleted
+    one, and a subclass's own are what torch calls."""
+    out = subprocess.run([sys.executable, "-c", CLASS_CHANGES, gen_model("gguf", "f32")],
+                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok"]
 
 
 def test_arena_is_a_mapping_like_safe_open(gen_model, shm_path):
