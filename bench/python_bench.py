@@ -13,7 +13,9 @@ uses today, in one run (docs/python.md "Benchmark" has results and how to read t
      starts; with --fresh-source numpy-thp, torch over NumPy memory, which NumPy puts on
      transparent huge pages), as an engine hands over new activations; the peer, a torch.multiprocessing
      queue in the same two processes, carries the same fresh tensors (put -> get, then the
-     same ack; the queue moves each new tensor's storage into shared memory).
+     same ack; the queue moves each new tensor's storage into shared memory). The queue's
+     rounds are interleaved with the stream's (one after every fifth for the small shapes),
+     so that both medians come from the same stretch of a machine whose speed drifts.
      Goal: the stream >= 20x faster than the queue for every shape.
    - "in place": each round's fresh tensors are made in reservations (producer.reserve, the
      fill not timed, then publish): no copy; against the same queue, also with the making
@@ -171,6 +173,19 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
     qconsumer = tctx.Process(target=queue_consumer, args=(queue, qthere))
     qconsumer.start()
     seq = 0
+
+    def queue_round(r, count, nbytes):
+        """One round of the peer: (the hand-over, the hand-over with the making) seconds."""
+        tm = time.perf_counter()
+        fresh = [make_fresh(nbytes, r & 0xFF) for _ in range(count)]
+        t0 = time.perf_counter()
+        qhere.send(count)
+        for x in fresh:
+            queue.put(x)
+        qhere.recv()
+        t1 = time.perf_counter()
+        return t1 - t0, t1 - tm
+
     try:
         for name, count, nbytes, rounds in SHAPES:
             source = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
@@ -232,6 +247,14 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
                 here.send((False, batch))
                 here.recv()
                 t8 = time.perf_counter()
+                # The queue's rounds are interleaved with the stream's (one after every
+                # `every`-th), so that both see the same stretch of this machine's speed.
+                every = max(1, rounds // PEER_ROUNDS[name])
+                if r < WARMUP or (r - WARMUP) % every == 0:
+                    q, qm = queue_round(r, count, nbytes)
+                    if r >= WARMUP:
+                        queue_t.append(q)
+                        queue_make_t.append(qm)
                 if r >= WARMUP:
                     fresh_t.append(t1 - t0)
                     inplace_t.append((t3 - t2) + (t5 - t4))
@@ -239,19 +262,6 @@ def bench_stream(directory, scale, fresh_source="torch", copy_threads=0):
                     inplace_torch_t.append((t3b - t2b) + (t5b - t4b))
                     reused_t.append(t7 - t6)
                     reused_one_t.append(t8 - t7)
-            for r in range(PEER_ROUNDS[name] * scale + WARMUP):
-                tm = time.perf_counter()
-                fresh = [make_fresh(nbytes, r & 0xFF) for _ in range(count)]
-                t0 = time.perf_counter()
-                qhere.send(count)
-                for x in fresh:
-                    queue.put(x)
-                qhere.recv()
-                t1 = time.perf_counter()
-                del fresh
-                if r >= WARMUP:
-                    queue_t.append(t1 - t0)
-                    queue_make_t.append(t1 - tm)
             results[name] = {"fresh_ms": median_ms(fresh_t), "inplace_ms": median_ms(inplace_t),
                              "inplace_make_ms": median_ms(inplace_make_t),
                              "inplace_torch_ms": median_ms(inplace_torch_t),

@@ -422,10 +422,10 @@ class StreamProducer:
 
         The space goes back when the reservation is cancelled (or its `with` block ends
         unpublished) and no view of it is left. NoSpaceError in strict mode at the cap."""
-        name = _stream_name(dtype)
-        shape = tuple(int(d) for d in shape)
-        nbytes = _dtypes.element_bytes(name, shape, key)
-        layout = _dtypes.stream_layout(name, shape, nbytes, key)
+        try:
+            name, nbytes, layout = _RESERVED_SHAPES[dtype, shape]
+        except (KeyError, TypeError):  # a new shape, or an unhashable one (a list)
+            name, nbytes, layout = _reserved_shape(dtype, shape, key)
         return Reservation(self._core.reserve(key, nbytes), key, name, layout)
 
     def abort(self, key: str) -> int:
@@ -535,6 +535,26 @@ def _stream_name(dtype) -> str:
     if name is None:
         raise TypeError("reserve(): NumPy dtype %s has no stream name" % np_dtype)
     return name
+
+
+# (dtype, shape) as reserve() was given them -> (stream name, bytes, layout): an engine
+# reserves the same few shapes again and again, and working them out costs more than the
+# reservation itself (4 us against 2 us).
+_RESERVED_SHAPES = {}
+
+
+def _reserved_shape(dtype, shape, key):
+    name = _stream_name(dtype)
+    dims = tuple(int(d) for d in shape)
+    nbytes = _dtypes.element_bytes(name, dims, key)
+    found = (name, nbytes, _dtypes.stream_layout(name, dims, nbytes, key))
+    try:
+        if len(_RESERVED_SHAPES) >= 4096:
+            _RESERVED_SHAPES.clear()
+        _RESERVED_SHAPES[dtype, shape] = found
+    except TypeError:
+        pass
+    return found
 
 
 class Reservation:
@@ -843,13 +863,18 @@ class StreamConsumer:
             t = _load_torch()
             arrays = self._core.open_many_arrays(descriptors, t.direct_dtypes(), True)
             cls = t.ReadOnlyTensor if guard else t.ArenaTensor
-            wrap, as_view, layout, where = t.wrap, t.view, _dtypes.cached_stream_layout, \
-                self._where
-            out = [wrap(a, cls) if type(a) is not tuple else
-                   as_view(a[0], layout(a[1], a[2], a[0].nbytes, a[3]), cls) for a in arrays]
-            for v, d in zip(out, descriptors):
+            from_numpy, as_view, layout, where = t.torch.from_numpy, t.view, \
+                _dtypes.cached_stream_layout, self._where
+            out = []
+            for a, d in zip(arrays, descriptors):
+                if type(a) is not tuple:
+                    v = from_numpy(a)
+                    v.__class__ = cls  # t.wrap inlined: a call less per tensor
+                else:
+                    v = as_view(a[0], layout(a[1], a[2], a[0].nbytes, a[3]), cls)
                 # The descriptor, for pickling, and for the key a refusal names (decoded then).
                 v._ea = (None, (d, where))
+                out.append(v)
             return out
         raise ValueError("open_many(): view is None, \"numpy\" or \"torch\", got %r" % (view,))
 

@@ -296,7 +296,11 @@ def direct_dtypes() -> dict:
 def wrap(array: np.ndarray, cls=None) -> torch.Tensor:
     """An ArenaTensor (or `cls`) over a writable typed array (never handed out) of a direct
     layout."""
-    return _make_subclass(cls or ArenaTensor, torch.from_numpy(array))
+    t = torch.from_numpy(array)
+    # The new tensor (no other reference, not an autograd view) becomes an instance of the
+    # subclass in place: 0.1 us, where _make_subclass makes a second tensor (1-2 us).
+    t.__class__ = cls or ArenaTensor
+    return t
 
 
 def writable_view(buffer: np.ndarray, layout) -> torch.Tensor:

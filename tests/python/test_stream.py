@@ -152,6 +152,29 @@ def test_open_many_is_all_or_none_and_views_hold_their_share(stream_dir):
         assert p.stats()["live_blocks"] == 0
 
 
+def test_reserve_of_a_shape_seen_before_gives_the_same_layout(stream_dir):
+    """reserve() remembers the layout of a (dtype, shape) it was given; the same shape in
+    another spelling (a list, a NumPy type, a name) and a bad one asked twice are all
+    worked out as the first time."""
+    with expert_arena.StreamProducer(stream_dir, "shapes", quiet=True) as p:
+        for _ in range(3):
+            for dtype, shape, name, dims, nbytes in (
+                    (torch.bfloat16, (4, 8), "bf16", (4, 8), 64),
+                    (torch.bfloat16, [4, 8], "bf16", (4, 8), 64),
+                    (np.float32, (4, 8), "f32", (4, 8), 128),
+                    ("f16", torch.Size([4, 8]), "f16", (4, 8), 64),
+                    (torch.float32, (4.0, 8), "f32", (4, 8), 128),
+                    (np.dtype("i8"), (3,), "i64", (3,), 24)):
+                with p.reserve("k", shape, dtype) as r:
+                    assert (r.dtype, r.shape, r.nbytes) == (name, dims, nbytes)
+                    assert r.torch().shape == r.shape
+            for bad in ((-1, 4), (2, -3)):
+                with pytest.raises(ValueError, match="negative"):
+                    p.reserve("n", bad, np.float32)
+            with pytest.raises(TypeError, match="no element size"):
+                p.reserve("q", (32,), "q8_0")
+
+
 def test_reservations_are_written_in_place_and_given_back_when_unused(stream_dir):
     with expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
         p = expert_arena.StreamProducer(stream_dir, "inplace", segment_bytes=2 << 20,
