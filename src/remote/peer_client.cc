@@ -240,13 +240,8 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
   // A client that only takes am needs no RMA: its worker then answers no get of the server.
   EA_ASSIGN_OR_RETURN(st.ucx, UcxWorker::Create(options.transport != "am"));
 
-  ucp_am_handler_param_t am{};
-  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  am.id = kOfferId;
-  am.arg = &st;
-  am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
-             const ucp_am_recv_param_t* param) -> ucs_status_t {
+  ucp_am_recv_callback_t on_offer = [](void* arg, const void*, size_t, void* data, size_t length,
+                                       const ucp_am_recv_param_t* param) -> ucs_status_t {
     auto* s = static_cast<UcxPeerSource*>(arg);
     if (s->offered || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
     s->offered = true;
@@ -254,32 +249,17 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
     s->offer_bytes.assign(bytes, bytes + std::min<size_t>(length, sizeof(Offer) + kMaxRkeyBytes));
     return UCS_OK;
   };
-  ucs_status_t s = ucp_worker_set_am_recv_handler(st.ucx->worker(), &am);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
-  am.id = kRangeDataId;
-  am.cb = [](void* arg, const void* header, size_t header_length, void* data, size_t length,
-             const ucp_am_recv_param_t* param) -> ucs_status_t {
+  EA_RETURN_IF_ERROR(st.ucx->SetAmHandler(kOfferId, &st, on_offer));
+  ucp_am_recv_callback_t on_range_data = [](void* arg, const void* header, size_t header_length,
+                                            void* data, size_t length,
+                                            const ucp_am_recv_param_t* param) -> ucs_status_t {
     return static_cast<UcxPeerSource*>(arg)->OnRangeData(header, header_length, data, length,
                                                          param);
   };
-  s = ucp_worker_set_am_recv_handler(st.ucx->worker(), &am);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+  EA_RETURN_IF_ERROR(st.ucx->SetAmHandler(kRangeDataId, &st, on_range_data));
 
-  ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  params.sockaddr.addr = address.get();
-  params.sockaddr.addrlen = address.length;
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  params.err_handler.arg = &st;
-  params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
-    auto* s = static_cast<UcxPeerSource*>(arg);
-    s->failed = true;
-    s->failure = status;
-  };
-  s = ucp_ep_create(st.ucx->worker(), &params, &st.ep);
-  if (s != UCS_OK) return UcxStatus(s, "connect to peer " + peer);
+  EA_RETURN_IF_ERROR(
+      st.ucx->Connect(address, RecordFailureIn(&st), &st.ep, "connect to peer " + peer));
 
   // Hello: the token goes first; nothing is offered before the server checked it.
   std::vector<std::byte> hello_bytes(sizeof(Hello) + options.token.size());
@@ -348,7 +328,7 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
                             options.transport + " only (--peer-transport)");
   }
   if (st.transport_used == PeerTransport::kGet) {
-    s = ucp_ep_rkey_unpack(st.ep, payload, &st.rkey);
+    ucs_status_t s = ucp_ep_rkey_unpack(st.ep, payload, &st.rkey);
     if (s != UCS_OK) return UcxStatus(s, "peer " + peer + ": unpack its rkey");
   }
 

@@ -111,29 +111,13 @@ struct UcxPeerServer final : PeerServer {
   }
 
   void Accept(ucp_conn_request_h request) {
-    ucp_conn_request_attr_t attr{};
-    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-    std::string peer = "?";
-    if (ucp_conn_request_query(request, &attr) == UCS_OK)
-      peer = platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.client_address));
+    const std::string peer = ConnectionRequestPeer(request);
     Connection& c = connections.emplace_back();
     c.peer = peer;
     c.since = Clock::now();
-    ucp_ep_params_t params{};
-    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    params.conn_request = request;
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
-      auto* conn = static_cast<Connection*>(arg);
-      conn->failed = true;
-      conn->failure = status;
-    };
-    params.err_handler.arg = &c;
-    ucs_status_t s = ucp_ep_create(ucx->worker(), &params, &c.ep);
+    ucs_status_t s = ucx->Accept(request, RecordFailureIn(&c), &c.ep);
     if (s != UCS_OK) {
       log->warn("expert-arena serve: peer {}: cannot accept: {}", peer, ucs_status_string(s));
-      c.ep = nullptr;
       Hangup(c);
       return;
     }
@@ -360,13 +344,8 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
     if (state->rkey_bytes > kMaxRkeyBytes) return Internal("packed rkey too large");
   }
 
-  ucp_am_handler_param_t am{};
-  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  am.id = kHelloId;
-  am.arg = state.get();
-  am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
-             const ucp_am_recv_param_t* param) -> ucs_status_t {
+  ucp_am_recv_callback_t on_hello = [](void* arg, const void*, size_t, void* data, size_t length,
+                                       const ucp_am_recv_param_t* param) -> ucs_status_t {
     auto* st = static_cast<UcxPeerServer*>(arg);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
     Connection* c = st->Find(param->reply_ep);
@@ -383,12 +362,11 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
     c->hello_ok = SameToken(c->token, st->token);
     return UCS_OK;
   };
-  s = ucp_worker_set_am_recv_handler(state->ucx->worker(), &am);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+  EA_RETURN_IF_ERROR(state->ucx->SetAmHandler(kHelloId, state.get(), on_hello));
   // Range requests are queued here and checked in the main loop (ServeRanges).
-  am.id = kRangeRequestId;
-  am.cb = [](void* arg, const void*, size_t, void* data, size_t length,
-             const ucp_am_recv_param_t* param) -> ucs_status_t {
+  ucp_am_recv_callback_t on_range_request = [](void* arg, const void*, size_t, void* data,
+                                               size_t length,
+                                               const ucp_am_recv_param_t* param) -> ucs_status_t {
     auto* st = static_cast<UcxPeerServer*>(arg);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
     Connection* c = st->Find(param->reply_ep);
@@ -404,8 +382,7 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
     }
     return UCS_OK;
   };
-  s = ucp_worker_set_am_recv_handler(state->ucx->worker(), &am);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_set_am_recv_handler");
+  EA_RETURN_IF_ERROR(state->ucx->SetAmHandler(kRangeRequestId, state.get(), on_range_request));
 
   ucp_listener_params_t listener{};
   listener.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;

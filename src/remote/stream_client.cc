@@ -147,14 +147,7 @@ Status Peer::Connect(const StreamPeerOptions& options) {
   EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(peer));
   EA_ASSIGN_OR_RETURN(ucx_, UcxWorker::Create(/*rma=*/false));
   auto set_handler = [&](uint32_t id, ucp_am_recv_callback_t cb) {
-    ucp_am_handler_param_t am{};
-    am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    am.id = id;
-    am.arg = this;
-    am.cb = cb;
-    ucs_status_t s = ucp_worker_set_am_recv_handler(ucx_->worker(), &am);
-    return s == UCS_OK ? Status::Ok() : UcxStatus(s, "ucp_worker_set_am_recv_handler");
+    return ucx_->SetAmHandler(id, this, cb);
   };
   EA_RETURN_IF_ERROR(set_handler(
       kStreamWelcomeId,
@@ -219,21 +212,9 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                     return UCS_OK;
                   }));
 
-  ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  params.sockaddr.addr = address.get();
-  params.sockaddr.addrlen = address.length;
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  params.err_handler.arg = this;
-  params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
-    auto* self = static_cast<Peer*>(arg);
-    self->failed_ = true;
-    self->failure_ = status;
-  };
-  ucs_status_t s = ucp_ep_create(ucx_->worker(), &params, &ep_);
-  if (s != UCS_OK) return UcxStatus(s, "connect to stream producer " + peer);
+  EA_RETURN_IF_ERROR(ucx_->Connect(address,
+                                   RecordFailureIn<Peer, &Peer::failed_, &Peer::failure_>(this),
+                                   &ep_, "connect to stream producer " + peer));
 
   std::vector<std::byte> hello_bytes(sizeof(StreamHello) + options.token.size());
   StreamHello hello{kStreamMagic, kStreamVersion, static_cast<uint32_t>(options.token.size())};

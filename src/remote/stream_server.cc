@@ -170,30 +170,14 @@ class Server final : public StreamServer {
 };
 
 void Server::Accept(ucp_conn_request_h request) {
-  ucp_conn_request_attr_t attr{};
-  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-  std::string peer = "?";
-  if (ucp_conn_request_query(request, &attr) == UCS_OK)
-    peer = platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.client_address));
+  const std::string peer = ConnectionRequestPeer(request);
   Conn& c = conns_.emplace_back();
   c.peer = peer;
   c.since = Clock::now();
-  ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  params.conn_request = request;
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
-    auto* conn = static_cast<Conn*>(arg);
-    conn->failed = true;
-    conn->failure = status;
-  };
-  params.err_handler.arg = &c;
-  ucs_status_t s = ucp_ep_create(ucx_->worker(), &params, &c.ep);
+  ucs_status_t s = ucx_->Accept(request, RecordFailureIn(&c), &c.ep);
   if (s != UCS_OK) {
     log_->warn("stream server {}: consumer {}: cannot accept: {}", address_, peer,
                ucs_status_string(s));
-    c.ep = nullptr;
     c.closing = true;
   }
 }
@@ -524,14 +508,7 @@ Status Server::Start(const StreamServerOptions& options) {
   EA_ASSIGN_OR_RETURN(ucx_, UcxWorker::Create(/*rma=*/false));
 
   auto set_handler = [&](uint32_t id, ucp_am_recv_callback_t cb) {
-    ucp_am_handler_param_t am{};
-    am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    am.id = id;
-    am.arg = this;
-    am.cb = cb;
-    ucs_status_t s = ucp_worker_set_am_recv_handler(ucx_->worker(), &am);
-    return s == UCS_OK ? Status::Ok() : UcxStatus(s, "ucp_worker_set_am_recv_handler");
+    return ucx_->SetAmHandler(id, this, cb);
   };
   EA_RETURN_IF_ERROR(set_handler(
       kStreamHelloId,

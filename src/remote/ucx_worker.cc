@@ -77,6 +77,59 @@ Status UcxWorker::Wait(ucs_status_ptr_t request, std::chrono::steady_clock::time
   return Status::Ok();
 }
 
+Status UcxWorker::SetAmHandler(uint32_t id, void* arg, ucp_am_recv_callback_t cb) {
+  ucp_am_handler_param_t am{};
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  am.id = id;
+  am.arg = arg;
+  am.cb = cb;
+  ucs_status_t s = ucp_worker_set_am_recv_handler(worker_, &am);
+  return s == UCS_OK ? Status::Ok() : UcxStatus(s, "ucp_worker_set_am_recv_handler");
+}
+
+namespace {
+
+// `params` (what to connect to) with peer error handling and `on_error` as the error handler.
+ucs_status_t CreateEndpoint(ucp_worker_h worker, ucp_ep_params_t params, ucp_err_handler_t on_error,
+                            ucp_ep_h* ep) {
+  params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler = on_error;
+  return ucp_ep_create(worker, &params, ep);
+}
+
+}  // namespace
+
+ucs_status_t UcxWorker::Accept(ucp_conn_request_h request, ucp_err_handler_t on_error,
+                               ucp_ep_h* ep) {
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
+  params.conn_request = request;
+  ucs_status_t s = CreateEndpoint(worker_, params, on_error, ep);
+  if (s != UCS_OK) *ep = nullptr;
+  return s;
+}
+
+Status UcxWorker::Connect(const platform::SocketAddress& address, ucp_err_handler_t on_error,
+                          ucp_ep_h* ep, const std::string& what) {
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  params.sockaddr.addr = address.get();
+  params.sockaddr.addrlen = address.length;
+  ucs_status_t s = CreateEndpoint(worker_, params, on_error, ep);
+  if (s != UCS_OK) return UcxStatus(s, what);
+  return Status::Ok();
+}
+
+std::string ConnectionRequestPeer(ucp_conn_request_h request) {
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  if (ucp_conn_request_query(request, &attr) != UCS_OK) return "?";
+  return platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.client_address));
+}
+
 void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
                    std::chrono::steady_clock::time_point deadline) {
   if (ep == nullptr) return;

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "expert_arena/status.h"
+#include "platform/net.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
 #include "remote/stream_remote.h"
@@ -53,6 +54,17 @@ class UcxWorker {
   Status Wait(ucs_status_ptr_t request, std::chrono::steady_clock::time_point deadline,
               const std::string& what);
 
+  // Registers `cb` (called with `arg`) for the active messages of `id`.
+  Status SetAmHandler(uint32_t id, void* arg, ucp_am_recv_callback_t cb);
+
+  // The endpoints, both with UCP_ERR_HANDLING_MODE_PEER and `on_error` as their error handler
+  // (see RecordFailureIn). Accept answers a listener's connection request and returns UCX's
+  // status (`*ep` stays nullptr on failure); Connect connects to `address`, and its error is
+  // UcxStatus(`what`).
+  ucs_status_t Accept(ucp_conn_request_h request, ucp_err_handler_t on_error, ucp_ep_h* ep);
+  Status Connect(const platform::SocketAddress& address, ucp_err_handler_t on_error, ucp_ep_h* ep,
+                 const std::string& what);
+
  private:
   UcxWorker() = default;
   ucp_context_h context_ = nullptr;
@@ -64,6 +76,23 @@ class UcxWorker {
 // by `deadline`), progressing the worker until the close completes.
 void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
                    std::chrono::steady_clock::time_point deadline);
+
+// The client's address of a listener's connection request, as text ("?" when UCX cannot say).
+std::string ConnectionRequestPeer(ucp_conn_request_h request);
+
+// An endpoint error handler that records the failure in `*owner`: `owner->*Failed` becomes
+// true and `owner->*Failure` UCX's status (members `failed` and `failure` unless named).
+template <typename T, bool T::*Failed = &T::failed, ucs_status_t T::*Failure = &T::failure>
+ucp_err_handler_t RecordFailureIn(T* owner) {
+  ucp_err_handler_t handler{};
+  handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* o = static_cast<T*>(arg);
+    o->*Failed = true;
+    o->*Failure = status;
+  };
+  handler.arg = owner;
+  return handler;
+}
 
 // The plugin's factories (ucx_plugin.cc puts them in its table): ConnectPeer and
 // PeerServer::Start of the core land here once the plugin is loaded.
