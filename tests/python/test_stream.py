@@ -156,7 +156,8 @@ def test_reserve_of_a_shape_seen_before_gives_the_same_layout(stream_dir):
     """reserve() remembers the layout of a (dtype, shape) it was given; the same shape in
     another spelling (a list, a NumPy type, a name) and a bad one asked twice are all
     worked out as the first time."""
-    with expert_arena.StreamProducer(stream_dir, "shapes", quiet=True) as p:
+    with expert_arena.StreamProducer(stream_dir, "shapes", segment_bytes=2 << 20,
+                                     max_segments=1, quiet=True) as p:
         for _ in range(3):
             for dtype, shape, name, dims, nbytes in (
                     (torch.bfloat16, (4, 8), "bf16", (4, 8), 64),
