@@ -66,11 +66,11 @@ def bench_attach(bin_dir, runs, directory):
     work = tempfile.mkdtemp(prefix="ea-pybench-")
     model = os.path.join(work, "model.gguf")
     arena = os.path.join(directory, "ea-pybench-%d.arena" % os.getpid())
-    subprocess.run([os.path.join(bin_dir, "expert-arena"), "gen-model", "--format", "gguf",
-                    "--out", model, "--layers", "8", "--experts", "16", "--hidden", "512",
-                    "--ffn", "1024", "--dtype", "f16"], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
     try:
+        subprocess.run([os.path.join(bin_dir, "expert-arena"), "gen-model", "--format", "gguf",
+                        "--out", model, "--layers", "8", "--experts", "16", "--hidden", "512",
+                        "--ffn", "1024", "--dtype", "f16"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         loaded = expert_arena.open(model, shared_path=arena, quiet=True)
         size = loaded.report["tensor_bytes"]
         tensors = loaded.report["tensors"]
@@ -103,9 +103,9 @@ def bench_attach(bin_dir, runs, directory):
                 "py_open_report_ms": median_ms(py_open_inner),
                 "py_attach_ms": median_ms(py_attach)}
     finally:
-        if os.path.exists(arena):
-            os.unlink(arena)
-        os.unlink(model)
+        for f in (arena, model):
+            if os.path.exists(f):
+                os.unlink(f)
         os.rmdir(work)
 
 
