@@ -48,6 +48,11 @@ EXPERT_ARENA_EXPORT Result<GpuDevice> ParseGpuDevice(std::string_view spec);
 // Whether this build of the library has the backend (kNone always).
 EXPERT_ARENA_EXPORT bool GpuBackendBuilt(GpuBackend backend);
 
+// What this build's backend was compiled against, for build lines and --json: "cuda 12.9.79
+// (PyPI nvidia-cuda-runtime-cu12, /path/to/nvidia/cuda_runtime)", "cuda 12.4.131 (toolkit,
+// /usr/local/cuda/lib64)", "hip 5.2.3"; "" when the backend is not built.
+EXPERT_ARENA_EXPORT const char* GpuBackendBuildNote(GpuBackend backend);
+
 // Devices the backend's runtime sees. An error when the backend is not built, or when the
 // runtime has no usable driver or device (the message carries the runtime's error, e.g.
 // "cudaErrorInsufficientDriver (35): ..."); never 0 with OK.

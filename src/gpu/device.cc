@@ -60,6 +60,22 @@ bool GpuBackendBuilt(GpuBackend backend) {
   return backend == GpuBackend::kNone || gpu::RuntimeFor(backend) != nullptr;
 }
 
+const char* GpuBackendBuildNote(GpuBackend backend) {
+  if (!GpuBackendBuilt(backend)) return "";
+  switch (backend) {
+#ifdef EXPERT_ARENA_CUDA_BUILD_NOTE
+    case GpuBackend::kCuda:
+      return EXPERT_ARENA_CUDA_BUILD_NOTE;
+#endif
+#ifdef EXPERT_ARENA_HIP_BUILD_NOTE
+    case GpuBackend::kHip:
+      return EXPERT_ARENA_HIP_BUILD_NOTE;
+#endif
+    default:
+      return "";
+  }
+}
+
 Result<int> GpuDeviceCount(GpuBackend backend) {
   if (backend == GpuBackend::kNone) return InvalidArgument("GpuDeviceCount of backend none");
   const gpu::Runtime* runtime = gpu::RuntimeFor(backend);

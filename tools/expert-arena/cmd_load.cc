@@ -16,6 +16,7 @@
 #include "commands.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/cli.h"
+#include "expert_arena/gpu.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -132,6 +133,12 @@ int RunLoad(const LoadArgs& args) {
     j["charge"] = r.charge_note;
     j["gpu"] = r.gpu_note;
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
+    // What this build's GPU backends were compiled against (which CUDA: toolkit or wheel).
+    nlohmann::json backends = nlohmann::json::object();
+    for (auto backend : {GpuBackend::kCuda, GpuBackend::kHip}) {
+      if (GpuBackendBuilt(backend)) backends[GpuBackendName(backend)] = GpuBackendBuildNote(backend);
+    }
+    j["gpu_backends"] = backends;
     j["kernel"] = tools::KernelJson(r);
     j["pid"] = getpid();
     if (!args.from_peer.empty()) {
