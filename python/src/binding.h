@@ -133,6 +133,14 @@ inline std::vector<uint64_t> ShapeFrom(const std::vector<int64_t>& dims) {
   return shape;
 }
 
+// Bytes of one element of `dtype`, from its Python attribute: pybind11 before 2.12 (Debian 12
+// ships 2.10) reads PyArray_Descr::elsize at NumPy 1.x's offset, which under NumPy 2 (PyPI's,
+// beside torch 2.x) is the low half of the new 64-bit flags word: 0 for every plain dtype.
+// Never py::dtype::itemsize() or py::array::itemsize()/nbytes() in this package.
+inline py::ssize_t ItemSize(const py::dtype& dtype) {
+  return dtype.attr("itemsize").cast<py::ssize_t>();
+}
+
 // A C-contiguous array of `dtype` and `shape` over `bytes`, whose base keeps `owner` alive,
 // made in one step (the caller's layout has checked that dtype and shape cover the bytes;
 // this checks it again and names `what` when they do not).
@@ -142,13 +150,21 @@ py::array TypedArray(std::span<const std::byte> bytes, std::shared_ptr<Owner> ow
                      const std::string& what) {
   py::ssize_t count = 1;
   for (py::ssize_t d : shape) count *= d;
-  if (count * dtype.itemsize() != static_cast<py::ssize_t>(bytes.size())) {
+  const py::ssize_t item_size = ItemSize(dtype);
+  if (count * item_size != static_cast<py::ssize_t>(bytes.size())) {
     throw py::value_error(what + ": " + std::to_string(bytes.size()) +
-                          " bytes, but the view takes " + std::to_string(count * dtype.itemsize()));
+                          " bytes, but the view takes " + std::to_string(count * item_size));
   }
   auto* holder = new std::shared_ptr<Owner>(std::move(owner));
   py::capsule base(holder, [](void* p) { delete static_cast<std::shared_ptr<Owner>*>(p); });
-  py::array array(dtype, shape, reinterpret_cast<const void*>(bytes.data()), base);
+  // Strides given, not left to py::array, which would compute them from py::dtype::itemsize().
+  std::vector<py::ssize_t> strides(shape.size());
+  py::ssize_t stride = item_size;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  py::array array(dtype, shape, strides, reinterpret_cast<const void*>(bytes.data()), base);
   if (!writable) {
     py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
   }

@@ -220,8 +220,11 @@ class PyProducer {
         PyObject* name = PyDict_GetItem(numpy_names.ptr(), array.dtype().ptr());
         if (name != nullptr && (array.flags() & py::array::c_style) != 0) {
           dtypes[i] = py::reinterpret_borrow<py::str>(name);
-          put.bytes = std::span<const std::byte>(static_cast<const std::byte*>(array.data()),
-                                                 static_cast<size_t>(array.nbytes()));
+          // The element size from the dtype's stream name, not array.nbytes() (binding.h,
+          // ItemSize: wrong under NumPy 2 with pybind11 < 2.12).
+          put.bytes = std::span<const std::byte>(
+              static_cast<const std::byte*>(array.data()),
+              static_cast<size_t>(array.size()) * ElementBytes(dtypes[i]));
           put.info.shape.assign(array.shape(), array.shape() + array.ndim());
           done = true;
         }
