@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Installs, from Debian's packages, whatever expert-arena needs to build and test.
-# Idempotent: packages already present are left alone; nothing is fetched otherwise.
+# Installs whatever expert-arena needs to build and test: Debian's packages first, then, in a
+# virtual environment at .venv (top of the checkout, ignored by git, made from Debian's
+# /usr/bin/python3), what Debian lacks: torch 2.x (PyPI's CUDA build, which runs on the CPU),
+# transformers, safetensors, pytest, and the CUDA runtime headers and libcudart of
+# nvidia-cuda-runtime-cu12 (the CUDA backend builds against them where /usr/local/cuda is
+# absent; nvidia-cuda-nvcc-cu12 for the crt/ headers they include). Never the system Python's site-packages.
+# Idempotent: what is present is left alone; with everything there it returns in about a second.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 required=(
   build-essential cmake ninja-build pkg-config python3
@@ -11,6 +17,8 @@ required=(
   clang libclang-rt-14-dev  # the libFuzzer build of tests/fuzz (clang 14 and its runtime)
   python3-dev pybind11-dev python3-numpy python3-torch python3-pytest  # the Python package
   python3-setuptools python3-wheel python3-pip  # pip install --no-build-isolation .
+  python3-venv  # .venv below
+  libssl-dev  # HMAC-SHA256 of the network front door (src/remote)
   libucx-dev ucx-utils iproute2  # across hosts (src/remote): UCX, ucx_perftest, test namespaces
   systemd python3-yaml  # deploy/'s examples: systemd-analyze verify, the Kubernetes manifests
 )
@@ -32,13 +40,33 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
 fi
 
 if ((${#missing[@]} == 0)); then
-  echo "install-deps: everything is installed"
-  exit 0
+  echo "install-deps: every Debian package is installed"
+else
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-sudo=""
-if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# ---- .venv: PyPI's packages, beside Debian's python3-torch 1.13 (the suite runs on both) ----
+# torch>=2: the newest that installs (2.15 on 2026-12-02, CUDA 13 build; ~4 GB with its CUDA
+# libraries, from pip's cache after the first time).
+# nvidia-cuda-nvcc-cu12 for the crt/ headers that the runtime wheel's cuda_runtime_api.h includes.
+venv_packages=("torch>=2" transformers safetensors pytest numpy nvidia-cuda-runtime-cu12
+               nvidia-cuda-nvcc-cu12)
+venv_imports="import torch, transformers, safetensors, pytest, numpy
+import nvidia.cuda_runtime, nvidia.cuda_nvcc
+assert int(torch.__version__.split('.')[0]) >= 2, torch.__version__"
+if [[ ! -x .venv/bin/python ]]; then
+  echo "install-deps: making .venv from /usr/bin/python3"
+  /usr/bin/python3 -m venv .venv
+fi
+if .venv/bin/python -c "$venv_imports" 2>/dev/null; then
+  echo "install-deps: .venv has torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+else
+  echo "install-deps: installing ${venv_packages[*]} into .venv (PyPI)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "${venv_packages[@]}"
+  .venv/bin/python -c "$venv_imports"
+fi

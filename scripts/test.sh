@@ -15,6 +15,27 @@ cd "$(dirname "$0")/.."
 quick=0
 [[ "${1:-}" == "--quick" ]] && quick=1
 
+# Each step prints its name as it starts and its time in seconds as it ends; the last line
+# gives the whole run's time (or the step that failed).
+step_name=""
+step_start=$SECONDS
+step() {
+  if [[ -n "$step_name" ]]; then
+    echo "== $step_name: done in $((SECONDS - step_start)) s (total $SECONDS s)"
+  fi
+  step_name=$1
+  step_start=$SECONDS
+  if [[ -n "$step_name" ]]; then echo "== $step_name"; fi
+}
+on_exit() {
+  local rc=$?
+  if ((rc != 0)) && [[ -n "$step_name" ]]; then
+    echo "== $step_name: FAILED (exit $rc) after $((SECONDS - step_start)) s (total $SECONDS s)"
+  fi
+}
+trap on_exit EXIT
+
+step "install-deps (Debian packages, .venv)"
 bash scripts/install-deps.sh
 
 # Both GPU backends must compile and link on every CI run (no GPU needed): in CI a missing
@@ -29,21 +50,26 @@ fi
 
 jobs=${EXPERT_ARENA_JOBS:-2}
 
-echo "== default build (${gpu_flags[*]:-no GPU backends})"
-cmake --preset default "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON >/dev/null
+step "default build (${gpu_flags[*]:-no GPU backends})"
+cmake --preset default "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON | { grep "GPU backends" || true; }
 cmake --build --preset default -j"$jobs"
-echo "== tests"
+build/bin/expert-arena --version
+step "tests (ctest)"
 ctest --preset default
-echo "== Python package tests (pytest)"
-# Exit status 5 (no test collected) fails too: a missing module must never pass silently.
+# The module is built for Debian's /usr/bin/python3; .venv is made from that interpreter, so
+# the same module serves both. Exit status 5 (no test collected) fails too: a missing module
+# must never pass silently.
+step "Python package tests, Debian's torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)')"
 PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
+step "Python package tests, .venv's torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+PYTHONPATH=build/python .venv/bin/python -m pytest -q -p no:cacheprovider tests/python
 
-echo "== kernel profiles: older kernels and container runtimes emulated with seccomp"
+step "kernel profiles: older kernels and container runtimes emulated with seccomp"
 # linux-4.18, linux-5.15, linux-6.1, docker, podman (tools/kernel-profile) x /dev/shm, tmpfs
 # huge=always, hugetlbfs: engines, arena protocol, stream process and Python tests, asserting
 # the start line (docs/kernels.md). About 2-2.5 minutes on 2 cores.
 tests/kernel/kernel_profiles.sh build
-echo "== as an unprivileged user: the arena protocol, streams across processes, the Python tests"
+step "as an unprivileged user: the arena protocol, streams across processes, the Python tests"
 # Engines run as ordinary users in the field (docs/deployment.md): the arena protocol, streams
 # across processes and the package's tests again as uid and gid 65534, which may not mount,
 # chown or write the build tree (tests that need root skip; test_install.py installs into the
@@ -59,7 +85,7 @@ if [[ $(id -u) -eq 0 ]]; then
     for entry in "${opened[@]}"; do chmod "${entry%%:*}" "${entry#*:}"; done
     opened=()
   }
-  trap restore_modes EXIT
+  trap 'rc=$?; restore_modes; (exit $rc); on_exit' EXIT
   dir=$(pwd -P)
   while [[ "$dir" != / ]]; do
     if [[ $(( 0$(stat -c %a "$dir") & 01 )) -eq 0 ]]; then
@@ -77,12 +103,16 @@ if [[ $(id -u) -eq 0 ]]; then
   "${unprivileged[@]}" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q -p no:cacheprovider \
     tests/python --ignore=tests/python/test_install.py
   restore_modes
-  trap - EXIT
+  trap on_exit EXIT
 fi
 
-if ((quick)); then exit 0; fi
+if ((quick)); then
+  step ""
+  echo "== all steps passed in $SECONDS s"
+  exit 0
+fi
 
-echo "== Release build (-O3): the shared library and the tools"
+step "Release build (-O3): the shared library and the tools"
 # g++ at -O3 inlines deeper and warns where -O2 does not (g++ 12 reports false positives inside
 # std::string and std::vector; docs/building.md). The tests ran on the default build above;
 # building only what users build keeps this step to a few minutes on 2 cores.
@@ -90,16 +120,16 @@ cmake --preset release "${gpu_flags[@]}" -DEXPERT_ARENA_BUILD_TESTS=OFF \
   -DEXPERT_ARENA_BUILD_BENCH=OFF >/dev/null
 cmake --build --preset release -j"$jobs" --target expert_arena expert-arena moe-engine
 
-echo "== fuzzing (libFuzzer, ${EA_FUZZ_SECONDS:-20} s per target)"
+step "fuzzing (libFuzzer, ${EA_FUZZ_SECONDS:-20} s per target)"
 # Bounded: each target starts from its seed corpus; any crash fails the run and names the input.
 EXPERT_ARENA_JOBS=$jobs tests/fuzz/run_fuzz.sh "${EA_FUZZ_SECONDS:-20}"
 
-echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+step "AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
 cmake --preset asan "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON >/dev/null
 cmake --build --preset asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --preset asan
-echo "-- asan: Python package tests (instrumented module in the stock interpreter)"
+step "asan: Python package tests (instrumented module in the stock interpreter)"
 # The runtime must come first; libstdc++ too, or ASan cannot find the real __cxa_throw when
 # torch throws. Leaks are not checked: the interpreter does not free everything at exit.
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
@@ -107,7 +137,7 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.
   EXPERT_ARENA_BUILD_DIR=build-asan PYTHONPATH=build-asan/python \
   /usr/bin/python3 -m pytest -q tests/python
 
-echo "== ThreadSanitizer build: the threaded and multi-process parts"
+step "ThreadSanitizer build: the threaded and multi-process parts"
 # The stream producer (grow-ahead thread, copy threads, concurrent aborts), the loader's
 # reader threads, the background 2 MiB page makers, and the arena protocol's engines
 # (children are the same instrumented binary), plus the CLI that their tests drive. Run
@@ -122,6 +152,8 @@ for t in "${tsan_tests[@]}"; do
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build-tsan/bin/"$t" --gtest_brief=1
 done
 
-echo "== bounded soak"
+step "bounded soak"
 # The soak is bounded to about a minute here (EA_STREAM_SOAK_SECONDS, EA_STREAM_SOAK_TENSORS).
 EA_STREAM_SOAK_SECONDS=${EA_STREAM_SOAK_SECONDS:-60} ctest --preset soak
+step ""
+echo "== all steps passed in $SECONDS s"
