@@ -34,10 +34,36 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def reusable_build_dir(ext_filename):
+    """The project's own build directory (EXPERT_ARENA_BUILD_DIR, default build/) when it was
+    configured with the Python module and its module is built for this interpreter's ABI (the
+    same extension suffix: a .venv made from the interpreter build/ was configured for), so a
+    pip install rebuilds nothing that is already built; None otherwise."""
+    build_dir = os.environ.get("EXPERT_ARENA_BUILD_DIR", os.path.join(ROOT, "build"))
+    cache = os.path.join(build_dir, "CMakeCache.txt")
+    if not os.path.exists(cache):
+        return None
+    with open(cache) as f:
+        if not any(re.match(r"EXPERT_ARENA_PYTHON:[A-Z]+=ON$", line.strip()) for line in f):
+            return None
+    module = os.path.join(build_dir, "python", "expert_arena", os.path.basename(ext_filename))
+    return build_dir if os.path.exists(module) else None
+
+
 class CMakeBuild(build_ext):
-    """Configures and builds the module with CMake, then copies it where setuptools wants it."""
+    """Builds the module with CMake, then copies it where setuptools wants it: in the project's
+    build directory when it has this interpreter's module (only the module's target is brought
+    up to date there), else in build-pip/ (configured for the module only)."""
 
     def build_extension(self, ext):
+        reused = reusable_build_dir(self.get_ext_filename(ext.name))
+        if reused and "EXPERT_ARENA_PIP_BUILD_DIR" not in os.environ:
+            print("expert_arena: reusing the build in %s (target expert_arena_python)" % reused)
+            jobs = os.environ.get("EXPERT_ARENA_JOBS", str(min(4, os.cpu_count() or 1)))
+            subprocess.check_call(["cmake", "--build", reused, "-j", jobs,
+                                   "--target", "expert_arena_python"])
+            self.copy_module(reused, ext)
+            return
         build_dir = os.environ.get("EXPERT_ARENA_PIP_BUILD_DIR", os.path.join(ROOT, "build-pip"))
         configure = ["cmake", "-S", ROOT, "-B", build_dir,
                      "-DCMAKE_BUILD_TYPE=" + os.environ.get("CMAKE_BUILD_TYPE", "RelWithDebInfo"),
@@ -52,6 +78,9 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("EXPERT_ARENA_JOBS", str(min(4, os.cpu_count() or 1)))
         subprocess.check_call(["cmake", "--build", build_dir, "-j", jobs,
                                "--target", "expert_arena_python"])
+        self.copy_module(build_dir, ext)
+
+    def copy_module(self, build_dir, ext):
         built = os.path.join(build_dir, "python", "expert_arena",
                              os.path.basename(self.get_ext_filename(ext.name)))
         target = self.get_ext_fullpath(ext.name)

@@ -60,3 +60,32 @@ def test_cmake_install_carries_the_ucx_plugin(tmp_path, gen_model, shm_path):
     assert out.returncode == 0, out.stderr
     assert "read the model files instead" in out.stdout
     assert "UCX transport plugin" not in out.stdout, out.stdout
+
+
+def test_pip_install_into_a_venv_reuses_the_build(tmp_path, gen_model):
+    """`pip install .` into a virtual environment made from this interpreter's base (as
+    scripts/install-deps.sh makes .venv) takes the module of the project's build directory
+    (nothing rebuilt from scratch), and the installed package loads an arena there."""
+    from conftest import ROOT
+    if not os.path.exists(os.path.join(BUILD, "CMakeCache.txt")):
+        pytest.skip("no CMake build directory at %s" % BUILD)
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--system-site-packages", str(venv)], check=True,
+                   timeout=120)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["EXPERT_ARENA_BUILD_DIR"] = BUILD
+    out = subprocess.run([python, "-m", "pip", "install", "-v", "--no-build-isolation",
+                          "--no-deps", "--no-index", ROOT], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=str(tmp_path))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "reusing the build in %s" % BUILD in out.stdout, out.stdout[-4000:]
+    script = ("import sys, expert_arena\n"
+              "assert expert_arena.__file__.startswith(sys.prefix), expert_arena.__file__\n"
+              "a = expert_arena.open(sys.argv[1], quiet=True)\n"
+              "print(a.report['role'], len(a))\n")
+    run = subprocess.run([python, "-c", script, gen_model("gguf", "f32")], env=env,
+                         capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["private", "6"]
