@@ -4,7 +4,10 @@
 //       HeaderFixed              magic, version, sizes, state, loader, identity, checksums
 //       SourceEntry[]            the model's source files
 //       TensorEntry[]            the tensor table
-//       strings                  names, dtypes, paths (not NUL-terminated)
+//       strings                  names, dtypes, paths; the writer follows each with a NUL
+//                                outside its (offset, length), so one read in place is a C
+//                                string (validation requires one after every name and
+//                                dtype of a file with a name index)
 //       name index               u32 slots, open addressing by xxh3-64 of the name (Find)
 //   [header_bytes, file_bytes)   data region, 2 MiB-aligned in the file and in memory
 //
