@@ -114,15 +114,6 @@ std::string Count(uint64_t n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
 
-bool HasArenaMagic(const std::string& path, uint64_t size) {
-  if (size < sizeof(format::HeaderFixed)) return false;
-  auto fd = platform::OpenFile(path, {.no_follow = true});
-  if (!fd.ok()) return false;
-  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
-  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
-  return format::SummarizeHeader(fixed).our_magic;
-}
-
 int RunList(const std::string& dir, bool json) {
   auto names = platform::ListDirectory(dir);
   if (!names.ok()) {
@@ -175,6 +166,15 @@ int RunList(const std::string& dir, bool json) {
 }
 
 }  // namespace
+
+bool HasArenaMagic(const std::string& path, uint64_t size) {
+  if (size < sizeof(format::HeaderFixed)) return false;
+  auto fd = platform::OpenFile(path, {.no_follow = true});
+  if (!fd.ok()) return false;
+  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
+  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
+  return format::SummarizeHeader(fixed).our_magic;
+}
 
 void RegisterList(CLI::App& app, int& exit_code) {
   auto dir = std::make_shared<std::string>("/dev/shm");
