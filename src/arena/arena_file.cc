@@ -171,7 +171,14 @@ Result<platform::UniqueFd> LockForRemoval(const std::string& path) {
   if (!fill) return Busy(path + ": an engine is loading it; not removed");
   EA_ASSIGN_OR_RETURN(bool user,
                       platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
-  if (!user) return Busy(path + ": in use by at least one engine; not removed");
+  if (!user) {
+    ArenaFileInfo who;
+    who.users = CountUsers(st, kUserByte);
+    AddHolders(st, kUserByte, &who);
+    return Busy(path + ": in use by " + DescribeHolders(who.holders, who.users,
+                                                       who.holders_unreadable) +
+                "; not removed (stop them, then run rm again)");
+  }
   // The locks are on the file we opened; unlinking the path is only right while it still names
   // that file, not one an engine created in its place meanwhile (and is loading or using).
   if (!PathNamesFile(path, st)) {

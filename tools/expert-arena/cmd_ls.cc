@@ -31,7 +31,9 @@ struct Listing {
 // What an operator may do about an arena in `state`.
 std::string ArenaAction(const arena::ArenaFileInfo& a) {
   if (a.state == "published") {
-    return a.in_use ? "in use" : "not in use; kept for the next engine (rm frees it)";
+    return a.in_use ? "in use by " + arena::DescribeHolders(a.holders, a.users,
+                                                           a.holders_unreadable)
+                    : "not in use; kept for the next engine (rm frees it)";
   }
   // The loader may be in another container: its pid is then named as one of another namespace.
   const std::string loader =
@@ -44,8 +46,17 @@ std::string ArenaAction(const arena::ArenaFileInfo& a) {
   return a.state;
 }
 
+// The processes /proc names as holding the arena's locks (pid, command).
+nlohmann::json HoldersJson(const arena::ArenaFileInfo& a) {
+  nlohmann::json holders = nlohmann::json::array();
+  for (const auto& h : a.holders) {
+    holders.push_back({{"pid", h.pid}, {"command", EscapeForMessage(h.command)}});
+  }
+  return holders;
+}
+
 void AddArena(const std::string& path, Listing& out) {
-  auto info = arena::InspectArenaFile(path, /*scan_pages=*/false);
+  auto info = arena::InspectArenaFile(path, /*scan_pages=*/false, /*name_holders=*/true);
   if (!info.ok()) {
     out.lines.push_back("arena    ?          " + EscapeForMessage(path) +
                         ": cannot be read: " + info.status().message());
@@ -70,6 +81,8 @@ void AddArena(const std::string& path, Listing& out) {
                         {"loader_pid", a.summary.loader_pid},
                         {"loader_pid_local", platform::PidIsLocal(a.summary.loader_pid_namespace)},
                         {"owner_uid", a.owner_uid},
+                        {"users", a.users},
+                        {"holders", HoldersJson(a)},
                         {"identity", identity},
                         {"action", action}});
 }
