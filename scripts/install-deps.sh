@@ -21,6 +21,7 @@ required=(
   libssl-dev  # HMAC-SHA256 of the network front door (src/remote)
   libucx-dev ucx-utils iproute2  # across hosts (src/remote): UCX, ucx_perftest, test namespaces
   systemd python3-yaml  # deploy/'s examples: systemd-analyze verify, the Kubernetes manifests
+  prometheus prometheus-node-exporter  # tests/metrics: promtool, node_exporter, the server
 )
 # HIP host code compiles against Debian's ROCm packages; the CUDA toolkit lives at
 # /usr/local/cuda and is not a Debian package here.

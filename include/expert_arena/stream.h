@@ -413,6 +413,11 @@ struct SegmentInfo {
   uint64_t published_blocks = 0;
   uint64_t aborted_blocks = 0;
   uint32_t readers = 0;  // reader entries in use
+  // Data bytes no live block's tensor holds, and the longest run of them between live blocks
+  // (the largest tensor a producer could still place here). A block's padding up to the
+  // stream's block alignment counts as free: the alignment is not recorded in the file.
+  uint64_t free_bytes = 0;
+  uint64_t largest_free_bytes = 0;
 };
 
 // Reads a segment's header and block table without taking anything.

@@ -47,51 +47,51 @@ const char* ModelFormatName(ModelFormat format) {
 }
 
 std::string ArenaReport::StartLine() const {
-  auto gib = [](uint64_t b) { return static_cast<double>(b) / static_cast<double>(kGiB); };
+  // Sizes and times in the unit that shows them (MiB and ms for a small arena, never "0.00
+  // GiB in 0.00 s").
+  const std::string size = FormatBytes(tensor_bytes);
   char buf[512];
   std::string line = "expert-arena: ";
   switch (role) {
     case ArenaRole::kLoaded:
       if (!from_peer.empty()) {
-        double rate = load_seconds > 0 ? gib(tensor_bytes) / load_seconds : 0;
         std::snprintf(buf, sizeof buf,
-                      "filled %s (%s) from peer %s: %llu tensors, %.2f GiB in %.2f s (%.2f GiB/s, "
-                      "ucx), checksums verified, %llu model bytes read",
+                      "filled %s (%s) from peer %s: %llu tensors, %s in %s (%s, ucx), checksums "
+                      "verified, %llu model bytes read",
                       path.c_str(), backing.c_str(), from_peer.c_str(),
-                      static_cast<unsigned long long>(tensors), gib(tensor_bytes), seconds, rate,
+                      static_cast<unsigned long long>(tensors), size.c_str(),
+                      FormatDuration(seconds).c_str(),
+                      FormatRate(tensor_bytes, load_seconds).c_str(),
                       static_cast<unsigned long long>(bytes_read));
         line += buf;
         break;
       }
       [[fallthrough]];
     case ArenaRole::kPrivate: {
-      double rate = load_seconds > 0 ? gib(tensor_bytes) / load_seconds : 0;
       std::snprintf(
-          buf, sizeof buf, "%s %s (%s): %llu of %llu tensors, %.2f GiB in %.2f s (%.2f GiB/s, %s)",
+          buf, sizeof buf, "%s %s (%s): %llu of %llu tensors, %s in %s (%s, %s)",
           role == ArenaRole::kLoaded ? "loaded" : "private arena,",
           role == ArenaRole::kLoaded ? path.c_str() : "loaded", backing.c_str(),
           static_cast<unsigned long long>(tensors), static_cast<unsigned long long>(model_tensors),
-          gib(tensor_bytes), seconds, rate,
+          size.c_str(), FormatDuration(seconds).c_str(),
+          FormatRate(tensor_bytes, load_seconds).c_str(),
           (reader_note.empty() ? reader : reader + " (" + reader_note + ")").c_str());
       line += buf;
       break;
     }
     case ArenaRole::kAttached:
       std::snprintf(buf, sizeof buf,
-                    "attached %s (%s) loaded by another engine: %llu tensors, %.2f GiB in %.3f s"
-                    "%s, %llu model bytes read",
+                    "attached %s (%s) loaded by another engine: %llu tensors, %s in %s%s, %llu "
+                    "model bytes read",
                     path.c_str(), backing.c_str(), static_cast<unsigned long long>(tensors),
-                    gib(tensor_bytes), seconds,
-                    wait_seconds > 0
-                        ? (" (waited " + std::to_string(wait_seconds).substr(0, 5) + " s)").c_str()
-                        : "",
+                    size.c_str(), FormatDuration(seconds).c_str(),
+                    wait_seconds > 0 ? (" (waited " + FormatDuration(wait_seconds) + ")").c_str()
+                                     : "",
                     static_cast<unsigned long long>(bytes_read));
       line += buf;
       break;
   }
-  std::snprintf(buf, sizeof buf, "; %.2f of %.2f GiB on 2 MiB pages", gib(huge_bytes),
-                gib(mapped_bytes));
-  line += buf;
+  line += "; " + FormatBytes(huge_bytes) + " of " + FormatBytes(mapped_bytes) + " on 2 MiB pages";
   if (!huge_note.empty()) line += " (" + huge_note + ")";
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
   if (!peer_note.empty()) line += "; " + peer_note;

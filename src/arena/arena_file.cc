@@ -22,9 +22,48 @@ Result<platform::UniqueFd> OpenExisting(const std::string& path, bool write) {
   return platform::OpenFile(path, options);
 }
 
+// Locks on `byte` of the file, from /proc/locks; -1 when it cannot be read.
+int64_t CountUsers(const platform::FileStat& st, uint64_t byte) {
+  auto locks = platform::ReadFileLocks();
+  if (!locks.ok()) return -1;
+  return static_cast<int64_t>(platform::CountLocksOnByte(*locks, st.device, st.inode, byte));
+}
+
+// The processes holding `byte` of the file, merged into `info`.
+void AddHolders(const platform::FileStat& st, uint64_t byte, ArenaFileInfo* info) {
+  auto scan = platform::FindLockHolders(st.device, st.inode, byte);
+  if (!scan.ok()) return;
+  info->holders_unreadable = std::max(info->holders_unreadable, scan->unreadable_processes);
+  for (auto& h : scan->holders) {
+    bool known = false;
+    for (const auto& seen : info->holders) known = known || seen.pid == h.pid;
+    if (!known) info->holders.push_back(std::move(h));
+  }
+}
+
 }  // namespace
 
-Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages) {
+std::string DescribeHolders(const std::vector<platform::LockHolder>& holders, int64_t users,
+                            uint64_t unreadable) {
+  std::string out;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (i > 0) out += i + 1 == holders.size() ? " and " : ", ";
+    out += platform::DescribeLockHolder(holders[i]);
+  }
+  // A process may hold several handles (and a forked child shares its parent's), so `users`
+  // locks need not be `users` processes: the count is given only when nobody could be named.
+  if (holders.empty() && users > 0) {
+    out = std::to_string(users) + " process" + (users == 1 ? "" : "es") +
+          " that /proc does not show to this user (" +
+          (unreadable > 0 ? "another user's: run as root to name them; or " : "") +
+          "of another PID namespace: a container)";
+  }
+  if (out.empty()) out = "a process this user cannot see";
+  return out;
+}
+
+Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages,
+                                       bool name_holders) {
   // Read-only: `info` and `ls` work for a user of the file's group too (F_OFD_GETLK asks
   // about a write lock on a descriptor opened for reading as well).
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, false));
@@ -40,6 +79,11 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages)
                       platform::ByteIsLocked(fd, kUserByte, platform::LockMode::kExclusive));
   EA_ASSIGN_OR_RETURN(info.loading_now,
                       platform::ByteIsLocked(fd, kFillByte, platform::LockMode::kExclusive));
+  info.users = CountUsers(st, kUserByte);
+  if (name_holders && (info.in_use || info.loading_now)) {
+    AddHolders(st, kUserByte, &info);
+    AddHolders(st, kFillByte, &info);
+  }
   if (st.size == 0) {
     info.state = "empty";
     return info;
@@ -127,7 +171,14 @@ Result<platform::UniqueFd> LockForRemoval(const std::string& path) {
   if (!fill) return Busy(path + ": an engine is loading it; not removed");
   EA_ASSIGN_OR_RETURN(bool user,
                       platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
-  if (!user) return Busy(path + ": in use by at least one engine; not removed");
+  if (!user) {
+    ArenaFileInfo who;
+    who.users = CountUsers(st, kUserByte);
+    AddHolders(st, kUserByte, &who);
+    return Busy(path + ": in use by " + DescribeHolders(who.holders, who.users,
+                                                       who.holders_unreadable) +
+                "; not removed (stop them, then run rm again)");
+  }
   // The locks are on the file we opened; unlinking the path is only right while it still names
   // that file, not one an engine created in its place meanwhile (and is loading or using).
   if (!PathNamesFile(path, st)) {

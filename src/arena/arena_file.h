@@ -9,6 +9,7 @@
 #include "expert_arena/status.h"
 #include "format/arena_format.h"
 #include "format/arena_table.h"
+#include "platform/file_locks.h"
 
 namespace expert_arena::arena {
 
@@ -24,6 +25,13 @@ struct ArenaFileInfo {
   std::string backing;       // tmpfs, hugetlbfs, other
   uint64_t huge_bytes = 0;   // of a read-only mapping of the file, from the page tables
   uint64_t mapped_bytes = 0;
+  // Granted locks on USER in /proc/locks: one per open arena handle (an engine, a holder,
+  // `serve`); -1 when /proc/locks cannot be read.
+  int64_t users = -1;
+  // With name_holders: the processes holding USER or FILL, as far as /proc shows them, and how
+  // many processes could not be looked at (another user's, without privilege).
+  std::vector<platform::LockHolder> holders;
+  uint64_t holders_unreadable = 0;
   format::HeaderSummary summary;
   format::ArenaTable table;  // when published and valid
 };
@@ -31,13 +39,21 @@ struct ArenaFileInfo {
 // Reads the header (and, when published, the table) without taking any lock. With
 // `scan_pages` it also maps the file and reads from the page tables how much of it is on
 // 2 MiB pages (huge_bytes, mapped_bytes); a listing of many large arenas leaves that out.
-Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages = true);
+// With `name_holders` it also scans /proc for the processes that hold its locks (holders).
+Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages = true,
+                                       bool name_holders = false);
+
+// "pid 12 (moe-engine --model ...) and pid 13 (expert-arena serve ...)", from `holders`; with
+// `users` locks but nobody named, says how many and why they are not named.
+std::string DescribeHolders(const std::vector<platform::LockHolder>& holders, int64_t users,
+                            uint64_t unreadable);
 
 // Recomputes every tensor's checksum. Returns the index of the first bad tensor, or -1.
 // Holds USER shared while it reads, like an engine.
 Result<int64_t> VerifyArenaFile(const std::string& path, format::ArenaTable* table);
 
-// Unlinks the file when no engine maps or loads it; kBusy with a message otherwise.
+// Unlinks the file when no engine maps or loads it; kBusy with a message naming the processes
+// that do (pid and command, where /proc shows them) otherwise.
 Status RemoveArenaFile(const std::string& path);
 
 // What SweepArenaFiles found in a directory, one line per arena file for the operator.

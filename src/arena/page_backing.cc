@@ -203,13 +203,10 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   }
   if (collapsed.ok()) {
     *collapse_seconds = *collapsed;
-    char buf[96];
-    std::snprintf(buf, sizeof buf,
-                  platform::Kernel().has(platform::KernelFeature::kCollapse)
-                      ? "; MADV_COLLAPSE %.2f s"
-                      : "; MADV_HUGEPAGE and a first touch per 2 MiB %.2f s",
-                  *collapsed);
-    d.note += buf;
+    d.note += (platform::Kernel().has(platform::KernelFeature::kCollapse)
+                   ? "; MADV_COLLAPSE "
+                   : "; MADV_HUGEPAGE and a first touch per 2 MiB ") +
+              FormatDuration(*collapsed);
     d.note += SlowCollapseHint(*collapsed, bytes);
   } else {
     d.note +=
@@ -309,13 +306,11 @@ std::string BackgroundPages::Note(std::chrono::steady_clock::time_point load_don
   }
   const double tail =
       std::max(0.0, std::chrono::duration<double>(load_done - finished_at_).count());
-  char buf[128];
-  std::snprintf(buf, sizeof buf, "; %s %.2f s alongside the load, which ended %.2f s after it",
-                platform::Kernel().has(platform::KernelFeature::kCollapse)
-                    ? "MADV_COLLAPSE"
-                    : "MADV_HUGEPAGE and a first touch per 2 MiB",
-                seconds_, tail);
-  return buf + SlowCollapseHint(seconds_, bytes_);
+  return std::string(platform::Kernel().has(platform::KernelFeature::kCollapse)
+                         ? "; MADV_COLLAPSE "
+                         : "; MADV_HUGEPAGE and a first touch per 2 MiB ") +
+         FormatDuration(seconds_) + " alongside the load, which ended " + FormatDuration(tail) +
+         " after it" + SlowCollapseHint(seconds_, bytes_);
 }
 
 void BackgroundPages::Work() {

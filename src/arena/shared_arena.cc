@@ -86,9 +86,17 @@ std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& d
 Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint64_t file_bytes,
                       const std::string& path) {
   if (s.code() == StatusCode::kNoSpace && fs.kind == platform::FsKind::kTmpfs) {
-    // Docker and Kubernetes give a container a 64 MiB /dev/shm unless told otherwise.
-    return NoSpace(s.message() +
-                   ". In a container /dev/shm is 64 MiB unless sized: `docker run "
+    // On a host the fix is the tmpfs mount's size=; Docker and Kubernetes give a container a
+    // 64 MiB /dev/shm unless told otherwise.
+    const uint64_t needed = fs.total_bytes - std::min(fs.total_bytes, fs.available_bytes) +
+                            file_bytes;
+    const std::string mount = fs.mount_point.empty() ? DirectoryOf(path) : fs.mount_point;
+    return NoSpace(s.message() + ". On a host: `mount -o remount,size=" +
+                   std::to_string((needed + kGiB - 1) / kGiB + 1) + "G " + mount + "` (" + mount +
+                   " is a tmpfs of " + FormatBytes(fs.total_bytes) +
+                   "; the size= of its /etc/fstab line keeps the change over a reboot), or "
+                   "the arena on a hugetlbfs. In a container /dev/shm is 64 MiB unless sized: "
+                   "`docker run "
                    "--shm-size=" +
                    std::to_string((file_bytes + kGiB - 1) / kGiB + 1) +
                    "g`, a Kubernetes emptyDir with medium: Memory mounted at /dev/shm (its "
@@ -195,7 +203,15 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
   const auto start = Clock::now();
   const auto deadline =
       start + std::chrono::milliseconds(static_cast<int64_t>(options.wait_timeout_seconds * 1000));
-  EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, platform::StatFilesystem(DirectoryOf(path)));
+  auto statfs = platform::StatFilesystem(DirectoryOf(path));
+  if (!statfs.ok() && statfs.status().code() == StatusCode::kNotFound) {
+    const std::string dir = DirectoryOf(path);
+    return NotFound(path + ": the arena's directory " + dir +
+                    " does not exist; create it (`mkdir -p " + dir +
+                    "`, or mount a tmpfs or hugetlbfs there) or give a path in a directory that "
+                    "exists, such as /dev/shm");
+  }
+  EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, std::move(statfs));
   const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
   bool said_waiting = false;
   uint32_t waited_for = 0;

@@ -37,4 +37,24 @@ inline std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
+// "1.25 s", "340 ms", "4.2 ms": small durations in milliseconds, so a fast attach never prints
+// "0.00 s".
+inline std::string FormatDuration(double seconds) {
+  char buf[64];
+  if (seconds >= 1) {
+    std::snprintf(buf, sizeof buf, "%.2f s", seconds);
+  } else if (seconds >= 0.01) {
+    std::snprintf(buf, sizeof buf, "%.0f ms", seconds * 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f ms", seconds * 1e3);
+  }
+  return buf;
+}
+
+// "2.10 GiB/s", "350.0 MiB/s": bytes per second in the unit FormatBytes would use.
+inline std::string FormatRate(uint64_t bytes, double seconds) {
+  if (seconds <= 0) return "-";
+  return FormatBytes(static_cast<uint64_t>(static_cast<double>(bytes) / seconds)) + "/s";
+}
+
 }  // namespace expert_arena

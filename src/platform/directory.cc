@@ -9,7 +9,12 @@ namespace expert_arena::platform {
 
 Result<std::vector<std::string>> ListDirectory(const std::string& dir) {
   DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return ErrnoStatus(errno, "open directory", dir);
+  if (d == nullptr) {
+    // The words an operator uses, not the call's: a typo in a path is the common case.
+    if (errno == ENOENT) return NotFound(dir + ": the directory does not exist");
+    if (errno == ENOTDIR) return InvalidArgument(dir + ": not a directory");
+    return ErrnoStatus(errno, "open directory", dir);
+  }
   std::vector<std::string> names;
   for (;;) {
     errno = 0;

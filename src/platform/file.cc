@@ -220,6 +220,24 @@ Status RenamePath(const std::string& from, const std::string& to) {
   return Status::Ok();
 }
 
+Status ReplaceFileAtomically(const std::string& path, std::string_view contents, mode_t mode) {
+  const std::string temporary = path + ".tmp-" + std::to_string(::getpid());
+  // Left by a process that had our pid and was killed between its create and its rename.
+  (void)::unlink(temporary.c_str());
+  Status written = [&]() -> Status {
+    EA_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(temporary, {.write = true,
+                                                          .create = true,
+                                                          .exclusive = true,
+                                                          .mode = mode,
+                                                          .exact_mode = true}));
+    EA_RETURN_IF_ERROR(WriteFull(fd, 0, std::as_bytes(std::span(contents))));
+    EA_RETURN_IF_ERROR(FsyncFd(fd));
+    return RenamePath(temporary, path);
+  }();
+  if (!written.ok()) (void)::unlink(temporary.c_str());
+  return written;
+}
+
 Status MakeDirectories(const std::string& path, mode_t mode) {
   std::error_code ec;
   // Only a directory made here gets `mode`: an existing one (/var/tmp, /dev/shm, a directory

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "expert_arena/status.h"
 
@@ -92,6 +93,12 @@ Status ExtendFile(const UniqueFd& fd, uint64_t bytes);
 Status UnlinkPath(const std::string& path);
 Status FsyncFd(const UniqueFd& fd);
 Status RenamePath(const std::string& from, const std::string& to);
+// Replaces `path` with a file holding `contents` and `mode`, atomically: written to a
+// temporary file in the same directory (its name does not end like `path`, so a reader that
+// picks files by suffix never sees it), fsync'd, then renamed over `path`. A reader sees the
+// old file or the new one, never a part. On failure the temporary file is removed and `path`
+// is left as it was.
+Status ReplaceFileAtomically(const std::string& path, std::string_view contents, mode_t mode);
 // mkdir -p; the last component gets `mode` when this call creates it (an existing directory is
 // left as it is).
 Status MakeDirectories(const std::string& path, mode_t mode);

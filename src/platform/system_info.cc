@@ -42,23 +42,29 @@ const char* FsKindName(FsKind kind) {
 
 namespace {
 
-// The huge= option of the tmpfs mount whose device is `device`, from /proc/self/mountinfo:
-// "36 25 0:32 / /mnt/x rw,relatime - tmpfs tmpfs rw,size=65536k,huge=always".
-std::string TmpfsHugeOption(dev_t device) {
+// The mount point and the huge= option of the mount whose device is `device`, from
+// /proc/self/mountinfo: "36 25 0:32 / /mnt/x rw,relatime - tmpfs tmpfs rw,size=65536k,huge=always".
+// A bind mount of a part of the filesystem (root other than "/") names the filesystem only when
+// no mount of its root is listed.
+void ReadMountInfo(dev_t device, FilesystemInfo* info) {
   std::ifstream in("/proc/self/mountinfo");
   std::string line;
   const std::string wanted = std::to_string(major(device)) + ":" + std::to_string(minor(device));
   while (std::getline(in, line)) {
     std::istringstream words(line);
-    std::string id, parent, dev;
-    words >> id >> parent >> dev;
+    std::string id, parent, dev, root, mount_point;
+    words >> id >> parent >> dev >> root >> mount_point;
     if (dev != wanted) continue;
-    size_t at = line.find("huge=");
-    if (at == std::string::npos) return "never";
-    size_t end = line.find_first_of(", \n", at);
-    return line.substr(at + 5, end == std::string::npos ? std::string::npos : end - at - 5);
+    if (info->mount_point.empty() || root == "/") info->mount_point = mount_point;
+    if (info->kind == FsKind::kTmpfs) {
+      size_t at = line.find("huge=");
+      size_t end = at == std::string::npos ? at : line.find_first_of(", \n", at);
+      info->tmpfs_huge = at == std::string::npos
+                             ? "never"
+                             : line.substr(at + 5, end == std::string::npos ? end : end - at - 5);
+    }
+    if (root == "/") return;
   }
-  return "never";
 }
 
 }  // namespace
@@ -75,9 +81,7 @@ Result<FilesystemInfo> StatFilesystem(const std::string& path) {
   info.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   info.available_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   struct stat st {};
-  if (info.kind == FsKind::kTmpfs && ::stat(path.c_str(), &st) == 0) {
-    info.tmpfs_huge = TmpfsHugeOption(st.st_dev);
-  }
+  if (::stat(path.c_str(), &st) == 0) ReadMountInfo(st.st_dev, &info);
   return info;
 }
 

@@ -23,6 +23,9 @@ struct FilesystemInfo {
   // tmpfs only: the mount's huge= option ("never" when absent, "always", "within_size",
   // "advise"), from /proc/self/mountinfo.
   std::string tmpfs_huge = "never";
+  // Where that filesystem is mounted (/proc/self/mountinfo), "" when not found: the path a
+  // `mount -o remount,size=` fix names.
+  std::string mount_point;
 };
 
 // statfs(2) of the filesystem holding `path` (a file or a directory).

@@ -258,10 +258,22 @@ Result<GgufFile> GgufParser::Parse() {
                   " is not a multiple of the alignment " + std::to_string(file.alignment));
     }
     if (!RangeWithin(info.offset, info.bytes, data_bytes)) {
-      return Fail("tensor " + info.name + ": " + std::to_string(info.bytes) +
+      // Almost always a download or a copy cut short, rarely a bad header: the message says
+      // which size the table asks for, so the two can be told apart.
+      uint64_t needed = 0;
+      for (const GgufTensorInfo& t : file.tensors) {
+        if (t.offset <= UINT64_MAX - t.bytes &&
+            t.offset + t.bytes <= UINT64_MAX - file.data_offset) {
+          needed = std::max(needed, file.data_offset + t.offset + t.bytes);
+        }
+      }
+      return Fail("truncated: the file has " + std::to_string(file.file_size) +
+                  " bytes but its tensor table needs " + std::to_string(needed) +
+                  " (tensor " + info.name + ": " + std::to_string(info.bytes) +
                   " bytes at data offset " + std::to_string(info.offset) +
-                  " run past the end of the file (data section holds " +
-                  std::to_string(data_bytes) + " bytes)");
+                  " run past the end of the file, whose data section holds " +
+                  std::to_string(data_bytes) + " bytes); a download or copy was cut short: "
+                  "fetch or copy the file again");
     }
     info.absolute_offset = file.data_offset + info.offset;
   }

@@ -13,9 +13,9 @@ HeaderReader::HeaderReader(const platform::UniqueFd& fd, uint64_t file_size)
 
 Status HeaderReader::Fill(uint64_t n, const std::string& what) {
   if (n > remaining()) {
-    return Corrupt(fd_.path() + ": file ends inside " + what + " (needs " + std::to_string(n) +
-                   " bytes at offset " + std::to_string(position_) + ", file is " +
-                   std::to_string(file_size_) + " bytes)");
+    return Corrupt(fd_.path() + ": truncated: file ends inside " + what + " (needs " +
+                   std::to_string(n) + " bytes at offset " + std::to_string(position_) +
+                   ", file is " + std::to_string(file_size_) + " bytes)");
   }
   return Status::Ok();
 }

@@ -6,7 +6,9 @@
 // header are only for messages. A producer creating a segment takes the lock right after the
 // O_EXCL create and checks afterwards that its path still names its file, so a sweep that
 // wins that race costs the producer a retry under a new name, never a lost segment.
+#include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "expert_arena/stream.h"
 #include "platform/directory.h"
@@ -87,6 +89,7 @@ Result<SegmentInfo> InspectSegment(const std::string& path) {
   std::vector<BlockSlot> slots(h.slot_count);
   EA_RETURN_IF_ERROR(
       platform::ReadFull(fd, h.slots_offset, std::as_writable_bytes(std::span(slots))));
+  std::vector<std::pair<uint64_t, uint64_t>> used;  // [begin, end) in the file
   for (const auto& s : slots) {
     BlockState state = ControlWord::State(s.control);
     if (state == BlockState::kFree) continue;
@@ -94,7 +97,25 @@ Result<SegmentInfo> InspectSegment(const std::string& path) {
     info.live_bytes += s.length;
     if (state == BlockState::kPublished) ++info.published_blocks;
     if (state == BlockState::kAborted) ++info.aborted_blocks;
+    const uint64_t begin = std::min(s.offset, h.file_bytes);
+    used.emplace_back(begin, begin + std::min(s.length, h.file_bytes - begin));
   }
+  // The gaps between live blocks. A slot is written by another process: offsets and lengths
+  // outside the data region are clipped to it, never trusted to be ordered or disjoint.
+  const uint64_t data_begin = h.data_offset, data_end = h.data_offset + h.data_bytes;
+  std::sort(used.begin(), used.end());
+  uint64_t cursor = data_begin, covered = 0;
+  for (const auto& [begin, end] : used) {
+    const uint64_t b = std::clamp(begin, data_begin, data_end);
+    const uint64_t e = std::clamp(end, data_begin, data_end);
+    if (b > cursor) info.largest_free_bytes = std::max(info.largest_free_bytes, b - cursor);
+    if (e > cursor) {
+      covered += e - std::max(b, cursor);
+      cursor = e;
+    }
+  }
+  info.largest_free_bytes = std::max(info.largest_free_bytes, data_end - cursor);
+  info.free_bytes = h.data_bytes - covered;
   return info;
 }
 

@@ -1,6 +1,7 @@
 // expert-arena load / info --json / verify through the real CLI: file_offset is absolute in
 // the arena file, both readers give the same data region, and verify names a corrupted tensor.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -231,6 +232,93 @@ TEST(CliLoadTest, NotAModelIsRefusedAndRawIsLoadedOnlyWhenAsked) {
   EXPECT_EQ(ExpertArena({"rm", arena}), 0);
   // An unknown format is a usage error (CLI11), before anything is opened.
   EXPECT_NE(ExpertArena({"load", "--format", "bin", "--model", blob, "--arena", arena}), 0);
+  EXPECT_TRUE(arenas.entries().empty());
+}
+
+// An arena path in a directory that does not exist: the message says so in those words and
+// what to do, not which system call failed; ls and metrics say the same of the directory.
+TEST(CliLoadTest, AMissingDirectoryIsNamedAsSuch) {
+  ScopedDir dir("cli-missing-dir");
+  const std::string model = dir.File("m.gguf");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  const std::string missing = dir.File("no-such-dir");
+  std::string out;
+  EXPECT_EQ(Shell(testing::BinDir() + "/expert-arena load --model " + model + " --arena " +
+                      missing + "/m.arena",
+                  &out),
+            1);
+  EXPECT_NE(out.find("the arena's directory " + missing + " does not exist"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("mkdir -p " + missing), std::string::npos) << out;
+  EXPECT_EQ(out.find("statfs"), std::string::npos) << out;
+  EXPECT_EQ(Shell(testing::BinDir() + "/expert-arena ls " + missing, &out), 1);
+  EXPECT_NE(out.find(missing + ": the directory does not exist"), std::string::npos) << out;
+}
+
+// A small arena's start line prints MiB and ms, never "0.00 GiB" or "0.00 s"; info's page line
+// too.
+TEST(CliLoadTest, SmallSizesAndTimesPrintInUnitsThatShowThem) {
+  ScopedDir dir("cli-small");
+  ScopedPath arena("small");
+  const std::string model = dir.File("m.gguf");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "2",
+                         "--experts", "4", "--hidden", "256", "--ffn", "384"}),
+            0);
+  std::string out;
+  for (const char* role : {"loaded", "attached"}) {
+    SCOPED_TRACE(role);
+    ASSERT_EQ(Shell(testing::BinDir() + "/expert-arena load --model " + model + " --arena " +
+                        arena.path(),
+                    &out),
+              0);
+    EXPECT_NE(out.find(std::string("expert-arena: ") + role), std::string::npos) << out;
+    EXPECT_NE(out.find(" MiB in "), std::string::npos) << out;
+    EXPECT_NE(out.find(" ms"), std::string::npos) << out;
+    EXPECT_EQ(out.find("0.00 GiB"), std::string::npos) << out;
+    EXPECT_EQ(out.find("0.00 s"), std::string::npos) << out;
+  }
+  ASSERT_EQ(Shell(testing::BinDir() + "/expert-arena info " + arena.path(), &out), 0);
+  EXPECT_NE(out.find(" MiB on 2 MiB pages"), std::string::npos) << out;
+  EXPECT_EQ(out.find("0.00 GiB"), std::string::npos) << out;
+}
+
+// rm of an arena that a process holds names it (pid and command, from /proc/locks' lock in the
+// holder's fdinfo), and so do info and ls; once it is gone rm removes the file.
+TEST(CliLoadTest, RmAndLsNameWhoHoldsTheArena) {
+  ScopedDir dir("cli-holder");
+  testing::ScopedArenaDir arenas("cli-holder");
+  const std::string model = dir.File("m.gguf");
+  const std::string arena = arenas.File("held.arena");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  const std::string tool = testing::BinDir() + "/expert-arena";
+  testing::Child holder = testing::SpawnProgram(
+      "/bin/sh", {"-c", "exec " + tool + " load --model " + model + " --arena " + arena +
+                            " --hold --json </dev/null"});
+  ASSERT_TRUE(holder.WaitForOutput("\"role\"", 60)) << holder.Output();
+  // The command is cut after 80 bytes (with "..."): the tool's path and subcommand fit.
+  const std::string named = "pid " + std::to_string(holder.pid()) + " (" + tool + " load --model ";
+  std::string out;
+  EXPECT_EQ(Shell(tool + " rm " + arena, &out), 1);
+  EXPECT_NE(out.find(arena + ": in use by " + named), std::string::npos) << out;
+  EXPECT_NE(out.find("not removed"), std::string::npos) << out;
+  EXPECT_EQ(out.find("at least one engine"), std::string::npos) << out;
+  ASSERT_EQ(Shell(tool + " ls " + arenas.path(), &out), 0);
+  EXPECT_NE(out.find(arena + ": in use by " + named), std::string::npos) << out;
+  ASSERT_EQ(ExpertArena({"ls", arenas.path(), "--json"}, &out), 0);
+  auto ls = nlohmann::json::parse(out);
+  ASSERT_EQ(ls["arenas"].size(), 1u) << out;
+  EXPECT_EQ(ls["arenas"][0]["users"], 1) << out;
+  ASSERT_EQ(ls["arenas"][0]["holders"].size(), 1u) << out;
+  EXPECT_EQ(ls["arenas"][0]["holders"][0]["pid"], holder.pid()) << out;
+  ASSERT_EQ(Shell(tool + " info " + arena, &out), 0);
+  EXPECT_NE(out.find("in use:    yes, by " + named), std::string::npos) << out;
+  holder.Kill(SIGTERM);
+  EXPECT_EQ(holder.Wait(30), 0);
+  EXPECT_EQ(ExpertArena({"rm", arena}), 0);
   EXPECT_TRUE(arenas.entries().empty());
 }
 

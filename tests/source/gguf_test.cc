@@ -209,9 +209,9 @@ Status PlanBytes(const ScopedDir& dir, const std::vector<std::byte>& bytes,
   return plan.ok() ? Status::Ok() : plan.status();
 }
 
-void ExpectError(const Status& s, std::initializer_list<const char*> words) {
+void ExpectError(const Status& s, std::initializer_list<std::string> words) {
   ASSERT_FALSE(s.ok());
-  for (const char* w : words) {
+  for (const std::string& w : words) {
     EXPECT_NE(s.message().find(w), std::string::npos)
         << "missing '" << w << "' in: " << s.message();
   }
@@ -229,15 +229,19 @@ TEST(GgufDamageTest, Truncated) {
   ScopedDir dir("gguf-trunc");
   GgufWriter w = TwoTensors();
   Sample s = MakeSample(w);
-  // Cut inside the data: the last tensor runs past the end.
+  // Cut inside the data: the last tensor runs past the end. The message says "truncated" and
+  // the size the table asks for (the whole file's), so a cut download is told from a bad header.
   std::vector<std::byte> cut(s.file.begin(), s.file.end() - 10);
-  ExpectError(PlanBytes(dir, cut), {"bad.gguf", "blk.0.ffn_up_exps.weight", "past the end"});
+  ExpectError(PlanBytes(dir, cut),
+              {"bad.gguf", "truncated: the file has " + std::to_string(cut.size()) +
+                               " bytes but its tensor table needs " + std::to_string(s.file.size()),
+               "blk.0.ffn_up_exps.weight", "past the end", "fetch or copy the file again"});
   // Cut inside the tensor infos.
   std::vector<std::byte> header_cut(s.file.begin(), s.file.begin() + s.header.size() - 40);
-  ExpectError(PlanBytes(dir, header_cut), {"bad.gguf", "file ends inside"});
+  ExpectError(PlanBytes(dir, header_cut), {"bad.gguf", "truncated: file ends inside"});
   // Only the magic.
   std::vector<std::byte> magic(s.file.begin(), s.file.begin() + 6);
-  ExpectError(PlanBytes(dir, magic), {"bad.gguf", "file ends inside"});
+  ExpectError(PlanBytes(dir, magic), {"bad.gguf", "truncated: file ends inside"});
 }
 
 TEST(GgufDamageTest, HugeCountsAndLengths) {

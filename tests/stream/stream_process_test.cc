@@ -534,7 +534,11 @@ TEST(StreamProcess, CliLsListsArenasAndSegmentsWithWhatHoldsThem) {
   EXPECT_NE(out.find(idle + ": not in use; kept for the next engine (rm frees it)"),
             std::string::npos)
       << out;
-  EXPECT_NE(out.find(held + ": in use"), std::string::npos) << out;
+  // Who holds it, by pid and command (/proc/locks and the holder's fdinfo).
+  EXPECT_NE(out.find(held + ": in use by pid " + std::to_string(holder.pid()) + " (" + tool +
+                     " load --model "),
+            std::string::npos)
+      << out;
   EXPECT_NE(out.find("owner pid " + std::to_string(dead.pid()) + " gone (sweep frees it)"),
             std::string::npos)
       << out;

@@ -1,9 +1,11 @@
 // The platform layer: OFD lock semantics, aligned mappings, the proc readers.
 #include <sys/mman.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include "common/units.h"
 #include "platform/file.h"
+#include "platform/file_locks.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
 #include "platform/page_scan.h"
@@ -48,6 +50,55 @@ TEST(OfdLockTest, ExclusiveConvertsToSharedWithoutAGap) {
   EXPECT_TRUE(shared_b);
   ASSERT_OK_AND_ASSIGN(bool excl_b, ByteIsLocked(b, 1, LockMode::kExclusive));
   EXPECT_TRUE(excl_b);
+}
+
+// /proc/locks as the kernel writes it: OFD locks have pid -1, a blocked request is a "->" line,
+// device numbers are hex, "EOF" is the end of the file; fdinfo lines have a "lock:" prefix.
+TEST(FileLocksTest, ParsesProcLocksAndFdinfoLines) {
+  const auto locks = ParseFileLocks(
+      "1: OFDLCK ADVISORY  READ  -1 00:1a:4242 1 1\n"
+      "1: -> OFDLCK ADVISORY  WRITE -1 00:1a:4242 1 1\n"
+      "2: POSIX  ADVISORY  WRITE 812 fd:01:77 0 EOF\n"
+      "3: FLOCK  ADVISORY  WRITE 900 00:05:9 0 EOF\n"
+      "not a lock line\n"
+      "lock:\t1: OFDLCK ADVISORY  WRITE -1 00:1a:4242 0 0\n");
+  ASSERT_EQ(locks.size(), 5u);
+  EXPECT_EQ(locks[0].kind, "OFDLCK");
+  EXPECT_FALSE(locks[0].write);
+  EXPECT_EQ(locks[0].pid, -1);
+  EXPECT_EQ(locks[0].device_minor, 0x1au);
+  EXPECT_EQ(locks[0].inode, 4242u);
+  EXPECT_TRUE(locks[1].waiting);
+  EXPECT_EQ(locks[2].device_major, 0xfdu);
+  EXPECT_EQ(locks[2].end, UINT64_MAX);
+  EXPECT_EQ(locks[4].start, 0u);
+  EXPECT_TRUE(locks[4].write);
+  const uint64_t device = makedev(0, 0x1a);
+  // Byte 1: the granted READ lock only (the waiting request does not count).
+  EXPECT_EQ(CountLocksOnByte(locks, device, 4242, 1), 1u);
+  EXPECT_EQ(CountLocksOnByte(locks, device, 4242, 0), 1u);
+  EXPECT_EQ(CountLocksOnByte(locks, device, 4242, 0, /*only_read=*/true), 0u);
+  EXPECT_EQ(CountLocksOnByte(locks, device, 4243, 1), 0u);
+}
+
+// A real OFD lock of this process: /proc/locks counts it and the fdinfo scan names this pid.
+TEST(FileLocksTest, FindsThisProcessAsTheHolderOfItsOfdLock) {
+  testing::ScopedPath path("holders");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  ASSERT_OK_AND_ASSIGN(FileStat st, StatFd(fd));
+  ASSERT_OK_AND_ASSIGN(bool got, TryLockByte(fd, 1, LockMode::kShared));
+  ASSERT_TRUE(got);
+  ASSERT_OK_AND_ASSIGN(auto locks, ReadFileLocks());
+  EXPECT_EQ(CountLocksOnByte(locks, st.device, st.inode, 1), 1u);
+  EXPECT_EQ(CountLocksOnByte(locks, st.device, st.inode, 0), 0u);
+  ASSERT_OK_AND_ASSIGN(LockHolderScan scan, FindLockHolders(st.device, st.inode, 1));
+  ASSERT_EQ(scan.holders.size(), 1u);
+  EXPECT_EQ(scan.holders[0].pid, getpid());
+  EXPECT_FALSE(scan.holders[0].write);
+  EXPECT_NE(scan.holders[0].command.find("platform_test"), std::string::npos)
+      << scan.holders[0].command;
+  ASSERT_OK_AND_ASSIGN(LockHolderScan none, FindLockHolders(st.device, st.inode, 0));
+  EXPECT_TRUE(none.holders.empty());
 }
 
 TEST(FileTest, SymlinkIsRefused) {

@@ -6,6 +6,7 @@
 #include "../kernel_json.h"
 #include "arena/arena_file.h"
 #include "commands.h"
+#include "common/escape.h"
 #include "common/units.h"
 #include "expert_arena/stream.h"
 #include "platform/pid_namespace.h"
@@ -21,7 +22,7 @@ std::string Hex(uint64_t v) {
 
 int RunInfo(const std::string& path, bool json) {
   if (IsStreamSegment(path)) return RunSegmentInfo(path, json);
-  auto info = arena::InspectArenaFile(path);
+  auto info = arena::InspectArenaFile(path, /*scan_pages=*/true, /*name_holders=*/true);
   if (!info.ok()) {
     std::fprintf(stderr, "expert-arena info: %s\n", info.status().message().c_str());
     return 1;
@@ -39,6 +40,11 @@ int RunInfo(const std::string& path, bool json) {
     std::snprintf(mode, sizeof mode, "%04o", i.mode);
     j["mode"] = mode;
     j["in_use"] = i.in_use;
+    j["users"] = i.users;
+    j["holders"] = nlohmann::json::array();
+    for (const auto& h : i.holders) {
+      j["holders"].push_back({{"pid", h.pid}, {"command", EscapeForMessage(h.command)}});
+    }
     j["loading_now"] = i.loading_now;
     j["backing"] = i.backing;
     j["huge_bytes"] = i.huge_bytes;
@@ -75,7 +81,10 @@ int RunInfo(const std::string& path, bool json) {
   std::printf("size:      %s (%llu bytes), owner uid %u, mode %04o, on %s\n",
               FormatBytes(i.file_bytes).c_str(), static_cast<unsigned long long>(i.file_bytes),
               i.owner_uid, i.mode, i.backing.c_str());
-  std::printf("in use:    %s%s\n", i.in_use ? "yes (an engine maps it)" : "no",
+  const std::string users =
+      i.in_use ? "yes, by " + arena::DescribeHolders(i.holders, i.users, i.holders_unreadable)
+               : "no";
+  std::printf("in use:    %s%s\n", users.c_str(),
               i.loading_now ? "; an engine is loading it now" : "");
   if (i.summary.our_magic) {
     std::printf("format:    version %u, header %s, data %s\n", i.summary.version,
@@ -88,9 +97,8 @@ int RunInfo(const std::string& path, bool json) {
         platform::DescribePid(i.summary.loader_pid, i.summary.loader_pid_namespace).c_str());
   }
   if (i.state == "published") {
-    std::printf("pages:     %.2f of %.2f GiB on 2 MiB pages\n",
-                static_cast<double>(i.huge_bytes) / kGiB,
-                static_cast<double>(i.mapped_bytes) / kGiB);
+    std::printf("pages:     %s of %s on 2 MiB pages\n", FormatBytes(i.huge_bytes).c_str(),
+                FormatBytes(i.mapped_bytes).c_str());
     {
       // What this kernel lacks of what expert-arena uses, and what reading the pages cost.
       const auto missing =

@@ -31,7 +31,9 @@ struct Listing {
 // What an operator may do about an arena in `state`.
 std::string ArenaAction(const arena::ArenaFileInfo& a) {
   if (a.state == "published") {
-    return a.in_use ? "in use" : "not in use; kept for the next engine (rm frees it)";
+    return a.in_use ? "in use by " + arena::DescribeHolders(a.holders, a.users,
+                                                           a.holders_unreadable)
+                    : "not in use; kept for the next engine (rm frees it)";
   }
   // The loader may be in another container: its pid is then named as one of another namespace.
   const std::string loader =
@@ -44,8 +46,17 @@ std::string ArenaAction(const arena::ArenaFileInfo& a) {
   return a.state;
 }
 
+// The processes /proc names as holding the arena's locks (pid, command).
+nlohmann::json HoldersJson(const arena::ArenaFileInfo& a) {
+  nlohmann::json holders = nlohmann::json::array();
+  for (const auto& h : a.holders) {
+    holders.push_back({{"pid", h.pid}, {"command", EscapeForMessage(h.command)}});
+  }
+  return holders;
+}
+
 void AddArena(const std::string& path, Listing& out) {
-  auto info = arena::InspectArenaFile(path, /*scan_pages=*/false);
+  auto info = arena::InspectArenaFile(path, /*scan_pages=*/false, /*name_holders=*/true);
   if (!info.ok()) {
     out.lines.push_back("arena    ?          " + EscapeForMessage(path) +
                         ": cannot be read: " + info.status().message());
@@ -70,6 +81,8 @@ void AddArena(const std::string& path, Listing& out) {
                         {"loader_pid", a.summary.loader_pid},
                         {"loader_pid_local", platform::PidIsLocal(a.summary.loader_pid_namespace)},
                         {"owner_uid", a.owner_uid},
+                        {"users", a.users},
+                        {"holders", HoldersJson(a)},
                         {"identity", identity},
                         {"action", action}});
 }
@@ -112,15 +125,6 @@ void AddSegment(const std::string& path, Listing& out) {
 // "1 arena", "2 arenas".
 std::string Count(uint64_t n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
-}
-
-bool HasArenaMagic(const std::string& path, uint64_t size) {
-  if (size < sizeof(format::HeaderFixed)) return false;
-  auto fd = platform::OpenFile(path, {.no_follow = true});
-  if (!fd.ok()) return false;
-  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
-  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
-  return format::SummarizeHeader(fixed).our_magic;
 }
 
 int RunList(const std::string& dir, bool json) {
@@ -175,6 +179,15 @@ int RunList(const std::string& dir, bool json) {
 }
 
 }  // namespace
+
+bool HasArenaMagic(const std::string& path, uint64_t size) {
+  if (size < sizeof(format::HeaderFixed)) return false;
+  auto fd = platform::OpenFile(path, {.no_follow = true});
+  if (!fd.ok()) return false;
+  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
+  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
+  return format::SummarizeHeader(fixed).our_magic;
+}
 
 void RegisterList(CLI::App& app, int& exit_code) {
   auto dir = std::make_shared<std::string>("/dev/shm");

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   expert_arena::cli::RegisterGenModel(app, exit_code);
   expert_arena::cli::RegisterList(app, exit_code);
   expert_arena::cli::RegisterServe(app, exit_code);
+  expert_arena::cli::RegisterMetrics(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

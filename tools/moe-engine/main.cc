@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../kernel_json.h"
+#include "common/units.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/cli.h"
 #include "expert_table.h"
@@ -41,8 +42,6 @@ std::string Hex(uint64_t v) {
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
   return buf;
 }
-
-double Gib(uint64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
 sigset_t HoldSignals() {
   sigset_t set;
@@ -126,9 +125,8 @@ int Run(EngineArgs& args) {
   const char* role = ArenaRoleName(r.role);
   // A loader's rate is its reading rate (seconds also hold page collapsing and GPU
   // registration); an attacher's is how fast the experts became usable.
-  double rate = r.role == ArenaRole::kAttached
-                    ? (r.seconds > 0 ? Gib(r.tensor_bytes) / r.seconds : 0)
-                    : (r.load_seconds > 0 ? Gib(r.tensor_bytes) / r.load_seconds : 0);
+  const std::string rate =
+      FormatRate(r.tensor_bytes, r.role == ArenaRole::kAttached ? r.seconds : r.load_seconds);
 
   if (args.json) {
     nlohmann::json j;
@@ -175,11 +173,12 @@ int Run(EngineArgs& args) {
     std::cout << j.dump() << std::endl;
   } else {
     std::printf(
-        "moe-engine: %s %.2f GiB in %.3f s (%.2f GiB/s%s%s), %.2f of %.2f GiB on 2 MiB pages, "
-        "%llu model bytes read; gpu: %s\n",
-        role, Gib(r.tensor_bytes), r.seconds, rate,
-        r.role == ArenaRole::kAttached ? "" : " reading, ", r.reader.c_str(), Gib(r.huge_bytes),
-        Gib(r.mapped_bytes), static_cast<unsigned long long>(r.bytes_read),
+        "moe-engine: %s %s in %s (%s%s%s), %s of %s on 2 MiB pages, %llu model bytes read; "
+        "gpu: %s\n",
+        role, FormatBytes(r.tensor_bytes).c_str(), FormatDuration(r.seconds).c_str(), rate.c_str(),
+        r.role == ArenaRole::kAttached ? "" : " reading, ", r.reader.c_str(),
+        FormatBytes(r.huge_bytes).c_str(), FormatBytes(r.mapped_bytes).c_str(),
+        static_cast<unsigned long long>(r.bytes_read),
         r.gpu_note.empty() ? "none" : r.gpu_note.c_str());
     std::printf("moe-engine: %s model, %llu layers x %llu experts, hidden %llu, ffn %llu, %s\n",
                 table->naming().c_str(), static_cast<unsigned long long>(table->layers()),
