@@ -480,6 +480,44 @@ TEST_F(StreamLoopbackTest, KillerPacketsLeaveTheProducerAliveAndServing) {
   EXPECT_GE(stats->remote_dropped, 4u);
 }
 
+// A descriptor that names a peer which accepts TCP and never answers (a stopped producer, the
+// wrong service): the open fails at the deadline with an error, and this process lives (it
+// aborted inside UCX before the front door).
+TEST_F(StreamLoopbackTest, SilentProducerIsAnErrorNotAnAbort) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &at.sin_addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t length = sizeof at;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&at), &length);
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto desc = producer->Put("silent", TensorBytes("silent", 4096, 1), {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  d->remote = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  ConsumerOptions o = Consumer();
+  o.remote_timeout_seconds = 2;
+  auto consumer = StreamConsumer::Create(o);
+  ASSERT_TRUE(consumer.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto t = consumer->Open(d->Encode());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kTimedOut) << t.status().ToString();
+  EXPECT_NE(t.status().message().find("did not answer"), std::string::npos)
+      << t.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  close(fd);
+  // The genuine descriptor still opens.
+  auto genuine = consumer->Open(*desc);
+  ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
+  genuine->Release();
+}
+
 // A descriptor rewritten on its way (another producer address, another block) is refused by a
 // consumer that holds the token, which stays alive and opens the genuine one.
 TEST_F(StreamLoopbackTest, RewrittenDescriptorIsRefused) {
