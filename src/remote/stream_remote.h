@@ -42,8 +42,9 @@ struct RemoteHold {
   uint32_t slot = 0;
 };
 
-// Runs the front door (front_door.h; UCX has no listener) and a progress thread until destroyed (which releases every remote
-// hold: the shares are spent, as a dead consumer's are). Thread-safe.
+// Runs the front door (front_door.h; UCX has no listener) and a progress thread until destroyed
+// (which releases every remote hold: the shares are spent, as a dead consumer's are).
+// Thread-safe.
 class StreamServer {
  public:
   virtual ~StreamServer() = default;

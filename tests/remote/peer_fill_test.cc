@@ -297,8 +297,8 @@ TEST_P(PeerFillTest, ServerKilledMidTransferPublishesNothingAndFallsBack) {
     ASSERT_FALSE(server.address.empty()) << server.child.Output();
     const std::string arena = with_model ? "/dev/shm/killed-model.arena" : "/dev/shm/killed.arena";
     std::string command = hosts_->On(1) + "EXPERT_ARENA_TEST_PEER_PAUSE_FILE=" + pause +
-                          " EXPERT_ARENA_PEER_CHUNK_MIB=1 EXPERT_ARENA_PEER_WINDOW=2 " + TokenEnv() + Tool() +
-                          " load --arena " + arena + " --from-peer " + server.address + " --json" +
+                          " EXPERT_ARENA_PEER_CHUNK_MIB=1 EXPERT_ARENA_PEER_WINDOW=2 " +
+                          TokenEnv() + Tool() + " load --arena " + arena + " --from-peer " + server.address + " --json" +
                           (with_model ? " --model " + model_ : "");
     auto load = testing::SpawnProgram("/bin/sh", {"-c", command + " 2>&1"});
     // The fill stops half-way and says so through the pause file.
@@ -336,7 +336,8 @@ TEST_P(PeerFillTest, ServerUnreachableMidTransferIsAnErrorNotAHang) {
   ASSERT_FALSE(server.address.empty()) << server.child.Output();
   auto load = testing::SpawnProgram(
       "/bin/sh", {"-c", hosts_->On(1) + "EXPERT_ARENA_TEST_PEER_PAUSE_FILE=" + pause +
-                            " EXPERT_ARENA_PEER_CHUNK_MIB=1 EXPERT_ARENA_PEER_WINDOW=2 " + TokenEnv() + Tool() +
+                            " EXPERT_ARENA_PEER_CHUNK_MIB=1 EXPERT_ARENA_PEER_WINDOW=2 " +
+                            TokenEnv() + Tool() +
                             " load --arena /dev/shm/unreachable.arena --from-peer " +
                             server.address + " --peer-stall-timeout 3 2>&1"});
   bool paused = false;
