@@ -20,6 +20,7 @@
 
 #include "expert_arena/expert_arena.h"
 #include "remote/peer_client.h"
+#include "remote/stream_remote.h"
 #include "stream/stream_test_util.h"
 #include "test_util.h"
 
@@ -516,6 +517,51 @@ TEST_F(StreamLoopbackTest, SilentProducerIsAnErrorNotAnAbort) {
   auto genuine = consumer->Open(*desc);
   ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
   genuine->Release();
+}
+
+// An open whose descriptor names another address (and another host's boot id, which made the
+// server's own consumer treat it as remote) is refused at once: the server never connects out
+// to an address a peer named. The peer here is the library's own connection, sending what a
+// hostile consumer would.
+TEST_F(StreamLoopbackTest, ForgedOpenNamingAnotherAddressIsRefusedWithoutConnectingOut) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &at.sin_addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t length = sizeof at;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&at), &length);
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto bytes = TensorBytes("forged", 4096, 1);
+  auto desc = producer->Put("forged", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  TensorDescriptor forged = *d;
+  forged.remote = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  forged.boot_id = "00000000-0000-0000-0000-000000000000";
+  remote::StreamPeerOptions po;
+  po.address = producer->remote_address();
+  po.timeout_seconds = 10;
+  auto peer = remote::ConnectStreamPeer(po);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  std::vector<std::byte> into(d->length);
+  const auto start = std::chrono::steady_clock::now();
+  auto held = (*peer)->Fetch(forged.Encode(), d->producer_instance, into);
+  ASSERT_FALSE(held.ok());
+  EXPECT_NE(held.status().message().find("names producer"), std::string::npos)
+      << held.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(accept4(fd, nullptr, nullptr, SOCK_CLOEXEC), 0) << "the server connected out";
+  close(fd);
+  // The same connection still serves the genuine descriptor.
+  auto genuine = (*peer)->Fetch(*desc, d->producer_instance, into);
+  ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
+  EXPECT_EQ(std::memcmp(into.data(), bytes.data(), bytes.size()), 0);
+  (*peer)->Release(*genuine, true);
 }
 
 // A descriptor rewritten on its way (another producer address, another block) is refused by a
