@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 required=(
   build-essential cmake ninja-build pkg-config python3
   liburing-dev libspdlog-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev
-  nlohmann-json3-dev libxxhash-dev libsimdjson-dev
+  nlohmann-json3-dev libxxhash-dev libsimdjson-dev libssl-dev
   libseccomp-dev  # tools/kernel-profile: older kernels and container runtimes emulated in tests
   clang libclang-rt-14-dev  # the libFuzzer build of tests/fuzz (clang 14 and its runtime)
   python3-dev pybind11-dev python3-numpy python3-torch python3-pytest  # the Python package

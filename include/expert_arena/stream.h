@@ -78,9 +78,17 @@ struct EXPERT_ARENA_EXPORT TensorDescriptor {
   std::string remote;              // "ADDR:PORT" of the producer's stream server
   uint64_t producer_instance = 0;  // that server's instance id (a restarted producer differs)
   std::string boot_id;             // the producer host's /proc/sys/kernel/random/boot_id
+  // Set by a listening producer with a listen_token: HMAC-SHA256 keyed by the token over every
+  // byte before it (32 bytes; empty: none), so that a descriptor rewritten on its way (another
+  // address, another block) is refused by a consumer holding the token, and by the producer.
+  std::string mac;
 
-  std::string Encode() const;
+  // With `mac_key` not empty, the descriptor carries a MAC keyed by it (the stored `mac`
+  // otherwise, so Encode() of a decoded descriptor gives back its bytes).
+  std::string Encode(std::string_view mac_key = {}) const;
   static Result<TensorDescriptor> Decode(std::string_view bytes);
+  // Whether `encoded` (a descriptor that Decode accepts) carries a MAC that holds for `key`.
+  static bool MacMatches(std::string_view encoded, std::string_view key);
 };
 
 // The shape and type that travel with a tensor; the library does not interpret them.
@@ -188,6 +196,14 @@ struct StreamStats {
   uint64_t reclaimed_blocks = 0;
   uint64_t dead_readers_cleared = 0;
   uint64_t segments_grown_ahead = 0;  // created by the grow-ahead thread
+  // A listening producer's front door (docs/cross-host.md): consumers admitted; refused
+  // (limits, throttling); timed out (no handshake in time, or a transfer not taken within the
+  // lease); dropped (garbage, a hang-up mid-handshake); failed token proofs.
+  uint64_t remote_admitted = 0;
+  uint64_t remote_refused = 0;
+  uint64_t remote_timed_out = 0;
+  uint64_t remote_dropped = 0;
+  uint64_t remote_auth_failed = 0;
 };
 
 // A block a producer still holds for its readers (StreamProducer::Pending).

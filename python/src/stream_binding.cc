@@ -28,6 +28,11 @@ py::dict StatsDict(const StreamStats& s) {
   d["reclaimed_blocks"] = s.reclaimed_blocks;
   d["dead_readers_cleared"] = s.dead_readers_cleared;
   d["segments_grown_ahead"] = s.segments_grown_ahead;
+  d["remote_admitted"] = s.remote_admitted;
+  d["remote_refused"] = s.remote_refused;
+  d["remote_timed_out"] = s.remote_timed_out;
+  d["remote_dropped"] = s.remote_dropped;
+  d["remote_auth_failed"] = s.remote_auth_failed;
   return d;
 }
 

@@ -3,9 +3,14 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <ifaddrs.h>
+#include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 namespace expert_arena::platform {
@@ -89,6 +94,181 @@ Result<bool> WaitReadable(int fd, int timeout_ms) {
     return ErrnoStatus(errno, "poll", "event fd " + std::to_string(fd));
   }
   return rc > 0;
+}
+
+namespace {
+
+bool SameHost(const sockaddr* a, const sockaddr* b) {
+  if (a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+  }
+  if (a->sa_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
+                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr,
+                       sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+int RemainingMs(std::chrono::steady_clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                  deadline - std::chrono::steady_clock::now())
+                  .count();
+  return left < 0 ? 0 : static_cast<int>(left);
+}
+
+}  // namespace
+
+std::string InterfaceOf(const SocketAddress& address) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "";
+  std::string name;
+  for (ifaddrs* i = list; i != nullptr && name.empty(); i = i->ifa_next) {
+    if (i->ifa_addr != nullptr && SameHost(i->ifa_addr, address.get())) name = i->ifa_name;
+  }
+  freeifaddrs(list);
+  return name;
+}
+
+Result<UniqueFd> ListenTcp(const SocketAddress& address, int backlog) {
+  const std::string text = AddressText(address.get());
+  int fd = socket(address.get()->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus(errno, "socket", text);
+  UniqueFd owned(fd, text);
+  int one = 1;
+  (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (address.get()->sa_family == AF_INET6) {
+    (void)setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+  }
+  if (bind(fd, address.get(), address.length) != 0) return ErrnoStatus(errno, "bind", text);
+  if (listen(fd, backlog) != 0) return ErrnoStatus(errno, "listen", text);
+  return owned;
+}
+
+Result<SocketAddress> LocalAddress(int fd) {
+  SocketAddress address;
+  address.length = sizeof address.storage;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&address.storage), &address.length) != 0) {
+    return ErrnoStatus(errno, "getsockname", "socket " + std::to_string(fd));
+  }
+  return address;
+}
+
+Result<Accepted> AcceptTcp(int listen_fd) {
+  Accepted out;
+  out.peer.length = sizeof out.peer.storage;
+  int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&out.peer.storage), &out.peer.length,
+                   SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED || errno == EINTR ||
+        errno == EPROTO) {
+      return out;
+    }
+    // EMFILE, ENFILE, ENOBUFS: the caller retries later; the connection waits in the backlog.
+    return ErrnoStatus(errno, "accept", "listening socket " + std::to_string(listen_fd));
+  }
+  int one = 1;
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  out.fd = UniqueFd(fd, AddressText(out.peer.get()));
+  return out;
+}
+
+Result<UniqueFd> ConnectTcp(const SocketAddress& address, int timeout_ms,
+                            const std::string& what) {
+  int fd = socket(address.get()->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus(errno, "socket", what);
+  UniqueFd owned(fd, what);
+  int one = 1;
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (connect(fd, address.get(), address.length) != 0) {
+    if (errno != EINPROGRESS) return ErrnoStatus(errno, "connect", what);
+    pollfd p{fd, POLLOUT, 0};
+    int rc;
+    do {
+      rc = poll(&p, 1, timeout_ms);
+    } while (rc < 0 && errno == EINTR);
+    if (rc == 0) return TimedOut("connect to " + what + ": no answer within " +
+                                 std::to_string(timeout_ms) + " ms");
+    if (rc < 0) return ErrnoStatus(errno, "poll", what);
+    int error = 0;
+    socklen_t length = sizeof error;
+    (void)getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+    if (error != 0) return ErrnoStatus(error, "connect", what);
+  }
+  return owned;
+}
+
+Result<long> SendSome(int fd, const void* data, size_t bytes) {
+  ssize_t n = send(fd, data, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      errno = EAGAIN;
+      return -1L;
+    }
+    return ErrnoStatus(errno, "send", "socket " + std::to_string(fd));
+  }
+  return static_cast<long>(n);
+}
+
+Result<long> RecvSome(int fd, void* data, size_t bytes) {
+  ssize_t n = recv(fd, data, bytes, MSG_DONTWAIT);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      errno = EAGAIN;
+      return -1L;
+    }
+    return ErrnoStatus(errno, "recv", "socket " + std::to_string(fd));
+  }
+  return static_cast<long>(n);
+}
+
+Status SendAll(int fd, const void* data, size_t bytes, int timeout_ms, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    EA_ASSIGN_OR_RETURN(long n, SendSome(fd, p, bytes));
+    if (n > 0) {
+      p += n;
+      bytes -= static_cast<size_t>(n);
+      continue;
+    }
+    int left = RemainingMs(deadline);
+    if (left == 0) return TimedOut(what + ": the peer took nothing within the deadline");
+    pollfd pfd{fd, POLLOUT, 0};
+    (void)poll(&pfd, 1, left);
+  }
+  return Status::Ok();
+}
+
+Status RecvAll(int fd, void* data, size_t bytes, int timeout_ms, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    auto n = RecvSome(fd, p, bytes);
+    if (!n.ok()) return Status(StatusCode::kIoError, what + ": " + n.status().message());
+    if (*n == 0) return Status(StatusCode::kIoError, what + ": the peer closed the connection");
+    if (*n > 0) {
+      p += *n;
+      bytes -= static_cast<size_t>(*n);
+      continue;
+    }
+    int left = RemainingMs(deadline);
+    if (left == 0) return TimedOut(what + ": no answer within the deadline");
+    pollfd pfd{fd, POLLIN, 0};
+    (void)poll(&pfd, 1, left);
+  }
+  return Status::Ok();
+}
+
+Result<int> PollFds(pollfd* fds, size_t count, int timeout_ms) {
+  int rc = poll(fds, count, timeout_ms);
+  if (rc < 0) {
+    if (errno == EINTR) return 0;
+    return ErrnoStatus(errno, "poll", std::to_string(count) + " sockets");
+  }
+  return rc;
 }
 
 }  // namespace expert_arena::platform

@@ -17,6 +17,7 @@
 #include "load/fast_xxh3.h"
 #include "platform/file.h"
 #include "platform/net.h"
+#include "remote/front_door.h"
 #include "remote/ucx_worker.h"
 #include "remote/wire.h"
 
@@ -258,21 +259,36 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
   };
   EA_RETURN_IF_ERROR(st.ucx->SetAmHandler(kRangeDataId, &st, on_range_data));
 
-  EA_RETURN_IF_ERROR(
-      st.ucx->Connect(address, RecordFailureIn(&st), &st.ep, "connect to peer " + peer));
+  // The front door first (plain TCP, bounded): the token is proved, never sent, and only then
+  // are UCX worker addresses exchanged. A silent or wrong server fails here, before UCX has
+  // anything pending.
+  EA_ASSIGN_OR_RETURN(std::vector<std::byte> own_address, st.ucx->Address());
+  auto door = FrontDoorConnect(address, options.token, DoorService::kPeerFill, own_address,
+                               options.stall_seconds, "peer " + peer);
+  if (!door.ok()) {
+    const StatusCode code = door.status().code();
+    if (code == StatusCode::kPermission || code == StatusCode::kBusy ||
+        code == StatusCode::kTimedOut || code == StatusCode::kUnsupported) {
+      return door.status();
+    }
+    return Status(StatusCode::kIoError, "cannot reach peer " + peer + " (" +
+                                            door.status().message() +
+                                            "): is `expert-arena serve` listening there?");
+  }
+  DoorEntry entry = std::move(door).value();
+  EA_RETURN_IF_ERROR(st.ucx->ConnectToAddress(entry.worker_address, RecordFailureIn(&st), &st.ep,
+                                              "connect to peer " + peer));
 
-  // Hello: the token goes first; nothing is offered before the server checked it.
-  std::vector<std::byte> hello_bytes(sizeof(Hello) + options.token.size());
-  Hello hello{kWireMagic, kWireVersion, static_cast<uint32_t>(options.token.size())};
-  std::memcpy(hello_bytes.data(), &hello, sizeof hello);
-  std::memcpy(hello_bytes.data() + sizeof hello, options.token.data(), options.token.size());
+  // Hello: the front door's ticket names this endpoint to the server.
+  Hello hello{kWireMagic, kWireVersion, 0, {}};
+  std::memcpy(hello.ticket, entry.ticket.data(), sizeof hello.ticket);
   ucp_request_param_t send{};
   send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   send.flags = UCP_AM_SEND_FLAG_REPLY;
   const auto deadline = Clock::now() + Seconds(options.stall_seconds);
   Status sent = st.ucx->Wait(
-      ucp_am_send_nbx(st.ep, kHelloId, nullptr, 0, hello_bytes.data(), hello_bytes.size(), &send),
-      deadline, "hello to peer " + peer);
+      ucp_am_send_nbx(st.ep, kHelloId, nullptr, 0, &hello, sizeof hello, &send), deadline,
+      "hello to peer " + peer);
   if (!sent.ok()) {
     if (st.failed) {
       return Status(StatusCode::kIoError, "cannot reach peer " + peer + " (" +
@@ -288,7 +304,7 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
     }
     st.ucx->Progress(10);
   }
-  if (!st.offered) return st.PeerGone("before answering (a refused token hangs up too)");
+  if (!st.offered) return st.PeerGone("before answering");
 
   if (st.offer_bytes.size() < sizeof(Offer)) return Corrupt("peer " + peer + ": short offer");
   std::memcpy(&st.offer, st.offer_bytes.data(), sizeof(Offer));

@@ -44,13 +44,16 @@ struct RangeSend {
 
 // One peer's endpoint, from its connection request to its close.
 struct Connection {
-  ucp_ep_h ep = nullptr;
-  std::string peer;  // its address, for the log
+  ucp_ep_h ep = nullptr;        // ours, made from the worker address the front door took
+  ucp_ep_h reply_ep = nullptr;  // what its messages arrive on (the same, once UCX matched them)
+  std::string peer;             // its address, for the log
+  std::string host;             // without the port: the unit of max_peers_per_host
+  DoorTicket ticket{};
   Clock::time_point since;
+  Clock::time_point last_activity;
   bool failed = false;  // the endpoint's error callback ran
   ucs_status_t failure = UCS_OK;
-  bool hello = false;  // a hello arrived (checked in the main loop)
-  std::string token;
+  bool hello = false;  // a hello with its ticket arrived (checked in the main loop)
   bool hello_ok = false;
   bool answered = false;  // offer or refusal sent
   bool closing = false;
@@ -62,20 +65,12 @@ struct Connection {
   std::list<RangeSend> sends;
 };
 
-bool SameToken(const std::string& a, const std::string& b) {
-  // Length first (it is not secret); then every byte, whatever the first difference.
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 }  // namespace
 
-// The server over one UCX worker and listener (plugin code: see ucx_plugin.h).
+// The server over one UCX worker and the front door (plugin code: see ucx_plugin.h).
 struct UcxPeerServer final : PeerServer {
   ServeInfo serve_info;
-  std::string token;
+  ServeOptions options;
   double hello_timeout_seconds = 10;
   std::shared_ptr<spdlog::logger> log;
   platform::UniqueFd fd;  // holds USER shared: the file cannot be replaced while served
@@ -84,9 +79,10 @@ struct UcxPeerServer final : PeerServer {
   ucp_mem_h memory = nullptr;
   void* rkey = nullptr;
   size_t rkey_bytes = 0;
-  ucp_listener_h listener = nullptr;
-  std::vector<ucp_conn_request_h> requests;  // accepted in the main loop
+  std::unique_ptr<FrontDoorServer> door;
+  std::vector<std::byte> worker_address;  // told to authenticated peers only
   std::list<Connection> connections;
+  DoorCounters dropped;  // admitted peers dropped: timed_out, dropped
   uint64_t offered = 0;
   uint64_t refused = 0;
 
@@ -98,7 +94,6 @@ struct UcxPeerServer final : PeerServer {
       CloseEndpoint(*ucx, c.ep, true, deadline);
     }
     connections.clear();
-    if (listener != nullptr) ucp_listener_destroy(listener);
     if (rkey != nullptr) ucp_rkey_buffer_release(rkey);
     if (memory != nullptr) ucp_mem_unmap(ucx->context(), memory);
     ucx.reset();
@@ -106,22 +101,37 @@ struct UcxPeerServer final : PeerServer {
 
   Connection* Find(ucp_ep_h ep) {
     for (Connection& c : connections)
-      if (c.ep == ep) return &c;
+      if (c.hello && (c.ep == ep || c.reply_ep == ep)) return &c;
     return nullptr;
   }
 
-  void Accept(ucp_conn_request_h request) {
-    const std::string peer = ConnectionRequestPeer(request);
-    Connection& c = connections.emplace_back();
-    c.peer = peer;
-    c.since = Clock::now();
-    ucs_status_t s = ucx->Accept(request, RecordFailureIn(&c), &c.ep);
-    if (s != UCS_OK) {
-      log->warn("expert-arena serve: peer {}: cannot accept: {}", peer, ucs_status_string(s));
-      Hangup(c);
-      return;
+  // A peer the front door authenticated: an endpoint to its worker address, and ours for it.
+  Result<std::span<const std::byte>> Admit(const DoorAdmission& a) {
+    size_t all = 0;
+    size_t of_host = 0;
+    for (const Connection& c : connections) {
+      if (c.closing || c.failed) continue;
+      ++all;
+      of_host += c.host == a.peer_host ? 1 : 0;
     }
-    log->info("expert-arena serve: peer {} connected", peer);
+    if (all >= options.max_peers || of_host >= options.max_peers_per_host) {
+      return Busy(std::to_string(all) + " peers served (" + std::to_string(of_host) +
+                  " of this address); at most " + std::to_string(options.max_peers) + " (" +
+                  std::to_string(options.max_peers_per_host) + " per address)");
+    }
+    Connection& c = connections.emplace_back();
+    c.peer = a.peer;
+    c.host = a.peer_host;
+    c.ticket = a.ticket;
+    c.since = c.last_activity = Clock::now();
+    Status s = ucx->ConnectToAddress(a.worker_address, RecordFailureIn(&c), &c.ep,
+                                     "endpoint to peer " + a.peer);
+    if (!s.ok()) {
+      connections.pop_back();
+      return s;
+    }
+    log->info("expert-arena serve: peer {} admitted", c.peer);
+    return std::span<const std::byte>(worker_address);
   }
 
   void Hangup(Connection& c) {
@@ -178,8 +188,7 @@ struct UcxPeerServer final : PeerServer {
     offer.version = kWireVersion;
     std::string refusal;
     if (!c.hello_ok) {
-      refusal = token.empty() ? "bad hello (another version of expert-arena?)"
-                              : "wrong token: the server asks for a shared token (--token)";
+      refusal = "bad hello (another version of expert-arena?)";
       offer.status = static_cast<uint32_t>(OfferStatus::kRefused);
       offer.payload_bytes = static_cast<uint32_t>(refusal.size());
     } else {
@@ -216,8 +225,6 @@ struct UcxPeerServer final : PeerServer {
 
   // One pass over the connections: answers hellos, finishes sends, closes the dead.
   void Tend() {
-    for (ucp_conn_request_h r : requests) Accept(r);
-    requests.clear();
     const auto now = Clock::now();
     for (auto it = connections.begin(); it != connections.end();) {
       Connection& c = *it;
@@ -239,6 +246,7 @@ struct UcxPeerServer final : PeerServer {
           continue;
         }
         ucp_request_free(s->request);
+        c.last_activity = now;
         if (status != UCS_OK && !c.failed) {
           c.failed = true;
           c.failure = status;
@@ -251,6 +259,16 @@ struct UcxPeerServer final : PeerServer {
           std::chrono::duration<double>(now - c.since).count() > hello_timeout_seconds) {
         log->warn("expert-arena serve: peer {}: no hello within {} s; disconnected", c.peer,
                   hello_timeout_seconds);
+        ++dropped.timed_out;
+        Hangup(c);
+      }
+      if (!c.failed && !c.closing && c.answered && c.asked.empty() && c.sends.empty() &&
+          c.send == nullptr &&
+          std::chrono::duration<double>(now - c.last_activity).count() >
+              options.idle_timeout_seconds) {
+        log->warn("expert-arena serve: peer {}: idle for {} s; disconnected", c.peer,
+                  options.idle_timeout_seconds);
+        ++dropped.dropped;
         Hangup(c);
       }
       // A peer disconnected while answers to it are in flight gets kSendDrain to take them:
@@ -277,6 +295,12 @@ struct UcxPeerServer final : PeerServer {
   const ServeInfo& info() const override { return serve_info; }
   uint64_t peers_offered() const override { return offered; }
   uint64_t ranges_refused() const override { return refused; }
+  DoorCounters counters() const override {
+    DoorCounters out = door ? door->counters() : DoorCounters{};
+    out.timed_out += dropped.timed_out;
+    out.dropped += dropped.dropped;
+    return out;
+  }
   Status Run(const std::function<bool()>& stop) override;
 };
 
@@ -284,12 +308,19 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
                                                    const ServeOptions& options) {
   auto state = std::make_unique<UcxPeerServer>();
   state->log = ResolveLogger(options.logger);
-  state->token = options.token;
+  state->options = options;
   state->hello_timeout_seconds = options.hello_timeout_seconds;
   state->serve_info.transport = options.transport;
   if (options.token.size() > kMaxTokenBytes) {
     return InvalidArgument("token of " + std::to_string(options.token.size()) + " bytes; at most " +
                            std::to_string(kMaxTokenBytes));
+  }
+  if (options.transport == PeerTransport::kGet && options.token.empty()) {
+    return InvalidArgument(
+        "--transport get needs a token (--token or $EXPERT_ARENA_TOKEN): on UCX's tcp transport a "
+        "get carries no key, so any admitted peer could read this process's memory; without a "
+        "token every peer is admitted. Serve by am (the default), or set a token and keep get to "
+        "trusted networks");
   }
   EA_ASSIGN_OR_RETURN(platform::SocketAddress listen, platform::ResolveHostPort(options.listen));
 
@@ -327,7 +358,8 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
 
   const bool get = options.transport == PeerTransport::kGet;
   // am: no RMA feature, so this worker answers no get or put request of any peer.
-  EA_ASSIGN_OR_RETURN(state->ucx, UcxWorker::Create(get));
+  // UCX's network transports only on the listen address' interface (docs/cross-host.md).
+  EA_ASSIGN_OR_RETURN(state->ucx, UcxWorker::Create(get, platform::InterfaceOf(listen)));
   ucs_status_t s = UCS_OK;
   if (get) {
     // Registered once, read-only: peers may read the file, never write it.
@@ -348,18 +380,17 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
                                        const ucp_am_recv_param_t* param) -> ucs_status_t {
     auto* st = static_cast<UcxPeerServer*>(arg);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
-    Connection* c = st->Find(param->reply_ep);
-    if (c == nullptr || c->hello) return UCS_OK;
-    c->hello = true;
     Hello hello{};
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length < sizeof hello) return UCS_OK;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != sizeof hello) return UCS_OK;
     std::memcpy(&hello, data, sizeof hello);
-    if (hello.magic != kWireMagic || hello.version != kWireVersion ||
-        hello.token_bytes > kMaxTokenBytes || hello.token_bytes != length - sizeof hello) {
-      return UCS_OK;
+    // The ticket names the admission (one use); an unknown one is ignored.
+    for (Connection& c : st->connections) {
+      if (c.hello || c.closing || !SameSecret(c.ticket, hello.ticket)) continue;
+      c.hello = true;
+      c.reply_ep = param->reply_ep;
+      c.hello_ok = hello.magic == kWireMagic && hello.version == kWireVersion;
+      break;
     }
-    c->token.assign(static_cast<const char*>(data) + sizeof hello, hello.token_bytes);
-    c->hello_ok = SameToken(c->token, st->token);
     return UCS_OK;
   };
   EA_RETURN_IF_ERROR(state->ucx->SetAmHandler(kHelloId, state.get(), on_hello));
@@ -379,39 +410,36 @@ Result<std::unique_ptr<PeerServer>> StartUcxServer(const std::string& path,
       Range r{};
       std::memcpy(&r, data, sizeof r);
       c->asked.push_back(r);
+      c->last_activity = Clock::now();
     }
     return UCS_OK;
   };
   EA_RETURN_IF_ERROR(state->ucx->SetAmHandler(kRangeRequestId, state.get(), on_range_request));
 
-  ucp_listener_params_t listener{};
-  listener.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  listener.sockaddr.addr = listen.get();
-  listener.sockaddr.addrlen = listen.length;
-  listener.conn_handler.arg = state.get();
-  listener.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
-    static_cast<UcxPeerServer*>(arg)->requests.push_back(request);
-  };
-  s = ucp_listener_create(state->ucx->worker(), &listener, &state->listener);
-  if (s != UCS_OK) return UcxStatus(s, "listen on " + options.listen);
-  ucp_listener_attr_t attr{};
-  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  s = ucp_listener_query(state->listener, &attr);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_listener_query");
-  state->serve_info.address =
-      platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
-  state->serve_info.port = platform::AddressPort(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
+  EA_ASSIGN_OR_RETURN(state->worker_address, state->ucx->Address());
+  FrontDoorLimits limits = options.door;
+  limits.handshake_seconds = options.hello_timeout_seconds;
+  limits.max_handshakes = std::max(limits.max_handshakes, options.max_peers);
+  EA_ASSIGN_OR_RETURN(state->door,
+                      FrontDoorServer::Listen(listen, options.token, DoorService::kPeerFill, limits,
+                                              "expert-arena serve", state->log));
+  state->serve_info.address = state->door->address();
+  state->serve_info.port = state->door->port();
   return std::unique_ptr<PeerServer>(std::move(state));
 }
 
 Status UcxPeerServer::Run(const std::function<bool()>& stop) {
+  const FrontDoorServer::AdmitFn admit = [this](const DoorAdmission& a) { return Admit(a); };
   while (!stop()) {
     // Busy while peers read (tcp's get, and am's sends, progress on this worker), asleep on the
-    // event fd otherwise.
+    // event fd and the front door's sockets otherwise.
     for (int i = 0; i < 64 && ucx->Progress(0); ++i) {
     }
+    door->Step(admit);
     Tend();
-    ucx->Progress(connections.empty() ? 100 : 1);
+    if (ucx->Arm()) door->Wait(ucx->event_fd(), connections.empty() ? 100 : 1);
+    ucx->Progress(0);
+    door->Step(admit);
     Tend();
   }
   return Status::Ok();

@@ -1,16 +1,19 @@
 // Serving a published arena to peers over UCX (`expert-arena serve`).
 //
 // The server holds USER on the arena file like an engine (so nobody replaces or removes it
-// while it is served) and maps it read-only. A peer connects to the listener, sends a hello
-// with the shared token (when one is set); only then does it get the offer (sizes, identity,
-// transport). Then, by the transport:
+// while it is served) and maps it read-only. A peer connects to the front door (front_door.h:
+// plain TCP on the listen address, the shared token proved by HMAC both ways, bounded), which
+// hands an authenticated peer the server's UCX worker address and a ticket; UCX has no
+// listener. The peer's first active message carries the ticket; only then does it get the
+// offer (sizes, identity, transport). Then, by the transport:
 //   am (default): the peer asks for ranges of the file; the server checks each against the
 //     file and sends exactly those bytes (ucp_am_send_nbx, rendezvous for large ones); a
 //     range outside the file is refused, logged, and the endpoint closed. The context has no
 //     RMA feature: no get or put request is served at all.
 //   get: the mapping is registered with UCX once and its rkey sent in the offer; the peer
-//     reads with ucp_get_nbx. On UCX's tcp transport a get request carries no key: a peer
-//     could read any address of this process (docs/cross-host.md).
+//     reads with ucp_get_nbx. On UCX's tcp transport a get request carries no key: an
+//     admitted peer could read any address of this process (docs/cross-host.md), so get needs
+//     a token (only peers that know it are admitted) and trusted networks.
 // Many peers may read at once. See docs/cross-host.md.
 //
 // Thread-safety: none; Run() progresses the worker on the calling thread.
@@ -22,6 +25,7 @@
 #include <string>
 
 #include "expert_arena/status.h"
+#include "remote/front_door.h"
 #include "remote/wire.h"
 
 namespace spdlog {
@@ -36,8 +40,15 @@ struct ServeOptions {
   std::string listen;
   // When not empty, a peer must present it before it is offered anything.
   std::string token;
-  // A peer that has not said hello by then is disconnected.
+  // A peer that has not finished the front door's handshake, or not sent its first active
+  // message after it, by then is disconnected.
   double hello_timeout_seconds = 10;
+  // An admitted peer with nothing asked and nothing in flight for this long is disconnected.
+  double idle_timeout_seconds = 60;
+  // Admitted peers at once, in all and per peer address; handshakes in progress, likewise.
+  size_t max_peers = 64;
+  size_t max_peers_per_host = 8;
+  FrontDoorLimits door;
   PeerTransport transport = PeerTransport::kAm;
   std::shared_ptr<spdlog::logger> logger;
 };
@@ -73,6 +84,9 @@ class PeerServer {
   virtual uint64_t peers_offered() const = 0;
   // Range requests refused (outside the file, before an offer, on a get server) so far.
   virtual uint64_t ranges_refused() const = 0;
+  // What the front door did to peers, and admitted peers dropped since (timed_out: no first
+  // message in time; dropped: idle past idle_timeout_seconds, or a malformed request).
+  virtual DoorCounters counters() const = 0;
 };
 
 }  // namespace expert_arena::remote

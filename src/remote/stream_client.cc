@@ -18,6 +18,7 @@
 #include "common/logging.h"
 #include "load/fast_xxh3.h"
 #include "platform/net.h"
+#include "remote/front_door.h"
 #include "remote/stream_remote.h"
 #include "remote/stream_wire.h"
 #include "remote/ucx_worker.h"
@@ -212,22 +213,35 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                     return UCS_OK;
                   }));
 
-  EA_RETURN_IF_ERROR(ucx_->Connect(address,
-                                   RecordFailureIn<Peer, &Peer::failed_, &Peer::failure_>(this),
-                                   &ep_, "connect to stream producer " + peer));
+  // The front door first (plain TCP, bounded): the token is proved, never sent, and only then
+  // are UCX worker addresses exchanged. A silent producer fails here, before UCX has anything
+  // pending.
+  EA_ASSIGN_OR_RETURN(std::vector<std::byte> own_address, ucx_->Address());
+  auto entry = FrontDoorConnect(address, options.token, DoorService::kStream, own_address,
+                                options.timeout_seconds, "the stream producer at " + peer);
+  if (!entry.ok()) {
+    const StatusCode code = entry.status().code();
+    if (code == StatusCode::kPermission || code == StatusCode::kBusy ||
+        code == StatusCode::kTimedOut || code == StatusCode::kUnsupported) {
+      return entry.status();
+    }
+    return Status(StatusCode::kIoError,
+                  "cannot reach the stream producer at " + peer + " (" + entry.status().message() +
+                      "): it exited, or does not listen there (a descriptor of a dead producer)");
+  }
+  EA_RETURN_IF_ERROR(ucx_->ConnectToAddress(
+      entry->worker_address, RecordFailureIn<Peer, &Peer::failed_, &Peer::failure_>(this), &ep_,
+      "connect to stream producer " + peer));
 
-  std::vector<std::byte> hello_bytes(sizeof(StreamHello) + options.token.size());
-  StreamHello hello{kStreamMagic, kStreamVersion, static_cast<uint32_t>(options.token.size())};
-  std::memcpy(hello_bytes.data(), &hello, sizeof hello);
-  if (!options.token.empty())
-    std::memcpy(hello_bytes.data() + sizeof hello, options.token.data(), options.token.size());
+  StreamHello hello{kStreamMagic, kStreamVersion, 0, {}};
+  std::memcpy(hello.ticket, entry->ticket.data(), sizeof hello.ticket);
   ucp_request_param_t send{};
   send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   send.flags = UCP_AM_SEND_FLAG_REPLY;
   const auto deadline = Clock::now() + Seconds(options.timeout_seconds);
-  Status sent = ucx_->Wait(ucp_am_send_nbx(ep_, kStreamHelloId, nullptr, 0, hello_bytes.data(),
-                                           hello_bytes.size(), &send),
-                           deadline, "hello to stream producer " + peer);
+  Status sent = ucx_->Wait(
+      ucp_am_send_nbx(ep_, kStreamHelloId, nullptr, 0, &hello, sizeof hello, &send), deadline,
+      "hello to stream producer " + peer);
   if (!sent.ok()) {
     if (failed_) {
       return Status(StatusCode::kIoError,

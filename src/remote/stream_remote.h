@@ -15,6 +15,7 @@
 
 #include "expert_arena/status.h"
 #include "expert_arena/stream.h"
+#include "remote/front_door.h"
 
 namespace spdlog {
 class logger;
@@ -41,8 +42,9 @@ struct RemoteHold {
   uint32_t slot = 0;
 };
 
-// Runs a UCX listener and a progress thread until destroyed (which releases every remote
-// hold: the shares are spent, as a dead consumer's are). Thread-safe.
+// Runs the front door (front_door.h; UCX has no listener) and a progress thread until destroyed
+// (which releases every remote hold: the shares are spent, as a dead consumer's are).
+// Thread-safe.
 class StreamServer {
  public:
   virtual ~StreamServer() = default;
@@ -54,6 +56,8 @@ class StreamServer {
   virtual void Aborted(std::string_view key) = 0;
   // The holds of remote consumers now (after the expired leases were ended).
   virtual std::vector<RemoteHold> Holds() = 0;
+  // What the front door did to consumers so far, and admitted consumers dropped since.
+  virtual DoorCounters counters() = 0;
 };
 
 Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions& options);

@@ -1,14 +1,18 @@
 // The stream server of a listening StreamProducer (stream_remote.h, docs/cross-host.md).
 //
-// One thread owns the UCX worker (UCS_THREAD_MODE_SINGLE): it accepts connections, checks each
-// consumer's hello (the token) before anything else, and serves opens. A served open is a
+// One thread owns the UCX worker (UCS_THREAD_MODE_SINGLE) and the front door (front_door.h):
+// a consumer proves the token there before UCX sees a byte of it, then its first active
+// message carries the door's ticket; then the thread serves opens. A descriptor is opened here
+// as a local one only (its remote fields stripped): the server never connects out to an
+// address a peer named. A served open is a
 // view of the block through this process's own StreamConsumer (a reader entry of the
 // producer's segment, like any local consumer), so the block stays while the remote consumer
 // holds it; its bytes go out as one active message (header, then the bytes: UCX picks eager or
 // rendezvous), followed by a "done" message once the send completed (a refusal instead when
 // the key was aborted meanwhile). The hold ends with the consumer's release (the share is
 // spent) or give-back (unspent), when its endpoint fails (consumer died, vanished, closed:
-// spent, as a dead local reader's share is) or when the lease passes after it was served.
+// spent, as a dead local reader's share is) or when the lease passes, counted from the start of
+// the send: a consumer that stops reading mid-transfer is disconnected then, its hold spent.
 // Other threads only call Aborted() and Holds(), under `mu`.
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
@@ -40,7 +44,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Conn {
-  ucp_ep_h ep = nullptr;
+  ucp_ep_h ep = nullptr;        // ours, to the worker address the front door took
+  ucp_ep_h reply_ep = nullptr;  // what its messages arrive on
+  DoorTicket ticket{};
+  std::string host;
   std::string peer;
   Clock::time_point since;
   bool failed = false;
@@ -83,15 +90,10 @@ struct Hold {
   bool served = false;   // "done" sent: the lease runs
   bool aborted = false;  // the key was aborted while its bytes were sent
   bool orphan = false;   // its connection failed while sending: end once the send is over
+  bool lease_out = false;  // the lease passed mid-send: spent once the send is over
+  Clock::time_point send_started;
   Clock::time_point served_at;
 };
-
-bool SameToken(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
 
 uint64_t RandomId() {
   std::random_device rd;
@@ -128,15 +130,20 @@ class Server final : public StreamServer {
     return out;
   }
 
+  DoorCounters counters() override {
+    std::lock_guard lock(mu_);
+    return counters_;
+  }
+
   Status Start(const StreamServerOptions& options);
 
  private:
   void Loop();
   void Tend();
-  void Accept(ucp_conn_request_h request);
+  Result<std::span<const std::byte>> Admit(const DoorAdmission& a);
   Conn* Find(ucp_ep_h ep) {
     for (Conn& c : conns_)
-      if (c.ep == ep && !c.closing) return &c;
+      if (c.hello && (c.ep == ep || c.reply_ep == ep) && !c.closing) return &c;
     return nullptr;
   }
   void Send(Conn& c, uint32_t id, std::vector<std::byte> header, std::vector<std::byte> body);
@@ -154,11 +161,12 @@ class Server final : public StreamServer {
   std::string segment_prefix_;
   std::unique_ptr<StreamConsumer> local_;
   std::unique_ptr<UcxWorker> ucx_;
-  ucp_listener_h listener_ = nullptr;
+  std::unique_ptr<FrontDoorServer> door_;
+  std::vector<std::byte> worker_address_;
+  DoorCounters dropped_;  // admitted consumers dropped (thread only)
   std::thread thread_;
   std::atomic<bool> stop_{false};
   // Filled by UCX callbacks (on the thread), consumed by Tend (on the thread).
-  std::vector<ucp_conn_request_h> requests_;
   std::vector<OpenAsk> opens_;
   std::vector<ReleaseAsk> releases_;
   std::list<Conn> conns_;
@@ -167,19 +175,37 @@ class Server final : public StreamServer {
   std::list<Hold> holds_;
   std::deque<std::string> aborted_keys_;
   uint64_t next_hold_ = 0;
+  DoorCounters counters_;  // a copy of the door's and dropped_, for counters()
 };
 
-void Server::Accept(ucp_conn_request_h request) {
-  const std::string peer = ConnectionRequestPeer(request);
-  Conn& c = conns_.emplace_back();
-  c.peer = peer;
-  c.since = Clock::now();
-  ucs_status_t s = ucx_->Accept(request, RecordFailureIn(&c), &c.ep);
-  if (s != UCS_OK) {
-    log_->warn("stream server {}: consumer {}: cannot accept: {}", address_, peer,
-               ucs_status_string(s));
-    c.closing = true;
+// Bounds of admitted consumers, in all and per address (the front door bounds handshakes).
+constexpr size_t kMaxConsumers = 256;
+constexpr size_t kMaxConsumersPerHost = 64;
+
+Result<std::span<const std::byte>> Server::Admit(const DoorAdmission& a) {
+  size_t all = 0;
+  size_t of_host = 0;
+  for (const Conn& c : conns_) {
+    if (c.closing || c.failed) continue;
+    ++all;
+    of_host += c.host == a.peer_host ? 1 : 0;
   }
+  if (all >= kMaxConsumers || of_host >= kMaxConsumersPerHost) {
+    return Busy(std::to_string(all) + " consumers connected (" + std::to_string(of_host) +
+                " of this address)");
+  }
+  Conn& c = conns_.emplace_back();
+  c.peer = a.peer;
+  c.host = a.peer_host;
+  c.ticket = a.ticket;
+  c.since = Clock::now();
+  Status s = ucx_->ConnectToAddress(a.worker_address, RecordFailureIn(&c), &c.ep,
+                                    "endpoint to consumer " + a.peer);
+  if (!s.ok()) {
+    conns_.pop_back();
+    return s;
+  }
+  return std::span<const std::byte>(worker_address_);
 }
 
 void Server::Send(Conn& c, uint32_t id, std::vector<std::byte> header,
@@ -229,7 +255,24 @@ void Server::Serve(OpenAsk& ask) {
     return Refuse(*c, request,
                   "segment " + QuoteForMessage(d->segment) + " is not this producer's");
   }
-  auto tensor = local_->Open(ask.descriptor);
+  if (!options_.token.empty() && !TensorDescriptor::MacMatches(ask.descriptor, options_.token)) {
+    return Refuse(*c, request,
+                  "the descriptor's MAC does not hold for this producer's token (rewritten on "
+                  "its way, or made by another producer)");
+  }
+  if (d->remote != address_) {
+    return Refuse(*c, request,
+                  "the descriptor names producer " + QuoteForMessage(d->remote) + ", not " +
+                      address_);
+  }
+  // Opened as a local descriptor only: whatever remote fields a peer wrote, this process
+  // never connects out to an address it named.
+  TensorDescriptor local = *d;
+  local.remote.clear();
+  local.producer_instance = 0;
+  local.boot_id.clear();
+  local.mac.clear();
+  auto tensor = local_->Open(local.Encode());
   std::lock_guard lock(mu_);
   if (!tensor.ok()) {
     for (const std::string& k : aborted_keys_) {
@@ -258,6 +301,7 @@ void Server::Serve(OpenAsk& ask) {
   h.send = ucp_am_send_nbx(c->ep, kStreamDataId, &h.header, sizeof h.header, bytes.data(),
                            bytes.size(), &param);
   h.sending = true;
+  h.send_started = Clock::now();
 }
 
 // Test only: when EXPERT_ARENA_TEST_STREAM_PAUSE_FILE names a path, the server creates it once
@@ -305,8 +349,6 @@ void Server::EndExpiredLocked() {
 }
 
 void Server::Tend() {
-  for (ucp_conn_request_h r : requests_) Accept(r);
-  requests_.clear();
   const auto now = Clock::now();
   for (Conn& c : conns_) {
     if (c.failed || c.closing || !c.hello || c.welcomed) continue;
@@ -315,8 +357,7 @@ void Server::Tend() {
                     instance_};
     std::string text;
     if (!c.hello_ok) {
-      text = options_.token.empty() ? "bad hello (another version of expert-arena?)"
-                                    : "wrong token: the producer asks for a shared token";
+      text = "bad hello (another version of expert-arena?)";
       log_->warn("stream server {}: consumer {} refused: {}", address_, c.peer, text);
     }
     Send(c, kStreamWelcomeId, {}, Bytes(w, text));
@@ -329,7 +370,8 @@ void Server::Tend() {
   std::lock_guard lock(mu_);
   for (const ReleaseAsk& r : releases_) {
     for (auto it = holds_.begin(); it != holds_.end(); ++it) {
-      if (it->id == r.release.hold && it->conn != nullptr && it->conn->ep == r.ep && it->served) {
+      if (it->id == r.release.hold && it->conn != nullptr &&
+          (it->conn->ep == r.ep || it->conn->reply_ep == r.ep) && it->served) {
         EndLocked(it, r.release.spend != 0, r.release.spend != 0 ? "released" : "given back");
         break;
       }
@@ -339,6 +381,18 @@ void Server::Tend() {
   for (auto it = holds_.begin(); it != holds_.end();) {
     auto next = std::next(it);
     Hold& h = *it;
+    if (h.sending && !h.lease_out && h.conn != nullptr &&
+        now - h.send_started > std::chrono::duration<double>(options_.lease_seconds)) {
+      // A consumer that stopped reading (stopped, or reading one byte a second) holds the
+      // block no longer than the lease: its connection goes (closed by force below, which
+      // fails the send), and the hold is spent once UCX let go of the bytes.
+      log_->warn("stream server {}: consumer {} did not take key {} within the lease ({} s); "
+                 "disconnected",
+                 address_, h.conn->peer, QuoteForMessage(h.key), options_.lease_seconds);
+      h.lease_out = true;
+      h.conn->closing = true;
+      ++dropped_.timed_out;
+    }
     if (h.sending) {
       ucs_status_t s = UCS_OK;
       if (UCS_PTR_IS_ERR(h.send)) {
@@ -353,6 +407,11 @@ void Server::Tend() {
       }
       h.send = nullptr;
       h.sending = false;
+      if (h.lease_out) {
+        EndLocked(it, true, "lease ran out mid-transfer");
+        it = next;
+        continue;
+      }
       if (h.orphan || s != UCS_OK) {
         EndLocked(it, false, "send failed");
         it = next;
@@ -380,6 +439,7 @@ void Server::Tend() {
   for (auto it = conns_.begin(); it != conns_.end();) {
     Conn& c = *it;
     bool idle_too_long = !c.hello && std::chrono::duration<double>(now - c.since).count() > 10;
+    if (idle_too_long && !c.closing && !c.failed) ++dropped_.timed_out;
     bool refused_out = c.welcomed && !c.hello_ok;
     if (!c.failed && !c.closing && !idle_too_long && !refused_out) {
       ++it;
@@ -432,17 +492,26 @@ void Server::Tend() {
 }
 
 void Server::Loop() {
+  const FrontDoorServer::AdmitFn admit = [this](const DoorAdmission& a) { return Admit(a); };
   while (!stop_.load()) {
     for (int i = 0; i < 64 && ucx_->Progress(0); ++i) {
     }
+    door_->Step(admit);
     Tend();
+    {
+      std::lock_guard lock(mu_);
+      counters_ = door_->counters();
+      counters_.timed_out += dropped_.timed_out;
+      counters_.dropped += dropped_.dropped;
+    }
     bool busy = false;
     {
       std::lock_guard lock(mu_);
       for (const Hold& h : holds_) busy = busy || h.sending;
     }
     busy = busy || !outgoing_.empty();
-    ucx_->Progress(busy ? 1 : 50);
+    if (ucx_->Arm()) door_->Wait(ucx_->event_fd(), busy ? 1 : 50);
+    ucx_->Progress(0);
   }
 }
 
@@ -479,8 +548,7 @@ void Server::Teardown() {
     }
   }
   outgoing_.clear();
-  if (listener_ != nullptr) ucp_listener_destroy(listener_);
-  listener_ = nullptr;
+  door_.reset();
   ucx_.reset();
   local_.reset();
 }
@@ -505,7 +573,8 @@ Status Server::Start(const StreamServerOptions& options) {
   co.logger = options.logger;
   EA_ASSIGN_OR_RETURN(StreamConsumer local, StreamConsumer::Create(co));
   local_ = std::make_unique<StreamConsumer>(std::move(local));
-  EA_ASSIGN_OR_RETURN(ucx_, UcxWorker::Create(/*rma=*/false));
+  // UCX's network transports only on the listen address' interface (docs/cross-host.md).
+  EA_ASSIGN_OR_RETURN(ucx_, UcxWorker::Create(/*rma=*/false, platform::InterfaceOf(listen)));
 
   auto set_handler = [&](uint32_t id, ucp_am_recv_callback_t cb) {
     return ucx_->SetAmHandler(id, this, cb);
@@ -516,17 +585,18 @@ Status Server::Start(const StreamServerOptions& options) {
          const ucp_am_recv_param_t* param) -> ucs_status_t {
         auto* self = static_cast<Server*>(arg);
         if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
-        Conn* c = self->Find(param->reply_ep);
-        if (c == nullptr || c->hello) return UCS_OK;
-        c->hello = true;
         StreamHello hello{};
-        if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length < sizeof hello) return UCS_OK;
-        std::memcpy(&hello, data, sizeof hello);
-        if (hello.magic != kStreamMagic || hello.version != kStreamVersion ||
-            hello.token_bytes > kStreamMaxTokenBytes || hello.token_bytes != length - sizeof hello)
+        if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != sizeof hello)
           return UCS_OK;
-        std::string token(static_cast<const char*>(data) + sizeof hello, hello.token_bytes);
-        c->hello_ok = SameToken(token, self->options_.token);
+        std::memcpy(&hello, data, sizeof hello);
+        // The ticket names the admission (one use); an unknown one is ignored.
+        for (Conn& c : self->conns_) {
+          if (c.hello || c.closing || !SameSecret(c.ticket, hello.ticket)) continue;
+          c.hello = true;
+          c.reply_ep = param->reply_ep;
+          c.hello_ok = hello.magic == kStreamMagic && hello.version == kStreamVersion;
+          break;
+        }
         return UCS_OK;
       }));
   EA_RETURN_IF_ERROR(set_handler(
@@ -564,21 +634,11 @@ Status Server::Start(const StreamServerOptions& options) {
                                    return UCS_OK;
                                  }));
 
-  ucp_listener_params_t listener{};
-  listener.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  listener.sockaddr.addr = listen.get();
-  listener.sockaddr.addrlen = listen.length;
-  listener.conn_handler.arg = this;
-  listener.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
-    static_cast<Server*>(arg)->requests_.push_back(request);
-  };
-  ucs_status_t s = ucp_listener_create(ucx_->worker(), &listener, &listener_);
-  if (s != UCS_OK) return UcxStatus(s, "stream listen on " + options.listen);
-  ucp_listener_attr_t attr{};
-  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  s = ucp_listener_query(listener_, &attr);
-  if (s != UCS_OK) return UcxStatus(s, "ucp_listener_query");
-  address_ = platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
+  EA_ASSIGN_OR_RETURN(worker_address_, ucx_->Address());
+  FrontDoorLimits limits;
+  EA_ASSIGN_OR_RETURN(door_, FrontDoorServer::Listen(listen, options.token, DoorService::kStream,
+                                                     limits, "stream server", log_));
+  address_ = door_->address();
   thread_ = std::thread([this] { Loop(); });
   return Status::Ok();
 }

@@ -1,7 +1,8 @@
-// What crosses the wire for a tensor stream across hosts (docs/cross-host.md). Active
-// messages only; the consumer never gets an rkey, so it reads nothing the producer did not
-// choose to send:
-//   consumer -> producer  kStreamHelloId: StreamHello, then the token's bytes
+// What crosses the wire for a tensor stream across hosts (docs/cross-host.md). First the
+// front door (front_door.h: plain TCP, the token proved by HMAC, UCX worker addresses
+// exchanged); then active messages only; the consumer never gets an rkey, so it reads nothing
+// the producer did not choose to send:
+//   consumer -> producer  kStreamHelloId: StreamHello (the front door's ticket)
 //   producer -> consumer  kStreamWelcomeId: StreamWelcome (+ a refusal's text)
 //   consumer -> producer  kStreamOpenId: StreamOpen, then the encoded descriptor
 //   producer -> consumer  kStreamDataId: header StreamData, data = the block's bytes (status
@@ -18,7 +19,7 @@
 namespace expert_arena::remote {
 
 inline constexpr uint64_t kStreamMagic = 0x4d414552'54534145ull;  // "EASTREAM"
-inline constexpr uint32_t kStreamVersion = 1;
+inline constexpr uint32_t kStreamVersion = 2;  // 2: the front door; a ticket in the hello
 inline constexpr uint32_t kStreamHelloId = 0x4551;
 inline constexpr uint32_t kStreamWelcomeId = 0x4552;
 inline constexpr uint32_t kStreamOpenId = 0x4553;
@@ -34,7 +35,8 @@ enum class StreamStatus : uint32_t { kOk = 0, kRefused = 1 };
 struct StreamHello {
   uint64_t magic;
   uint32_t version;
-  uint32_t token_bytes;
+  uint32_t reserved;
+  uint8_t ticket[16];  // the front door's DoorAdmit::ticket
 };
 
 struct StreamWelcome {
@@ -72,7 +74,7 @@ struct StreamRelease {
   uint32_t reserved;
 };
 
-static_assert(sizeof(StreamHello) == 16 && sizeof(StreamWelcome) == 24);
+static_assert(sizeof(StreamHello) == 32 && sizeof(StreamWelcome) == 24);
 static_assert(sizeof(StreamOpen) == 24 && sizeof(StreamData) == 40);
 static_assert(sizeof(StreamDone) == 16 && sizeof(StreamRelease) == 16);
 static_assert(std::is_trivially_copyable_v<StreamData>);

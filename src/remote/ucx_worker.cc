@@ -14,7 +14,7 @@ Status UcxStatus(ucs_status_t status, const std::string& what) {
   return Status(code, what + ": " + ucs_status_string(status));
 }
 
-Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(bool rma) {
+Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(bool rma, const std::string& net_devices) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
@@ -23,6 +23,13 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::Create(bool rma) {
   // keepalives instead of UCX's default 20 s interval. The operator's setting wins.
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+  }
+  if (!net_devices.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+    ucs_status_t m = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+    if (m != UCS_OK) {
+      ucp_config_release(config);
+      return UcxStatus(m, "UCX_NET_DEVICES=" + net_devices);
+    }
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
@@ -77,6 +84,19 @@ Status UcxWorker::Wait(ucs_status_ptr_t request, std::chrono::steady_clock::time
   return Status::Ok();
 }
 
+bool UcxWorker::Arm() { return ucp_worker_arm(worker_) != UCS_ERR_BUSY; }
+
+Result<std::vector<std::byte>> UcxWorker::Address() {
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  ucs_status_t s = ucp_worker_get_address(worker_, &address, &length);
+  if (s != UCS_OK) return UcxStatus(s, "ucp_worker_get_address");
+  const auto* bytes = reinterpret_cast<const std::byte*>(address);
+  std::vector<std::byte> out(bytes, bytes + length);
+  ucp_worker_release_address(worker_, address);
+  return out;
+}
+
 Status UcxWorker::SetAmHandler(uint32_t id, void* arg, ucp_am_recv_callback_t cb) {
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -101,50 +121,56 @@ ucs_status_t CreateEndpoint(ucp_worker_h worker, ucp_ep_params_t params, ucp_err
 
 }  // namespace
 
-ucs_status_t UcxWorker::Accept(ucp_conn_request_h request, ucp_err_handler_t on_error,
-                               ucp_ep_h* ep) {
+Status UcxWorker::ConnectToAddress(std::span<const std::byte> address, ucp_err_handler_t on_error,
+                                   ucp_ep_h* ep, const std::string& what) {
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
-  params.conn_request = request;
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+  params.address = reinterpret_cast<const ucp_address_t*>(address.data());
   ucs_status_t s = CreateEndpoint(worker_, params, on_error, ep);
-  if (s != UCS_OK) *ep = nullptr;
-  return s;
-}
-
-Status UcxWorker::Connect(const platform::SocketAddress& address, ucp_err_handler_t on_error,
-                          ucp_ep_h* ep, const std::string& what) {
-  ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
-  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  params.sockaddr.addr = address.get();
-  params.sockaddr.addrlen = address.length;
-  ucs_status_t s = CreateEndpoint(worker_, params, on_error, ep);
-  if (s != UCS_OK) return UcxStatus(s, what);
+  if (s != UCS_OK) {
+    *ep = nullptr;
+    return UcxStatus(s, what);
+  }
   return Status::Ok();
-}
-
-std::string ConnectionRequestPeer(ucp_conn_request_h request) {
-  ucp_conn_request_attr_t attr{};
-  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-  if (ucp_conn_request_query(request, &attr) != UCS_OK) return "?";
-  return platform::AddressText(reinterpret_cast<const sockaddr*>(&attr.client_address));
 }
 
 void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
                    std::chrono::steady_clock::time_point deadline) {
   if (ep == nullptr) return;
+  // A flush to a peer that is gone ends when peer error handling fails the endpoint; a flush
+  // to a peer that is silent (stopped, hung: its kernel still acknowledges) never does. So the
+  // flush runs until `deadline`, and an endpoint not flushed by then is closed by force, which
+  // fails whatever is pending on it; then the worker progresses until the close completes
+  // (bounded), so nothing stays pending for ucp_worker_destroy.
   ucp_request_param_t param{};
+  ucs_status_ptr_t flush = nullptr;
+  bool flushed = false;
+  if (!force) {
+    flush = ucp_ep_flush_nbx(ep, &param);
+    if (flush == nullptr) {
+      flushed = true;
+    } else if (UCS_PTR_IS_PTR(flush)) {
+      while (ucp_request_check_status(flush) == UCS_INPROGRESS &&
+             std::chrono::steady_clock::now() < deadline) {
+        worker.Progress(10);
+      }
+      flushed = ucp_request_check_status(flush) == UCS_OK;
+    } else {
+      flush = nullptr;
+    }
+  }
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  param.flags = flushed ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
   ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
-  if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
-  // A flush to a peer that is gone ends when peer error handling fails the endpoint; past the
-  // deadline the request is left to UCX (freed, it is released when it completes).
-  while (ucp_request_check_status(request) == UCS_INPROGRESS &&
-         std::chrono::steady_clock::now() < deadline) {
+  const bool closing = UCS_PTR_IS_PTR(request) && request != nullptr;
+  for (int i = 0; i < 500; ++i) {
+    bool busy = (closing && ucp_request_check_status(request) == UCS_INPROGRESS) ||
+                (flush != nullptr && ucp_request_check_status(flush) == UCS_INPROGRESS);
+    if (!busy) break;
     worker.Progress(10);
   }
-  ucp_request_free(request);
+  if (closing) ucp_request_free(request);
+  if (flush != nullptr) ucp_request_free(flush);
 }
 
 }  // namespace expert_arena::remote

@@ -17,7 +17,9 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "expert_arena/status.h"
 #include "platform/net.h"
@@ -36,7 +38,10 @@ class UcxWorker {
   // Without `rma` the context has no UCP_FEATURE_RMA: UCX then installs no handler for get or
   // put requests on this worker, so a peer cannot read or write this process's memory through
   // it, whatever it sends (on tcp, where get and put are emulated by the target's worker).
-  static Result<std::unique_ptr<UcxWorker>> Create(bool rma);
+  // `net_devices` (when not empty, and UCX_NET_DEVICES is not set) restricts UCX's network
+  // transports to those interfaces: a server's UCX listens only on the interface of its
+  // listen address (docs/cross-host.md says what stays reachable).
+  static Result<std::unique_ptr<UcxWorker>> Create(bool rma, const std::string& net_devices = "");
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
@@ -54,16 +59,23 @@ class UcxWorker {
   Status Wait(ucs_status_ptr_t request, std::chrono::steady_clock::time_point deadline,
               const std::string& what);
 
+  // Arms the event fd for Wait-style sleeping elsewhere (a poll over more descriptors): false
+  // when events arrived meanwhile (progress again instead of sleeping).
+  bool Arm();
+  int event_fd() const { return event_fd_; }
+
+  // This worker's address (ucp_worker_get_address), to hand to an authenticated peer only.
+  Result<std::vector<std::byte>> Address();
+
   // Registers `cb` (called with `arg`) for the active messages of `id`.
   Status SetAmHandler(uint32_t id, void* arg, ucp_am_recv_callback_t cb);
 
-  // The endpoints, both with UCP_ERR_HANDLING_MODE_PEER and `on_error` as their error handler
-  // (see RecordFailureIn). Accept answers a listener's connection request and returns UCX's
-  // status (`*ep` stays nullptr on failure); Connect connects to `address`, and its error is
-  // UcxStatus(`what`).
-  ucs_status_t Accept(ucp_conn_request_h request, ucp_err_handler_t on_error, ucp_ep_h* ep);
-  Status Connect(const platform::SocketAddress& address, ucp_err_handler_t on_error, ucp_ep_h* ep,
-                 const std::string& what);
+  // The endpoint has UCP_ERR_HANDLING_MODE_PEER and `on_error` as its error handler (see
+  // RecordFailureIn); its error is UcxStatus(`what`).
+  // An endpoint to the worker address a peer sent over the front door (front_door.h): UCX's
+  // out-of-band pattern, no sockaddr listener anywhere.
+  Status ConnectToAddress(std::span<const std::byte> address, ucp_err_handler_t on_error,
+                          ucp_ep_h* ep, const std::string& what);
 
  private:
   UcxWorker() = default;
@@ -73,12 +85,11 @@ class UcxWorker {
 };
 
 // Closes an endpoint: flushes it (or forces it when `force`, or when the flush does not finish
-// by `deadline`), progressing the worker until the close completes.
+// by `deadline`), progressing the worker until the close completes, so that nothing is left
+// pending on it when the worker is destroyed (UCX 1.13 aborts then: "pending request ... should
+// have been flushed").
 void CloseEndpoint(UcxWorker& worker, ucp_ep_h ep, bool force,
                    std::chrono::steady_clock::time_point deadline);
-
-// The client's address of a listener's connection request, as text ("?" when UCX cannot say).
-std::string ConnectionRequestPeer(ucp_conn_request_h request);
 
 // An endpoint error handler that records the failure in `*owner`: `owner->*Failed` becomes
 // true and `owner->*Failure` UCX's status (members `failed` and `failure` unless named).

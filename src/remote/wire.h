@@ -1,7 +1,8 @@
-// What crosses the wire in a peer fill (docs/cross-host.md). Two active messages, then the
-// arena file (header region, then data) in one of two ways, the server's choice (Offer's
-// transport, `serve --transport`):
-//   client -> server  kHelloId: Hello, then the token's bytes
+// What crosses the wire in a peer fill (docs/cross-host.md). First the front door
+// (front_door.h: plain TCP, the token proved by HMAC, UCX worker addresses exchanged); then two
+// active messages, then the arena file (header region, then data) in one of two ways, the
+// server's choice (Offer's transport, `serve --transport`):
+//   client -> server  kHelloId: Hello (the front door's ticket: names the admitted peer)
 //   server -> client  kOfferId: Offer, then the packed rkey (get) or nothing (am), or a
 //                     refusal's text
 //   get: the client reads the server's mapping with ucp_get_nbx through that rkey;
@@ -19,7 +20,7 @@
 namespace expert_arena::remote {
 
 inline constexpr uint64_t kWireMagic = 0x4c4c4946'41524145ull;  // "EARAFILL"
-inline constexpr uint32_t kWireVersion = 2;                     // 2: the transport field, ranges
+inline constexpr uint32_t kWireVersion = 3;  // 3: the front door; the hello carries a ticket
 inline constexpr uint32_t kHelloId = 0x4541;
 inline constexpr uint32_t kOfferId = 0x4542;
 inline constexpr uint32_t kRangeRequestId = 0x4543;
@@ -41,7 +42,8 @@ inline const char* PeerTransportName(PeerTransport t) {
 struct Hello {
   uint64_t magic;
   uint32_t version;
-  uint32_t token_bytes;  // followed by that many bytes
+  uint32_t reserved;
+  uint8_t ticket[16];  // the front door's DoorAdmit::ticket
 };
 
 enum class OfferStatus : uint32_t { kOk = 0, kRefused = 1 };
@@ -66,7 +68,7 @@ struct Range {
   uint64_t bytes;
 };
 
-static_assert(sizeof(Hello) == 16);
+static_assert(sizeof(Hello) == 32);
 static_assert(sizeof(Offer) == 64);
 static_assert(sizeof(Range) == 16 && std::is_trivially_copyable_v<Range>);
 static_assert(std::is_trivially_copyable_v<Hello> && std::is_trivially_copyable_v<Offer>);

@@ -448,6 +448,19 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
                                         std::vector<StreamTensor>* out, size_t* failed) {
   const size_t n = ds.size();
   *failed = 0;
+  // With a token, a descriptor must carry the producer's MAC: one rewritten on its way (another
+  // address, another block) is refused before anything connects anywhere.
+  if (!options.remote_token.empty()) {
+    for (size_t i = 0; i < n; ++i) {
+      if (!TensorDescriptor::MacMatches(encoded[i], options.remote_token)) {
+        *failed = i;
+        return PermissionDenied("stream open of key " + QuoteForMessage(ds[i].key) +
+                                ": the descriptor's MAC does not hold for remote_token (it was "
+                                "rewritten on its way, or made by a producer with another "
+                                "token); refused, nothing connected");
+      }
+    }
+  }
   std::vector<std::unique_ptr<RemoteView>> views(n);
   std::vector<std::span<std::byte>> into(n);
   for (size_t i = 0; i < n; ++i) {

@@ -4,6 +4,8 @@
 //   u16 len + segment name, u16 len + dtype, u16 len + key, u16 ndim + u64 dims[ndim]
 //   with flag 2 (a producer that listens, docs/cross-host.md): u16 len + "ADDR:PORT",
 //   u64 producer instance, u16 len + boot id
+//   with flag 4 (a producer with a listen token): 32 bytes of HMAC-SHA256 keyed by the token
+//   over everything before it
 //   u64 xxh3 of everything before it
 // Decode checks every length against the bytes it got and the name against what a segment
 // name may be (one path component, no ".."), so a peer cannot make a consumer open a file
@@ -16,6 +18,7 @@
 
 #include "common/escape.h"
 #include "expert_arena/stream.h"
+#include "remote/front_door.h"
 #include "stream/segment_format.h"
 
 namespace expert_arena {
@@ -25,6 +28,8 @@ constexpr char kMagic[4] = {'E', 'A', 'T', 'D'};
 constexpr uint16_t kVersion = 1;
 constexpr uint16_t kFlagSpilled = 1;
 constexpr uint16_t kFlagRemote = 2;  // remote address, producer instance, boot id follow
+constexpr uint16_t kFlagMac = 4;     // a MAC keyed by the producer's token follows
+constexpr size_t kMacBytes = 32;
 constexpr size_t kMaxRemoteText = 300;
 constexpr size_t kMaxDescriptorBytes = 4096;
 constexpr size_t kMaxDims = stream::kMaxDescriptorDims;
@@ -72,12 +77,14 @@ Status Refuse(const std::string& why) {
 
 }  // namespace
 
-std::string TensorDescriptor::Encode() const {
+std::string TensorDescriptor::Encode(std::string_view mac_key) const {
+  const bool with_mac = !mac_key.empty() || mac.size() == kMacBytes;
   std::string out;
   out.append(kMagic, 4);
   Put<uint16_t>(out, kVersion);
   Put<uint16_t>(out, static_cast<uint16_t>((spilled ? kFlagSpilled : 0) |
-                                           (remote.empty() ? 0 : kFlagRemote)));
+                                           (remote.empty() ? 0 : kFlagRemote) |
+                                           (with_mac ? kFlagMac : 0)));
   Put<uint32_t>(out, 0);  // total bytes, patched below
   Put<uint32_t>(out, slot);
   Put<uint64_t>(out, generation);
@@ -93,10 +100,29 @@ std::string TensorDescriptor::Encode() const {
     Put<uint64_t>(out, producer_instance);
     PutText(out, boot_id);
   }
-  uint32_t total = static_cast<uint32_t>(out.size() + sizeof(uint64_t));
+  uint32_t total =
+      static_cast<uint32_t>(out.size() + (with_mac ? kMacBytes : 0) + sizeof(uint64_t));
   std::memcpy(out.data() + 8, &total, sizeof total);
+  if (!mac_key.empty()) {
+    auto m = remote::HmacSha256(mac_key, {reinterpret_cast<const std::byte*>(out.data()),
+                                          out.size()});
+    out.append(reinterpret_cast<const char*>(m.data()), m.size());
+  } else if (with_mac) {
+    out += mac;
+  }
   Put<uint64_t>(out, XXH3_64bits(out.data(), out.size()));
   return out;
+}
+
+bool TensorDescriptor::MacMatches(std::string_view encoded, std::string_view key) {
+  if (encoded.size() < 16 + kMacBytes + 8 || key.empty()) return false;
+  uint16_t flags = 0;
+  std::memcpy(&flags, encoded.data() + 6, sizeof flags);
+  if ((flags & kFlagMac) == 0) return false;
+  const size_t covered = encoded.size() - kMacBytes - 8;
+  auto m = remote::HmacSha256(key, {reinterpret_cast<const std::byte*>(encoded.data()), covered});
+  return remote::SameSecret(
+      m, {reinterpret_cast<const uint8_t*>(encoded.data()) + covered, kMacBytes});
 }
 
 Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
@@ -124,12 +150,15 @@ Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
   if (XXH3_64bits(bytes.data(), bytes.size() - 8) != stored_hash) {
     return Refuse("checksum mismatch (damaged in transit)");
   }
-  if ((flags & ~(kFlagSpilled | kFlagRemote)) != 0)
+  if ((flags & ~(kFlagSpilled | kFlagRemote | kFlagMac)) != 0)
     return Refuse("unknown flags " + std::to_string(flags));
   TensorDescriptor d;
   d.spilled = (flags & kFlagSpilled) != 0;
+  const size_t mac_bytes = (flags & kFlagMac) != 0 ? kMacBytes : 0;
+  if (bytes.size() < 4 + 8 + mac_bytes + 8) return Refuse("truncated MAC");
+  if (mac_bytes != 0) d.mac.assign(bytes.substr(bytes.size() - 8 - kMacBytes, kMacBytes));
   uint16_t ndim = 0;
-  Reader body(bytes.substr(4 + 8, bytes.size() - 4 - 8 - 8));
+  Reader body(bytes.substr(4 + 8, bytes.size() - 4 - 8 - mac_bytes - 8));
   if (!body.Get(&d.slot) || !body.Get(&d.generation) || !body.Get(&d.offset) ||
       !body.Get(&d.length) || !body.GetText(&d.segment) || !body.GetText(&d.dtype) ||
       !body.GetText(&d.key) || !body.Get(&ndim) || ndim > kMaxDims) {
@@ -156,7 +185,7 @@ Result<TensorDescriptor> TensorDescriptor::Decode(std::string_view bytes) {
     if (d.boot_id.size() > 64 || !plain(d.boot_id, "-"))
       return Refuse("boot id " + QuoteForMessage(d.boot_id) + " is not a boot id");
   }
-  if (body.pos() != bytes.size() - 20) return Refuse("trailing bytes after the fields");
+  if (body.pos() != bytes.size() - 20 - mac_bytes) return Refuse("trailing bytes after the fields");
   if (!stream::IsValidSegmentName(d.segment)) {
     return Refuse("segment name " + QuoteForMessage(d.segment) +
                   " is not a stream segment name in the directory (one component, "

@@ -656,6 +656,14 @@ StreamStats StreamProducer::Impl::StatsLocked() const {
   s.reclaimed_blocks = reclaimed;
   s.dead_readers_cleared = dead_readers;
   s.segments_grown_ahead = grown_ahead;
+  if (server) {
+    const remote::DoorCounters c = server->counters();
+    s.remote_admitted = c.admitted;
+    s.remote_refused = c.refused;
+    s.remote_timed_out = c.timed_out;
+    s.remote_dropped = c.dropped;
+    s.remote_auth_failed = c.auth_failed;
+  }
   return s;
 }
 
@@ -1039,7 +1047,8 @@ Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t reader
     std::lock_guard lock(p.mu);
     EA_RETURN_IF_ERROR(PublishLocked(p, *state_, info, readers, d));
   }
-  return d.Encode();
+  // A listening producer with a token signs what it hands out (its server checks the MAC).
+  return d.Encode(p.server ? std::string_view(p.options.listen_token) : std::string_view());
 }
 
 Result<std::vector<std::string>> StreamProducer::PutMany(std::span<const PutItem> items,
@@ -1094,7 +1103,9 @@ Result<std::vector<std::string>> StreamProducer::PutMany(std::span<const PutItem
   }
   std::vector<std::string> out;
   out.reserve(items.size());
-  for (const TensorDescriptor& d : published) out.push_back(d.Encode());
+  const std::string_view key =
+      impl_->server ? std::string_view(impl_->options.listen_token) : std::string_view();
+  for (const TensorDescriptor& d : published) out.push_back(d.Encode(key));
   return out;
 }
 

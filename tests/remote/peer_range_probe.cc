@@ -1,7 +1,8 @@
 // A peer that asks `expert-arena serve` for ranges of its choice, as a hostile peer would, to
 // test that the server refuses what is outside the arena file (PeerFillTest.*OutOfRange*).
-// Speaks the wire protocol of src/remote/wire.h with plain UCX calls (the tool links UCX; the
-// library's client would never ask for such a range).
+// Passes the front door with the library's client (src/remote/front_door.h), then speaks the
+// wire protocol of src/remote/wire.h with plain UCX calls (the tool links UCX; the library's
+// client would never ask for such a range).
 //
 //   peer_range_probe HOST:PORT TOKEN (OFFSET:BYTES | rawget:ADDRESS:BYTES)...
 //
@@ -24,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "platform/net.h"
+#include "remote/front_door.h"
 #include "remote/wire.h"
 
 namespace {
@@ -60,8 +63,8 @@ bool Done(ucp_worker_h worker, ucs_status_ptr_t request, State& st) {
 
 // The probe exits where the server hung up on it, with its failed endpoint and worker still
 // open (UCX keeps a few bytes for them): under AddressSanitizer, LeakSanitizer would turn the
-// exit status the test reads (3: closed) into 1, whatever ASAN_OPTIONS asks. Nothing of the
-// library runs in this process.
+// exit status the test reads (3: closed) into 1, whatever ASAN_OPTIONS asks. Only the front
+// door's client of the library runs in this process.
 extern "C" int __lsan_is_turned_off() { return 1; }
 
 int main(int argc, char** argv) {
@@ -71,12 +74,8 @@ int main(int argc, char** argv) {
   }
   std::string address = argv[1];
   std::string token = argv[2];
-  size_t colon = address.rfind(':');
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(std::atoi(address.c_str() + colon + 1)));
-  if (colon == std::string::npos ||
-      inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
+  auto sa = expert_arena::platform::ResolveHostPort(address);
+  if (!sa.ok()) {
     std::fprintf(stderr, "peer_range_probe: bad address %s\n", argv[1]);
     return 2;
   }
@@ -119,12 +118,21 @@ int main(int argc, char** argv) {
   };
   ucp_worker_set_am_recv_handler(worker, &am);
 
+  ucp_address_t* own = nullptr;
+  size_t own_bytes = 0;
+  if (ucp_worker_get_address(worker, &own, &own_bytes) != UCS_OK) return 2;
+  auto entry = wire::FrontDoorConnect(
+      *sa, token, wire::DoorService::kPeerFill,
+      {reinterpret_cast<const std::byte*>(own), own_bytes}, 20, "peer " + address);
+  ucp_worker_release_address(worker, own);
+  if (!entry.ok()) {
+    std::printf("front door: %s\n", entry.status().message().c_str());
+    return 2;
+  }
   ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                         UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  ep_params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-  ep_params.sockaddr.addrlen = sizeof sa;
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(entry->worker_address.data());
   ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ep_params.err_handler.arg = &st;
   ep_params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
@@ -134,10 +142,10 @@ int main(int argc, char** argv) {
   ucp_ep_h ep;
   if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) return 2;
 
-  std::vector<char> hello(sizeof(Hello) + token.size());
-  Hello h{wire::kWireMagic, wire::kWireVersion, static_cast<uint32_t>(token.size())};
+  std::vector<char> hello(sizeof(Hello));
+  Hello h{wire::kWireMagic, wire::kWireVersion, 0, {}};
+  std::memcpy(h.ticket, entry->ticket.data(), sizeof h.ticket);
   std::memcpy(hello.data(), &h, sizeof h);
-  std::memcpy(hello.data() + sizeof h, token.data(), token.size());
   ucp_request_param_t reply{};
   reply.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   reply.flags = UCP_AM_SEND_FLAG_REPLY;

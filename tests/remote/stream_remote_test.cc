@@ -4,7 +4,10 @@
 // namespaces joined by a veth pair, each with its own mount namespace (its own /dev/shm and
 // sysfs), the producer and the consumer in child processes there. UCX_TLS=tcp everywhere:
 // every namespace has this machine's boot id, and UCX would otherwise take shared memory.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -17,6 +20,7 @@
 
 #include "expert_arena/expert_arena.h"
 #include "remote/peer_client.h"
+#include "remote/stream_remote.h"
 #include "stream/stream_test_util.h"
 #include "test_util.h"
 
@@ -428,6 +432,229 @@ TEST_F(StreamLoopbackTest, ListensOnlyOnTheAddressGiven) {
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("cannot reach"), std::string::npos)
       << t.status().ToString();
+}
+
+// Bytes of an attacker to ADDR:PORT on loopback, on a connection of their own, then closed.
+void SendRaw(const std::string& address, const std::string& bytes) {
+  const uint16_t port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to), 0);
+  (void)send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  close(fd);
+}
+
+// The 109-byte packet that killed a process holding a listening producer inside UCX's
+// connection manager (tcp_sockcm_ep.c:825), a header claiming 2^64-1 bytes, 200 zero bytes and
+// 4 KiB of 0xff: this test process holds the producer, so it would die with it.
+TEST_F(StreamLoopbackTest, KillerPacketsLeaveTheProducerAliveAndServing) {
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  const std::string address = producer->remote_address();
+  std::string sockcm(9, '\0');
+  const uint64_t six = 6;
+  std::memcpy(sockcm.data(), &six, 8);
+  sockcm += std::string(100, 'A');
+  std::string huge(8, '\xff');
+  huge += std::string(64, 'B');
+  for (const std::string& packet :
+       {sockcm, huge, std::string(200, '\0'), std::string(4096, '\xff')}) {
+    SendRaw(address, packet);
+  }
+  auto consumer = StreamConsumer::Create(Consumer());
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("after", 1 << 20, 1);
+  auto desc = producer->Put("after", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto t = consumer->Open(*desc);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE(t->remote());
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+  t->Release();
+  auto stats = producer->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GE(stats->remote_dropped, 4u);
+}
+
+// A descriptor that names a peer which accepts TCP and never answers (a stopped producer, the
+// wrong service): the open fails at the deadline with an error, and this process lives (it
+// aborted inside UCX before the front door).
+TEST_F(StreamLoopbackTest, SilentProducerIsAnErrorNotAnAbort) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &at.sin_addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t length = sizeof at;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&at), &length);
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto desc = producer->Put("silent", TensorBytes("silent", 4096, 1), {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  d->remote = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  ConsumerOptions o = Consumer();
+  o.remote_timeout_seconds = 2;
+  auto consumer = StreamConsumer::Create(o);
+  ASSERT_TRUE(consumer.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto t = consumer->Open(d->Encode());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kTimedOut) << t.status().ToString();
+  EXPECT_NE(t.status().message().find("did not answer"), std::string::npos)
+      << t.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  close(fd);
+  // The genuine descriptor still opens.
+  auto genuine = consumer->Open(*desc);
+  ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
+  genuine->Release();
+}
+
+// An open whose descriptor names another address (and another host's boot id, which made the
+// server's own consumer treat it as remote) is refused at once: the server never connects out
+// to an address a peer named. The peer here is the library's own connection, sending what a
+// hostile consumer would.
+TEST_F(StreamLoopbackTest, ForgedOpenNamingAnotherAddressIsRefusedWithoutConnectingOut) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &at.sin_addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t length = sizeof at;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&at), &length);
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok());
+  auto bytes = TensorBytes("forged", 4096, 1);
+  auto desc = producer->Put("forged", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  TensorDescriptor forged = *d;
+  forged.remote = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  forged.boot_id = "00000000-0000-0000-0000-000000000000";
+  remote::StreamPeerOptions po;
+  po.address = producer->remote_address();
+  po.timeout_seconds = 10;
+  auto peer = remote::ConnectStreamPeer(po);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  std::vector<std::byte> into(d->length);
+  const auto start = std::chrono::steady_clock::now();
+  auto held = (*peer)->Fetch(forged.Encode(), d->producer_instance, into);
+  ASSERT_FALSE(held.ok());
+  EXPECT_NE(held.status().message().find("names producer"), std::string::npos)
+      << held.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(accept4(fd, nullptr, nullptr, SOCK_CLOEXEC), 0) << "the server connected out";
+  close(fd);
+  // The same connection still serves the genuine descriptor.
+  auto genuine = (*peer)->Fetch(*desc, d->producer_instance, into);
+  ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
+  EXPECT_EQ(std::memcmp(into.data(), bytes.data(), bytes.size()), 0);
+  (*peer)->Release(*genuine, true);
+}
+
+// A descriptor rewritten on its way (another producer address, another block) is refused by a
+// consumer that holds the token, which stays alive and opens the genuine one.
+TEST_F(StreamLoopbackTest, RewrittenDescriptorIsRefused) {
+  auto producer = StreamProducer::Create(Producer("tok"));
+  ASSERT_TRUE(producer.ok());
+  auto consumer = StreamConsumer::Create(Consumer("tok"));
+  ASSERT_TRUE(consumer.ok());
+  auto bytes = TensorBytes("signed", 1 << 20, 1);
+  auto desc = producer->Put("signed", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  auto d = TensorDescriptor::Decode(*desc);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->mac.size(), 32u);
+  // Another address (one that accepts TCP: the attacker's), then another length, then the
+  // MAC taken away: each refused before anything connects.
+  std::vector<std::string> forged;
+  TensorDescriptor other = *d;
+  other.remote = "127.0.0.1:1";
+  forged.push_back(other.Encode());
+  other = *d;
+  other.length /= 2;
+  forged.push_back(other.Encode());
+  other = *d;
+  other.mac.clear();
+  forged.push_back(other.Encode());
+  for (const std::string& f : forged) {
+    auto t = consumer->Open(f);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), StatusCode::kPermission) << t.status().ToString();
+    EXPECT_NE(t.status().message().find("MAC"), std::string::npos) << t.status().ToString();
+  }
+  // A consumer without the token sends the rewritten one on: the producer refuses it.
+  auto untrusting = StreamConsumer::Create(Consumer(""));
+  ASSERT_TRUE(untrusting.ok());
+  other = *d;
+  other.length /= 2;
+  auto t = untrusting->Open(other.Encode());
+  ASSERT_FALSE(t.ok());
+  auto genuine = consumer->Open(*desc);
+  ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
+  EXPECT_EQ(std::memcmp(genuine->bytes().data(), bytes.data(), bytes.size()), 0);
+  genuine->Release();
+}
+
+// A consumer process that takes a block's transfer and is stopped (SIGSTOP) loses its hold
+// within the lease: the producer's block comes back. (On loopback the send may complete before
+// the stop lands; then the lease after the send ends the hold, as it does for a send the
+// reader never finishes.)
+EA_CHILD_ROLE(stopped_reader) {
+  if (args.size() != 2) return 2;
+  ConsumerOptions o;
+  o.directory = args[1];
+  o.spill_directory = args[1];
+  o.remote_timeout_seconds = 120;
+  auto consumer = StreamConsumer::Create(o);
+  if (!consumer.ok()) return 3;
+  auto messages = testing::ReadMessages(args[0]);
+  if (messages.empty()) return 4;
+  auto t = consumer->Open(messages[0]);
+  std::printf("%s\n", t.ok() ? "OPENED" : t.status().ToString().c_str());
+  return 0;
+}
+
+TEST_F(StreamLoopbackTest, ConsumerStoppedMidTransferLosesItsHoldWithinTheLease) {
+  // tcp, as across hosts: the bytes go through a socket a stopped reader does not drain (on
+  // one host UCX would take shared memory, where the sender may finish alone).
+  setenv("UCX_TLS", "tcp", 1);
+  auto producer = StreamProducer::Create(Producer("", /*lease=*/2));
+  ASSERT_TRUE(producer.ok());
+  auto bytes = TensorBytes("stopped", 40 << 20, 1);
+  auto desc = producer->Put("stopped", bytes, {.dtype = "u8"});
+  ASSERT_TRUE(desc.ok());
+  const std::string descs = there_.spill() + "/descs";
+  testing::WriteMessages(descs, {*desc});
+  // The server pauses right after the send started; the reader is stopped then, mid-transfer.
+  const std::string pause = there_.spill() + "/paused";
+  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
+  auto reader = testing::SpawnRole("stopped_reader", {descs, there_.spill()});
+  const bool paused = testing::WaitForFile(pause, 60);
+  unsetenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE");
+  unsetenv("UCX_TLS");
+  ASSERT_TRUE(paused);
+  reader.Kill(SIGSTOP);
+  EXPECT_EQ(RemoteHolders(*producer), 1u);
+  std::filesystem::remove(pause);
+  // Lease 2 s: the hold ends (and the block goes) well before the reader's connection would.
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }, 15));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(12));
+  reader.Kill(SIGKILL);
+  reader.Wait(10);
 }
 
 TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {

@@ -75,11 +75,27 @@ int RunServe(const ServeArgs& args) {
     std::fprintf(stderr, "expert-arena serve: %s\n", run.message().c_str());
     return 1;
   }
+  const remote::DoorCounters c = (*server)->counters();
+  auto n = [](uint64_t v) { return static_cast<unsigned long long>(v); };
   std::fprintf(stderr,
                "expert-arena serve: stopped after offering %s to %llu peers (%llu range requests "
-               "refused)\n",
-               info.path.c_str(), static_cast<unsigned long long>((*server)->peers_offered()),
-               static_cast<unsigned long long>((*server)->ranges_refused()));
+               "refused; front door: %llu admitted, %llu refused, %llu timed out, %llu dropped, "
+               "%llu failed the token)\n",
+               info.path.c_str(), n((*server)->peers_offered()), n((*server)->ranges_refused()),
+               n(c.admitted), n(c.refused), n(c.timed_out), n(c.dropped), n(c.auth_failed));
+  if (args.json) {
+    // The final summary, on a line of its own.
+    nlohmann::json j;
+    j["stopped"] = info.path;
+    j["peers_offered"] = (*server)->peers_offered();
+    j["ranges_refused"] = (*server)->ranges_refused();
+    j["admitted"] = c.admitted;
+    j["refused"] = c.refused;
+    j["timed_out"] = c.timed_out;
+    j["dropped"] = c.dropped;
+    j["auth_failed"] = c.auth_failed;
+    std::cout << j.dump() << std::endl;
+  }
   return 0;
 }
 
@@ -97,13 +113,15 @@ void RegisterServe(CLI::App& app, int& exit_code) {
                   "Shared token a peer must present before it is served (default: "
                   "$EXPERT_ARENA_TOKEN)");
   cmd->add_option("--hello-timeout", args->hello_timeout,
-                  "Seconds a connected peer has to present itself");
+                  "Seconds a connected peer has to prove the token at the front door (and then to "
+                  "send its first message)");
   cmd->add_option("--transport", args->transport,
                   "am (default): send only the ranges of the arena file a peer asks for, each "
                   "checked; get: peers read the registered mapping with ucp_get (on UCX's tcp "
-                  "transport a get carries no key: trusted networks only)")
+                  "transport a get carries no key: needs a token, trusted networks only)")
       ->check(CLI::IsMember({"am", "get"}));
-  cmd->add_flag("--json", args->json, "Print one JSON line once listening");
+  cmd->add_flag("--json", args->json,
+                "Print one JSON line once listening, and one with the counts when stopped");
   cmd->callback([args, &exit_code] { exit_code = RunServe(*args); });
 }
 
