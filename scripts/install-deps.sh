@@ -18,7 +18,6 @@ required=(
   python3-dev pybind11-dev python3-numpy python3-torch python3-pytest  # the Python package
   python3-setuptools python3-wheel python3-pip  # pip install --no-build-isolation .
   python3-venv  # .venv below
-  libssl-dev  # HMAC-SHA256 of the network front door (src/remote)
   libucx-dev ucx-utils iproute2  # across hosts (src/remote): UCX, ucx_perftest, test namespaces
   systemd python3-yaml  # deploy/'s examples: systemd-analyze verify, the Kubernetes manifests
   prometheus prometheus-node-exporter  # tests/metrics: promtool, node_exporter, the server
