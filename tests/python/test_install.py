@@ -1,5 +1,6 @@
 """`cmake --install` puts an importable package under the prefix's site directory."""
 
+import filecmp
 import os
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def test_pip_install_into_a_venv_reuses_the_build(tmp_path, gen_model):
     from conftest import ROOT
     if not os.path.exists(os.path.join(BUILD, "CMakeCache.txt")):
         pytest.skip("no CMake build directory at %s" % BUILD)
+    had_pip_build = os.path.exists(os.path.join(ROOT, "build-pip"))
     venv = tmp_path / "venv"
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--system-site-packages", str(venv)], check=True,
@@ -80,7 +82,17 @@ def test_pip_install_into_a_venv_reuses_the_build(tmp_path, gen_model):
                           "--no-deps", "--no-index", ROOT], env=env, capture_output=True,
                          text=True, timeout=600, cwd=str(tmp_path))
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert "reusing the build in %s" % BUILD in out.stdout, out.stdout[-4000:]
+    # Reused: the installed module is the build directory's file, and no build-pip/ was made
+    # (pip may not show the backend's own output).
+    assert not os.path.exists(os.path.join(ROOT, "build-pip")) or had_pip_build
+    installed = subprocess.run(
+        [python, "-c", "import expert_arena._core as c; print(c.__file__)"], env=env,
+        capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
+    assert installed.returncode == 0, installed.stderr
+    module = installed.stdout.strip()
+    assert module.startswith(str(venv)), module
+    assert filecmp.cmp(module, os.path.join(BUILD, "python", "expert_arena",
+                                            os.path.basename(module)), shallow=False)
     script = ("import sys, expert_arena\n"
               "assert expert_arena.__file__.startswith(sys.prefix), expert_arena.__file__\n"
               "a = expert_arena.open(sys.argv[1], quiet=True)\n"
