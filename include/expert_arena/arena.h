@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -170,6 +171,48 @@ struct ArenaReport {
   EXPERT_ARENA_EXPORT std::string StartLine() const;
 };
 
+// Engine-made arenas (docs/engine-arenas.md): tensors an engine made itself (fused, transposed,
+// repacked, quantized), published under the same protocol as a model's.
+//
+// One tensor the engine declares. `dtype` is the engine's name for its element type (the
+// Python package uses safetensors' names: "F32", "BF16", "I64", ...), printed and compared,
+// never interpreted by the library.
+struct EngineTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  uint64_t bytes = 0;
+  uint64_t alignment = 0;  // of its offset (a power of two up to 2 MiB); 0: the spec's
+};
+
+// A declared tensor's place in the mapping, writable while the engine fills it.
+struct WritableTensor {
+  std::string_view name;
+  std::string_view dtype;
+  std::span<const uint64_t> shape;
+  std::span<std::byte> bytes;
+};
+
+struct EngineArenaSpec {
+  // What makes these tensors what they are, beyond the checkpoint: the engine and its version,
+  // the transform's settings, dtype, quantization, rank and world size. Another identity is
+  // another arena (replaced when unused, refused when in use). Required.
+  std::string identity;
+  // The checkpoint files (or directories of them) the tensors are made from: the library
+  // fingerprints them (path, size, modification time, and a safetensors file's header bytes),
+  // so a changed checkpoint is another arena. May be empty (the identity says it all).
+  std::vector<std::string> files;
+  // Default alignment of every tensor (a power of two up to 2 MiB).
+  uint64_t alignment = 4096;
+  // Called only in the engine that wins the arena (no published arena of this identity; the
+  // others wait for it, then attach), and only while it holds the file: builds whatever it
+  // needs and returns the table. An error (or an exception) publishes nothing.
+  std::function<Result<std::vector<EngineTensor>>()> declare;
+  // Then fills every declared tensor in place (no second copy), before the library checksums
+  // and publishes them. The views are valid only during the call.
+  std::function<Status(std::span<const WritableTensor>)> fill;
+};
+
 class EXPERT_ARENA_EXPORT Arena {
  public:
   // Loads the model's selected tensors, or attaches to a shared file another engine loaded.
@@ -180,6 +223,12 @@ class EXPERT_ARENA_EXPORT Arena {
   // Attaches to a published shared file without knowing the model (tools, C and Python
   // clients). Never loads; fails when the file is absent, not published, or damaged.
   static Result<Arena> AttachExisting(const std::string& path, const ArenaOptions& options);
+
+  // An arena of tensors the engine makes (EngineArenaSpec): attaches when one of this identity
+  // and these checkpoint files is published at options.shared_path (waiting for an engine
+  // that builds it), else this engine declares, fills and publishes it; role kLoaded then.
+  // A build that fails, throws or is killed publishes nothing. Needs a shared_path.
+  static Result<Arena> OpenEngine(const EngineArenaSpec& spec, const ArenaOptions& options);
 
   Arena(Arena&& other) noexcept;
   Arena& operator=(Arena&& other) noexcept;

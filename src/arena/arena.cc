@@ -111,7 +111,7 @@ namespace arena {
 
 Status ModelWant::MakePlan() {
   test_hooks::CountPlan();
-  EA_ASSIGN_OR_RETURN(source::ModelPlan made, source::PlanModel(*spec));
+  EA_ASSIGN_OR_RETURN(source::ModelPlan made, planner ? planner() : source::PlanModel(*spec));
   plan = std::move(made);
   return Status::Ok();
 }
@@ -259,6 +259,39 @@ Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions&
   attach.shared_path = path;
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(nullptr, attach, *logger));
   return Finish(std::move(impl), attach, *logger, start, ledger);
+}
+
+Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions& options) {
+  auto start = std::chrono::steady_clock::now();
+  const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
+  auto logger = ResolveLogger(options.logger);
+  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
+  if (options.shared_path.empty()) {
+    return InvalidArgument(
+        "an engine-made arena needs a shared path (a file on tmpfs or hugetlbfs): a private "
+        "one would be a copy of the engine's own tensors");
+  }
+  if (!spec.declare || !spec.fill) {
+    return InvalidArgument("an engine-made arena needs both declare and fill");
+  }
+  if (!options.from_peer.empty()) {
+    return InvalidArgument("an engine-made arena is filled by its engine, not from a peer (" +
+                           options.from_peer + ")");
+  }
+  EA_ASSIGN_OR_RETURN(arena::EngineIdentity id, arena::IdentifyEngineArena(spec));
+  arena::ModelWant want;
+  want.engine_identity = id.hash;
+  want.planner = [&] { return arena::PlanEngineArena(spec, id); };
+  want.fill = [&](const load::LoadRequest& request, format::ArenaTable& table) {
+    return arena::FillEngineArena(spec, request, table);
+  };
+  // The engine writes where it pleases: every page first (no pages made alongside).
+  ArenaOptions engine_options = options;
+  engine_options.pages_alongside_load = false;
+  EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, engine_options, *logger));
+  impl->report.bytes_read = id.bytes_read;
+  impl->report.reader = impl->report.role == ArenaRole::kLoaded ? "engine" : "";
+  return Finish(std::move(impl), options, *logger, start, ledger);
 }
 
 Arena Arena::Impl::Make(std::unique_ptr<Impl> impl) { return Arena(std::move(impl)); }

@@ -63,8 +63,32 @@ struct ModelWant {
   // When set, fills the data region in place of load::LoadTensors (a fill from a peer,
   // src/remote): the same request, the plan's table, checksums already set and verified.
   std::function<Result<load::LoadResult>(const load::LoadRequest&, format::ArenaTable&)> fill;
+  // An engine-made arena (engine_arena.cc): a published arena is this one when its identity
+  // hash is engine_identity (nothing is planned to know it); otherwise the engine that holds
+  // FILL on an empty file plans with `planner` then and there (it builds its tensors while the
+  // others wait), and fills with `fill`.
+  uint64_t engine_identity = 0;
+  std::function<Result<source::ModelPlan>()> planner;
   Status MakePlan();
 };
+
+// The table and fill of an engine-made arena (engine_arena.cc): the library's fingerprint of
+// the checkpoint files, and the identity hash of (spec.identity, that fingerprint).
+struct EngineIdentity {
+  uint64_t hash = 0;
+  std::string text;                         // for messages: the engine's identity, escaped
+  std::vector<format::SourceRecord> sources;  // the checkpoint files, as fingerprinted
+  uint64_t bytes_read = 0;                  // header bytes read to fingerprint them
+};
+Result<EngineIdentity> IdentifyEngineArena(const EngineArenaSpec& spec);
+// Calls spec.declare and turns its answer into a plan (names, dtypes, shapes, sizes and
+// alignments checked; offsets assigned).
+Result<source::ModelPlan> PlanEngineArena(const EngineArenaSpec& spec, const EngineIdentity& id);
+// Calls spec.fill with the writable views of `table`'s tensors in `request.data`, then sets
+// every tensor's checksum.
+Result<load::LoadResult> FillEngineArena(const EngineArenaSpec& spec,
+                                         const load::LoadRequest& request,
+                                         format::ArenaTable& table);
 
 // The shared-file protocol (shared_arena.cc). `want` is null for AttachExisting.
 Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOptions& options,

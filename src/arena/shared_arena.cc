@@ -222,7 +222,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     const source::ModelPlan* plan = want != nullptr && want->plan ? &*want->plan : nullptr;
     platform::OpenOptions open_options;
     open_options.write = true;
-    open_options.create = plan != nullptr;
+    // An engine-made arena is planned only once this engine holds FILL on an empty file.
+    open_options.create = plan != nullptr || (want != nullptr && want->engine_identity != 0);
     open_options.mode = options.file_mode;
     open_options.exact_mode = true;
     auto opened = platform::OpenFile(path, open_options);
@@ -348,7 +349,47 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     }
     std::string why_not = WhyNotReusable(summary, decoded, plan, st.size);
 
-    if (want != nullptr && plan == nullptr) {
+    if (want != nullptr && plan == nullptr && want->engine_identity != 0) {
+      // An engine-made arena: ours when published under our identity hash.
+      const bool ours = st.size > 0 && why_not.empty() && summary.identity_hash == want->engine_identity;
+      if (!ours && read_only) {
+        return PermissionDenied(
+            path + " holds " + (st.size == 0 ? std::string("no arena yet") : why_not.empty() ? "another engine's arena (" + summary.identity_text + ")" : why_not) +
+            ", and this user may only read it (" + platform::DescribeFileAccess(path) +
+            "), so this engine cannot build or replace it; give this engine another arena path");
+      }
+      if (!ours && st.size > 0) {
+        // Another identity, an unfinished build, or a damaged file: replaced when no engine
+        // maps it, before this engine builds anything.
+        view.reset();
+        whole.reset();
+        EA_ASSIGN_OR_RETURN(bool unused,
+                            platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
+        const std::string held = why_not.empty() ? "another engine's arena (" + summary.identity_text + ")" : why_not;
+        if (!unused) {
+          return Busy(path + " holds " + held + " and is in use by another engine; this engine " +
+                      "builds another. Stop the engines that use it, or give this one another "
+                      "arena path");
+        }
+        log.info("expert-arena: replacing {}: it held {} and no engine maps it", path, held);
+        EA_RETURN_IF_ERROR(platform::UnlinkPath(path));
+        continue;
+      }
+      if (!ours) {
+        // A fresh, empty file and FILL: this engine builds now, while the others wait.
+        view.reset();
+        whole.reset();
+        Status planned = want->MakePlan();
+        if (!planned.ok()) {
+          // Nothing was published: the empty file goes (nobody else may map it yet).
+          auto user = platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive);
+          if (user.ok() && *user && PathNamesFile(path, st)) (void)platform::UnlinkPath(path);
+          return planned.WithContext("building the engine arena " + path);
+        }
+        plan = &*want->plan;
+        why_not = WhyNotReusable(summary, decoded, plan, st.size);
+      }
+    } else if (want != nullptr && plan == nullptr) {
       // The model is not planned yet: a published arena that records the fingerprint of its
       // planning inputs is this model when the inputs on disk hash the same.
       bool matches = false;

@@ -1,0 +1,301 @@
+// Engine-made arenas (Arena::OpenEngine): tensors an engine made itself, published once and
+// attached by every other engine, in real processes.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "expert_arena/arena.h"
+#include "gtest/gtest.h"
+#include "test_util.h"
+
+namespace expert_arena {
+namespace {
+
+using testing::Child;
+using testing::ScopedArenaDir;
+using testing::SpawnRole;
+
+// The engine's "transform": tensor i holds bytes (seed + i + j) for j = 0...
+std::vector<EngineTensor> Declared(uint64_t bytes_each) {
+  std::vector<EngineTensor> out;
+  for (int i = 0; i < 4; ++i) {
+    EngineTensor t;
+    t.name = "layers." + std::to_string(i) + ".mlp.experts.w13_weight";
+    t.dtype = "BF16";
+    t.shape = {8, 2, bytes_each / 16};
+    t.bytes = bytes_each;
+    out.push_back(t);
+  }
+  EngineTensor scale{"layers.0.scale", "F32", {3}, 12, 64};
+  out.push_back(scale);
+  return out;
+}
+
+Status FillPattern(std::span<const WritableTensor> views, uint8_t seed) {
+  for (size_t i = 0; i < views.size(); ++i) {
+    for (size_t j = 0; j < views[i].bytes.size(); ++j) {
+      views[i].bytes[j] = static_cast<std::byte>(seed + i + j);
+    }
+  }
+  return Status::Ok();
+}
+
+bool HoldsPattern(const Arena& arena, uint8_t seed) {
+  for (size_t i = 0; i < arena.tensor_count(); ++i) {
+    TensorView v = arena.tensor(i);
+    for (size_t j = 0; j < v.bytes.size(); ++j) {
+      if (v.bytes[j] != static_cast<std::byte>(seed + i + j)) return false;
+    }
+  }
+  return true;
+}
+
+struct Counted {
+  int declared = 0;
+  int filled = 0;
+};
+
+EngineArenaSpec Spec(const std::string& identity, std::vector<std::string> files, uint8_t seed,
+                     Counted* counted, uint64_t bytes_each = 3 * 1024 * 1024) {
+  EngineArenaSpec spec;
+  spec.identity = identity;
+  spec.files = std::move(files);
+  spec.declare = [=]() -> Result<std::vector<EngineTensor>> {
+    if (counted != nullptr) ++counted->declared;
+    return Declared(bytes_each);
+  };
+  spec.fill = [=](std::span<const WritableTensor> views) {
+    if (counted != nullptr) ++counted->filled;
+    return FillPattern(views, seed);
+  };
+  return spec;
+}
+
+ArenaOptions Options(const std::string& path) {
+  ArenaOptions o;
+  o.shared_path = path;
+  o.progress = false;
+  o.wait_timeout_seconds = 60;
+  return o;
+}
+
+// args: arena path, identity, checkpoint file, seed, mode ("run", "hold FILE", "die-in-fill",
+// "fail-in-fill", "sleep-in-declare"). Prints one JSON line.
+EA_CHILD_ROLE(engine_arena) {
+  const std::string& path = args.at(0);
+  const std::string& identity = args.at(1);
+  const std::string& file = args.at(2);
+  const uint8_t seed = static_cast<uint8_t>(std::stoi(args.at(3)));
+  const std::string& mode = args.at(4);
+  Counted counted;
+  EngineArenaSpec spec = Spec(identity, {file}, seed, &counted);
+  if (mode == "die-in-fill") {
+    spec.fill = [](std::span<const WritableTensor> views) {
+      views[0].bytes[0] = std::byte{1};
+      std::printf("{\"filling\":true}\n");
+      std::fflush(stdout);
+      kill(getpid(), SIGKILL);
+      return Status::Ok();
+    };
+  } else if (mode == "fail-in-fill") {
+    spec.fill = [](std::span<const WritableTensor>) { return Internal("out of engine memory"); };
+  } else if (mode == "sleep-in-declare") {
+    spec.declare = [&]() -> Result<std::vector<EngineTensor>> {
+      ++counted.declared;
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      return Declared(3 * 1024 * 1024);
+    };
+  }
+  auto arena = Arena::OpenEngine(spec, Options(path));
+  nlohmann::json j;
+  j["ok"] = arena.ok();
+  if (!arena.ok()) {
+    j["error"] = arena.status().message();
+    j["code"] = static_cast<int>(arena.status().code());
+  } else {
+    j["role"] = ArenaRoleName(arena->role());
+    j["declared"] = counted.declared;
+    j["filled"] = counted.filled;
+    j["pattern"] = HoldsPattern(*arena, seed);
+    j["tensors"] = arena->tensor_count();
+    j["identity"] = arena->report().identity;
+  }
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+  if (mode.starts_with("hold ")) {
+    const std::string release = mode.substr(5);
+    for (int i = 0; i < 3000 && !std::filesystem::exists(release); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  return arena.ok() ? 0 : 3;
+}
+
+nlohmann::json Json(Child& child, int expected = 0) {
+  int code = child.Wait(120);
+  EXPECT_EQ(code, expected) << child.Output();
+  const std::string& out = child.Output();
+  size_t last = out.rfind('{');
+  if (last == std::string::npos) return nlohmann::json::object();
+  return nlohmann::json::parse(out.substr(last), nullptr, false);
+}
+
+class EngineArenaTest : public ::testing::Test {
+ protected:
+  EngineArenaTest() : dir_("engine") {
+    checkpoint_ = "/tmp/ea-engine-ckpt-" + std::to_string(getpid()) + "-" +
+                  ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".safetensors";
+    WriteCheckpoint("{\"a\":1}");
+  }
+  ~EngineArenaTest() override {
+    std::filesystem::remove(checkpoint_);
+    std::filesystem::remove(release_);
+  }
+  void WriteCheckpoint(const std::string& header) {
+    std::ofstream f(checkpoint_, std::ios::binary | std::ios::trunc);
+    uint64_t n = header.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header << std::string(4096, 'x');
+  }
+  Child Engine(const std::string& mode = "run", const std::string& identity = "vllm 0.32 tp0/1",
+               int seed = 7) {
+    return SpawnRole("engine_arena",
+                     {arena(), identity, checkpoint_, std::to_string(seed), mode});
+  }
+  std::string arena() const { return dir_.File("model.arena"); }
+
+  ScopedArenaDir dir_;
+  std::string checkpoint_;
+  std::string release_ = "/tmp/ea-engine-release-" + std::to_string(getpid());
+};
+
+TEST_F(EngineArenaTest, FirstEngineBuildsTheOthersAttachWithoutDeclaring) {
+  Child first = Engine();
+  nlohmann::json a = Json(first);
+  EXPECT_EQ(a["role"], "loaded");
+  EXPECT_EQ(a["declared"], 1);
+  EXPECT_EQ(a["filled"], 1);
+  EXPECT_TRUE(a["pattern"]);
+  EXPECT_EQ(a["tensors"], 5);
+  // A restart, and another engine: attach, never declare or fill.
+  for (int i = 0; i < 2; ++i) {
+    Child again = Engine();
+    nlohmann::json b = Json(again);
+    EXPECT_EQ(b["role"], "attached") << b;
+    EXPECT_EQ(b["declared"], 0);
+    EXPECT_EQ(b["filled"], 0);
+    EXPECT_TRUE(b["pattern"]);
+  }
+}
+
+TEST_F(EngineArenaTest, EnginesStartedAtOnceBuildOnce) {
+  std::vector<Child> engines;
+  for (int i = 0; i < 4; ++i) engines.push_back(Engine("sleep-in-declare"));
+  int loaded = 0, attached = 0, declared = 0;
+  for (Child& c : engines) {
+    nlohmann::json j = Json(c);
+    loaded += j["role"] == "loaded";
+    attached += j["role"] == "attached";
+    declared += j.value("declared", 0);
+    EXPECT_TRUE(j["pattern"]) << j;
+  }
+  EXPECT_EQ(loaded, 1);
+  EXPECT_EQ(attached, 3);
+  EXPECT_EQ(declared, 1);
+}
+
+TEST_F(EngineArenaTest, AnotherIdentityOrCheckpointIsAnotherArena) {
+  Child first = Engine();
+  EXPECT_EQ(Json(first)["role"], "loaded");
+  // Another transform setting: the unused arena is replaced.
+  Child other = Engine("run", "vllm 0.32 tp1/2", 9);
+  nlohmann::json j = Json(other);
+  EXPECT_EQ(j["role"], "loaded") << j;
+  EXPECT_TRUE(j["pattern"]);
+  // A changed checkpoint (another header): built again.
+  WriteCheckpoint("{\"a\":2}");
+  Child changed = Engine("run", "vllm 0.32 tp1/2", 9);
+  EXPECT_EQ(Json(changed)["role"], "loaded");
+  Child same = Engine("run", "vllm 0.32 tp1/2", 9);
+  EXPECT_EQ(Json(same)["role"], "attached");
+}
+
+TEST_F(EngineArenaTest, AnotherIdentityInUseIsBusyAndBuildsNothing) {
+  Child holder = Engine("hold " + release_);
+  ASSERT_TRUE(holder.WaitForOutput("\"role\"", 60)) << holder.Output();
+  Child other = Engine("run", "transformers 5.24 bf16", 9);
+  nlohmann::json j = Json(other, 3);
+  EXPECT_FALSE(j["ok"]);
+  EXPECT_EQ(j["code"], static_cast<int>(StatusCode::kBusy));
+  EXPECT_NE(j["error"].get<std::string>().find("in use by another engine"), std::string::npos) << j;
+  std::ofstream(release_) << "go";
+  EXPECT_EQ(holder.Wait(60), 0);
+}
+
+TEST_F(EngineArenaTest, AFailedBuildPublishesNothingAndLeavesNoFile) {
+  Child failing = Engine("fail-in-fill");
+  nlohmann::json j = Json(failing, 3);
+  EXPECT_NE(j["error"].get<std::string>().find("out of engine memory"), std::string::npos) << j;
+  EXPECT_TRUE(dir_.entries().empty());
+  Child next = Engine();
+  nlohmann::json k = Json(next);
+  EXPECT_EQ(k["role"], "loaded");
+  EXPECT_TRUE(k["pattern"]);
+}
+
+TEST_F(EngineArenaTest, ABuilderKilledMidFillLeavesNothingTheNextEngineTrusts) {
+  Child dying = Engine("die-in-fill");
+  EXPECT_EQ(dying.Wait(60), 128 + SIGKILL);
+  Child next = Engine();
+  nlohmann::json j = Json(next);
+  EXPECT_EQ(j["role"], "loaded") << j;
+  EXPECT_EQ(j["declared"], 1);
+  EXPECT_TRUE(j["pattern"]);
+}
+
+TEST(EngineArenaSpecTest, BadDeclarationsAreRefusedNamingTheTensor) {
+  ScopedArenaDir dir("engine-bad");
+  auto refuse = [&](std::vector<EngineTensor> tensors, const std::string& words) {
+    EngineArenaSpec spec;
+    spec.identity = "test";
+    spec.declare = [=]() -> Result<std::vector<EngineTensor>> { return tensors; };
+    spec.fill = [](std::span<const WritableTensor>) { return Status::Ok(); };
+    auto arena = Arena::OpenEngine(spec, Options(dir.File("bad.arena")));
+    ASSERT_FALSE(arena.ok());
+    EXPECT_EQ(arena.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(arena.status().message().find(words), std::string::npos) << arena.status().message();
+    EXPECT_TRUE(dir.entries().empty());
+  };
+  refuse({}, "no tensor");
+  refuse({{"a", "F32", {1}, 4}, {"a", "F32", {1}, 4}}, "declared twice");
+  refuse({{"a", "F32", {1}, 4, 3}}, "power of two");
+  refuse({{"a", "", {1}, 4}}, "dtype");
+  refuse({{"", "F32", {1}, 4}}, "declared tensor");
+  refuse({{"a", "F32", {1, 1, 1, 1, 1, 1, 1, 1, 1}, 4}}, "dimensions");
+
+  EngineArenaSpec spec = Spec("", {}, 1, nullptr);
+  auto no_identity = Arena::OpenEngine(spec, Options(dir.File("x.arena")));
+  EXPECT_NE(no_identity.status().message().find("needs an identity"), std::string::npos);
+  spec.identity = "x";
+  auto private_arena = Arena::OpenEngine(spec, ArenaOptions{});
+  EXPECT_NE(private_arena.status().message().find("needs a shared path"), std::string::npos);
+  spec.files = {"/nonexistent/model.safetensors"};
+  auto missing = Arena::OpenEngine(spec, Options(dir.File("x.arena")));
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("/nonexistent/model.safetensors"), std::string::npos);
+  // A declare that throws publishes nothing.
+  spec.files = {};
+  spec.declare = []() -> Result<std::vector<EngineTensor>> { throw std::runtime_error("boom"); };
+  auto threw = Arena::OpenEngine(spec, Options(dir.File("x.arena")));
+  EXPECT_NE(threw.status().message().find("boom"), std::string::npos);
+  EXPECT_TRUE(dir.entries().empty());
+}
+
+}  // namespace
+}  // namespace expert_arena
