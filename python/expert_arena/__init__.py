@@ -57,7 +57,8 @@ __version__ = _core.__version__
 __all__ = [
     "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
     "StreamProducer", "StreamTensor",
-    "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "sweep",
+    "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "open_engine",
+    "shared_module", "sweep",
     "xxh3_64", "__version__",
 ]
 
@@ -331,6 +332,156 @@ def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
     finally:
         _emit_logs()
     return Arena(core)
+
+
+def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu="none",
+                gpu_required=False, huge="auto", wait_timeout=600.0, file_mode=0o600,
+                allow_foreign_owner=False, pin_budget_bytes=0, quiet=False) -> Arena:
+    """An arena of tensors this engine makes itself (fused, repacked, quantized): attaches when
+    one of `identity` over the checkpoint `files` is published at `path` (waiting for an engine
+    that is building it), else this engine builds it and publishes it (docs/engine-arenas.md).
+
+    Only the engine that builds calls `declare()`, which returns the table as a list of
+    (name, dtype, shape, bytes, alignment) tuples (dtype a safetensors name: "F32", "BF16",
+    ...; alignment 0 for the default), then `fill(writer)`, which writes every tensor with
+    `writer.write(index, buffer)` (a C-contiguous buffer of exactly its bytes; the writer is
+    void once fill returns). An exception from either propagates and publishes nothing.
+    `identity` names what makes the tensors what they are beyond the checkpoint (the engine
+    and its version, the transform's settings, dtype, rank and world size); `files` are the
+    checkpoint files or directories, fingerprinted by the library.
+    """
+    try:
+        core = _core.open_engine(os.fsdecode(os.fspath(path)), str(identity), _paths(files),
+                                 int(alignment), declare, fill, gpu, bool(gpu_required), huge,
+                                 float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
+                                 int(pin_budget_bytes), bool(quiet))
+    except ValueError as e:
+        raise _in_python_words(e)
+    finally:
+        _emit_logs()
+    return Arena(core)
+
+
+def _module_tensors(module):
+    """[(full name, tensor, is_parameter, arena name)] of every parameter and buffer, tied ones
+    included under each of their names; a tied tensor's arena name is the first of its names
+    (one arena tensor for all of them)."""
+    out = []
+    first = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        head = prefix + "." if prefix else ""
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for leaf, t in table.items():
+                if t is not None:
+                    name = head + leaf
+                    out.append((name, t, is_param, first.setdefault(id(t), name)))
+    return out
+
+
+def _engine_dtype(torch, dtype):
+    name = _load_torch()._STREAM_NAMES.get(dtype)
+    if name is None:
+        raise TypeError("shared_module(): torch dtype %s has no arena name" % dtype)
+    return name.upper()
+
+
+def _bytes_of(torch, tensor):
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy()
+
+
+def _bind_module(torch, module, arena):
+    """Rebinds every parameter and buffer of `module` to the arena's read-only view of the
+    same name, checking dtypes and shapes; ValueError listing the missing and unexpected."""
+    entries = _module_tensors(module)
+    seen = set()
+    missing, wrong = [], []
+    for _, t, _, name in entries:
+        if name in seen:
+            continue
+        seen.add(name)
+        if name not in arena:
+            missing.append(name)
+            continue
+        info = arena.info(name)
+        if list(info["shape"]) != list(t.shape) or info["dtype"] != _engine_dtype(torch, t.dtype):
+            wrong.append("%s: arena %s %s, module %s %s" % (
+                name, info["dtype"], list(info["shape"]), _engine_dtype(torch, t.dtype),
+                list(t.shape)))
+    unexpected = [n for n in arena.names() if n not in seen]
+    if missing or unexpected or wrong:
+        raise ValueError("shared_module(): the module does not match the arena %s: missing "
+                         "%s; unexpected %s; mismatched %s" % (
+                             arena.report["path"], missing[:8], unexpected[:8], wrong[:8]))
+    views, params = {}, {}
+    for name, t, is_param, arena_name in entries:
+        view = views.get(arena_name)
+        if view is None:
+            view = views[arena_name] = arena.torch(arena_name)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if is_param:
+            # Tied names share one Parameter again, as they did in the module.
+            param = params.get(arena_name)
+            if param is None:
+                param = params[arena_name] = torch.nn.Parameter(view, requires_grad=False)
+            owner._parameters[leaf] = param
+        else:
+            owner._buffers[leaf] = view
+    return module
+
+
+def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="auto",
+                  wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, quiet=False,
+                  alignment=4096):
+    """A torch module whose parameters and buffers are read-only views of one shared arena.
+
+    Where the arena of `identity` over `files` is published at `path`, the module is built
+    with `make()` on the meta device (torch 2.x; on 1.13 on the CPU, then freed) and every
+    parameter and buffer is bound to the arena's view of the same name (names, dtypes and
+    shapes checked: missing and unexpected names are listed). Otherwise this engine builds:
+    `module = make()`, then `load(module)` (the engine's own loading and transforms; it may
+    return another module to use instead), publishes every parameter and buffer, binds the
+    module to the views and lets the private copies go. Concurrent engines build once; a build
+    that raises or is killed publishes nothing. Returns the module; `module.expert_arena` is
+    the Arena (its report says "loaded" or "attached"). Needs torch.
+    """
+    torch = __import__("torch")
+    built = {}
+
+    def declare():
+        module = make()
+        replaced = load(module)
+        if replaced is not None:
+            module = replaced
+        unique = {}
+        for _, t, _, name in _module_tensors(module):
+            unique.setdefault(name, t)
+        built["module"] = module
+        built["entries"] = list(unique.items())
+        return [(name, _engine_dtype(torch, t.dtype), list(t.shape),
+                 t.numel() * t.element_size(), 0) for name, t in built["entries"]]
+
+    def fill(writer):
+        for i, (_, t) in enumerate(built["entries"]):
+            writer.write(i, _bytes_of(torch, t))
+
+    arena = open_engine(path, identity, declare, fill, files, alignment=alignment, gpu=gpu,
+                        huge=huge, wait_timeout=wait_timeout, file_mode=file_mode,
+                        allow_foreign_owner=allow_foreign_owner, quiet=quiet)
+    module = built.pop("module", None)
+    built.clear()
+    if module is None:
+        if int(torch.__version__.split(".")[0]) >= 2:
+            with torch.device("meta"):
+                module = make()
+        else:
+            module = make()
+    _bind_module(torch, module, arena)
+    module.expert_arena = arena
+    return module
 
 
 def _numpy_source(array):

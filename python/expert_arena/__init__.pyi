@@ -66,6 +66,24 @@ def attach(path: _Path, gpu: str = ..., *, gpu_required: bool = ...,
            allow_foreign_owner: bool = ..., pin_budget_bytes: int = ...,
            quiet: bool = ...) -> Arena: ...
 
+class EngineWriter:
+    def __len__(self) -> int: ...
+    def write(self, index: int, source: Any) -> None: ...
+
+def open_engine(path: _Path, identity: str,
+                declare: Optional[Callable[[], Sequence[Tuple[str, str, Sequence[int], int, int]]]],
+                fill: Optional[Callable[[EngineWriter], None]],
+                files: Sequence[_Path] = ..., *, alignment: int = ..., gpu: str = ...,
+                gpu_required: bool = ..., huge: str = ..., wait_timeout: float = ...,
+                file_mode: int = ..., allow_foreign_owner: bool = ...,
+                pin_budget_bytes: int = ..., quiet: bool = ...) -> Arena: ...
+
+def shared_module(path: _Path, make: Callable[[], Any], load: Callable[[Any], Any], *,
+                  identity: str, files: Sequence[_Path] = ..., gpu: str = ..., huge: str = ...,
+                  wait_timeout: float = ..., file_mode: int = ...,
+                  allow_foreign_owner: bool = ..., quiet: bool = ...,
+                  alignment: int = ...) -> Any: ...
+
 class StreamProducer:
     def __init__(self, directory: _Path = ..., logical_name: str = ...,
                  segment_bytes: int = ..., max_segments: int = ..., strict: bool = ...,

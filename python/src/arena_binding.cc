@@ -1,5 +1,7 @@
 // expert_arena._core: arenas (open, attach, Arena and its views).
+#include <cstring>
 #include <map>
+#include <optional>
 
 #include "binding.h"
 
@@ -280,6 +282,123 @@ PyArena AttachArena(const std::string& path, const std::string& gpu, bool gpu_re
   return PyArena(Take(std::move(*arena)));
 }
 
+// ---- Engine-made arenas ---------------------------------------------------------------------
+
+// What the fill callback writes through: the declared tensors' places in the mapping, valid
+// only during the call (write() raises afterwards).
+struct EngineWriterState {
+  std::span<const WritableTensor> views;
+  bool valid = false;
+};
+
+class PyEngineWriter {
+ public:
+  explicit PyEngineWriter(std::shared_ptr<EngineWriterState> state) : state_(std::move(state)) {}
+
+  size_t Length() const { return Views().size(); }
+
+  // Copies a C-contiguous buffer of exactly the tensor's bytes into tensor `index`.
+  void Write(size_t index, py::object source) {
+    std::span<const WritableTensor> views = Views();
+    if (index >= views.size()) {
+      throw py::index_error("engine arena writer: tensor index " + std::to_string(index) +
+                            " of " + std::to_string(views.size()));
+    }
+    const WritableTensor& t = views[index];
+    Py_buffer buffer;
+    if (PyObject_GetBuffer(source.ptr(), &buffer, PyBUF_C_CONTIGUOUS) != 0) {
+      throw py::error_already_set();
+    }
+    const uint64_t length = static_cast<uint64_t>(buffer.len);
+    if (length != t.bytes.size()) {
+      PyBuffer_Release(&buffer);
+      throw py::value_error("engine arena tensor " + std::string(t.name) + ": " +
+                            std::to_string(length) + " bytes given, " +
+                            std::to_string(t.bytes.size()) + " declared");
+    }
+    {
+      py::gil_scoped_release release;
+      std::memcpy(t.bytes.data(), buffer.buf, length);
+    }
+    PyBuffer_Release(&buffer);
+  }
+
+ private:
+  std::span<const WritableTensor> Views() const {
+    if (!state_->valid) {
+      throw py::value_error("engine arena writer used after fill returned: the arena is published");
+    }
+    return state_->views;
+  }
+  std::shared_ptr<EngineWriterState> state_;
+};
+
+// declare() -> [(name, dtype, shape, bytes, alignment)], fill(writer). Their exceptions are
+// raised again from here, after the library cleaned up (nothing published).
+PyArena OpenEngineArena(const std::string& path, const std::string& identity,
+                        std::vector<std::string> files, uint64_t alignment, py::object declare,
+                        py::object fill, const std::string& gpu, bool gpu_required,
+                        const std::string& huge, double wait_timeout, uint32_t file_mode,
+                        bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+  ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
+                                          allow_foreign_owner, pin_budget_bytes, "auto", quiet,
+                                          false);
+  EngineArenaSpec spec;
+  spec.identity = identity;
+  spec.files = std::move(files);
+  spec.alignment = alignment;
+  std::optional<py::error_already_set> raised;
+  spec.declare = [&]() -> Result<std::vector<EngineTensor>> {
+    py::gil_scoped_acquire acquire;
+    try {
+      std::vector<EngineTensor> out;
+      for (py::handle item : declare()) {
+        auto entry = item.cast<py::tuple>();
+        if (entry.size() != 5) throw py::value_error("declare() entries are (name, dtype, shape, bytes, alignment)");
+        EngineTensor t;
+        t.name = entry[0].cast<std::string>();
+        t.dtype = entry[1].cast<std::string>();
+        t.shape = entry[2].cast<std::vector<uint64_t>>();
+        t.bytes = entry[3].cast<uint64_t>();
+        t.alignment = entry[4].cast<uint64_t>();
+        out.push_back(std::move(t));
+      }
+      return out;
+    } catch (py::error_already_set& e) {
+      raised.emplace(std::move(e));
+      return Internal("the engine's declare raised");
+    } catch (const py::cast_error& e) {
+      return InvalidArgument(std::string("declare() returned a malformed table: ") + e.what());
+    }
+  };
+  spec.fill = [&](std::span<const WritableTensor> views) -> Status {
+    py::gil_scoped_acquire acquire;
+    auto state = std::make_shared<EngineWriterState>();
+    state->views = views;
+    state->valid = true;
+    try {
+      fill(PyEngineWriter(state));
+      state->valid = false;
+      return Status::Ok();
+    } catch (py::error_already_set& e) {
+      state->valid = false;
+      raised.emplace(std::move(e));
+      return Internal("the engine's fill raised");
+    }
+  };
+  std::optional<Result<Arena>> arena;
+  {
+    py::gil_scoped_release release;
+    arena.emplace(Arena::OpenEngine(spec, options));
+  }
+  if (raised) {
+    arena.reset();
+    raised->restore();
+    throw py::error_already_set();
+  }
+  return PyArena(Take(std::move(*arena)));
+}
+
 // Routes the library's "expert_arena" logger into a CollectingSink (made once per process).
 std::shared_ptr<CollectingSink> LogSink() {
   static std::shared_ptr<CollectingSink> sink = [] {
@@ -331,6 +450,13 @@ void BindArena(py::module_& m) {
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
         py::arg("peer_token") = "");
+  py::class_<PyEngineWriter>(m, "EngineWriter")
+      .def("__len__", &PyEngineWriter::Length)
+      .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));
+  m.def("open_engine", &OpenEngineArena, py::arg("path"), py::arg("identity"), py::arg("files"),
+        py::arg("alignment"), py::arg("declare"), py::arg("fill"), py::arg("gpu"),
+        py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
+        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));

@@ -1,0 +1,248 @@
+"""Engine-made arenas from Python: open_engine() and shared_module(), in real processes. A torch
+module built by its engine (its own layout, not the checkpoint's) is published once; every
+other engine builds it on the meta device and binds every parameter and buffer to the arena's
+read-only views. Hugging Face transformers' own MoE classes (Qwen3-MoE, Mixtral) go through it
+under torch 2.x (the .venv run; transformers 5 needs torch 2)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import expert_arena
+from conftest import child_env
+
+IN_CI = os.environ.get("CI") == "true"
+torch = pytest.importorskip("torch") if not IN_CI else __import__("torch")
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+
+
+ENGINE = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    from torch import nn
+    import expert_arena
+
+    path, mode, counter = sys.argv[1:4]
+
+    class Moe(nn.Module):
+        # An engine's own layout: the experts of a layer fused into one (E, 2I, H) tensor.
+        def __init__(self, experts=8, hidden=32, inter=48, dtype=torch.bfloat16):
+            super().__init__()
+            self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype))
+            self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype))
+            self.router = nn.Linear(hidden, experts, bias=False)
+            self.register_buffer("scale", torch.empty(experts))
+            self.tied = self.router
+
+        def forward(self, x):
+            e = self.router(x).argmax(-1)
+            h = torch.einsum("bh,bih->bi", x.to(self.w13.dtype), self.w13[e])
+            g, u = h.chunk(2, -1)
+            y = torch.einsum("bi,bhi->bh", torch.nn.functional.silu(g) * u, self.w2[e])
+            return y.float() * self.scale[e, None]
+
+    def load(module):
+        with open(counter, "a") as f:
+            f.write("load\\n")
+        if mode == "raise":
+            raise RuntimeError("the checkpoint is unreadable")
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+            module.scale.copy_(torch.linspace(0.5, 1.5, module.scale.numel()))
+        if mode == "slow":
+            time.sleep(1.0)
+
+    make = (lambda: Moe(hidden=16)) if mode == "other-shape" else Moe
+    try:
+        m = expert_arena.shared_module(path, make, load, identity="test-engine 1 bf16",
+                                       quiet=True)
+    except Exception as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+        sys.exit(3)
+    x = torch.linspace(-1, 1, 4 * 32).reshape(4, 32)
+    with torch.no_grad():
+        y = m(x)
+    start, size = m.expert_arena.data_range()
+    tensors = list(m.parameters()) + list(m.buffers())
+    print(json.dumps({
+        "role": m.expert_arena.report["role"],
+        "out": y.tolist(),
+        "in_arena": all(start <= t.data_ptr() < start + size for t in tensors),
+        "tied": m.tied.weight is m.router.weight,
+        "read_only": not m.w13.is_leaf or m.w13.requires_grad is False,
+        "names": sorted(m.expert_arena.names()),
+    }))
+""")
+
+
+def _start(path, mode, counter):
+    return subprocess.Popen([sys.executable, "-c", ENGINE, path, mode, counter],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
+
+
+def _result(p, code=0):
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == code, (out, err)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _loads(counter):
+    return open(counter).read().count("load") if os.path.exists(counter) else 0
+
+
+def test_two_engines_at_once_build_once_and_compute_the_same(shm_path, tmp_path):
+    path, counter = shm_path("engine"), str(tmp_path / "loads")
+    engines = [_start(path, "slow", counter) for _ in range(2)]
+    results = [_result(p) for p in engines]
+    assert sorted(r["role"] for r in results) == ["attached", "loaded"]
+    assert _loads(counter) == 1
+    assert results[0]["out"] == results[1]["out"]
+    for r in results:
+        assert r["in_arena"] and r["tied"]
+        # The tied parameter is one arena tensor under the name seen first.
+        assert r["names"] == ["router.weight", "scale", "w13", "w2"]
+    # A restart attaches, and loads nothing.
+    again = _result(_start(path, "run", counter))
+    assert again["role"] == "attached" and again["out"] == results[0]["out"]
+    assert _loads(counter) == 1
+
+
+def test_a_load_that_raises_publishes_nothing(shm_path, tmp_path):
+    path, counter = shm_path("engine-raise"), str(tmp_path / "loads")
+    r = _result(_start(path, "raise", counter), 3)
+    assert r["error"] == "RuntimeError" and "unreadable" in r["message"]
+    assert not os.path.exists(path)
+    assert _result(_start(path, "run", counter))["role"] == "loaded"
+
+
+def test_a_module_that_does_not_match_the_arena_is_refused_by_name(shm_path, tmp_path):
+    path, counter = shm_path("engine-mismatch"), str(tmp_path / "loads")
+    assert _result(_start(path, "run", counter))["role"] == "loaded"
+    r = _result(_start(path, "other-shape", counter), 3)
+    assert r["error"] == "ValueError"
+    assert "mismatched" in r["message"] and "w13" in r["message"], r
+
+
+def test_open_engine_checks_what_fill_writes(shm_path):
+    path = shm_path("engine-writer")
+    declared = [("a", "F32", [4], 16, 0), ("b", "U8", [3], 3, 64)]
+    kept = []
+
+    def fill(writer):
+        kept.append(writer)
+        assert len(writer) == 2
+        with pytest.raises(ValueError, match="5 bytes given, 16 declared"):
+            writer.write(0, b"12345")
+        with pytest.raises(IndexError):
+            writer.write(2, b"")
+        writer.write(0, np.arange(4, dtype=np.float32))
+        writer.write(1, b"xyz")
+
+    with expert_arena.open_engine(path, "writer-test", lambda: declared, fill,
+                                  quiet=True) as a:
+        assert a.report["role"] == "loaded"
+        assert a.numpy("a").tolist() == [0, 1, 2, 3]
+        assert bytes(a.numpy("b")) == b"xyz"
+        assert a.info("b")["file_offset"] % 64 == 0
+    with pytest.raises(ValueError, match="after fill returned"):
+        kept[0].write(1, b"xyz")
+    # Another engine attaches without calling either.
+    with expert_arena.open_engine(path, "writer-test", None, None, quiet=True) as b:
+        assert b.report["role"] == "attached" and b.numpy("a").tolist() == [0, 1, 2, 3]
+
+    def bad_fill(writer):
+        raise KeyError("no such expert")
+
+    other = shm_path("engine-writer-2")
+    with pytest.raises(KeyError, match="no such expert"):
+        expert_arena.open_engine(other, "writer-test", lambda: declared, bad_fill, quiet=True)
+    assert not os.path.exists(other)
+
+
+HF_ENGINE = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import expert_arena
+
+    path, model_dir, mode = sys.argv[1:4]
+    prompt = torch.tensor([[1, 5, 9, 2, 7]])
+
+    def generate(m):
+        with torch.no_grad():
+            return m.generate(prompt, max_new_tokens=8, do_sample=False)[0].tolist()
+
+    if mode == "plain":
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        print(json.dumps({"tokens": generate(m)}))
+        sys.exit(0)
+    config = AutoConfig.from_pretrained(model_dir)
+    m = expert_arena.shared_module(
+        path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+        lambda _: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        identity="transformers %s f32" % transformers.__version__, files=[model_dir],
+        quiet=True).eval()
+    start, size = m.expert_arena.data_range()
+    tensors = list(m.parameters()) + list(m.buffers())
+    fused = [n for n in m.expert_arena.names() if "experts" in n
+             and len(m.expert_arena.info(n)["shape"]) == 3]
+    print(json.dumps({"tokens": generate(m), "role": m.expert_arena.report["role"],
+                      "bytes_read": m.expert_arena.report["bytes_read"],
+                      "in_arena": all(start <= t.data_ptr() < start + size for t in tensors),
+                      "fused": len(fused)}))
+""")
+
+
+def _tiny_checkpoint(kind, out):
+    transformers = pytest.importorskip("transformers") if not IN_CI else \
+        __import__("transformers")
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=256, num_local_experts=8, num_experts_per_tok=2)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=64, num_experts=8,
+                                             head_dim=32, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.MixtralConfig(**common)
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(0)
+    cls(config).save_pretrained(out)
+    return out
+
+
+def _hf(path, model_dir, mode):
+    return subprocess.Popen([sys.executable, "-c", HF_ENGINE, path, model_dir, mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
+
+
+@pytest.mark.skipif(not TORCH2, reason="transformers 5 needs torch 2.x (this is %s); the "
+                    ".venv run covers it" % torch.__version__)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, shm_path,
+                                                                         tmp_path):
+    model_dir = _tiny_checkpoint(kind, str(tmp_path / kind))
+    path = shm_path("hf-" + kind)
+    reference = _result(_hf(path, model_dir, "plain"))["tokens"]
+    engines = [_hf(path, model_dir, "shared") for _ in range(2)]
+    results = [_result(p) for p in engines]
+    assert sorted(r["role"] for r in results) == ["attached", "loaded"]
+    for r in results:
+        assert r["tokens"] == reference
+        assert r["in_arena"]
+        assert r["fused"] > 0  # transformers' own fused experts, not the checkpoint's tensors
+    attached = next(r for r in results if r["role"] == "attached")
+    # The attacher fingerprinted the checkpoint (headers, config) and read no tensor.
+    assert attached["bytes_read"] < 64 * 1024
+    restart = _result(_hf(path, model_dir, "shared"))
+    assert restart["role"] == "attached" and restart["tokens"] == reference
