@@ -138,6 +138,62 @@ static inline void ea_open_params_init(ea_open_params* params) {
  * ea_arena_close; on failure *out is NULL and the return value a negative errno. */
 EXPERT_ARENA_EXPORT int ea_arena_open(const ea_open_params* params, ea_arena** out);
 
+/* ---- Engine-made arenas (docs/engine-arenas.md) -------------------------------------------
+ * Tensors the engine made itself (fused, repacked), published once under the same protocol:
+ * the engine that wins the shared file declares and fills them; every other engine attaches. */
+
+/* One tensor the engine declares. */
+typedef struct ea_engine_tensor {
+  size_t size;           /* the caller's sizeof(ea_engine_tensor) */
+  const char* name;      /* unique, printable */
+  const char* dtype;     /* the engine's name: "F32", "BF16", ... (1-32 printable bytes) */
+  const uint64_t* shape; /* ndim values (at most 8) */
+  uint32_t ndim;
+  uint64_t bytes;
+  uint64_t alignment; /* of its offset, a power of two up to 2 MiB; 0: the params' */
+} ea_engine_tensor;
+
+/* A declared tensor's place in the mapping, writable during fill only. */
+typedef struct ea_writable_tensor {
+  size_t size; /* sizeof(ea_writable_tensor) of the library */
+  const char* name;
+  const char* dtype;
+  const uint64_t* shape;
+  uint32_t ndim;
+  void* data;
+  uint64_t bytes;
+} ea_writable_tensor;
+
+/* Called only in the engine that builds, while it holds the file (the others wait): sets
+ * *tensors to an array of *count tensors (the engine's memory, read before fill is called) and
+ * returns 0, or a negative errno (nothing is published). */
+typedef int (*ea_engine_declare_fn)(void* user, const ea_engine_tensor** tensors, size_t* count);
+/* Then writes every tensor in place; 0, or a negative errno (nothing is published). */
+typedef int (*ea_engine_fill_fn)(void* user, const ea_writable_tensor* tensors, size_t count);
+
+typedef struct ea_engine_params {
+  size_t size;          /* set by ea_engine_params_init */
+  const char* identity; /* the engine, its version, the transform's settings, rank/world */
+  const char* const* files; /* the checkpoint files or directories, fingerprinted */
+  size_t file_count;
+  uint64_t alignment; /* default 4096 */
+  ea_engine_declare_fn declare;
+  ea_engine_fill_fn fill;
+  void* user; /* passed to declare and fill */
+} ea_engine_params;
+
+EXPERT_ARENA_EXPORT void ea_engine_params_init_sized(ea_engine_params* params, size_t size);
+static inline void ea_engine_params_init(ea_engine_params* params) {
+  ea_engine_params_init_sized(params, sizeof *params);
+}
+
+/* Attaches to the engine-made arena of engine->identity over engine->files at
+ * params->shared_path (required), or builds and publishes it (declare, fill); the other
+ * fields of params as for ea_arena_open (model_files, select, attach_only, format and
+ * from_peer are not used). */
+EXPERT_ARENA_EXPORT int ea_arena_open_engine(const ea_open_params* params,
+                                             const ea_engine_params* engine, ea_arena** out);
+
 /* Unmaps the arena and drops this process's use of a shared file (which stays for the next
  * engine). NULL is ignored. */
 EXPERT_ARENA_EXPORT void ea_arena_close(ea_arena* arena);

@@ -49,10 +49,53 @@ int FillView(const TensorView& v, ea_tensor_view* out) {
   return 0;
 }
 
+// What an engine's callback returned, as the library's status: "returned -12 (Cannot allocate
+// memory)", with the code of that errno.
+Status CallbackFailed(int rc) {
+  const int err = rc < 0 ? -rc : EIO;
+  return Status(ErrnoStatus(err, "", "").code(),
+                "returned " + std::to_string(rc) + " (" + std::strerror(err) + ")");
+}
+
+// The options of an ea_open_params (already merged with the defaults); 0 or a Fail().
+int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& options) {
+  options.shared_path = p.shared_path != nullptr ? p.shared_path : "";
+  if (p.wait_timeout_seconds < 0) return Fail(-EINVAL, who + ": wait_timeout_seconds is negative");
+  options.wait_timeout_seconds = p.wait_timeout_seconds;
+  switch (p.huge_pages) {
+    case EA_HUGE_AUTO:
+      options.huge = HugePages::kAuto;
+      break;
+    case EA_HUGE_ON:
+      options.huge = HugePages::kOn;
+      break;
+    case EA_HUGE_OFF:
+      options.huge = HugePages::kOff;
+      break;
+    default:
+      return Fail(-EINVAL, who + ": huge_pages " + std::to_string(p.huge_pages) +
+                               " is not EA_HUGE_AUTO, EA_HUGE_ON or EA_HUGE_OFF");
+  }
+  options.gpu = p.gpu != nullptr && *p.gpu != '\0' ? p.gpu : "none";
+  options.gpu_required = p.gpu_required != 0;
+  options.file_mode = static_cast<mode_t>(p.file_mode != 0 ? p.file_mode : 0600);
+  options.allow_foreign_owner = p.allow_foreign_owner != 0;
+  options.progress = false;
+  options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
+  options.peer_token = p.peer_token != nullptr ? p.peer_token : "";
+  if (p.quiet != 0) {
+    options.logger = std::make_shared<spdlog::logger>(
+        "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());
+  }
+  return 0;
+}
+
 // The smallest struct sizes this library accepts: the fields of the first version.
 constexpr size_t kMinParamsSize = offsetof(ea_open_params, quiet) + sizeof(int);
 constexpr size_t kMinViewSize = offsetof(ea_tensor_view, checksum) + sizeof(uint64_t);
 constexpr size_t kMinInfoSize = offsetof(ea_arena_info, gpu_registered_bytes) + sizeof(uint64_t);
+constexpr size_t kMinEngineSize = offsetof(ea_engine_params, user) + sizeof(void*);
+constexpr size_t kMinEngineTensorSize = offsetof(ea_engine_tensor, alignment) + sizeof(uint64_t);
 
 }  // namespace
 }  // namespace expert_arena
@@ -95,36 +138,7 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
     std::memcpy(static_cast<void*>(&p), params_in, std::min(params_in->size, sizeof p));
 
     ArenaOptions options;
-    options.shared_path = p.shared_path != nullptr ? p.shared_path : "";
-    if (p.wait_timeout_seconds < 0) {
-      return Fail(-EINVAL, "ea_arena_open: wait_timeout_seconds is negative");
-    }
-    options.wait_timeout_seconds = p.wait_timeout_seconds;
-    switch (p.huge_pages) {
-      case EA_HUGE_AUTO:
-        options.huge = HugePages::kAuto;
-        break;
-      case EA_HUGE_ON:
-        options.huge = HugePages::kOn;
-        break;
-      case EA_HUGE_OFF:
-        options.huge = HugePages::kOff;
-        break;
-      default:
-        return Fail(-EINVAL, "ea_arena_open: huge_pages " + std::to_string(p.huge_pages) +
-                                 " is not EA_HUGE_AUTO, EA_HUGE_ON or EA_HUGE_OFF");
-    }
-    options.gpu = p.gpu != nullptr && *p.gpu != '\0' ? p.gpu : "none";
-    options.gpu_required = p.gpu_required != 0;
-    options.file_mode = static_cast<mode_t>(p.file_mode != 0 ? p.file_mode : 0600);
-    options.allow_foreign_owner = p.allow_foreign_owner != 0;
-    options.progress = false;
-    options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
-    options.peer_token = p.peer_token != nullptr ? p.peer_token : "";
-    if (p.quiet != 0) {
-      options.logger = std::make_shared<spdlog::logger>(
-          "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());
-    }
+    if (int rc = MakeOptions(p, "ea_arena_open", options); rc != 0) return rc;
 
     Result<Arena> arena = Status(StatusCode::kInternal, "not opened");
     if (p.attach_only != 0) {
@@ -166,6 +180,103 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
       model.select_all = p.select_all != 0;
       arena = Arena::Open(model, options);
     }
+    if (!arena.ok()) return Fail(arena.status());
+    auto* handle = new ea_arena{std::move(arena).value(), {}};
+    handle->start_line = handle->arena.report().StartLine();
+    *out = handle;
+    return 0;
+  });
+}
+
+void ea_engine_params_init_sized(ea_engine_params* params, size_t size) {
+  if (params == nullptr || size < sizeof params->size) return;
+  ea_engine_params defaults;
+  std::memset(static_cast<void*>(&defaults), 0, sizeof defaults);
+  defaults.size = size;
+  defaults.alignment = 4096;
+  std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
+}
+
+int ea_arena_open_engine(const ea_open_params* params_in, const ea_engine_params* engine_in,
+                         ea_arena** out) {
+  using namespace expert_arena;
+  last_error.clear();
+  if (out == nullptr) return Fail(-EINVAL, "ea_arena_open_engine: out is NULL");
+  *out = nullptr;
+  if (params_in == nullptr || engine_in == nullptr) {
+    return Fail(-EINVAL, "ea_arena_open_engine: params or engine is NULL");
+  }
+  if (params_in->size < kMinParamsSize || engine_in->size < kMinEngineSize) {
+    return Fail(-EINVAL,
+                "ea_arena_open_engine: params->size or engine->size is smaller than any "
+                "version of its struct (call ea_open_params_init and ea_engine_params_init)");
+  }
+  return Guarded("ea_arena_open_engine", [&]() -> int {
+    ea_open_params p;
+    ea_open_params_init_sized(&p, sizeof p);
+    std::memcpy(static_cast<void*>(&p), params_in, std::min(params_in->size, sizeof p));
+    ea_engine_params e;
+    ea_engine_params_init_sized(&e, sizeof e);
+    std::memcpy(static_cast<void*>(&e), engine_in, std::min(engine_in->size, sizeof e));
+    ArenaOptions options;
+    if (int rc = MakeOptions(p, "ea_arena_open_engine", options); rc != 0) return rc;
+    if (e.declare == nullptr || e.fill == nullptr) {
+      return Fail(-EINVAL, "ea_arena_open_engine: declare and fill must both be set");
+    }
+    EngineArenaSpec spec;
+    spec.identity = e.identity != nullptr ? e.identity : "";
+    for (size_t i = 0; e.files != nullptr && i < e.file_count; ++i) {
+      if (e.files[i] == nullptr) {
+        return Fail(-EINVAL, "ea_arena_open_engine: files[" + std::to_string(i) + "] is NULL");
+      }
+      spec.files.emplace_back(e.files[i]);
+    }
+    spec.alignment = e.alignment;
+    spec.declare = [&]() -> Result<std::vector<EngineTensor>> {
+      const ea_engine_tensor* tensors = nullptr;
+      size_t count = 0;
+      int rc = e.declare(e.user, &tensors, &count);
+      if (rc != 0) return CallbackFailed(rc);
+      if (count > 0 && tensors == nullptr) {
+        return InvalidArgument("the engine's declare gave " + std::to_string(count) +
+                               " tensors and a NULL array");
+      }
+      std::vector<EngineTensor> out;
+      out.reserve(count);
+      for (size_t i = 0; i < count; ++i) {
+        const ea_engine_tensor& t = tensors[i];
+        if (t.size < kMinEngineTensorSize || t.name == nullptr || t.dtype == nullptr ||
+            (t.ndim > 0 && t.shape == nullptr)) {
+          return InvalidArgument("declared tensor " + std::to_string(i) +
+                                 ": size unset, or a NULL name, dtype or shape");
+        }
+        if (t.ndim > 64) {
+          return InvalidArgument("declared tensor " + std::to_string(i) + ": " +
+                                 std::to_string(t.ndim) + " dimensions");
+        }
+        out.push_back(EngineTensor{t.name, t.dtype,
+                                   std::vector<uint64_t>(t.shape, t.shape + t.ndim), t.bytes,
+                                   t.alignment});
+      }
+      return out;
+    };
+    spec.fill = [&](std::span<const WritableTensor> views) -> Status {
+      std::vector<ea_writable_tensor> c(views.size());
+      for (size_t i = 0; i < views.size(); ++i) {
+        c[i].size = sizeof(ea_writable_tensor);
+        // Names and dtypes are the arena table's std::strings: NUL-terminated.
+        c[i].name = views[i].name.data();
+        c[i].dtype = views[i].dtype.data();
+        c[i].shape = views[i].shape.data();
+        c[i].ndim = static_cast<uint32_t>(views[i].shape.size());
+        c[i].data = views[i].bytes.data();
+        c[i].bytes = views[i].bytes.size();
+      }
+      int rc = e.fill(e.user, c.data(), c.size());
+      if (rc != 0) return CallbackFailed(rc);
+      return Status::Ok();
+    };
+    Result<Arena> arena = Arena::OpenEngine(spec, options);
     if (!arena.ok()) return Fail(arena.status());
     auto* handle = new ea_arena{std::move(arena).value(), {}};
     handle->start_line = handle->arena.report().StartLine();

@@ -81,9 +81,98 @@ static int CheckRefused(const char* file, const char* arena_path, const char* wo
   return failures == 0 ? 0 : 1;
 }
 
+/* An engine-made arena from C: the engine declares two tensors and fills them; prints
+ * "role loaded" or "role attached" and how many times declare and fill ran. */
+static const uint64_t kW13Shape[] = {4, 8, 16};
+static const uint64_t kScaleShape[] = {3};
+struct EngineState {
+  int declared, filled, fail;
+  ea_engine_tensor tensors[2];
+};
+
+static int Declare(void* user, const ea_engine_tensor** tensors, size_t* count) {
+  struct EngineState* s = (struct EngineState*)user;
+  ++s->declared;
+  if (s->fail) return -ENOMEM;
+  memset(s->tensors, 0, sizeof s->tensors);
+  s->tensors[0].size = sizeof s->tensors[0];
+  s->tensors[0].name = "layers.0.w13";
+  s->tensors[0].dtype = "BF16";
+  s->tensors[0].shape = kW13Shape;
+  s->tensors[0].ndim = 3;
+  s->tensors[0].bytes = 4 * 8 * 16 * 2;
+  s->tensors[1].size = sizeof s->tensors[1];
+  s->tensors[1].name = "layers.0.scale";
+  s->tensors[1].dtype = "F32";
+  s->tensors[1].shape = kScaleShape;
+  s->tensors[1].ndim = 1;
+  s->tensors[1].bytes = 12;
+  s->tensors[1].alignment = 64;
+  *tensors = s->tensors;
+  *count = 2;
+  return 0;
+}
+
+static int Fill(void* user, const ea_writable_tensor* tensors, size_t count) {
+  struct EngineState* s = (struct EngineState*)user;
+  ++s->filled;
+  for (size_t i = 0; i < count; ++i) memset(tensors[i].data, (int)(0x40 + i), tensors[i].bytes);
+  return 0;
+}
+
+static int CheckEngine(const char* arena_path, const char* checkpoint, int fail) {
+  ea_open_params p;
+  ea_open_params_init(&p);
+  p.shared_path = arena_path;
+  p.quiet = 1;
+  ea_engine_params e;
+  ea_engine_params_init(&e);
+  CHECK(e.size == sizeof e && e.alignment == 4096);
+  struct EngineState state;
+  memset(&state, 0, sizeof state);
+  state.fail = fail;
+  const char* files[] = {checkpoint};
+  e.identity = "c-engine 1 bf16 tp0/1";
+  e.files = files;
+  e.file_count = 1;
+  e.declare = Declare;
+  e.fill = Fill;
+  e.user = &state;
+  ea_arena* arena = NULL;
+  int rc = ea_arena_open_engine(&p, &e, &arena);
+  if (fail) {
+    CHECK(rc < 0);
+    CHECK(arena == NULL);
+    CHECK(strstr(ea_last_error(), "declare: returned -12 (Cannot allocate memory)") != NULL);
+    CHECK(!PathExists(arena_path));
+    if (failures == 0) printf("all checks passed\n");
+    return failures == 0 ? 0 : 1;
+  }
+  CHECK(rc == 0);
+  if (arena == NULL) return 1;
+  ea_arena_info info;
+  info.size = sizeof info;
+  CHECK(ea_arena_get_info(arena, &info) == 0);
+  ea_tensor_view v;
+  v.size = sizeof v;
+  CHECK(ea_arena_find(arena, "layers.0.w13", &v) == 0);
+  CHECK(v.bytes == 4 * 8 * 16 * 2 && v.ndim == 3 && v.shape[1] == 8 && strcmp(v.dtype, "BF16") == 0);
+  CHECK(((const unsigned char*)v.data)[0] == 0x40 && v.checksum != 0);
+  CHECK(ea_arena_find(arena, "layers.0.scale", &v) == 0);
+  CHECK(((const unsigned char*)v.data)[11] == 0x41 && v.file_offset % 64 == 0);
+  printf("role %s declared %d filled %d\n", info.role == EA_ROLE_LOADED ? "loaded" : "attached",
+         state.declared, state.filled);
+  ea_arena_close(arena);
+  if (failures == 0) printf("all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   if (argc == 5 && strcmp(argv[1], "--refused") == 0) {
     return CheckRefused(argv[2], argv[3], argv[4]);
+  }
+  if (argc == 4 && (strcmp(argv[1], "--engine") == 0 || strcmp(argv[1], "--engine-fail") == 0)) {
+    return CheckEngine(argv[2], argv[3], strcmp(argv[1], "--engine-fail") == 0);
   }
   if (argc != 3) {
     fprintf(stderr, "usage: %s MODEL_FILE ARENA_PATH | --refused FILE ARENA_PATH WORDS\n", argv[0]);

@@ -19,6 +19,26 @@ TEST(CApiTest, CProgramPassesEveryCheck) {
   EXPECT_NE(c.Output().find("all checks passed"), std::string::npos) << c.Output();
 }
 
+// An engine-made arena from C: a failing declare publishes nothing; the first engine builds,
+// a second process attaches without declaring or filling.
+TEST(CApiTest, CProgramBuildsAnEngineArenaAndAnotherAttaches) {
+  ScopedDataFile checkpoint(4096, 7);
+  ScopedPath arena("capi-engine.arena");
+  Child failing = SpawnProgram(BinDir() + "/capi_c_program",
+                               {"--engine-fail", arena.path(), checkpoint.path()});
+  EXPECT_EQ(failing.Wait(60), 0) << failing.Output();
+  Child first = SpawnProgram(BinDir() + "/capi_c_program",
+                             {"--engine", arena.path(), checkpoint.path()});
+  EXPECT_EQ(first.Wait(60), 0);
+  EXPECT_NE(first.Output().find("role loaded declared 1 filled 1"), std::string::npos)
+      << first.Output();
+  Child second = SpawnProgram(BinDir() + "/capi_c_program",
+                              {"--engine", arena.path(), checkpoint.path()});
+  EXPECT_EQ(second.Wait(60), 0);
+  EXPECT_NE(second.Output().find("role attached declared 0 filled 0"), std::string::npos)
+      << second.Output();
+}
+
 // Each file that is not a model, opened by a C program with the default format into a shared
 // arena: refused with a negative errno and a message naming the file and what it is; nothing
 // is left in the arena's directory.
