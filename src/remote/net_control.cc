@@ -1,6 +1,7 @@
 // The control channel's frames (net_control.h).
 #include "remote/net_control.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #include "platform/net.h"
@@ -31,6 +32,13 @@ Result<std::string> RecvFrame(int fd, int timeout_ms) {
     EA_RETURN_IF_ERROR(platform::RecvAll(fd, frame.data(), n, timeout_ms, "control channel"));
   }
   return frame;
+}
+
+double NetRestartFirstSeconds() {
+  const char* given = std::getenv("EXPERT_ARENA_NET_RESTART_SECONDS");
+  if (given == nullptr || given[0] == '\0') return 0.5;
+  double v = std::strtod(given, nullptr);
+  return v > 0 && v <= kNetRestartMaxSeconds ? v : 0.5;
 }
 
 std::pair<std::string_view, std::string_view> SplitWord(std::string_view message) {

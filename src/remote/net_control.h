@@ -27,6 +27,12 @@ Status SendFrame(int fd, std::string_view frame, int timeout_ms);
 // Receives one frame within `timeout_ms`; kIoError "closed" at EOF, kCorrupt past the bound.
 Result<std::string> RecvFrame(int fd, int timeout_ms);
 
+// Restarts of an ended network process: the first after this many seconds
+// ($EXPERT_ARENA_NET_RESTART_SECONDS, else 0.5; tests widen the outage with it), each next one
+// after twice the last, at most kNetRestartMaxSeconds; back to the first after a minute up.
+inline constexpr double kNetRestartMaxSeconds = 30;
+double NetRestartFirstSeconds();
+
 // "word rest..." split at the first space.
 std::pair<std::string_view, std::string_view> SplitWord(std::string_view message);
 

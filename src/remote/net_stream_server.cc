@@ -47,17 +47,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kRequestMs = 5000;
 constexpr int kReadyMs = 60000;
-constexpr double kDefaultFirstBackoff = 0.5;
-constexpr double kMaxBackoff = 30;
 constexpr double kStableSeconds = 60;
-
-// The first restart's delay: $EXPERT_ARENA_NET_RESTART_SECONDS (tests widen the outage).
-double FirstBackoff() {
-  const char* given = std::getenv("EXPERT_ARENA_NET_RESTART_SECONDS");
-  if (given == nullptr || given[0] == '\0') return kDefaultFirstBackoff;
-  double v = std::strtod(given, nullptr);
-  return v > 0 && v <= kMaxBackoff ? v : kDefaultFirstBackoff;
-}
 
 DoorCounters Add(DoorCounters a, const DoorCounters& b) {
   a.admitted += b.admitted;
@@ -230,7 +220,7 @@ class NetStreamServer final : public StreamServer {
     first.set_value(s);  // `first` is gone after this
     if (!s.ok()) return;
     log_->info("stream server: network process pid {} listens on {}", pid_, address_);
-    const double first_backoff = FirstBackoff();
+    const double first_backoff = NetRestartFirstSeconds();
     double backoff = first_backoff;
     auto up_since = Clock::now();
     auto last_counts = Clock::now();
@@ -261,7 +251,7 @@ class NetStreamServer final : public StreamServer {
       lock.unlock();
       while (true) {
         if (WaitOrStop(backoff)) return;
-        backoff = std::min(backoff * 2, kMaxBackoff);
+        backoff = std::min(backoff * 2, kNetRestartMaxSeconds);
         Status again = SpawnOnce(address_);
         if (again.ok()) break;
         log_->warn("stream server: restarting the network process on {} failed ({}); next try "
