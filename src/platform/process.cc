@@ -78,7 +78,12 @@ std::optional<std::string> ReapIfExited(pid_t pid) {
     r = waitpid(pid, &status, WNOHANG);
   } while (r < 0 && errno == EINTR);
   if (r == 0) return std::nullopt;
-  if (r < 0) return std::string("gone (reaped elsewhere)");
+  if (r < 0) {
+    // ECHILD: somebody else reaps our children (SIGCHLD ignored: the kernel does). Alive while
+    // it can still be signalled.
+    if (kill(pid, 0) == 0) return std::nullopt;
+    return std::string("gone (reaped elsewhere)");
+  }
   return ExitText(status);
 }
 

@@ -34,7 +34,8 @@ Result<SpawnedChild> SpawnWithControl(const std::string& program,
                                       const std::vector<std::string>& argv);
 
 // How a child ended, when it has: waitpid(WNOHANG). nullopt while it runs. A child reaped by
-// somebody else (ECHILD) reads as "gone (reaped elsewhere)".
+// somebody else (ECHILD: SIGCHLD ignored, a waitpid(-1) of the engine's) reads as running
+// while kill(pid, 0) reaches it, then as "gone (reaped elsewhere)".
 std::optional<std::string> ReapIfExited(pid_t pid);
 // Waits up to `timeout_seconds` for the child to end, then SIGKILLs and reaps it. Returns how
 // it ended ("exit 0", "killed by signal 9").

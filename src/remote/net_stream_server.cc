@@ -76,7 +76,7 @@ class NetStreamServer final : public StreamServer {
     program_ = program;
     std::promise<Status> first;
     auto started = first.get_future();
-    supervisor_ = std::thread([this, &first] { Supervise(first); });
+    supervisor_ = std::thread([this, p = std::move(first)]() mutable { Supervise(p); });
     Status s = started.get();
     if (!s.ok() && supervisor_.joinable()) supervisor_.join();
     return s;
@@ -217,7 +217,7 @@ class NetStreamServer final : public StreamServer {
 
   void Supervise(std::promise<Status>& first) {
     Status s = SpawnOnce(options_.listen);
-    first.set_value(s);  // `first` is gone after this
+    first.set_value(s);
     if (!s.ok()) return;
     log_->info("stream server: network process pid {} listens on {}", pid_, address_);
     const double first_backoff = NetRestartFirstSeconds();
