@@ -36,6 +36,10 @@ std::string Counts(const DoorCounters& c) {
          std::to_string(c.auth_failed);
 }
 
+spdlog::level::level_enum LogLevel(const std::string& v) {
+  return static_cast<spdlog::level::level_enum>(std::atoi(v.c_str()));
+}
+
 int Refuse(const Status& s) {
   (void)SendFrame(fd, "error " + std::to_string(static_cast<int>(s.code())) + " " + s.message(),
                   kReplyMs);
@@ -70,7 +74,7 @@ int RunStream(const std::shared_ptr<spdlog::logger>& log) {
     if (key == "spill") o.spill_directory = v;
     if (key == "prefix") o.segment_prefix = v;
     if (key == "instance") o.instance_id = std::strtoull(v.c_str(), nullptr, 10);
-    if (key == "log_level") log->set_level(static_cast<spdlog::level::level_enum>(std::atoi(v.c_str())));
+    if (key == "log_level") log->set_level(LogLevel(v));
     if (key == "aborted") aborted.push_back(v);
   }
   auto server = StartStreamServerInProcess(o);
@@ -119,7 +123,7 @@ int RunServe(const std::shared_ptr<spdlog::logger>& log) {
     if (key == "token") o.token = v;
     if (key == "hello_timeout") o.hello_timeout_seconds = std::strtod(v.c_str(), nullptr);
     if (key == "transport") o.transport = v == "get" ? PeerTransport::kGet : PeerTransport::kAm;
-    if (key == "log_level") log->set_level(static_cast<spdlog::level::level_enum>(std::atoi(v.c_str())));
+    if (key == "log_level") log->set_level(LogLevel(v));
   }
   auto server = PeerServer::Start(path, o);
   if (!server.ok()) return Refuse(server.status());

@@ -191,8 +191,8 @@ class FrontDoorTest : public ::testing::Test {
   static Server Serve(const std::string& extra = "", const std::string& env = "") {
     Server s;
     s.child = testing::SpawnProgram(
-        "/bin/sh", {"-c", "exec env UCX_TLS=tcp " + env + " " + Tool() + " serve " + served_->path() +
-                              " --listen 127.0.0.1:0 --json " + extra});
+        "/bin/sh", {"-c", "exec env UCX_TLS=tcp " + env + " " + Tool() + " serve " +
+                              served_->path() + " --listen 127.0.0.1:0 --json " + extra});
     if (!s.child.WaitForOutput("\"port\"", 60)) return s;
     auto j = JsonLine(s.child.Output(), "port");
     if (!j.is_object()) return s;
@@ -239,8 +239,9 @@ TEST_F(FrontDoorTest, KillerPacketsLeaveServeAliveAndServing) {
   for (const std::string& packet : KillerPackets()) {
     SendAndClose(server.port, packet);
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    ASSERT_TRUE((Alive(server.pid) && Alive(server.net_pid))) << "serve died of a " << packet.size() << "-byte packet\n"
-                                   << server.child.Output();
+    ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid))
+        << "serve died of a " << packet.size() << "-byte packet\n"
+        << server.child.Output();
   }
   ExpectServed(server);
   auto summary = Stop(server);
@@ -369,7 +370,7 @@ TEST_F(FrontDoorTest, BytesBeforeTheHelloDoNotGrowTheServer) {
     EXPECT_LT(RssKiB(server.net_pid), before + 16 * 1024) << "RSS grew by more than 16 MiB";
     close(fd);
   }
-  ASSERT_TRUE((Alive(server.pid) && Alive(server.net_pid)));
+  ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid));
   ExpectServed(server);
   Stop(server);
 }
@@ -471,10 +472,10 @@ TEST_F(FrontDoorTest, SeededRandomBytesNeverKillServe) {
     if (rng() % 4 == 0) (void)ReadN(fd, 1 + rng() % 100);
     close(fd);
     if (i % 50 == 0) {
-      ASSERT_TRUE((Alive(server.pid) && Alive(server.net_pid))) << "after " << i << " connections";
+      ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid)) << "after " << i << " connections";
     }
   }
-  ASSERT_TRUE((Alive(server.pid) && Alive(server.net_pid)));
+  ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid));
   EXPECT_GT(sent, 50);
   ExpectServed(server);
   Stop(server);

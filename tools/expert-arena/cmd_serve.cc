@@ -93,7 +93,9 @@ Result<NetChild> StartNetProcess(const std::string& program, const ServeArgs& ar
     (void)platform::StopChild(child.pid, 2);
     auto [code, message] = remote::SplitWord(rest);
     int c = word == "error" ? std::atoi(std::string(code).c_str()) : 0;
-    if (c <= 0 || c > static_cast<int>(StatusCode::kInternal)) c = static_cast<int>(StatusCode::kInternal);
+    if (c <= 0 || c > static_cast<int>(StatusCode::kInternal)) {
+      c = static_cast<int>(StatusCode::kInternal);
+    }
     return Status(static_cast<StatusCode>(c),
                   word == "error" ? std::string(message) : "the network process said " + *ready);
   }
