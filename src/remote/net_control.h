@@ -19,7 +19,7 @@ namespace expert_arena::remote {
 // The largest frame either side accepts (a reply listing every remote hold fits).
 inline constexpr uint32_t kControlMaxFrame = 64u << 20;
 
-// The network process' executable, and the argument that names its parent's pid.
+// The network process' executable (net_process_main.cc).
 inline constexpr char kNetProcessFile[] = "expert-arena-net";
 
 // Sends one frame within `timeout_ms`; kTimedOut or kIoError (the other side closed).
