@@ -92,6 +92,11 @@ class CMakeBuild(build_ext):
         if os.path.exists(plugin):
             shutil.copyfile(plugin, os.path.join(os.path.dirname(target),
                                                  "libexpert_arena_ucx.so"))
+        # The network process a listening StreamProducer runs its UCX side in, beside the
+        # plugin (copy2: it must stay executable).
+        net = os.path.join(os.path.dirname(built), "expert-arena-net")
+        if os.path.exists(net):
+            shutil.copy2(net, os.path.join(os.path.dirname(target), "expert-arena-net"))
 
 
 setup(

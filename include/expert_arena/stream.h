@@ -204,6 +204,9 @@ struct StreamStats {
   uint64_t remote_timed_out = 0;
   uint64_t remote_dropped = 0;
   uint64_t remote_auth_failed = 0;
+  // Times the network process (the listener's UCX side, a process of its own) was started
+  // again after it ended; the counts above include those of the ended ones.
+  uint64_t remote_restarts = 0;
 };
 
 // A block a producer still holds for its readers (StreamProducer::Pending).

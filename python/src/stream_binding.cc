@@ -33,6 +33,7 @@ py::dict StatsDict(const StreamStats& s) {
   d["remote_timed_out"] = s.remote_timed_out;
   d["remote_dropped"] = s.remote_dropped;
   d["remote_auth_failed"] = s.remote_auth_failed;
+  d["remote_restarts"] = s.remote_restarts;
   return d;
 }
 

@@ -33,6 +33,9 @@ struct StreamServerOptions {
   std::string spill_directory;
   // The producer's segment names start with it: nothing else is served.
   std::string segment_prefix;
+  // The id descriptors carry; 0: a random one. A restarted network process keeps its
+  // predecessor's, so that descriptors handed out before still open.
+  uint64_t instance_id = 0;
   std::shared_ptr<spdlog::logger> logger;
 };
 
@@ -58,9 +61,20 @@ class StreamServer {
   virtual std::vector<RemoteHold> Holds() = 0;
   // What the front door did to consumers so far, and admitted consumers dropped since.
   virtual DoorCounters counters() = 0;
+  // Times the network process was started again after it ended (net_stream_server.cc).
+  virtual uint64_t restarts() { return 0; }
 };
 
+// The server of a listening producer, in a network process of its own (expert-arena-net,
+// net_stream_server.cc): the object returned proxies this interface to it over a control
+// socket (each call bounded), restarts the process when it ends, and says so. Fails with the
+// process' own start error (the address cannot be bound, a bad option), or kUnsupported when
+// the executable is not found (naming every path tried) or UCX is not built.
 Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions& options);
+// The server in this process (the transport plugin's, loaded here): what the network process
+// runs.
+Result<std::unique_ptr<StreamServer>> StartStreamServerInProcess(
+    const StreamServerOptions& options);
 
 // One consumer's connection to one producer's stream server. Thread-safe (calls serialize).
 class StreamPeer {

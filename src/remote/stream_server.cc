@@ -564,7 +564,7 @@ Status Server::Start(const StreamServerOptions& options) {
     return InvalidArgument("stream remote lease " + std::to_string(options.lease_seconds) +
                            " s: must be more than 0");
   }
-  instance_ = RandomId();
+  instance_ = options.instance_id != 0 ? options.instance_id : RandomId();
   segment_prefix_ = options.segment_prefix;
   EA_ASSIGN_OR_RETURN(platform::SocketAddress listen, platform::ResolveHostPort(options.listen));
   ConsumerOptions co;

@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "common/logging.h"
+#include "platform/process.h"
 #include "platform/shared_object.h"
+#include "remote/net_control.h"
 #include "remote/ucx_plugin.h"
 
 namespace expert_arena::remote {
@@ -69,6 +71,32 @@ Result<const UcxPlugin*> Load() {
 
 }  // namespace
 
+Result<std::string> FindNetProcess() {
+  const char* given = std::getenv("EXPERT_ARENA_NET_PROCESS");
+  if (given != nullptr && given[0] != '\0') {
+    if (platform::IsExecutableFile(given)) return std::string(given);
+    return Unsupported(std::string("the network process named by EXPERT_ARENA_NET_PROCESS (") +
+                       given + ") is not an executable file");
+  }
+  std::vector<std::string> candidates;
+  const char* plugin = std::getenv("EXPERT_ARENA_UCX_PLUGIN");
+  if (plugin != nullptr && plugin[0] != '\0') {
+    candidates.push_back(DirectoryOf(plugin) + "/" + kNetProcessFile);
+  }
+  auto core = platform::PathOfObjectContaining(&kCoreAnchor);
+  if (core.ok()) candidates.push_back(DirectoryOf(*core) + "/" + kNetProcessFile);
+  candidates.push_back(std::string(EXPERT_ARENA_UCX_PLUGIN_LIBDIR) + "/" + kNetProcessFile);
+  std::string tried;
+  for (const std::string& c : candidates) {
+    if (platform::IsExecutableFile(c)) return c;
+    tried += (tried.empty() ? "" : ", ") + c;
+  }
+  return Unsupported(std::string("cannot find the network process ") + kNetProcessFile +
+                     " (a listening producer and serve run their network side in it); tried: " +
+                     tried + ". Put it next to " + kUcxPluginFile +
+                     ", or name it in EXPERT_ARENA_NET_PROCESS");
+}
+
 Result<const UcxPlugin*> Ucx() {
   static const Result<const UcxPlugin*> loaded = Load();
   return loaded;
@@ -90,7 +118,8 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
   return ucx->start_server(path, resolved);
 }
 
-Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions& options) {
+Result<std::unique_ptr<StreamServer>> StartStreamServerInProcess(
+    const StreamServerOptions& options) {
   EA_ASSIGN_OR_RETURN(const UcxPlugin* ucx, Ucx());
   StreamServerOptions resolved = options;
   resolved.logger = ResolveLogger(options.logger);

@@ -663,6 +663,7 @@ StreamStats StreamProducer::Impl::StatsLocked() const {
     s.remote_timed_out = c.timed_out;
     s.remote_dropped = c.dropped;
     s.remote_auth_failed = c.auth_failed;
+    s.remote_restarts = server->restarts();
   }
   return s;
 }

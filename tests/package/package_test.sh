@@ -15,6 +15,12 @@ if [[ -e "$build_dir/lib/libexpert_arena_ucx.so" ]] &&
   echo "package test: libexpert_arena_ucx.so is not installed next to libexpert_arena.so" >&2
   exit 1
 fi
+# And the network process of listening producers and serve, beside the plugin.
+if [[ -e "$build_dir/lib/expert-arena-net" ]] &&
+  ! ls "$work"/prefix/lib*/expert-arena-net >/dev/null 2>&1; then
+  echo "package test: expert-arena-net is not installed next to libexpert_arena_ucx.so" >&2
+  exit 1
+fi
 # 2 layers x 4 experts: 6 routed-expert tensors (gate, up, down per layer).
 "$build_dir/bin/expert-arena" gen-model --format gguf --out "$work/model.gguf" --layers 2 \
   --experts 4 --hidden 64 --ffn 64 >/dev/null

@@ -48,11 +48,18 @@ def test_cmake_install_carries_the_ucx_plugin(tmp_path, gen_model, shm_path):
     sites = [root for root, dirs, _ in os.walk(tmp_path) if "expert_arena" in dirs]
     assert len(sites) == 1, sites
     assert os.path.exists(os.path.join(sites[0], "expert_arena", "libexpert_arena_ucx.so"))
-    script = ("import sys, expert_arena\n"
+    # The network process a listening StreamProducer runs, beside it and executable.
+    assert os.access(os.path.join(sites[0], "expert_arena", "expert-arena-net"), os.X_OK)
+    script = ("import sys, tempfile, expert_arena\n"
               "assert expert_arena.__file__.startswith(sys.argv[1]), expert_arena.__file__\n"
               "a = expert_arena.open(sys.argv[2], shared_path=sys.argv[3],\n"
               "                      from_peer='127.0.0.1:9', quiet=True)\n"
-              "print(a.report['peer_note'])\n")
+              "print(a.report['peer_note'])\n"
+              "d = tempfile.mkdtemp(prefix='ea-pytest-net-', dir='/dev/shm')\n"
+              "with expert_arena.StreamProducer(d, 'net', segment_bytes=8 << 20, max_segments=1,\n"
+              "                                 quiet=True, listen='127.0.0.1:0') as p:\n"
+              "    print('listening', p.remote_address)\n"
+              "import shutil; shutil.rmtree(d)\n")
     env = dict(os.environ, PYTHONPATH=sites[0])
     env.pop("EXPERT_ARENA_UCX_PLUGIN", None)
     out = subprocess.run([sys.executable, "-c", script, sites[0], gen_model("gguf", "f32"),
@@ -61,6 +68,7 @@ def test_cmake_install_carries_the_ucx_plugin(tmp_path, gen_model, shm_path):
     assert out.returncode == 0, out.stderr
     assert "read the model files instead" in out.stdout
     assert "UCX transport plugin" not in out.stdout, out.stdout
+    assert "listening 127.0.0.1:" in out.stdout, out.stdout + out.stderr
 
 
 def test_pip_install_into_a_venv_reuses_the_build(tmp_path, gen_model):

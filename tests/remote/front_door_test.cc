@@ -185,19 +185,21 @@ class FrontDoorTest : public ::testing::Test {
     std::string address;
     uint16_t port = 0;
     pid_t pid = -1;
+    pid_t net_pid = -1;  // its network process, where the front door and UCX run
   };
 
-  static Server Serve(const std::string& extra = "") {
+  static Server Serve(const std::string& extra = "", const std::string& env = "") {
     Server s;
     s.child = testing::SpawnProgram(
-        "/bin/sh", {"-c", "exec env UCX_TLS=tcp " + Tool() + " serve " + served_->path() +
-                              " --listen 127.0.0.1:0 --json " + extra});
+        "/bin/sh", {"-c", "exec env UCX_TLS=tcp " + env + " " + Tool() + " serve " +
+                              served_->path() + " --listen 127.0.0.1:0 --json " + extra});
     if (!s.child.WaitForOutput("\"port\"", 60)) return s;
     auto j = JsonLine(s.child.Output(), "port");
     if (!j.is_object()) return s;
     s.address = j["address"].get<std::string>();
     s.port = j["port"].get<uint16_t>();
     s.pid = j["pid"].get<pid_t>();
+    s.net_pid = j["net_pid"].get<pid_t>();
     return s;
   }
 
@@ -237,14 +239,46 @@ TEST_F(FrontDoorTest, KillerPacketsLeaveServeAliveAndServing) {
   for (const std::string& packet : KillerPackets()) {
     SendAndClose(server.port, packet);
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    ASSERT_TRUE(Alive(server.pid)) << "serve died of a " << packet.size() << "-byte packet\n"
-                                   << server.child.Output();
+    ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid))
+        << "serve died of a " << packet.size() << "-byte packet\n"
+        << server.child.Output();
   }
   ExpectServed(server);
   auto summary = Stop(server);
   ASSERT_TRUE(summary.is_object()) << server.child.Output();
   EXPECT_GE(summary["dropped"].get<uint64_t>(), KillerPackets().size()) << summary.dump();
   EXPECT_EQ(summary["peers_offered"], 1);
+}
+
+// The network process of serve SIGKILLed (as a UCX abort would end it): serve lives, a fill
+// during the outage fails cleanly, and once the process is restarted (on the same address)
+// a fill succeeds; serve --json says so, and its summary counts the restart.
+TEST_F(FrontDoorTest, KilledNetworkProcessIsRestartedAndServesAgain) {
+  Server server = Serve("", "EXPERT_ARENA_NET_RESTART_SECONDS=3");
+  ASSERT_GT(server.port, 0) << server.child.Output();
+  ASSERT_EQ(kill(server.net_pid, SIGKILL), 0);
+  testing::ScopedPath filled("outage");
+  std::string out;
+  const auto killed = Clock::now();
+  EXPECT_EQ(Sh("env UCX_TLS=tcp " + Tool() + " load --arena " + filled.path() +
+                   " --from-peer " + server.address + " --peer-stall-timeout 2",
+               &out),
+            1)
+      << out;
+  EXPECT_LT(Clock::now() - killed, std::chrono::seconds(3)) << "the fill did not fail at once";
+  ASSERT_TRUE(server.child.WaitForOutput("\"restarted\"", 30)) << server.child.Output();
+  ASSERT_TRUE(Alive(server.pid));
+  auto restarted = JsonLine(server.child.Output(), "restarted");
+  ASSERT_TRUE(restarted.is_object()) << server.child.Output();
+  EXPECT_EQ(restarted["restarted"], server.address);
+  EXPECT_NE(restarted["net_pid"].get<pid_t>(), server.net_pid);
+  server.net_pid = restarted["net_pid"].get<pid_t>();
+  ExpectServed(server);
+  auto summary = Stop(server);
+  ASSERT_TRUE(summary.is_object()) << server.child.Output();
+  EXPECT_EQ(summary["restarts"], 1);
+  EXPECT_GE(summary["peers_offered"].get<uint64_t>(), 1u);
+  EXPECT_FALSE(Alive(server.net_pid)) << "the network process outlived serve";
 }
 
 TEST_F(FrontDoorTest, SilentPeerIsAnErrorAndTheFilesAreReadInstead) {
@@ -281,7 +315,7 @@ TEST_F(FrontDoorTest, GarbageConnectionsLeaveNoSocketBehind) {
   Server server = Serve("--hello-timeout 2");
   ASSERT_GT(server.port, 0) << server.child.Output();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const size_t baseline = OpenFds(server.pid);
+  const size_t baseline = OpenFds(server.net_pid);
   // 50 connections: garbage then closed, half-open, silent (left to the deadline).
   std::vector<int> silent;
   for (int i = 0; i < 50; ++i) {
@@ -300,10 +334,10 @@ TEST_F(FrontDoorTest, GarbageConnectionsLeaveNoSocketBehind) {
     close(fd);
   }
   const auto end = Clock::now() + std::chrono::seconds(10);
-  while (Clock::now() < end && (OpenFds(server.pid) > baseline || CloseWait(server.port) > 0)) {
+  while (Clock::now() < end && (OpenFds(server.net_pid) > baseline || CloseWait(server.port) > 0)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  EXPECT_LE(OpenFds(server.pid), baseline);
+  EXPECT_LE(OpenFds(server.net_pid), baseline);
   EXPECT_EQ(CloseWait(server.port), 0u);
   ExpectServed(server);
   auto summary = Stop(server);
@@ -319,7 +353,7 @@ TEST_F(FrontDoorTest, GarbageConnectionsLeaveNoSocketBehind) {
 TEST_F(FrontDoorTest, BytesBeforeTheHelloDoNotGrowTheServer) {
   Server server = Serve();
   ASSERT_GT(server.port, 0) << server.child.Output();
-  const uint64_t before = RssKiB(server.pid);
+  const uint64_t before = RssKiB(server.net_pid);
   // Up to 1 GiB at once, before any hello, on 3 connections: the server reads one hello's
   // worth and hangs up.
   std::string chunk(1 << 20, 'x');
@@ -333,10 +367,10 @@ TEST_F(FrontDoorTest, BytesBeforeTheHelloDoNotGrowTheServer) {
       sent += static_cast<uint64_t>(n);
     }
     EXPECT_LT(sent, 1ull << 30) << "the server took 1 GiB before a hello";
-    EXPECT_LT(RssKiB(server.pid), before + 16 * 1024) << "RSS grew by more than 16 MiB";
+    EXPECT_LT(RssKiB(server.net_pid), before + 16 * 1024) << "RSS grew by more than 16 MiB";
     close(fd);
   }
-  ASSERT_TRUE(Alive(server.pid));
+  ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid));
   ExpectServed(server);
   Stop(server);
 }
@@ -438,10 +472,10 @@ TEST_F(FrontDoorTest, SeededRandomBytesNeverKillServe) {
     if (rng() % 4 == 0) (void)ReadN(fd, 1 + rng() % 100);
     close(fd);
     if (i % 50 == 0) {
-      ASSERT_TRUE(Alive(server.pid)) << "after " << i << " connections";
+      ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid)) << "after " << i << " connections";
     }
   }
-  ASSERT_TRUE(Alive(server.pid));
+  ASSERT_TRUE(Alive(server.pid) && Alive(server.net_pid));
   EXPECT_GT(sent, 50);
   ExpectServed(server);
   Stop(server);

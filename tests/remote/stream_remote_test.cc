@@ -14,6 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <map>
 #include <optional>
 #include <thread>
@@ -183,6 +186,10 @@ TEST_F(StreamLoopbackTest, AbortBeforeOpenIsRefused) {
 }
 
 TEST_F(StreamLoopbackTest, AbortDuringTheTransferFailsTheOpen) {
+  // The server stops right after it started sending the bytes, until the file goes. Set
+  // before the producer starts: its network process takes the environment then.
+  const std::string pause = there_.spill() + "/paused";
+  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
   auto producer = StreamProducer::Create(Producer());
   ASSERT_TRUE(producer.ok());
   auto consumer = StreamConsumer::Create(Consumer());
@@ -190,9 +197,6 @@ TEST_F(StreamLoopbackTest, AbortDuringTheTransferFailsTheOpen) {
   auto bytes = TensorBytes("inflight", 8 << 20, 1);
   auto desc = producer->Put("inflight", bytes, {.dtype = "u8"});
   ASSERT_TRUE(desc.ok());
-  // The server stops right after it started sending the bytes, until the file goes.
-  const std::string pause = there_.spill() + "/paused";
-  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
   std::optional<Result<StreamTensor>> opened;
   std::thread open([&] { opened.emplace(consumer->Open(*desc)); });
   const bool paused = testing::WaitForFile(pause, 60);
@@ -631,6 +635,10 @@ TEST_F(StreamLoopbackTest, ConsumerStoppedMidTransferLosesItsHoldWithinTheLease)
   // tcp, as across hosts: the bytes go through a socket a stopped reader does not drain (on
   // one host UCX would take shared memory, where the sender may finish alone).
   setenv("UCX_TLS", "tcp", 1);
+  // The server pauses right after the send started; the reader is stopped then, mid-transfer.
+  // Set before the producer starts: its network process takes the environment then.
+  const std::string pause = there_.spill() + "/paused";
+  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
   auto producer = StreamProducer::Create(Producer("", /*lease=*/2));
   ASSERT_TRUE(producer.ok());
   auto bytes = TensorBytes("stopped", 40 << 20, 1);
@@ -638,9 +646,6 @@ TEST_F(StreamLoopbackTest, ConsumerStoppedMidTransferLosesItsHoldWithinTheLease)
   ASSERT_TRUE(desc.ok());
   const std::string descs = there_.spill() + "/descs";
   testing::WriteMessages(descs, {*desc});
-  // The server pauses right after the send started; the reader is stopped then, mid-transfer.
-  const std::string pause = there_.spill() + "/paused";
-  setenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE", pause.c_str(), 1);
   auto reader = testing::SpawnRole("stopped_reader", {descs, there_.spill()});
   const bool paused = testing::WaitForFile(pause, 60);
   unsetenv("EXPERT_ARENA_TEST_STREAM_PAUSE_FILE");
@@ -655,6 +660,131 @@ TEST_F(StreamLoopbackTest, ConsumerStoppedMidTransferLosesItsHoldWithinTheLease)
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(12));
   reader.Kill(SIGKILL);
   reader.Wait(10);
+}
+
+// The network processes (expert-arena-net) whose parent is this process.
+std::vector<pid_t> NetProcesses() {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    size_t open = stat.find('(');
+    size_t close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    const std::string comm = stat.substr(open + 1, close - open - 1);
+    std::istringstream rest(stat.substr(close + 1));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == getpid() && comm.rfind("expert-arena-ne", 0) == 0 && state != "Z")
+      out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// A consumer on the producer's host: opens each descriptor of a file (zero copy, in the
+// producer's directory), checks its bytes and releases it, a few milliseconds apart; touches
+// args[3] after the first. Exits 0 when every one read right.
+EA_CHILD_ROLE(local_reader) {
+  if (args.size() != 4) return 2;
+  ConsumerOptions o;
+  o.directory = args[1];
+  o.spill_directory = args[2];
+  auto consumer = StreamConsumer::Create(o);
+  if (!consumer.ok()) return 3;
+  auto messages = testing::ReadMessages(args[0]);
+  if (messages.empty()) return 4;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    auto t = consumer->Open(messages[i]);
+    if (!t.ok()) {
+      std::printf("open %zu: %s\n", i, t.status().ToString().c_str());
+      return 5;
+    }
+    if (t->remote() || !CheckPattern(t->bytes(), t->descriptor().key)) return 6;
+    t->Release();
+    if (i == 0) testing::TouchFile(args[3]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(15));
+  }
+  return 0;
+}
+
+// The network process SIGKILLed (as a UCX abort would end it) while a consumer on this host
+// reads and a remote consumer holds a block: the local one never notices, the held block comes
+// back, remote opens fail cleanly until the process is restarted, then succeed again (the
+// same address, the same instance: descriptors made before still open).
+TEST_F(StreamLoopbackTest, NetworkProcessKilledLocalReadersReadOnRemoteOpensFailUntilRestart) {
+  setenv("EXPERT_ARENA_NET_RESTART_SECONDS", "2", 1);  // a known outage
+  struct Unset {
+    ~Unset() { unsetenv("EXPERT_ARENA_NET_RESTART_SECONDS"); }
+  } unset;
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  const std::vector<pid_t> before = NetProcesses();
+  ASSERT_EQ(before.size(), 1u);
+  std::vector<std::string> locals;
+  for (int i = 0; i < 150; ++i) {
+    const std::string key = "local-" + std::to_string(i);
+    std::vector<std::byte> bytes(64 << 10);
+    FillPattern(bytes, key);
+    auto d = producer->Put(key, bytes, {.dtype = "u8"});
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    locals.push_back(*d);
+  }
+  auto put = [&](const std::string& key) {
+    std::vector<std::byte> bytes(1 << 20);
+    FillPattern(bytes, key);
+    return producer->Put(key, bytes, {.dtype = "u8"});
+  };
+  auto held = put("held");
+  auto during = put("during");
+  auto after = put("after");
+  ASSERT_TRUE(held.ok() && during.ok() && after.ok());
+  ConsumerOptions co = Consumer();
+  co.remote_timeout_seconds = 5;
+  auto consumer = StreamConsumer::Create(co);
+  ASSERT_TRUE(consumer.ok());
+  auto holding = consumer->Open(*held);
+  ASSERT_TRUE(holding.ok()) << holding.status().ToString();
+  EXPECT_EQ(RemoteHolders(*producer), 1u);
+
+  const std::string descs = there_.spill() + "/locals";
+  const std::string started = there_.spill() + "/started";
+  testing::WriteMessages(descs, locals);
+  auto reader = testing::SpawnRole("local_reader", {descs, here_.shm(), here_.spill(), started});
+  ASSERT_TRUE(testing::WaitForFile(started, 30));
+  ASSERT_EQ(kill(before[0], SIGKILL), 0);
+
+  // The outage: a clean error (not an abort, not a hang), before the restart.
+  const auto killed = std::chrono::steady_clock::now();
+  auto refused = consumer->Open(*during);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(2));
+  std::printf("during the outage: %s\n", refused.status().ToString().c_str());
+  EXPECT_EQ(producer->Stats()->remote_restarts, 0u);
+  // The share the killed process held for the remote consumer is spent: the block comes back.
+  EXPECT_TRUE(Eventually([&] {
+    auto pending = producer->Pending();
+    if (!pending.ok()) return false;
+    for (const auto& b : *pending)
+      if (b.key == "held") return false;
+    return true;
+  }));
+  EXPECT_TRUE(CheckPattern(holding->bytes(), "held"));  // the consumer's own copy
+
+  EXPECT_TRUE(Eventually([&] { return producer->Stats()->remote_restarts == 1; }));
+  const std::vector<pid_t> now = NetProcesses();
+  ASSERT_EQ(now.size(), 1u);
+  EXPECT_NE(now[0], before[0]);
+  auto reopened = consumer->Open(*after);
+  ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
+  EXPECT_TRUE(reopened->remote());
+  EXPECT_TRUE(CheckPattern(reopened->bytes(), "after"));
+  reopened->Release();
+
+  EXPECT_EQ(reader.Wait(60), 0) << reader.Output();
+  EXPECT_EQ(Live(*producer), 1u);  // "during", never opened
 }
 
 TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {

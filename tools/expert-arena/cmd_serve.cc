@@ -1,4 +1,5 @@
-// expert-arena serve: serve a published arena to peers over UCX (docs/cross-host.md).
+// expert-arena serve: serve a published arena to peers over UCX (docs/cross-host.md), from a
+// network process of its own.
 #include <signal.h>
 #include <unistd.h>
 
@@ -8,7 +9,15 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <sstream>
+
 #include "commands.h"
+#include "expert_arena/arena.h"
+#include "platform/process.h"
+#include "remote/net_control.h"
 #include "remote/peer_server.h"
 
 namespace expert_arena::cli {
@@ -23,29 +32,130 @@ struct ServeArgs {
   bool json = false;
 };
 
-int RunServe(const ServeArgs& args) {
-  remote::ServeOptions options;
-  options.listen = args.listen;
-  options.token = args.token;
-  if (options.token.empty()) {
-    const char* token = std::getenv("EXPERT_ARENA_TOKEN");
-    if (token != nullptr) options.token = token;
+// The serving side of `serve` runs in the network process (expert-arena-net serve,
+// docs/cross-host.md "What runs where"): whatever UCX does there (an assertion on a peer's
+// bytes) ends that process only. This process holds the arena (USER, as an engine does, so it
+// cannot be replaced or removed while served, through an outage too), starts the network
+// process, says where it listens, and starts it again when it ends (0.5 s doubling to 30 s,
+// on the same address), until SIGINT/SIGTERM stop both.
+struct NetChild {
+  pid_t pid = -1;
+  platform::UniqueFd control;
+};
+
+constexpr int kRequestMs = 5000;
+
+// Peers offered, ranges refused, then the front door's counts.
+struct ServeCounts {
+  uint64_t peers_offered = 0;
+  uint64_t ranges_refused = 0;
+  remote::DoorCounters door;
+  void Add(const ServeCounts& o) {
+    peers_offered += o.peers_offered;
+    ranges_refused += o.ranges_refused;
+    door.admitted += o.door.admitted;
+    door.refused += o.door.refused;
+    door.timed_out += o.door.timed_out;
+    door.dropped += o.door.dropped;
+    door.auth_failed += o.door.auth_failed;
   }
-  options.hello_timeout_seconds = args.hello_timeout;
-  options.transport =
-      args.transport == "get" ? remote::PeerTransport::kGet : remote::PeerTransport::kAm;
-  // SIGINT/SIGTERM are taken synchronously between progress rounds.
+};
+
+Result<NetChild> StartNetProcess(const std::string& program, const ServeArgs& args,
+                                 const std::string& listen, const std::string& token,
+                                 remote::ServeInfo* info) {
+  EA_ASSIGN_OR_RETURN(platform::SpawnedChild child,
+                      platform::SpawnWithControl(program, {program, "serve", "--parent-pid",
+                                                           std::to_string(getpid())}));
+  const int fd = child.control.get();
+  const std::vector<std::string> frames = {
+      "path " + args.path,
+      "listen " + listen,
+      "token " + token,
+      "hello_timeout " + std::to_string(args.hello_timeout),
+      "transport " + args.transport,
+      "go",
+  };
+  Status sent = Status::Ok();
+  for (const std::string& f : frames) {
+    sent = remote::SendFrame(fd, f, kRequestMs);
+    if (!sent.ok()) break;
+  }
+  Result<std::string> ready =
+      sent.ok() ? remote::RecvFrame(fd, 60000) : Result<std::string>(sent);
+  if (!ready.ok()) {
+    std::string how = platform::StopChild(child.pid, 2);
+    return Status(ready.status().code(), "the network process " + program + " did not start (" +
+                                             how + "; " + ready.status().message() + ")");
+  }
+  auto [word, rest] = remote::SplitWord(*ready);
+  if (word != "ready") {
+    (void)platform::StopChild(child.pid, 2);
+    auto [code, message] = remote::SplitWord(rest);
+    int c = word == "error" ? std::atoi(std::string(code).c_str()) : 0;
+    if (c <= 0 || c > static_cast<int>(StatusCode::kInternal)) {
+      c = static_cast<int>(StatusCode::kInternal);
+    }
+    return Status(static_cast<StatusCode>(c),
+                  word == "error" ? std::string(message) : "the network process said " + *ready);
+  }
+  // ready ADDRESS PORT IDENTITY_HASH DATA_BYTES FILE_BYTES TRANSPORT IDENTITY...
+  std::istringstream in{std::string(rest)};
+  std::string transport;
+  in >> info->address >> info->port >> info->identity_hash >> info->data_bytes >>
+      info->file_bytes >> transport;
+  std::getline(in >> std::ws, info->identity);
+  info->path = args.path;
+  info->transport = transport == "get" ? remote::PeerTransport::kGet : remote::PeerTransport::kAm;
+  return NetChild{child.pid, std::move(child.control)};
+}
+
+// The network process' counts now, or nothing when it does not answer.
+std::optional<ServeCounts> AskCounts(const NetChild& child) {
+  if (!remote::SendFrame(child.control.get(), "counters", kRequestMs).ok()) return std::nullopt;
+  auto answer = remote::RecvFrame(child.control.get(), kRequestMs);
+  if (!answer.ok()) return std::nullopt;
+  std::istringstream in(*answer);
+  std::string word;
+  ServeCounts c;
+  in >> word >> c.peers_offered >> c.ranges_refused >> c.door.admitted >> c.door.refused >>
+      c.door.timed_out >> c.door.dropped >> c.door.auth_failed;
+  if (word != "counters" || !in) return std::nullopt;
+  return c;
+}
+
+int RunServe(const ServeArgs& args) {
+  std::string token = args.token;
+  if (token.empty()) {
+    const char* env = std::getenv("EXPERT_ARENA_TOKEN");
+    if (env != nullptr) token = env;
+  }
+  // SIGINT/SIGTERM are taken synchronously between rounds (the network process starts with
+  // an empty mask and ignores SIGINT: this process stops it).
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   sigprocmask(SIG_BLOCK, &set, nullptr);
-  auto server = remote::PeerServer::Start(args.path, options);
-  if (!server.ok()) {
-    std::fprintf(stderr, "expert-arena serve: %s\n", server.status().message().c_str());
+  ArenaOptions attach;
+  attach.shared_path = args.path;
+  auto held = Arena::AttachExisting(args.path, attach);
+  if (!held.ok()) {
+    std::fprintf(stderr, "expert-arena serve: %s\n", held.status().message().c_str());
     return 1;
   }
-  const remote::ServeInfo& info = (*server)->info();
+  auto program = remote::FindNetProcess();
+  if (!program.ok()) {
+    std::fprintf(stderr, "expert-arena serve: %s\n", program.status().message().c_str());
+    return 1;
+  }
+  remote::ServeInfo info;
+  auto started = StartNetProcess(*program, args, args.listen, token, &info);
+  if (!started.ok()) {
+    std::fprintf(stderr, "expert-arena serve: %s\n", started.status().message().c_str());
+    return 1;
+  }
+  NetChild child = std::move(started).value();
   if (args.json) {
     nlohmann::json j;
     j["serving"] = info.path;
@@ -57,43 +167,106 @@ int RunServe(const ServeArgs& args) {
                   static_cast<unsigned long long>(info.identity_hash));
     j["identity_hash"] = hash;
     j["data_bytes"] = info.data_bytes;
-    j["token"] = !options.token.empty();
+    j["token"] = !token.empty();
     j["transport"] = remote::PeerTransportName(info.transport);
     j["pid"] = getpid();
+    j["net_pid"] = child.pid;
     std::cout << j.dump() << std::endl;
   } else {
     std::cout << "expert-arena serve: serving " << info.path << " on " << info.address << " ("
               << info.identity << ") by " << remote::PeerTransportName(info.transport)
-              << (options.token.empty() ? "" : ", token required") << std::endl;
+              << (token.empty() ? "" : ", token required") << "; network process pid "
+              << child.pid << std::endl;
   }
-  Status run = (*server)->Run([&] {
-    timespec zero{0, 0};
+
+  using Clock = std::chrono::steady_clock;
+  ServeCounts ended;  // the ended network processes' counts
+  ServeCounts last;   // the running one's, as last read
+  uint64_t restarts = 0;
+  const double first_backoff = remote::NetRestartFirstSeconds();
+  double backoff = first_backoff;
+  auto up_since = Clock::now();
+  auto last_read = Clock::now();
+  std::optional<Clock::time_point> restart_at;
+  while (true) {
+    timespec tick{0, 100 * 1000 * 1000};
     siginfo_t si;
-    return sigtimedwait(&set, &si, &zero) > 0;
-  });
-  if (!run.ok()) {
-    std::fprintf(stderr, "expert-arena serve: %s\n", run.message().c_str());
-    return 1;
+    if (sigtimedwait(&set, &si, &tick) > 0) break;
+    if (child.pid > 0) {
+      std::optional<std::string> how = platform::ReapIfExited(child.pid);
+      if (!how) {
+        if (Clock::now() - last_read > std::chrono::seconds(1)) {
+          if (auto c = AskCounts(child)) last = *c;
+          last_read = Clock::now();
+        }
+        continue;
+      }
+      if (Clock::now() - up_since > std::chrono::seconds(60)) backoff = first_backoff;
+      std::fprintf(stderr,
+                   "expert-arena serve: the network process (pid %d) ended (%s); peers are "
+                   "refused until it is restarted in %.1f s\n",
+                   static_cast<int>(child.pid), how->c_str(), backoff);
+      ended.Add(last);
+      last = ServeCounts{};
+      child = NetChild{};
+      restart_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(backoff));
+      backoff = std::min(backoff * 2, remote::kNetRestartMaxSeconds);
+      continue;
+    }
+    if (!restart_at || Clock::now() < *restart_at) continue;
+    remote::ServeInfo again;
+    auto restarted = StartNetProcess(*program, args, info.address, token, &again);
+    if (!restarted.ok()) {
+      std::fprintf(stderr, "expert-arena serve: restarting the network process failed (%s); "
+                   "next try in %.1f s\n", restarted.status().message().c_str(), backoff);
+      restart_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(backoff));
+      backoff = std::min(backoff * 2, remote::kNetRestartMaxSeconds);
+      continue;
+    }
+    child = std::move(restarted).value();
+    restart_at.reset();
+    ++restarts;
+    up_since = Clock::now();
+    std::fprintf(stderr, "expert-arena serve: the network process restarted (pid %d) on %s\n",
+                 static_cast<int>(child.pid), info.address.c_str());
+    if (args.json) {
+      nlohmann::json j;
+      j["restarted"] = info.address;
+      j["net_pid"] = child.pid;
+      j["restarts"] = restarts;
+      std::cout << j.dump() << std::endl;
+    }
   }
-  const remote::DoorCounters c = (*server)->counters();
+  if (child.pid > 0) {
+    if (auto c = AskCounts(child)) last = *c;
+    (void)remote::SendFrame(child.control.get(), "stop", kRequestMs);
+    child.control.Reset();
+    (void)platform::StopChild(child.pid, 10);
+  }
+  ended.Add(last);
+  const remote::DoorCounters& c = ended.door;
   auto n = [](uint64_t v) { return static_cast<unsigned long long>(v); };
   std::fprintf(stderr,
                "expert-arena serve: stopped after offering %s to %llu peers (%llu range requests "
                "refused; front door: %llu admitted, %llu refused, %llu timed out, %llu dropped, "
-               "%llu failed the token)\n",
-               info.path.c_str(), n((*server)->peers_offered()), n((*server)->ranges_refused()),
-               n(c.admitted), n(c.refused), n(c.timed_out), n(c.dropped), n(c.auth_failed));
+               "%llu failed the token; network process restarted %llu times)\n",
+               info.path.c_str(), n(ended.peers_offered), n(ended.ranges_refused),
+               n(c.admitted), n(c.refused), n(c.timed_out), n(c.dropped), n(c.auth_failed),
+               n(restarts));
   if (args.json) {
     // The final summary, on a line of its own.
     nlohmann::json j;
     j["stopped"] = info.path;
-    j["peers_offered"] = (*server)->peers_offered();
-    j["ranges_refused"] = (*server)->ranges_refused();
+    j["peers_offered"] = ended.peers_offered;
+    j["ranges_refused"] = ended.ranges_refused;
     j["admitted"] = c.admitted;
     j["refused"] = c.refused;
     j["timed_out"] = c.timed_out;
     j["dropped"] = c.dropped;
     j["auth_failed"] = c.auth_failed;
+    j["restarts"] = restarts;
     std::cout << j.dump() << std::endl;
   }
   return 0;
