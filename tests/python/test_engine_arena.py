@@ -1,13 +1,14 @@
 """Engine-made arenas from Python: open_engine() and shared_module(), in real processes. A torch
 module built by its engine (its own layout, not the checkpoint's) is published once; every
 other engine builds it on the meta device and binds every parameter and buffer to the arena's
-read-only views. Hugging Face transformers' own MoE classes (Qwen3-MoE, Mixtral) go through it
+read-only views. Hugging Face transformers' own MoE classes (Qwen3-MoE, Mixtral, DeepSeek-V3) go through it
 under torch 2.x (the .venv run; transformers 5 needs torch 2)."""
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -90,6 +91,8 @@ def _start(path, mode, counter):
 
 def _result(p, code=0):
     out, err = p.communicate(timeout=120)
+    if err is None and hasattr(p, "err_file"):
+        err = _stderr(p)
     assert p.returncode == code, (out, err)
     return json.loads(out.strip().splitlines()[-1])
 
@@ -197,9 +200,24 @@ HF_ENGINE = textwrap.dedent("""
              and len(m.expert_arena.info(n)["shape"]) == 3]
     print(json.dumps({"tokens": generate(m), "role": m.expert_arena.report["role"],
                       "bytes_read": m.expert_arena.report["bytes_read"],
+                      "data_bytes": m.expert_arena.report["data_bytes"],
                       "in_arena": all(start <= t.data_ptr() < start + size for t in tensors),
-                      "fused": len(fused)}))
+                      "fused": len(fused)}), flush=True)
+    sys.stdin.read()  # held until the test has measured both engines' memory
 """)
+
+
+def _arena_pss_kib(pid, path):
+    """Pss of every mapping of the arena file in process `pid`, in KiB."""
+    total, inside = 0, False
+    with open("/proc/%d/smaps" % pid) as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not line.startswith(("Pss", "Rss")):
+                inside = line.rstrip("\n").endswith(path)
+            elif inside and line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total
 
 
 def _tiny_checkpoint(kind, out):
@@ -212,6 +230,14 @@ def _tiny_checkpoint(kind, out):
         config = transformers.Qwen3MoeConfig(moe_intermediate_size=64, num_experts=8,
                                              head_dim=32, **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "deepseek_v3":
+        del common["num_local_experts"]
+        common["num_key_value_heads"] = 4
+        config = transformers.DeepseekV3Config(
+            moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1, **common)
+        cls = transformers.DeepseekV3ForCausalLM
     else:
         config = transformers.MixtralConfig(**common)
         cls = transformers.MixtralForCausalLM
@@ -221,21 +247,54 @@ def _tiny_checkpoint(kind, out):
 
 
 def _hf(path, model_dir, mode):
-    return subprocess.Popen([sys.executable, "-c", HF_ENGINE, path, model_dir, mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env())
+    # stderr to a file: transformers' progress bars must never fill a pipe nobody reads yet.
+    err = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen([sys.executable, "-c", HF_ENGINE, path, model_dir, mode],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                         env=child_env())
+    p.err_file = err
+    return p
+
+
+def _stderr(p):
+    p.err_file.seek(0)
+    return p.err_file.read()[-4000:]
+
+
+def _first_line(p, timeout=180):
+    """The engine's JSON line; it then waits, alive, for its stdin to close."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        p.kill()
+        raise AssertionError("no answer from the engine in %d s: %s" % (timeout, _stderr(p)))
+    line = p.stdout.readline()
+    assert line, (p.communicate(), _stderr(p))
+    return json.loads(line)
 
 
 @pytest.mark.skipif(not TORCH2, reason="transformers 5 needs torch 2.x (this is %s); the "
                     ".venv run covers it" % torch.__version__)
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, shm_path,
                                                                          tmp_path):
     model_dir = _tiny_checkpoint(kind, str(tmp_path / kind))
     path = shm_path("hf-" + kind)
-    reference = _result(_hf(path, model_dir, "plain"))["tokens"]
+    plain = _hf(path, model_dir, "plain")
+    reference = _result(plain)["tokens"]
     engines = [_hf(path, model_dir, "shared") for _ in range(2)]
-    results = [_result(p) for p in engines]
+    try:
+        results = [_first_line(p) for p in engines]
+        # Both alive: the arena's pages are held once between them (the Pss of its mappings
+        # sums to at most the file's size; a copy each would be twice it).
+        pss = sum(_arena_pss_kib(p.pid, path) for p in engines) * 1024
+        file_bytes = os.path.getsize(path)
+        assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
+    finally:
+        for p in engines:
+            p.communicate(timeout=60)
+    assert all(p.returncode == 0 for p in engines)
     assert sorted(r["role"] for r in results) == ["attached", "loaded"]
     for r in results:
         assert r["tokens"] == reference
@@ -244,5 +303,7 @@ def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, sh
     attached = next(r for r in results if r["role"] == "attached")
     # The attacher fingerprinted the checkpoint (headers, config) and read no tensor.
     assert attached["bytes_read"] < 64 * 1024
-    restart = _result(_hf(path, model_dir, "shared"))
+    restarted = _hf(path, model_dir, "shared")
+    restart = _first_line(restarted)
+    restarted.communicate(timeout=60)
     assert restart["role"] == "attached" and restart["tokens"] == reference
