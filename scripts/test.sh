@@ -157,7 +157,10 @@ for t in "${tsan_tests[@]}"; do
 done
 
 step "bounded soak"
-# The soak is bounded to about a minute here (EA_STREAM_SOAK_SECONDS, EA_STREAM_SOAK_TENSORS).
-EA_STREAM_SOAK_SECONDS=${EA_STREAM_SOAK_SECONDS:-60} ctest --preset soak
+# The soak is bounded to about a minute here (EA_STREAM_SOAK_SECONDS, EA_STREAM_SOAK_TENSORS):
+# by time, the tensor count set high enough that a fast machine does not stop at the test's own
+# default of 100,000 (2.6 s on the 2-core VM, 2026-12-02).
+EA_STREAM_SOAK_SECONDS=${EA_STREAM_SOAK_SECONDS:-60} \
+  EA_STREAM_SOAK_TENSORS=${EA_STREAM_SOAK_TENSORS:-5000000} ctest --preset soak
 step ""
 echo "== all steps passed in $SECONDS s"
