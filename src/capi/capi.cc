@@ -97,6 +97,19 @@ constexpr size_t kMinInfoSize = offsetof(ea_arena_info, gpu_registered_bytes) + 
 constexpr size_t kMinEngineSize = offsetof(ea_engine_params, user) + sizeof(void*);
 constexpr size_t kMinEngineTensorSize = offsetof(ea_engine_tensor, alignment) + sizeof(uint64_t);
 
+// The defaults are built in a whole struct of this version (`set` fills them in) and only the
+// caller's bytes are copied out: an older caller's struct ends early and must not be written
+// past.
+template <typename Params, typename Set>
+void InitSized(Params* params, size_t size, Set set) {
+  if (params == nullptr || size < sizeof params->size) return;
+  Params defaults;
+  std::memset(static_cast<void*>(&defaults), 0, sizeof defaults);
+  defaults.size = size;
+  set(defaults);
+  std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
+}
+
 }  // namespace
 }  // namespace expert_arena
 
@@ -105,18 +118,14 @@ using expert_arena::capi::Guarded;
 
 extern "C" {
 
+
 void ea_open_params_init_sized(ea_open_params* params, size_t size) {
-  if (params == nullptr || size < sizeof params->size) return;
-  // The defaults are built in a whole struct of this version and only the caller's bytes are
-  // copied out: an older caller's struct ends early and must not be written past.
-  ea_open_params defaults;
-  std::memset(static_cast<void*>(&defaults), 0, sizeof defaults);
-  defaults.size = size;
-  defaults.wait_timeout_seconds = 600.0;
-  defaults.huge_pages = EA_HUGE_AUTO;
-  defaults.file_mode = 0600;
-  defaults.format = EA_FORMAT_AUTO;
-  std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
+  expert_arena::InitSized(params, size, [](ea_open_params& d) {
+    d.wait_timeout_seconds = 600.0;
+    d.huge_pages = EA_HUGE_AUTO;
+    d.file_mode = 0600;
+    d.format = EA_FORMAT_AUTO;
+  });
 }
 
 int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
@@ -189,12 +198,7 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
 }
 
 void ea_engine_params_init_sized(ea_engine_params* params, size_t size) {
-  if (params == nullptr || size < sizeof params->size) return;
-  ea_engine_params defaults;
-  std::memset(static_cast<void*>(&defaults), 0, sizeof defaults);
-  defaults.size = size;
-  defaults.alignment = 4096;
-  std::memcpy(static_cast<void*>(params), &defaults, std::min(size, sizeof defaults));
+  expert_arena::InitSized(params, size, [](ea_engine_params& d) { d.alignment = 4096; });
 }
 
 int ea_arena_open_engine(const ea_open_params* params_in, const ea_engine_params* engine_in,

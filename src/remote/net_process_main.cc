@@ -57,16 +57,24 @@ std::string NextRequest(int wait_ms) {
   return frame->empty() ? std::string("idle") : *frame;
 }
 
+// Reads the "KEY VALUE" option frames the parent sends until "go", handing each to `take`;
+// false when the control socket failed first.
+template <typename Take>
+bool ReadOptions(Take take) {
+  while (true) {
+    auto frame = RecvFrame(fd, kReplyMs);
+    if (!frame.ok()) return false;
+    auto [key, value] = SplitWord(*frame);
+    if (key == "go") return true;
+    take(key, std::string(value));
+  }
+}
+
 int RunStream(const std::shared_ptr<spdlog::logger>& log) {
   StreamServerOptions o;
   o.logger = log;
   std::vector<std::string> aborted;
-  while (true) {
-    auto frame = RecvFrame(fd, kReplyMs);
-    if (!frame.ok()) return 1;
-    auto [key, value] = SplitWord(*frame);
-    std::string v(value);
-    if (key == "go") break;
+  bool read = ReadOptions([&](std::string_view key, const std::string& v) {
     if (key == "listen") o.listen = v;
     if (key == "token") o.token = v;
     if (key == "lease") o.lease_seconds = std::strtod(v.c_str(), nullptr);
@@ -76,7 +84,8 @@ int RunStream(const std::shared_ptr<spdlog::logger>& log) {
     if (key == "instance") o.instance_id = std::strtoull(v.c_str(), nullptr, 10);
     if (key == "log_level") log->set_level(LogLevel(v));
     if (key == "aborted") aborted.push_back(v);
-  }
+  });
+  if (!read) return 1;
   auto server = StartStreamServerInProcess(o);
   if (!server.ok()) return Refuse(server.status());
   for (const std::string& k : aborted) (*server)->Aborted(k);
@@ -112,19 +121,15 @@ int RunServe(const std::shared_ptr<spdlog::logger>& log) {
   std::string path;
   ServeOptions o;
   o.logger = log;
-  while (true) {
-    auto frame = RecvFrame(fd, kReplyMs);
-    if (!frame.ok()) return 1;
-    auto [key, value] = SplitWord(*frame);
-    std::string v(value);
-    if (key == "go") break;
+  bool read = ReadOptions([&](std::string_view key, const std::string& v) {
     if (key == "path") path = v;
     if (key == "listen") o.listen = v;
     if (key == "token") o.token = v;
     if (key == "hello_timeout") o.hello_timeout_seconds = std::strtod(v.c_str(), nullptr);
     if (key == "transport") o.transport = v == "get" ? PeerTransport::kGet : PeerTransport::kAm;
     if (key == "log_level") log->set_level(LogLevel(v));
-  }
+  });
+  if (!read) return 1;
   auto server = PeerServer::Start(path, o);
   if (!server.ok()) return Refuse(server.status());
   const ServeInfo& info = (*server)->info();
