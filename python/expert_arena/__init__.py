@@ -57,7 +57,8 @@ __version__ = _core.__version__
 __all__ = [
     "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
     "StreamProducer", "StreamTensor",
-    "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "open_engine",
+    "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "metrics",
+    "open_engine",
     "shared_module", "sweep",
     "xxh3_64", "__version__",
 ]
@@ -1087,6 +1088,20 @@ def sweep(directory="/dev/shm") -> dict:
     reuse; never another user's files). Returns {"removed": [...], "live": [...],
     "notes": [...]}."""
     return _core.sweep(os.fsdecode(os.fspath(directory)))
+
+
+def metrics(directories=("/dev/shm",)) -> str:
+    """The arenas and stream segments in `directories` in Prometheus' text exposition format:
+    the text `expert-arena metrics` prints (docs/deployment.md#metrics), for an engine to add to its
+    own /metrics. A directory that cannot be listed is expert_arena_directory_up 0, with a
+    warning on the "expert_arena" logger naming why."""
+    if isinstance(directories, (str, bytes, os.PathLike)):
+        directories = [directories]
+    text, problems = _core.metrics([os.fsdecode(os.fspath(d)) for d in directories])
+    for problem in problems:
+        _log.warning("expert_arena.metrics(): %s (reported as expert_arena_directory_up 0)",
+                     problem)
+    return text
 
 
 def inspect_segment(path) -> dict:

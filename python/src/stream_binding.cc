@@ -1,6 +1,8 @@
 // expert_arena._core: tensor streaming (producer, reservation, consumer, opened tensors).
 #include "binding.h"
 
+#include "expert_arena/metrics.h"
+
 namespace expert_arena::python {
 namespace {
 
@@ -717,6 +719,15 @@ void BindStream(py::module_& m) {
   });
   m.def("inspect_segment",
         [](const std::string& path) { return SegmentDict(Take(InspectSegment(path))); });
+  m.def("metrics", [](const std::vector<std::string>& directories) {
+    std::vector<std::string> problems;
+    std::string text;
+    {
+      py::gil_scoped_release release;
+      text = PrometheusText(directories, &problems);
+    }
+    return py::make_tuple(py::str(text), problems);
+  });
 }
 
 }  // namespace expert_arena::python

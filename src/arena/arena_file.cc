@@ -252,4 +252,13 @@ Result<ArenaSweepReport> SweepArenaFiles(const std::string& directory) {
   return report;
 }
 
+bool HasArenaMagic(const std::string& path, uint64_t size) {
+  if (size < sizeof(format::HeaderFixed)) return false;
+  auto fd = platform::OpenFile(path, {.no_follow = true});
+  if (!fd.ok()) return false;
+  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
+  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
+  return format::SummarizeHeader(fixed).our_magic;
+}
+
 }  // namespace expert_arena::arena

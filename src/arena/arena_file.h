@@ -40,6 +40,9 @@ struct ArenaFileInfo {
 // `scan_pages` it also maps the file and reads from the page tables how much of it is on
 // 2 MiB pages (huge_bytes, mapped_bytes); a listing of many large arenas leaves that out.
 // With `name_holders` it also scans /proc for the processes that hold its locks (holders).
+// Whether the file at `path` (of `size` bytes) begins with an arena header's magic.
+bool HasArenaMagic(const std::string& path, uint64_t size);
+
 Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages = true,
                                        bool name_holders = false);
 

@@ -155,7 +155,8 @@ int RunServe(const std::shared_ptr<spdlog::logger>& log) {
         const DoorCounters c = (*server)->counters();
         Status s = SendFrame(fd,
                              "counters " + std::to_string((*server)->peers_offered()) + " " +
-                                 std::to_string((*server)->ranges_refused()) + " " + Counts(c),
+                                 std::to_string((*server)->ranges_refused()) + " " + Counts(c) +
+                                 " " + std::to_string((*server)->bytes_sent()),
                              kReplyMs);
         if (!s.ok()) stop = true;
       } else {

@@ -85,6 +85,7 @@ struct UcxPeerServer final : PeerServer {
   DoorCounters dropped;  // admitted peers dropped: timed_out, dropped
   uint64_t offered = 0;
   uint64_t refused = 0;
+  uint64_t sent = 0;  // bytes of ranges whose send completed
 
   ~UcxPeerServer() override {
     auto deadline = Clock::now() + std::chrono::seconds(2);
@@ -166,7 +167,8 @@ struct UcxPeerServer final : PeerServer {
       send.request = ucp_am_send_nbx(c.ep, kRangeDataId, &send.range, sizeof send.range,
                                      static_cast<const std::byte*>(mapping.data()) + r.offset,
                                      r.bytes, &param);
-      if (send.request == nullptr) {
+      if (send.request == nullptr) {  // sent at once
+        sent += r.bytes;
         c.sends.pop_back();
       } else if (UCS_PTR_IS_ERR(send.request)) {
         c.failed = true;
@@ -247,6 +249,7 @@ struct UcxPeerServer final : PeerServer {
         }
         ucp_request_free(s->request);
         c.last_activity = now;
+        if (status == UCS_OK) sent += s->range.bytes;
         if (status != UCS_OK && !c.failed) {
           c.failed = true;
           c.failure = status;
@@ -295,6 +298,7 @@ struct UcxPeerServer final : PeerServer {
   const ServeInfo& info() const override { return serve_info; }
   uint64_t peers_offered() const override { return offered; }
   uint64_t ranges_refused() const override { return refused; }
+  uint64_t bytes_sent() const override { return sent; }
   DoorCounters counters() const override {
     DoorCounters out = door ? door->counters() : DoorCounters{};
     out.timed_out += dropped.timed_out;

@@ -84,6 +84,9 @@ class PeerServer {
   virtual uint64_t peers_offered() const = 0;
   // Range requests refused (outside the file, before an offer, on a get server) so far.
   virtual uint64_t ranges_refused() const = 0;
+  // Bytes of the arena file sent to peers in answer to their range requests (--transport am;
+  // a get server's peers read the mapping themselves, uncounted).
+  virtual uint64_t bytes_sent() const = 0;
   // What the front door did to peers, and admitted peers dropped since (timed_out: no first
   // message in time; dropped: idle past idle_timeout_seconds, or a malformed request).
   virtual DoorCounters counters() const = 0;

@@ -250,6 +250,59 @@ TEST_F(FrontDoorTest, KillerPacketsLeaveServeAliveAndServing) {
   EXPECT_EQ(summary["peers_offered"], 1);
 }
 
+// A sample's value in a Prometheus text file ("name{...} value" lines), or -1 when absent.
+double Sample(const std::string& path, const std::string& name) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(name + "{", 0) == 0 || line.rfind(name + " ", 0) == 0) {
+      return std::strtod(line.substr(line.rfind(' ') + 1).c_str(), nullptr);
+    }
+  }
+  return -1;
+}
+
+// serve --metrics-textfile: the counters node_exporter's textfile collector reads, as they
+// change, carried over a restart of the network process, and up 0 once stopped; promtool
+// (Debian's prometheus) accepts the file.
+TEST_F(FrontDoorTest, ServeKeepsItsCountersInATextfileForNodeExporter) {
+  const std::string prom = (dir_ / "serve.prom").string();
+  Server server = Serve("--metrics-textfile " + prom, "EXPERT_ARENA_NET_RESTART_SECONDS=1");
+  ASSERT_GT(server.port, 0) << server.child.Output();
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_up"), 1);
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_peers_served_total"), 0);
+  ExpectServed(server);
+  const auto deadline = Clock::now() + std::chrono::seconds(15);
+  while (Sample(prom, "expert_arena_serve_peers_served_total") < 1 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_peers_served_total"), 1);
+  const double file_bytes = static_cast<double>(std::filesystem::file_size(served_->path()));
+  EXPECT_GE(Sample(prom, "expert_arena_serve_sent_bytes_total"), file_bytes - (2 << 20))
+      << "the data region at least";
+  EXPECT_LE(Sample(prom, "expert_arena_serve_sent_bytes_total"), file_bytes);
+  // An outage: the network process is down in the file, then up again, the totals kept.
+  ASSERT_EQ(kill(server.net_pid, SIGKILL), 0);
+  ASSERT_TRUE(server.child.WaitForOutput("\"restarted\"", 30)) << server.child.Output();
+  auto summary = Stop(server);
+  ASSERT_TRUE(summary.is_object()) << server.child.Output();
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_up"), 0);
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_network_process_restarts_total"), 1);
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_peers_served_total"), 1);
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_sent_bytes_total"),
+            summary["bytes_sent"].get<double>());
+  EXPECT_EQ(Sample(prom, "expert_arena_serve_peers_admitted_total"),
+            summary["admitted"].get<double>());
+  std::string out;
+  const int promtool = Sh("command -v promtool >/dev/null", &out);
+  if (promtool != 0) {
+    if (std::getenv("CI") != nullptr) ADD_FAILURE() << "promtool is missing (Debian prometheus)";
+  } else {
+    EXPECT_EQ(Sh("promtool check metrics < " + prom, &out), 0) << out;
+  }
+  std::filesystem::remove(prom);
+}
+
 // The network process of serve SIGKILLed (as a UCX abort would end it): serve lives, a fill
 // during the outage fails cleanly, and once the process is restarted (on the same address)
 // a fill succeeds; serve --json says so, and its summary counts the restart.

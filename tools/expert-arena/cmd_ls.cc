@@ -145,7 +145,7 @@ int RunList(const std::string& dir, bool json) {
     }
     if (IsStreamSegment(path)) {
       AddSegment(path, out);
-    } else if (HasArenaMagic(path, st->size)) {
+    } else if (arena::HasArenaMagic(path, st->size)) {
       AddArena(path, out);
     } else {
       ++out.other_files;
@@ -179,15 +179,6 @@ int RunList(const std::string& dir, bool json) {
 }
 
 }  // namespace
-
-bool HasArenaMagic(const std::string& path, uint64_t size) {
-  if (size < sizeof(format::HeaderFixed)) return false;
-  auto fd = platform::OpenFile(path, {.no_follow = true});
-  if (!fd.ok()) return false;
-  std::vector<std::byte> fixed(sizeof(format::HeaderFixed));
-  if (!platform::ReadFull(*fd, 0, fixed).ok()) return false;
-  return format::SummarizeHeader(fixed).our_magic;
-}
 
 void RegisterList(CLI::App& app, int& exit_code) {
   auto dir = std::make_shared<std::string>("/dev/shm");

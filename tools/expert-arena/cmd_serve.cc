@@ -15,7 +15,10 @@
 #include <sstream>
 
 #include "commands.h"
+#include "common/units.h"
 #include "expert_arena/arena.h"
+#include "metrics/exposition.h"
+#include "platform/file.h"
 #include "platform/process.h"
 #include "remote/net_control.h"
 #include "remote/peer_server.h"
@@ -30,6 +33,7 @@ struct ServeArgs {
   double hello_timeout = 10;
   std::string transport = "am";
   bool json = false;
+  std::string metrics_textfile;
 };
 
 // The serving side of `serve` runs in the network process (expert-arena-net serve,
@@ -50,9 +54,11 @@ struct ServeCounts {
   uint64_t peers_offered = 0;
   uint64_t ranges_refused = 0;
   remote::DoorCounters door;
+  uint64_t bytes_sent = 0;
   void Add(const ServeCounts& o) {
     peers_offered += o.peers_offered;
     ranges_refused += o.ranges_refused;
+    bytes_sent += o.bytes_sent;
     door.admitted += o.door.admitted;
     door.refused += o.door.refused;
     door.timed_out += o.door.timed_out;
@@ -119,10 +125,91 @@ std::optional<ServeCounts> AskCounts(const NetChild& child) {
   std::string word;
   ServeCounts c;
   in >> word >> c.peers_offered >> c.ranges_refused >> c.door.admitted >> c.door.refused >>
-      c.door.timed_out >> c.door.dropped >> c.door.auth_failed;
+      c.door.timed_out >> c.door.dropped >> c.door.auth_failed >> c.bytes_sent;
   if (word != "counters" || !in) return std::nullopt;
   return c;
 }
+
+// serve's counters for node_exporter's textfile collector (--metrics-textfile), replaced whole
+// (temporary file, rename) whenever they change and every kRefreshSeconds (its mtime says serve
+// lives): the totals over every network process,
+// whether it runs now, and whether serve does (0 in the file it leaves when stopped; a serve
+// killed by SIGKILL leaves 1, and node_exporter's node_textfile_mtime_seconds shows the file
+// stopped changing).
+class ServeMetrics {
+ public:
+  static constexpr int kRefreshSeconds = 15;
+
+  ServeMetrics(std::string path, const remote::ServeInfo& info)
+      : path_(std::move(path)), labels_{{"path", info.path}, {"listen", info.address}},
+        started_(static_cast<double>(std::time(nullptr))) {}
+
+  void Write(const ServeCounts& c, uint64_t restarts, bool network_up, bool serving) {
+    if (path_.empty()) return;
+    metrics::Exposition e;
+    auto gauge = [&](const char* name, const char* help, uint64_t v) {
+      e.Declare(name, "gauge", help);
+      e.Add(name, labels_, v);
+    };
+    auto counter = [&](const char* name, const char* help, uint64_t v) {
+      e.Declare(name, "counter", help);
+      e.Add(name, labels_, v);
+    };
+    gauge("expert_arena_serve_up", "1 while expert-arena serve serves the arena, 0 once stopped.",
+          serving ? 1 : 0);
+    gauge("expert_arena_serve_network_process_up",
+          "1 while serve's network process (front door and UCX) runs, 0 during an outage.",
+          network_up ? 1 : 0);
+    e.Declare("expert_arena_serve_start_time_seconds", "gauge",
+              "When serve started, in seconds since the epoch.");
+    e.AddReal("expert_arena_serve_start_time_seconds", labels_, started_);
+    counter("expert_arena_serve_peers_served_total", "Peers offered the arena.",
+            c.peers_offered);
+    counter("expert_arena_serve_sent_bytes_total",
+            "Bytes of the arena file sent to peers (--transport am).", c.bytes_sent);
+    counter("expert_arena_serve_range_requests_refused_total",
+            "Range requests refused (outside the file, before the offer, on a get server).",
+            c.ranges_refused);
+    counter("expert_arena_serve_peers_admitted_total",
+            "Peers the front door admitted (their token proof held).", c.door.admitted);
+    counter("expert_arena_serve_peers_refused_total",
+            "Peers refused at the front door (limits, throttling, another arena asked).",
+            c.door.refused);
+    counter("expert_arena_serve_peers_timed_out_total",
+            "Peers dropped because a deadline passed (the handshake, the first request).",
+            c.door.timed_out);
+    counter("expert_arena_serve_peers_dropped_total",
+            "Peers dropped for a malformed message, a hang-up mid-handshake or idling.",
+            c.door.dropped);
+    counter("expert_arena_serve_peers_auth_failed_total",
+            "Peers whose token proof did not hold.", c.door.auth_failed);
+    counter("expert_arena_serve_network_process_restarts_total",
+            "Times the network process was started again after it ended.", restarts);
+    const std::string text = e.Text();
+    const auto now = std::chrono::steady_clock::now();
+    if (text == last_ && now - written_at_ < std::chrono::seconds(kRefreshSeconds)) return;
+    Status written = platform::ReplaceFileAtomically(path_, text, 0644);
+    if (!written.ok()) {
+      if (!warned_) {
+        std::fprintf(stderr, "expert-arena serve: --metrics-textfile: %s\n",
+                     written.message().c_str());
+      }
+      warned_ = true;
+      return;
+    }
+    warned_ = false;
+    last_ = text;
+    written_at_ = now;
+  }
+
+ private:
+  std::string path_;
+  metrics::Labels labels_;
+  double started_;
+  std::string last_;
+  std::chrono::steady_clock::time_point written_at_{};
+  bool warned_ = false;
+};
 
 int RunServe(const ServeArgs& args) {
   std::string token = args.token;
@@ -156,6 +243,9 @@ int RunServe(const ServeArgs& args) {
     return 1;
   }
   NetChild child = std::move(started).value();
+  // The file exists before serve says it listens.
+  ServeMetrics metrics(args.metrics_textfile, info);
+  metrics.Write(ServeCounts{}, 0, true, true);
   if (args.json) {
     nlohmann::json j;
     j["serving"] = info.path;
@@ -183,6 +273,11 @@ int RunServe(const ServeArgs& args) {
   ServeCounts ended;  // the ended network processes' counts
   ServeCounts last;   // the running one's, as last read
   uint64_t restarts = 0;
+  auto totals = [&] {
+    ServeCounts t = ended;
+    t.Add(last);
+    return t;
+  };
   const double first_backoff = remote::NetRestartFirstSeconds();
   double backoff = first_backoff;
   auto up_since = Clock::now();
@@ -198,6 +293,7 @@ int RunServe(const ServeArgs& args) {
         if (Clock::now() - last_read > std::chrono::seconds(1)) {
           if (auto c = AskCounts(child)) last = *c;
           last_read = Clock::now();
+          metrics.Write(totals(), restarts, true, true);
         }
         continue;
       }
@@ -209,6 +305,7 @@ int RunServe(const ServeArgs& args) {
       ended.Add(last);
       last = ServeCounts{};
       child = NetChild{};
+      metrics.Write(totals(), restarts, false, true);
       restart_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(backoff));
       backoff = std::min(backoff * 2, remote::kNetRestartMaxSeconds);
@@ -229,6 +326,7 @@ int RunServe(const ServeArgs& args) {
     restart_at.reset();
     ++restarts;
     up_since = Clock::now();
+    metrics.Write(totals(), restarts, true, true);
     std::fprintf(stderr, "expert-arena serve: the network process restarted (pid %d) on %s\n",
                  static_cast<int>(child.pid), info.address.c_str());
     if (args.json) {
@@ -246,21 +344,28 @@ int RunServe(const ServeArgs& args) {
     (void)platform::StopChild(child.pid, 10);
   }
   ended.Add(last);
+  metrics.Write(ended, restarts, false, false);
   const remote::DoorCounters& c = ended.door;
   auto n = [](uint64_t v) { return static_cast<unsigned long long>(v); };
+  auto count = [](uint64_t v, const char* one) {
+    return std::to_string(v) + " " + one + (v == 1 ? "" : "s");
+  };
   std::fprintf(stderr,
-               "expert-arena serve: stopped after offering %s to %llu peers (%llu range requests "
-               "refused; front door: %llu admitted, %llu refused, %llu timed out, %llu dropped, "
-               "%llu failed the token; network process restarted %llu times)\n",
-               info.path.c_str(), n(ended.peers_offered), n(ended.ranges_refused),
-               n(c.admitted), n(c.refused), n(c.timed_out), n(c.dropped), n(c.auth_failed),
-               n(restarts));
+               "expert-arena serve: stopped after offering %s to %s (%s sent; %s refused; "
+               "front door: %llu admitted, %llu refused, %llu timed out, %llu dropped, "
+               "%llu failed the token; network process restarted %s)\n",
+               info.path.c_str(), count(ended.peers_offered, "peer").c_str(),
+               FormatBytes(ended.bytes_sent).c_str(),
+               count(ended.ranges_refused, "range request").c_str(), n(c.admitted),
+               n(c.refused), n(c.timed_out), n(c.dropped), n(c.auth_failed),
+               count(restarts, "time").c_str());
   if (args.json) {
     // The final summary, on a line of its own.
     nlohmann::json j;
     j["stopped"] = info.path;
     j["peers_offered"] = ended.peers_offered;
     j["ranges_refused"] = ended.ranges_refused;
+    j["bytes_sent"] = ended.bytes_sent;
     j["admitted"] = c.admitted;
     j["refused"] = c.refused;
     j["timed_out"] = c.timed_out;
@@ -293,6 +398,10 @@ void RegisterServe(CLI::App& app, int& exit_code) {
                   "checked; get: peers read the registered mapping with ucp_get (on UCX's tcp "
                   "transport a get carries no key: needs a token, trusted networks only)")
       ->check(CLI::IsMember({"am", "get"}));
+  cmd->add_option("--metrics-textfile", args->metrics_textfile,
+                  "Keep serve's counters (peers served, bytes sent, refused, timed out, dropped, "
+                  "restarts) in this file in Prometheus' text format, replaced whole as they "
+                  "change: a .prom file in node_exporter's --collector.textfile.directory");
   cmd->add_flag("--json", args->json,
                 "Print one JSON line once listening, and one with the counts when stopped");
   cmd->callback([args, &exit_code] { exit_code = RunServe(*args); });

@@ -13,8 +13,6 @@ void RegisterSweep(CLI::App& app, int& exit_code);
 int RunSegmentInfo(const std::string& path, bool json);
 void RegisterGenModel(CLI::App& app, int& exit_code);
 void RegisterList(CLI::App& app, int& exit_code);  // ls
-// Whether the regular file at `path` (of `size` bytes) starts with the arena magic (cmd_ls.cc).
-bool HasArenaMagic(const std::string& path, uint64_t size);
 void RegisterMetrics(CLI::App& app, int& exit_code);
 void RegisterServe(CLI::App& app, int& exit_code);
 
