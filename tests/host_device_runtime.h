@@ -46,9 +46,15 @@ class HostDeviceRuntime final : public gpu::Runtime {
   }
   bool CanRegisterReadOnly(int) const override { return true; }
 
+  // Every HostRegister fails while set (a driver out of pinnable memory).
+  bool refuse_registrations = false;
+
   Status HostRegister(int device, void* data, size_t bytes, bool) const override {
     std::lock_guard lock(mu_);
     EA_RETURN_IF_ERROR(CheckDevice(device));
+    if (refuse_registrations) {
+      return Status(StatusCode::kIoError, "host device: registration refused (as told)");
+    }
     auto begin = reinterpret_cast<uintptr_t>(data);
     for (const auto& [b, n] : registered_) {
       if (begin < b + n && b < begin + bytes) {

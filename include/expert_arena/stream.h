@@ -323,7 +323,7 @@ class EXPERT_ARENA_EXPORT StreamProducer {
 // A consumer's zero-copy view of one tensor. Release() (or the destructor) returns this
 // reader's share; ReleaseWhen() defers it until `ready` returns true (a device copy from
 // these bytes finished), checked by the consumer's calls and PollReleases(). bytes() and
-// descriptor() may be called only before the tensor is released (or moved from).
+// descriptor() are empty once the tensor is released (or moved from).
 class EXPERT_ARENA_EXPORT StreamTensor {
  public:
   StreamTensor(StreamTensor&& other) noexcept;
@@ -332,6 +332,7 @@ class EXPERT_ARENA_EXPORT StreamTensor {
   StreamTensor& operator=(const StreamTensor&) = delete;
   ~StreamTensor();
 
+  // Empty after Release() (and in a moved-from tensor), as descriptor() is.
   std::span<const std::byte> bytes() const;
   // The same bytes through this process's copy-on-write (MAP_PRIVATE) mapping of the segment,
   // made once per mapped segment, by the first call for one of its blocks: reads see the

@@ -310,10 +310,7 @@ size_t Arena::tensor_count() const {
 TensorView Arena::tensor(size_t index) const {
   if (impl_->view) {
     const format::TableView& table = *impl_->view;
-    if (index >= table.tensor_count()) {
-      throw std::out_of_range("tensor index " + std::to_string(index) + " of " +
-                              std::to_string(table.tensor_count()));
-    }
+    if (index >= table.tensor_count()) return TensorView();
     format::TensorEntry entry = table.entry(index);
     std::span<const std::byte> data = impl_->data();
     TensorView view;
@@ -329,7 +326,8 @@ TensorView Arena::tensor(size_t index) const {
     view.checksum = entry.checksum;
     return view;
   }
-  const format::TensorRecord& t = impl_->table.tensors.at(index);
+  if (index >= impl_->table.tensors.size()) return TensorView();
+  const format::TensorRecord& t = impl_->table.tensors[index];
   TensorView view;
   view.name = t.name;
   view.dtype = t.dtype;

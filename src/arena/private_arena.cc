@@ -25,6 +25,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
   request.reader = options.reader;
   request.progress = options.progress;
   request.logger = &log;
+  request.logger_is_engines = options.logger != nullptr;
   HugeDecision huge;
   Result<load::LoadResult> loaded = Internal("private arena: not loaded");
   if (options.pages_alongside_load) {

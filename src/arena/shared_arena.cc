@@ -559,6 +559,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     request.reader = options.reader;
     request.progress = options.progress;
     request.logger = &log;
+    request.logger_is_engines = options.logger != nullptr;
     if (pages != nullptr) {
       request.ready_front = &pages->front();
       request.ready_base = impl->data_offset;

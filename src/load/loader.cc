@@ -225,7 +225,8 @@ Result<LoadResult> LoadTensors(const LoadRequest& request, format::ArenaTable& t
   }
   Status read;
   {
-    ProgressLine progress(request.progress, plan.total_bytes, &job.bytes_done);
+    ProgressLine progress(request.progress, plan.total_bytes, &job.bytes_done,
+                          request.logger_is_engines ? request.logger : nullptr);
     if (!rings.empty()) {
       result.reader = "io_uring";
       read = RunUringReaders(job, rings, queue_depth);

@@ -42,6 +42,7 @@ struct LoadRequest {
   std::string reader = "auto";  // "auto", "io_uring", "pread"
   bool progress = false;        // a progress line on stderr when it is a terminal
   spdlog::logger* logger = nullptr;
+  bool logger_is_engines = false;  // progress goes through `logger`, not redrawn on stderr
   // Tuning (0: the default). Reads of up to chunk_bytes (4 MiB), direct_chunk_bytes (16 MiB)
   // for uncached ranges read with O_DIRECT; queue_depth reads in flight per io_uring thread
   // for uncached data; `threads` readers (default: one per CPU, 2 to 8).

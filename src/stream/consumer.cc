@@ -533,7 +533,12 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
       auto reg = gpu::RegisterHostRange(
           view.memory.bytes(),
           {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
-      if (reg.ok()) view.registration = std::move(reg).value();
+      if (reg.ok()) {
+        view.registration = std::move(reg).value();
+      } else {
+        log->warn("stream consumer: GPU registration of the remote view of key {} failed: {}",
+                  QuoteForMessage(ds[i].key), reg.status().message());
+      }
     }
     auto state = std::make_unique<StreamTensor::State>();
     state->consumer = self_weak.lock();
@@ -834,14 +839,19 @@ StreamTensor& StreamTensor::operator=(StreamTensor&& other) noexcept {
 }
 StreamTensor::~StreamTensor() { Release(); }
 
-std::span<const std::byte> StreamTensor::bytes() const { return state_->bytes; }
+std::span<const std::byte> StreamTensor::bytes() const {
+  return state_ ? state_->bytes : std::span<const std::byte>();
+}
 Result<std::span<std::byte>> StreamTensor::private_bytes() const {
   if (!state_ || state_->consumer == nullptr) {
     return InvalidArgument("stream private_bytes: the tensor was released");
   }
   return state_->consumer->PrivateBytes(*state_);
 }
-const TensorDescriptor& StreamTensor::descriptor() const { return state_->descriptor; }
+const TensorDescriptor& StreamTensor::descriptor() const {
+  static const TensorDescriptor kReleased;
+  return state_ ? state_->descriptor : kReleased;
+}
 
 void StreamTensor::Release() {
   if (!state_) return;

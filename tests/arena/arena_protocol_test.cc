@@ -62,6 +62,8 @@ TEST_F(ArenaProtocolTest, LoadThenAttachInTheSameProcess) {
   EXPECT_EQ(HexSum(second.tensor(0).bytes), FileSum(model_.path()));
   // Views of a shared arena know where they live in the file.
   EXPECT_EQ(second.tensor(0).file_offset, format::kHeaderPageBytes);
+  EXPECT_TRUE(second.tensor(second.tensor_count()).name.empty());
+  EXPECT_TRUE(second.tensor(~size_t{0}).bytes.empty());
   EXPECT_EQ(reinterpret_cast<uintptr_t>(second.data().data()) % kHugePageBytes, 0u);
 }
 
@@ -384,6 +386,10 @@ TEST_F(ArenaProtocolTest, PrivateArenaHasTheSameViews) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(arena.data().data()) % kHugePageBytes, 0u);
   ASSERT_TRUE(arena.Find(arena.tensor(0).name).has_value());
   EXPECT_FALSE(arena.Find("no such tensor").has_value());
+  // Past the last tensor: an empty view, never an exception out of the library.
+  TensorView past = arena.tensor(arena.tensor_count());
+  EXPECT_TRUE(past.name.empty());
+  EXPECT_EQ(past.bytes.data(), nullptr);
 }
 
 TEST_F(ArenaProtocolTest, SymlinkAndForeignOwnerAreRefused) {

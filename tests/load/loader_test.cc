@@ -20,7 +20,11 @@
 #include <optional>
 #include <thread>
 
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
 #include "common/ready_front.h"
+#include "load/progress.h"
 #include "common/units.h"
 #include "expert_arena/arena.h"
 #include "platform/file.h"
@@ -626,6 +630,24 @@ TEST(LoaderTest, FallsBackToPreadWhenSeccompRefusesIoUring) {
   ASSERT_OK(source::WriteSyntheticModel(o));
   auto child = testing::SpawnRole("seccomp_loader", {o.out});
   EXPECT_EQ(child.Wait(60), 0) << child.Output();
+}
+
+
+// An engine's logger gets the progress of a long load as messages (its log is not a terminal
+// to redraw); nothing reaches stderr around it.
+TEST(ProgressLine, GoesThroughTheEnginesLoggerWhenOneIsGiven) {
+  std::ostringstream logged;
+  spdlog::logger engine("progress-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
+  std::atomic<uint64_t> done{512ull << 20};
+  ::testing::internal::CaptureStderr();
+  {
+    ProgressLine progress(true, 1ull << 30, &done, &engine, 100);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  }
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_NE(logged.str().find("expert-arena: loading 0.50 / 1.00 GiB"), std::string::npos)
+      << logged.str();
+  EXPECT_EQ(logged.str().find('\r'), std::string::npos) << logged.str();
 }
 
 }  // namespace

@@ -21,7 +21,11 @@
 #include <optional>
 #include <thread>
 
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
 #include "expert_arena/expert_arena.h"
+#include "host_device_runtime.h"
 #include "remote/peer_client.h"
 #include "remote/stream_remote.h"
 #include "stream/stream_test_util.h"
@@ -167,6 +171,42 @@ TEST_F(StreamLoopbackTest, SameHostConsumerKeepsTheZeroCopyPath) {
   EXPECT_FALSE(t->remote());
   EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
   EXPECT_EQ(RemoteHolders(*producer), 0u);
+}
+
+// The view of a remote tensor is registered with the GPU the consumer asked for; where the
+// driver refuses, the open still serves the bytes (staged copies) and says so in the log, as
+// for a local segment, instead of dropping the failure.
+TEST_F(StreamLoopbackTest, RemoteViewRegisteredWithTheGpuOrAWarningWhenRefused) {
+  testing::ScopedHostDevice device;
+  auto producer = StreamProducer::Create(Producer());
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  std::ostringstream logged;
+  ConsumerOptions co = Consumer();
+  co.gpu = "cuda:0";
+  co.logger = std::make_shared<spdlog::logger>(
+      "remote-registration-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
+  auto consumer = StreamConsumer::Create(co);
+  ASSERT_TRUE(consumer.ok()) << consumer.status().ToString();
+  auto bytes = TensorBytes("registered", 1 << 20, 4);
+  auto desc = producer->Put("registered", bytes, {.dtype = "f32"});
+  ASSERT_TRUE(desc.ok()) << desc.status().ToString();
+  {
+    auto t = consumer->Open(*desc);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    ASSERT_TRUE(t->remote());
+    EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+    EXPECT_GT(device.runtime().registered_bytes(), 0u);
+    EXPECT_EQ(logged.str().find("GPU registration"), std::string::npos) << logged.str();
+  }
+  device.runtime().refuse_registrations = true;
+  auto refused = producer->Put("refused", bytes, {.dtype = "f32"});
+  ASSERT_TRUE(refused.ok()) << refused.status().ToString();
+  auto t = consumer->Open(*refused);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(std::memcmp(t->bytes().data(), bytes.data(), bytes.size()), 0);
+  EXPECT_NE(logged.str().find("GPU registration of the remote view of key \"refused\" failed"),
+            std::string::npos)
+      << logged.str();
 }
 
 TEST_F(StreamLoopbackTest, AbortBeforeOpenIsRefused) {

@@ -1193,5 +1193,26 @@ TEST(StreamSegment, RefusesAHeaderWhoseLogicalNameHoldsAControlByte) {
   ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(encoded));
 }
 
+TEST(StreamConsumer, ReleasedOrMovedFromTensorIsEmptyNotACrash) {
+  StreamDirs dirs;
+  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
+  ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
+  std::vector<std::byte> bytes(4096);
+  testing::FillPattern(bytes, "released");
+  ASSERT_OK_AND_ASSIGN(auto encoded, producer.Put("released", bytes, {.dtype = "u8"}));
+  ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(encoded));
+  EXPECT_EQ(t.bytes().size(), bytes.size());
+  EXPECT_EQ(t.descriptor().key, "released");
+  StreamTensor moved = std::move(t);
+  EXPECT_TRUE(t.bytes().empty());
+  EXPECT_TRUE(t.descriptor().key.empty());
+  moved.Release();
+  EXPECT_TRUE(moved.bytes().empty());
+  EXPECT_EQ(moved.bytes().data(), nullptr);
+  EXPECT_TRUE(moved.descriptor().key.empty());
+  EXPECT_EQ(moved.descriptor().length, 0u);
+  EXPECT_FALSE(moved.private_bytes().ok());
+}
+
 }  // namespace
 }  // namespace expert_arena
