@@ -93,7 +93,7 @@ std::vector<NotAModel> NotAModels() {
       {"short.safetensors", le64(1000000) + R"({"a":1})" + std::string(85, ' '),
        "safetensors header length 1000000 is larger than the file (100 bytes)"},
       {"weights.bin", binary, "not a GGUF, safetensors or safetensors index file"},
-      {"weights.dat", binary, "--format raw"},
+      {"weights.dat", binary, "ask for the raw format ("},
   };
 }
 

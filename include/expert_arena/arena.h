@@ -50,6 +50,10 @@ enum class HugePages { kAuto, kOn, kOff };
 enum class ModelFormat { kAuto, kGguf, kSafetensors, kRaw };
 EXPERT_ARENA_EXPORT const char* ModelFormatName(ModelFormat format);
 
+// Whose words a message uses for the options it names: the C++ fields, the C params
+// (ea_open_params), the CLI's flags or Python's keywords.
+enum class OptionWords { kCpp, kC, kCli, kPython };
+
 // Which model and which of its tensors.
 struct ModelSpec {
   // One file, several safetensors shards, a split GGUF, or a safetensors index .json.
@@ -62,6 +66,8 @@ struct ModelSpec {
   // Alignment of every tensor in the arena (a power of two, at most 2 MiB). A tensor smaller
   // than this is aligned to the smallest power of two holding it, at least 64 bytes.
   uint64_t alignment = 4096;
+  // How messages about this spec name its options (the front ends set theirs).
+  OptionWords words = OptionWords::kCpp;
 };
 
 struct ArenaOptions {
@@ -86,7 +92,8 @@ struct ArenaOptions {
   // back, while the loader fills the pieces already made; false: all pages first, then the
   // load (what load_bench compares).
   bool pages_alongside_load = true;
-  // Print a progress line on a terminal during long loads.
+  // Progress of long loads: a line redrawn on stderr when it is a terminal, or an info message
+  // every 10 s through `logger` when the engine gives one.
   bool progress = true;
   // The logger for the start line and notes; null uses the "expert_arena" logger.
   std::shared_ptr<spdlog::logger> logger;
@@ -239,6 +246,7 @@ class EXPERT_ARENA_EXPORT Arena {
   ArenaRole role() const;
   const ArenaReport& report() const;
   size_t tensor_count() const;
+  // Tensor `index` of tensor_count(); past the last, an empty view (no name, no bytes).
   TensorView tensor(size_t index) const;
   std::optional<TensorView> Find(std::string_view name) const;
   // The whole data region.

@@ -94,24 +94,6 @@ def _load_torch():
     return _torch_part
 
 
-# The library's messages name the CLI's flags; from Python they name open()'s arguments.
-_PYTHON_WORDS = (("use --all or --select REGEX", "use select_all=True or select=REGEX"),
-                 ("--select and --all exclude each other",
-                  "select and select_all=True exclude each other"),
-                 ("--select ", "select="), ("(--all)", "(select_all=True)"),
-                 ("expert-arena load --format raw", "format=\"raw\""),
-                 ("--format raw", "format=\"raw\""))
-
-
-def _in_python_words(error):
-    if isinstance(error, ValueError) and error.args and isinstance(error.args[0], str):
-        text = error.args[0]
-        for cli, python in _PYTHON_WORDS:
-            text = text.replace(cli, python)
-        error.args = (text,) + error.args[1:]
-    return error
-
-
 def _paths(model_files):
     if isinstance(model_files, (str, bytes, os.PathLike)):
         model_files = [model_files]
@@ -311,8 +293,6 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                           float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                           int(pin_budget_bytes), reader, bool(quiet), bool(progress),
                           int(alignment), format, from_peer or "", peer_token or "")
-    except ValueError as e:
-        raise _in_python_words(e)
     finally:
         _emit_logs()
     return Arena(core)
@@ -356,8 +336,6 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
                                  int(alignment), declare, fill, gpu, bool(gpu_required), huge,
                                  float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                                  int(pin_budget_bytes), bool(quiet))
-    except ValueError as e:
-        raise _in_python_words(e)
     finally:
         _emit_logs()
     return Arena(core)

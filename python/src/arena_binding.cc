@@ -251,6 +251,7 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
     throw py::value_error("open(): model_files names no file (or give from_peer)");
   }
   ModelSpec model;
+  model.words = OptionWords::kPython;
   model.files = std::move(files);
   model.format = ParseFormat(format);
   if (select) model.select = *select;

@@ -161,6 +161,7 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
                     "ea_arena_open: no model file given (or set attach_only or from_peer)");
       }
       ModelSpec model;
+      model.words = OptionWords::kC;
       for (size_t i = 0; p.model_files != nullptr && i < p.model_file_count; ++i) {
         if (p.model_files[i] == nullptr) {
           return Fail(-EINVAL, "ea_arena_open: model_files[" + std::to_string(i) + "] is NULL");

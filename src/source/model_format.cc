@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "common/escape.h"
+#include "common/option_words.h"
 #include "common/units.h"
 #include "platform/file.h"
 #include "source/gguf_reader.h"
@@ -18,8 +19,10 @@ namespace {
 // itself in its first line (its <title> usually within the first few hundred bytes).
 constexpr size_t kHeadBytes = 4096;
 
-const char kRawHint[] =
-    "to load its bytes as one tensor, ask for the raw format (expert-arena load --format raw)";
+std::string RawHint(OptionWords words) {
+  return "to load its bytes as one tensor, ask for the raw format (" +
+         std::string(Word(words, OptionWord::kRawFormat)) + ")";
+}
 
 bool EndsWith(std::string_view text, std::string_view suffix) {
   if (text.size() < suffix.size()) return false;
@@ -145,7 +148,8 @@ const char* FileKindName(FileKind kind) {
   return "";
 }
 
-Result<FileKind> DetectFileKind(const std::string& path, ModelFormat format) {
+Result<FileKind> DetectFileKind(const std::string& path, ModelFormat format,
+                                OptionWords words) {
   if (format == ModelFormat::kRaw) {
     return InvalidArgument(path + ": raw files have no format to detect");
   }
@@ -190,11 +194,11 @@ Result<FileKind> DetectFileKind(const std::string& path, ModelFormat format) {
     return InvalidArgument(path +
                            ": a ZIP archive (a PyTorch .bin/.pt checkpoint?), not a "
                            "GGUF or safetensors model; convert it to safetensors, or " +
-                           std::string(kRawHint));
+                           RawHint(words));
   }
   return InvalidArgument(path + ": not a GGUF, safetensors or safetensors index file (" +
                          std::to_string(st.size) + " bytes, starting " + Preview(head) + "); " +
-                         kRawHint);
+                         RawHint(words));
 }
 
 }  // namespace expert_arena::source

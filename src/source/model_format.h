@@ -26,6 +26,7 @@ const char* FileKindName(FileKind kind);
 // them again and count them). Fails naming the file when it is not a regular file, when it is
 // empty, a Git LFS pointer or an HTML page, when its name or `format` promises GGUF or
 // safetensors and the header says otherwise, and, under kAuto, when it is none of the three.
-Result<FileKind> DetectFileKind(const std::string& path, ModelFormat format);
+Result<FileKind> DetectFileKind(const std::string& path, ModelFormat format,
+                                OptionWords words = OptionWords::kCpp);
 
 }  // namespace expert_arena::source

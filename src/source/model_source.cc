@@ -126,7 +126,7 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
     }
     return InvalidArgument("no tensor of " + files + " (" +
                            std::to_string(collected.tensors.size()) + " tensors) is selected by " +
-                           selector.Describe() + "; use --all or --select REGEX");
+                           selector.Describe() + "; " + selector.Advice());
   }
   // File order: the loader then reads each file front to back (the readers give each file's
   // tensors in offset order, so this is mostly already so).
@@ -152,7 +152,7 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   std::vector<FileKind> kinds;
   for (const std::string& given : spec.files) {
     EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
-    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format, spec.words));
     paths.push_back(path);
     kinds.push_back(kind);
   }
@@ -217,7 +217,7 @@ Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec) {
       continue;
     }
     EA_ASSIGN_OR_RETURN(std::string path, ResolveDirectory(given));
-    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format));
+    EA_ASSIGN_OR_RETURN(FileKind kind, DetectFileKind(path, spec.format, spec.words));
     ModelFileKind public_kind = ModelFileKind::kGguf;
     switch (kind) {
       case FileKind::kGguf:

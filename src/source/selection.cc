@@ -2,6 +2,8 @@
 
 #include <array>
 
+#include "common/option_words.h"
+
 namespace expert_arena::source {
 namespace {
 
@@ -69,8 +71,13 @@ bool IsRoutedExpertName(std::string_view name) {
 
 Result<TensorSelector> TensorSelector::Make(const ModelSpec& spec) {
   TensorSelector selector;
+  selector.words_ = spec.words;
+  auto word = [&](OptionWord w) { return std::string(Word(spec.words, w)); };
   if (spec.select_all) {
-    if (!spec.select.empty()) return InvalidArgument("--select and --all exclude each other");
+    if (!spec.select.empty()) {
+      return InvalidArgument(word(OptionWord::kSelect) + " and " + word(OptionWord::kSelectAll) +
+                             " exclude each other");
+    }
     selector.mode_ = Mode::kAll;
     return selector;
   }
@@ -80,7 +87,8 @@ Result<TensorSelector> TensorSelector::Make(const ModelSpec& spec) {
   try {
     selector.regex_ = std::make_shared<const std::regex>(spec.select, std::regex::ECMAScript);
   } catch (const std::regex_error& e) {
-    return InvalidArgument("--select " + spec.select + ": not a valid regular expression (" +
+    return InvalidArgument(word(OptionWord::kSelectIs) + spec.select +
+                           ": not a valid regular expression (" +
                            e.what() + ")");
   }
   return selector;
@@ -96,7 +104,8 @@ Result<bool> TensorSelector::Selects(const std::string& name) const {
       try {
         return std::regex_search(name, *regex_);
       } catch (const std::regex_error& e) {
-        return InvalidArgument("--select " + pattern_ + " failed on tensor " + name + " (" +
+        return InvalidArgument(std::string(Word(words_, OptionWord::kSelectIs)) + pattern_ +
+                               " failed on tensor " + name + " (" +
                                e.what() + ")");
       }
   }
@@ -106,13 +115,18 @@ Result<bool> TensorSelector::Selects(const std::string& name) const {
 std::string TensorSelector::Describe() const {
   switch (mode_) {
     case Mode::kAll:
-      return "every tensor (--all)";
+      return "every tensor (" + std::string(Word(words_, OptionWord::kSelectAllIs)) + ")";
     case Mode::kRoutedExperts:
       return "routed experts (names like blk.N.ffn_*_exps.* or *.experts.N.*)";
     case Mode::kRegex:
       return "names matching /" + pattern_ + "/";
   }
   return "";
+}
+
+std::string TensorSelector::Advice() const {
+  return "use " + std::string(Word(words_, OptionWord::kSelectAllIs)) + " or " +
+         std::string(Word(words_, OptionWord::kSelectIs)) + "REGEX";
 }
 
 }  // namespace expert_arena::source

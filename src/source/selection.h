@@ -30,12 +30,16 @@ class TensorSelector {
 
   // Whether `name` is selected; fails only when the regex engine gives up on a name.
   Result<bool> Selects(const std::string& name) const;
-  // "routed experts", "--all", or "names matching /REGEX/": for messages.
+  // "routed experts", "every tensor (--all)", or "names matching /REGEX/": for messages, in
+  // the spec's words.
   std::string Describe() const;
+  // "use --all or --select REGEX", in the spec's words.
+  std::string Advice() const;
 
  private:
   enum class Mode { kRoutedExperts, kAll, kRegex };
   Mode mode_ = Mode::kRoutedExperts;
+  OptionWords words_ = OptionWords::kCpp;
   std::string pattern_;
   std::shared_ptr<const std::regex> regex_;
 };

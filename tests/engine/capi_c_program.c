@@ -232,7 +232,8 @@ int main(int argc, char** argv) {
   CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
   CHECK(strstr(ea_last_error(), model) != NULL);
   CHECK(strstr(ea_last_error(), "not a GGUF, safetensors or safetensors index file") != NULL);
-  CHECK(strstr(ea_last_error(), "--format raw") != NULL);
+  CHECK(strstr(ea_last_error(), "(format = EA_FORMAT_RAW)") != NULL);
+  CHECK(strstr(ea_last_error(), "--format") == NULL);
   ea_open_params older_params = p;
   older_params.size = offsetof(ea_open_params, format);
   older_params.format = EA_FORMAT_RAW; /* beyond its size: not read */

@@ -212,6 +212,10 @@ TEST(CliLoadTest, NotAModelIsRefusedAndRawIsLoadedOnlyWhenAsked) {
               1);
     EXPECT_EQ(out.rfind("expert-arena load: " + path + ": ", 0), 0u) << out;
     EXPECT_NE(out.find(c.words), std::string::npos) << out;
+    if (c.name == "weights.dat") {
+      // In the CLI's words: its flag, not the C++ field.
+      EXPECT_NE(out.find("(expert-arena load --format raw)"), std::string::npos) << out;
+    }
     EXPECT_EQ(out.find("\"role\""), std::string::npos) << out;
     EXPECT_TRUE(arenas.entries().empty());
   }

@@ -79,8 +79,7 @@ TEST(ModelFormatTest, RawBytesAreLoadedOnlyWhenAskedFor) {
   const std::string path = Write(dir, "blob.bin", bytes);
   auto refused = PlanModel({.files = {path}});
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("ask for the raw format (expert-arena load "
-                                            "--format raw)"),
+  EXPECT_NE(refused.status().message().find("ask for the raw format (format = ModelFormat::kRaw)"),
             std::string::npos)
       << refused.status().message();
 

@@ -92,6 +92,50 @@ TEST(SelectionTest, OverridesAndCounts) {
       << bad.status().ToString();
 }
 
+// The advice names the options as the caller spells them: C++ fields, C params, CLI flags,
+// Python keywords, from one table; never another front end's.
+TEST(SelectionTest, MessagesNameTheOptionsInTheCallersWords) {
+  testing::ScopedDir dir("words");
+  SafetensorsWriter w;
+  ASSERT_OK(w.AddTensor("model.embed_tokens.weight", "BF16", {8, 8}));
+  std::string path = dir.File("model.safetensors");
+  ASSERT_OK(w.WriteFile(path, [](size_t, uint64_t, std::span<std::byte> out) {
+    std::fill(out.begin(), out.end(), std::byte{3});
+    return Status::Ok();
+  }));
+  const struct {
+    OptionWords words;
+    const char* advice;
+    const char* regex;
+    const char* both;
+  } cases[] = {
+      {OptionWords::kCpp, "use select_all = true or select = REGEX", "select = (:",
+       "select and select_all exclude"},
+      {OptionWords::kC, "use select_all = 1 or select = REGEX", "select = (:",
+       "select and select_all exclude"},
+      {OptionWords::kCli, "use --all or --select REGEX", "--select (:", "--select and --all"},
+      {OptionWords::kPython, "use select_all=True or select=REGEX", "select=(:",
+       "select and select_all=True exclude"},
+  };
+  for (const auto& c : cases) {
+    ModelSpec spec{.files = {path}, .select = "nothing", .words = c.words};
+    auto none = PlanModel(spec);
+    ASSERT_FALSE(none.ok());
+    EXPECT_NE(none.status().message().find(c.advice), std::string::npos) << none.status().ToString();
+    spec.select = "(";
+    auto bad = PlanModel(spec);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find(c.regex), std::string::npos) << bad.status().ToString();
+    spec.select_all = true;
+    bad = PlanModel(spec);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find(c.both), std::string::npos) << bad.status().ToString();
+    if (c.words != OptionWords::kCli) {
+      EXPECT_EQ(none.status().message().find("--"), std::string::npos) << none.status().ToString();
+    }
+  }
+}
+
 TEST(SelectionTest, ArenaOrderFollowsTheFile) {
   testing::ScopedDir dir("order");
   GgufWriter w;

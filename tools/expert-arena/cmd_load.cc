@@ -74,6 +74,7 @@ int RunLoad(const LoadArgs& args) {
     return 2;
   }
   ModelSpec model;
+  model.words = OptionWords::kCli;
   model.files = args.models;
   for (ModelFormat format :
        {ModelFormat::kAuto, ModelFormat::kGguf, ModelFormat::kSafetensors, ModelFormat::kRaw}) {
