@@ -634,6 +634,9 @@ Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
     }
   });
   impl->fork_generation = stream::ForkGeneration();
+  if (auto device = ParseGpuDevice(options.gpu); !device.ok()) {
+    return device.status().WithContext("stream consumer gpu");
+  }
   impl->options = options;
   impl->log = ResolveLogger(options.logger);
   impl->pid = platform::CurrentPid();

@@ -701,6 +701,10 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
                            ": must be a power of two from 64 B to 2 MiB");
   }
   if (o.max_segments == 0) return InvalidArgument("stream max_segments must be at least 1");
+  // A typo in the device is refused here, as Arena::Open does, not found at the first segment.
+  if (auto device = ParseGpuDevice(o.gpu); !device.ok()) {
+    return device.status().WithContext("stream producer gpu");
+  }
   // Auto: a quarter of the cores, at most 4 (measured: on a busy 2-core machine a second
   // copy thread made a 64 MiB put slower, 11.6 ms vs 7.9 ms).
   impl->copy_threads = o.copy_threads != 0

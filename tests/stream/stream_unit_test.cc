@@ -165,6 +165,18 @@ TEST(StreamProducer, RefusesBadOptions) {
   o = dirs.Producer();
   o.segment_bytes = 3 << 20;
   EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
+  // A device that cannot be parsed is refused at create time, as Arena::Open refuses it.
+  o = dirs.Producer();
+  o.gpu = "cuda:zero";
+  auto typo = StreamProducer::Create(o);
+  EXPECT_EQ(typo.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.status().message().find("cuda:zero"), std::string::npos) << typo.status().ToString();
+  ConsumerOptions c = dirs.Consumer();
+  c.gpu = "gpu0";
+  auto consumer = StreamConsumer::Create(c);
+  EXPECT_EQ(consumer.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(consumer.status().message().find("gpu0"), std::string::npos)
+      << consumer.status().ToString();
 }
 
 TEST(StreamProducer, LogicalNamesMayHoldDashesAndDots) {
