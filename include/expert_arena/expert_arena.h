@@ -88,6 +88,12 @@ typedef struct ea_open_params {
    * is used; with them, their layout must be the peer's, and they are read if the fill fails. */
   const char* from_peer;
   const char* peer_token; /* the peer's shared token; NULL: none */
+  /* Added later still (docs/options.md lists every option in each API). */
+  uint64_t pin_budget_bytes;  /* upper bound on bytes pinned for the GPU; 0: no bound */
+  const char* reader;         /* "auto", "io_uring", "pread"; NULL: "auto" */
+  uint64_t alignment;         /* of every tensor, a power of two up to 2 MiB; default 4096 */
+  double peer_stall_seconds;  /* longest wait for the peer before the fill is abandoned; 30 */
+  const char* peer_transport; /* "auto", "am", "get"; NULL: "auto" (docs/cross-host.md) */
 } ea_open_params;
 
 typedef struct ea_tensor_view {

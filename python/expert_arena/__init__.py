@@ -258,7 +258,8 @@ class Arena(_abc.Mapping):
 def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
-         progress=None, format="auto", from_peer=None, peer_token=None) -> Arena:
+         progress=None, format="auto", from_peer=None, peer_token=None, peer_stall_seconds=30.0,
+         peer_transport="auto") -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
@@ -276,8 +277,10 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     over UCX, checking every tensor's checksum (docs/cross-host.md); `model_files` may then be
     empty (the peer's table is used), and when given, their layout must be the peer's and they
     are read if the fill fails (report["peer_note"] says why; report["peer_transport"] says how
-    the bytes crossed: "am" or "get"). `peer_token` is the peer's
-    shared token.
+    the bytes crossed: "am" or "get"). `peer_token` is the peer's shared token;
+    `peer_stall_seconds` the longest wait for the peer before the fill is abandoned;
+    `peer_transport` "auto", "am" (only ranges the peer checks and sends) or "get".
+    docs/options.md lists every option as C++, C, the CLI and Python name it.
 
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another
     engine's load took longer than `wait_timeout`), BusyError (a file of another model in
@@ -292,7 +295,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                           select, bool(select_all), gpu, bool(gpu_required), huge,
                           float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                           int(pin_budget_bytes), reader, bool(quiet), bool(progress),
-                          int(alignment), format, from_peer or "", peer_token or "")
+                          int(alignment), format, from_peer or "", peer_token or "",
+                          float(peer_stall_seconds), peer_transport)
     finally:
         _emit_logs()
     return Arena(core)
@@ -491,7 +495,8 @@ class StreamProducer:
                  pin_budget_bytes=4 << 30, block_alignment=4096, spill_directory="/var/tmp",
                  huge="auto", copy_threads=0, grow_ahead=True, sweep_at_start=True,
                  quiet=False, lease_check_seconds=1.0, listen=None, listen_token=None,
-                 remote_lease_seconds=60.0):
+                 remote_lease_seconds=60.0, non_temporal_copy_from=0,
+                 warning_interval_seconds=10.0):
         if not lease_check_seconds >= 0:
             raise ValueError("StreamProducer(): lease_check_seconds must be >= 0 (0 checks "
                              "readers' leases at every reserve), got %r" % (lease_check_seconds,))
@@ -501,7 +506,8 @@ class StreamProducer:
             int(pin_budget_bytes), int(block_alignment),
             os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
             bool(sweep_at_start), bool(quiet), float(lease_check_seconds), listen or "",
-            listen_token or "", float(remote_lease_seconds))
+            listen_token or "", float(remote_lease_seconds), int(non_temporal_copy_from),
+            float(warning_interval_seconds))
         _emit_logs()
 
     def __enter__(self):

@@ -246,7 +246,8 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   uint32_t file_mode, bool allow_foreign_owner, uint64_t pin_budget_bytes,
                   const std::string& reader, bool quiet, bool progress, uint64_t alignment,
                   const std::string& format, const std::string& from_peer,
-                  const std::string& peer_token) {
+                  const std::string& peer_token, double peer_stall_seconds,
+                  const std::string& peer_transport) {
   if (files.empty() && from_peer.empty()) {
     throw py::value_error("open(): model_files names no file (or give from_peer)");
   }
@@ -262,6 +263,8 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                        allow_foreign_owner, pin_budget_bytes, reader, quiet, progress);
   options.from_peer = from_peer;
   options.peer_token = peer_token;
+  options.peer_stall_seconds = peer_stall_seconds;
+  options.peer_transport = peer_transport;
   std::optional<Result<Arena>> arena;
   {
     py::gil_scoped_release release;
@@ -450,7 +453,8 @@ void BindArena(py::module_& m) {
         py::arg("wait_timeout"), py::arg("file_mode"), py::arg("allow_foreign_owner"),
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
-        py::arg("peer_token") = "");
+        py::arg("peer_token") = "", py::arg("peer_stall_seconds") = 30.0,
+        py::arg("peer_transport") = "auto");
   py::class_<PyEngineWriter>(m, "EngineWriter")
       .def("__len__", &PyEngineWriter::Length)
       .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));

@@ -107,8 +107,11 @@ class PyProducer {
              const std::string& spill_directory, const std::string& huge, uint32_t copy_threads,
              bool grow_ahead, bool sweep_at_start, bool quiet, double lease_check_seconds,
              const std::string& listen, const std::string& listen_token,
-             double remote_lease_seconds) {
+             double remote_lease_seconds, uint64_t non_temporal_copy_from,
+             double warning_interval_seconds) {
     StreamOptions options;
+    options.non_temporal_copy_from = non_temporal_copy_from;
+    options.warning_interval_seconds = warning_interval_seconds;
     options.listen = listen;
     options.listen_token = listen_token;
     options.remote_lease_seconds = remote_lease_seconds;
@@ -616,14 +619,15 @@ void BindStream(py::module_& m) {
       .def(py::init<const std::string&, const std::string&, uint64_t, uint32_t, bool, double,
                     const std::string&, uint64_t, uint64_t, const std::string&, const std::string&,
                     uint32_t, bool, bool, bool, double, const std::string&, const std::string&,
-                    double>(),
+                    double, uint64_t, double>(),
            py::arg("directory"), py::arg("logical_name"), py::arg("segment_bytes"),
            py::arg("max_segments"), py::arg("strict"), py::arg("strict_wait_seconds"),
            py::arg("gpu"), py::arg("pin_budget_bytes"), py::arg("block_alignment"),
            py::arg("spill_directory"), py::arg("huge"), py::arg("copy_threads"),
            py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"),
            py::arg("lease_check_seconds"), py::arg("listen"), py::arg("listen_token"),
-           py::arg("remote_lease_seconds"))
+           py::arg("remote_lease_seconds"), py::arg("non_temporal_copy_from") = 0,
+           py::arg("warning_interval_seconds") = 10.0)
       .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
            py::arg("dtype"), py::arg("shape"), py::arg("readers"))
       .def("put_many", &PyProducer::PutMany, py::arg("items"), py::arg("readers"))

@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <stdexcept>
 
 #include "arena/arena_impl.h"
 #include "arena/test_hooks.h"
+#include "common/escape.h"
 #include "common/logging.h"
 #include "common/units.h"
 #include "expert_arena/gpu.h"
@@ -162,9 +162,27 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
 
 namespace {
 
-// Before any load: a GPU name that cannot be parsed is a usage error, and a GPU the engine
+// Before any load, whatever the role turns out to be: an option that cannot be right is a
+// usage error now (an attaching engine would otherwise never see it), and a GPU the engine
 // requires but this build or machine cannot give fails now rather than after a long load.
-Status CheckGpuOptions(const ArenaOptions& options) {
+Status CheckOptions(const ArenaOptions& options) {
+  if (options.reader != "auto" && options.reader != "io_uring" && options.reader != "pread") {
+    return InvalidArgument("reader must be auto, io_uring or pread, not " +
+                           QuoteForMessage(options.reader));
+  }
+  if (options.peer_transport != "auto" && options.peer_transport != "am" &&
+      options.peer_transport != "get") {
+    return InvalidArgument("peer_transport must be auto, am or get, not " +
+                           QuoteForMessage(options.peer_transport));
+  }
+  if (!(options.wait_timeout_seconds >= 0)) {
+    return InvalidArgument("wait_timeout_seconds must be >= 0, not " +
+                           std::to_string(options.wait_timeout_seconds));
+  }
+  if (!(options.peer_stall_seconds > 0)) {
+    return InvalidArgument("peer_stall_seconds must be > 0, not " +
+                           std::to_string(options.peer_stall_seconds));
+  }
   EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.gpu));
   if (options.gpu_required && device.backend != GpuBackend::kNone) {
     std::string why = gpu::WhyDeviceUnusable(device);
@@ -218,7 +236,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
+  EA_RETURN_IF_ERROR(CheckOptions(options));
   if (options.shared_path.empty()) {
     EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
@@ -254,7 +272,7 @@ Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions&
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
+  EA_RETURN_IF_ERROR(CheckOptions(options));
   ArenaOptions attach = options;
   attach.shared_path = path;
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(nullptr, attach, *logger));
@@ -265,7 +283,7 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
+  EA_RETURN_IF_ERROR(CheckOptions(options));
   if (options.shared_path.empty()) {
     return InvalidArgument(
         "an engine-made arena needs a shared path (a file on tmpfs or hugetlbfs): a private "

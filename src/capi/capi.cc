@@ -83,6 +83,11 @@ int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& o
   options.progress = false;
   options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
   options.peer_token = p.peer_token != nullptr ? p.peer_token : "";
+  options.pin_budget_bytes = p.pin_budget_bytes;
+  options.reader = p.reader != nullptr && *p.reader != '\0' ? p.reader : "auto";
+  options.peer_stall_seconds = p.peer_stall_seconds;
+  options.peer_transport =
+      p.peer_transport != nullptr && *p.peer_transport != '\0' ? p.peer_transport : "auto";
   if (p.quiet != 0) {
     options.logger = std::make_shared<spdlog::logger>(
         "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());
@@ -125,6 +130,8 @@ void ea_open_params_init_sized(ea_open_params* params, size_t size) {
     d.huge_pages = EA_HUGE_AUTO;
     d.file_mode = 0600;
     d.format = EA_FORMAT_AUTO;
+    d.alignment = 4096;
+    d.peer_stall_seconds = 30.0;
   });
 }
 
@@ -188,6 +195,7 @@ int ea_arena_open(const ea_open_params* params_in, ea_arena** out) {
       }
       model.select = p.select != nullptr ? p.select : "";
       model.select_all = p.select_all != 0;
+      model.alignment = p.alignment;
       arena = Arena::Open(model, options);
     }
     if (!arena.ok()) return Fail(arena.status());

@@ -242,8 +242,24 @@ int main(int argc, char** argv) {
   CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
   CHECK(strstr(ea_last_error(), "format 99") != NULL);
 
-  /* A private arena. */
+  /* The fields added after format: defaults from init, each read and checked. */
   p.format = EA_FORMAT_RAW;
+  CHECK(p.alignment == 4096 && p.peer_stall_seconds == 30.0 && p.pin_budget_bytes == 0);
+  CHECK(p.reader == NULL && p.peer_transport == NULL);
+  p.reader = "mmap";
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
+  CHECK(strstr(ea_last_error(), "reader must be auto, io_uring or pread") != NULL);
+  p.reader = "pread";
+  p.peer_transport = "rdma";
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
+  CHECK(strstr(ea_last_error(), "peer_transport must be auto, am or get") != NULL);
+  p.peer_transport = NULL;
+  p.alignment = 3000;
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
+  CHECK(strstr(ea_last_error(), "power of two") != NULL);
+  p.alignment = 4096;
+
+  /* A private arena. */
   CHECK(ea_arena_open(&p, &arena) == 0);
   if (arena != NULL) {
     ea_arena_info info;

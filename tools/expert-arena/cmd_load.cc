@@ -28,6 +28,8 @@ struct LoadArgs {
   std::string select;
   bool all = false;
   std::string gpu = "none";
+  bool gpu_required = false;
+  uint64_t pin_budget = 0;
   std::string huge = "auto";
   bool pages_first = false;
   double wait_timeout = 600;
@@ -91,6 +93,8 @@ int RunLoad(const LoadArgs& args) {
   options.pages_alongside_load = !args.pages_first;
   options.wait_timeout_seconds = args.wait_timeout;
   options.gpu = args.gpu;
+  options.gpu_required = args.gpu_required;
+  options.pin_budget_bytes = args.pin_budget;
   options.reader = args.reader;
   options.file_mode = static_cast<mode_t>(std::strtoul(args.mode.c_str(), nullptr, 8));
   options.allow_foreign_owner = args.allow_foreign_owner;
@@ -171,6 +175,10 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
       cmd->add_option("--select", args->select, "Tensors whose names match this regex");
   cmd->add_flag("--all", args->all, "Every tensor of the model")->excludes(select);
   cmd->add_option("--gpu", args->gpu, "none|cuda[:N]|hip[:N]");
+  cmd->add_flag("--gpu-required", args->gpu_required,
+                "Fail when the GPU registration does not happen (default: reported, skipped)");
+  cmd->add_option("--pin-budget", args->pin_budget,
+                  "Upper bound on bytes this process pins for the GPU (0: no bound)");
   cmd->add_option("--huge", args->huge, "2 MiB pages: auto|on|off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
   cmd->add_flag("--pages-first", args->pages_first,
