@@ -20,8 +20,16 @@
 // pages, populate), with grow-ahead off and on: 8 MiB puts into 128 MiB segments until six
 // segments exist, back to back and with 2 ms of "engine work" between puts.
 //
+// Puts while segments are made (--only-lock-latency): one thread puts 64 KiB tensors back to
+// back (each aborted again, so the stream never fills) and records every put's latency, alone
+// and while a second thread puts 160 MiB tensors, each needing a dedicated segment of its own
+// (fallocate, populate: milliseconds); the small puts' count, p50, p99.9, slowest and the time
+// they spent stalled (puts over 1 ms, summed), both ways, alternating. A segment made under
+// the producer's lock shows as small puts stalled for the whole making.
+//
 // Usage: flock /tmp/expert-arena-bench.lock build/bin/stream_bench [--dir /dev/shm] [--rounds N]
-//            [--copy-threads N] [--non-temporal-from BYTES|never] [--skip-growth | --only-growth]
+//            [--copy-threads N] [--non-temporal-from BYTES|never]
+//            [--skip-growth | --only-growth | --only-lock-latency]
 //   --copy-threads and --non-temporal-from set the producer's StreamOptions of the same names
 //   (default 0: the library's automatic choice).
 #include <fcntl.h>
@@ -31,6 +39,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -313,6 +322,96 @@ int RunGrowth(const std::string& dir, const StreamOptions& o,
   return 0;
 }
 
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+}
+
+int RunLockLatency(const StreamOptions& o,
+                   const std::vector<std::byte>& source) {
+  StreamOptions l = o;
+  l.logical_name = "benchlock";
+  l.segment_bytes = 64ull << 20;
+  l.max_segments = 8;
+  l.grow_ahead = false;
+  l.logger = nullptr;
+  auto p = StreamProducer::Create(l);
+  if (!p.ok()) {
+    std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
+    return 1;
+  }
+  const uint64_t small = 64 << 10;
+  const uint64_t big = 160ull << 20;
+  std::vector<std::byte> big_source(big);
+  for (size_t i = 0; i < big; i += source.size()) {
+    std::memcpy(big_source.data() + i, source.data(), std::min(source.size(), big - i));
+  }
+  // The small puts of one window of `seconds`, with `grow` making dedicated segments meanwhile.
+  auto window = [&](bool grow, double seconds, uint64_t* made) {
+    std::vector<double> t;
+    std::atomic<bool> done{false};
+    std::thread grower;
+    if (grow) {
+      grower = std::thread([&] {
+        uint64_t n = 0;
+        while (!done.load()) {
+          std::string key = "big";
+          key += std::to_string(n++);
+          auto d = p->Put(key, big_source, {"u8", {big}});
+          if (!d.ok()) break;
+          (void)p->Abort(key);
+          ++*made;
+        }
+      });
+    }
+    const auto end = Clock::now() + std::chrono::duration<double>(seconds);
+    uint64_t seq = 0;
+    while (Clock::now() < end) {
+      std::string key = "s";
+      key += std::to_string(seq++);
+      auto t0 = Clock::now();
+      auto d = p->Put(key, std::span(source.data(), small), {"u8", {small}});
+      t.push_back(Seconds(t0, Clock::now()));
+      if (!d.ok()) break;
+      (void)p->Abort(key);
+    }
+    done = true;
+    if (grower.joinable()) grower.join();
+    return t;
+  };
+  std::vector<double> alone, growing;
+  uint64_t made = 0;
+  (void)window(true, 0.5, &made);  // warm: the first segments of a process are slow to fault
+  made = 0;
+  for (int r = 0; r < 6; ++r) {
+    for (bool grow : {r % 2 == 0, r % 2 != 0}) {
+      auto t = window(grow, 1.0, &made);
+      (grow ? growing : alone).insert((grow ? growing : alone).end(), t.begin(), t.end());
+    }
+  }
+  std::printf(
+      "\nputs of 64 KiB while 160 MiB puts make dedicated segments (6 x 1 s windows each, "
+      "alternating):\n\n| small puts | count | p50 | p99.9 | slowest | stalled (puts over 1 "
+      "ms, summed) |\n|---|---|---|---|---|---|\n");
+  auto stalled = [](const std::vector<double>& v) {
+    double sum = 0;
+    for (double x : v) sum += x > 1e-3 ? x : 0;
+    return sum;
+  };
+  for (auto* v : {&alone, &growing}) {
+    std::printf("| %s | %zu | %.1f us | %.1f us | %.2f ms | %.1f ms |\n",
+                v == &alone ? "alone" : "while segments are made", v->size(),
+                Percentile(*v, 0.5) * 1e6, Percentile(*v, 0.999) * 1e6,
+                *std::max_element(v->begin(), v->end()) * 1e3, stalled(*v) * 1e3);
+  }
+  std::printf("\n%llu dedicated segments made; small puts made while segments are made / "
+              "alone: %.2f\n",
+              static_cast<unsigned long long>(made),
+              static_cast<double>(growing.size()) / std::max<size_t>(1, alone.size()));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -325,10 +424,12 @@ int main(int argc, char** argv) {
   uint64_t non_temporal_from = 0;
   bool growth = true;
   bool only_growth = false;
+  bool only_lock_latency = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--skip-growth") growth = false;
     if (a == "--only-growth") only_growth = true;
+    if (a == "--only-lock-latency") only_lock_latency = true;
     if (i + 1 >= argc) continue;
     if (a == "--dir") dir = argv[i + 1];
     if (a == "--rounds") rounds_scale = std::max(1, std::atoi(argv[i + 1]));
@@ -360,6 +461,7 @@ int main(int argc, char** argv) {
   o.max_segments = 2;
   o.copy_threads = copy_threads;
   o.non_temporal_copy_from = non_temporal_from;
+  if (only_lock_latency) return RunLockLatency(o, source);
   auto producer = StreamProducer::Create(o);
   if (!producer.ok()) {
     std::fprintf(stderr, "%s\n", producer.status().ToString().c_str());
