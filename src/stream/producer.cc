@@ -177,6 +177,11 @@ struct StreamProducer::Impl : stream::ForkParticipant {
   bool growing = false;
   bool stopping = false;
   uint64_t growing_bytes = 0;
+  // File bytes of dedicated segments a reserve is making with mu released (against the cap).
+  uint64_t making_bytes = 0;
+  // Segments removed under mu, destroyed (unmapped, closed: their pages freed, milliseconds
+  // for a large one) by Lock once mu is released.
+  std::vector<std::unique_ptr<ProducerSegment>> retired;
   std::condition_variable grown;
   std::thread grower;
   // Across hosts (StreamOptions::listen): the stream server, and what descriptors carry.
@@ -184,6 +189,23 @@ struct StreamProducer::Impl : stream::ForkParticipant {
   std::string boot_id;
 
   ~Impl() override;
+  // mu, held for the scope; the segments removed meanwhile are destroyed after it is released.
+  class Lock {
+   public:
+    explicit Lock(Impl& impl) : impl_(impl), lock_(impl.mu) {}
+    ~Lock() {
+      std::vector<std::unique_ptr<ProducerSegment>> dead;
+      dead.swap(impl_.retired);
+      lock_.unlock();
+    }
+    Lock(const Lock&) = delete;
+    Lock& operator=(const Lock&) = delete;
+    std::unique_lock<std::mutex>& unique() { return lock_; }
+
+   private:
+    Impl& impl_;
+    std::unique_lock<std::mutex> lock_;
+  };
   // True in a forked child of the process that created this producer.
   bool Foreign() const { return stream::ForkGeneration() != fork_generation; }
   Status CheckProcess(std::string_view what) const {
@@ -206,7 +228,12 @@ struct StreamProducer::Impl : stream::ForkParticipant {
   // no lock (the grower runs it unlocked). InstallSegment (under mu) makes it allocatable.
   Result<std::unique_ptr<ProducerSegment>> MakeSegment(SegmentKind kind, uint64_t data_bytes);
   ProducerSegment* InstallSegment(std::unique_ptr<ProducerSegment> seg, bool ahead);
-  Result<ProducerSegment*> AddSegment(SegmentKind kind, uint64_t data_bytes);
+  // Makes a segment with `lock` (on mu) released, so that every other Put, Abort and release
+  // goes on while the file is allocated, collapsed, populated and registered, then installs
+  // it. A regular segment is made as the grower makes one (`growing`: others wait for it
+  // instead of making another); a dedicated one counts against the cap meanwhile.
+  Result<ProducerSegment*> AddSegmentUnlocked(std::unique_lock<std::mutex>& lock,
+                                              SegmentKind kind, uint64_t data_bytes);
   void MaybeGrowAhead(uint64_t last_reserve);
   void GrowAhead();
   void WarnFragmentation(std::string_view key, uint64_t need);
@@ -305,16 +332,34 @@ ProducerSegment* StreamProducer::Impl::InstallSegment(std::unique_ptr<ProducerSe
   return raw;
 }
 
-Result<ProducerSegment*> StreamProducer::Impl::AddSegment(SegmentKind kind, uint64_t data_bytes) {
-  EA_ASSIGN_OR_RETURN(auto seg, MakeSegment(kind, data_bytes));
-  return InstallSegment(std::move(seg), /*ahead=*/false);
+Result<ProducerSegment*> StreamProducer::Impl::AddSegmentUnlocked(
+    std::unique_lock<std::mutex>& lock, SegmentKind kind, uint64_t data_bytes) {
+  const uint64_t file_bytes = stream::SegmentFileBytes(data_bytes);
+  if (kind == SegmentKind::kRegular) {
+    growing = true;
+    growing_bytes = file_bytes;
+  } else if (kind == SegmentKind::kDedicated) {
+    making_bytes += file_bytes;
+  }
+  lock.unlock();
+  auto seg = MakeSegment(kind, data_bytes);
+  lock.lock();
+  if (kind == SegmentKind::kRegular) {
+    growing = false;
+    growing_bytes = 0;
+    grown.notify_all();
+  } else if (kind == SegmentKind::kDedicated) {
+    making_bytes -= file_bytes;
+  }
+  if (!seg.ok()) return seg.status();
+  return InstallSegment(std::move(seg).value(), /*ahead=*/false);
 }
 
 // Under mu, after a reserve of `last_reserve` bytes from the allocator.
 void StreamProducer::Impl::MaybeGrowAhead(uint64_t last_reserve) {
   if (!options.grow_ahead || growing || stopping) return;
   if (allocator.free_bytes() >= options.segment_bytes / 4 + last_reserve) return;
-  if (file_bytes_used + regular_file_bytes > cap_bytes) return;
+  if (file_bytes_used + making_bytes + regular_file_bytes > cap_bytes) return;
   growing = true;
   growing_bytes = regular_file_bytes;
   // The previous grower has left the mutex for good once it cleared `growing`.
@@ -348,6 +393,7 @@ void StreamProducer::Impl::RemoveSegment(uint32_t id) {
   pinned_bytes -= seg.file.pinned_bytes;
   Status s = platform::UnlinkPath(seg.file.path);
   if (!s.ok()) log->warn("stream {}: {}", instance, s.message());
+  retired.push_back(std::move(it->second));
   segments.erase(it);
 }
 
@@ -589,9 +635,9 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
     if (!oversized && allocator.free_bytes() >= need) WarnFragmentation(key, need);
     uint64_t data_bytes = oversized ? *AlignUp(need, kHugePageBytes) : options.segment_bytes;
     uint64_t file_bytes = stream::SegmentFileBytes(data_bytes);
-    if (file_bytes_used + growing_bytes + file_bytes <= cap_bytes) {
-      auto seg =
-          AddSegment(oversized ? SegmentKind::kDedicated : SegmentKind::kRegular, data_bytes);
+    if (file_bytes_used + growing_bytes + making_bytes + file_bytes <= cap_bytes) {
+      auto seg = AddSegmentUnlocked(
+          lock, oversized ? SegmentKind::kDedicated : SegmentKind::kRegular, data_bytes);
       if (seg.ok()) {
         if (oversized) {
           (*seg)->free_slots.pop_back();
@@ -620,7 +666,8 @@ Result<Reservation> StreamProducer::Impl::ReserveLocked(std::unique_lock<std::mu
       continue;
     }
     EA_ASSIGN_OR_RETURN(ProducerSegment * spill,
-                        AddSegment(SegmentKind::kSpill, *AlignUp(need, kHugePageBytes)));
+                        AddSegmentUnlocked(lock, SegmentKind::kSpill,
+                                           *AlignUp(need, kHugePageBytes)));
     ++spills;
     // Once a warning (a spill is slower and writes to the spill directory's disk); then
     // counted in Stats().spills, each one at debug level.
@@ -811,8 +858,8 @@ StreamProducer::~StreamProducer() = default;
 Result<Reservation> StreamProducer::Reserve(std::string_view key, uint64_t bytes) {
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream reserve"));
   EA_RETURN_IF_ERROR(CheckKey("stream reserve", key));
-  std::unique_lock lock(impl_->mu);
-  return impl_->ReserveLocked(lock, key, bytes);
+  Impl::Lock lock(*impl_);
+  return impl_->ReserveLocked(lock.unique(), key, bytes);
 }
 
 namespace {
@@ -863,7 +910,7 @@ Result<std::string> StreamProducer::Put(std::string_view key, std::span<const st
 
 Result<uint64_t> StreamProducer::Abort(std::string_view key) {
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream abort"));
-  std::lock_guard lock(impl_->mu);
+  Impl::Lock lock(*impl_);
   auto it = impl_->keys.find(std::string(key));  // exact ownership: never a prefix
   if (impl_->server) impl_->server->Aborted(key);  // transfers in flight end refused
   if (it == impl_->keys.end()) return uint64_t{0};
@@ -893,7 +940,7 @@ Result<uint64_t> StreamProducer::Abort(std::string_view key) {
 
 Status StreamProducer::Reclaim() {
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream reclaim"));
-  std::lock_guard lock(impl_->mu);
+  Impl::Lock lock(*impl_);
   impl_->ReclaimAll();
   return Status::Ok();
 }
@@ -903,7 +950,7 @@ Status StreamProducer::CheckProcess() const { return impl_->CheckProcess("stream
 Result<StreamStats> StreamProducer::Stats() {
   // In a forked child the figures would be the parent's, inherited: refused like every call.
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream stats"));
-  std::lock_guard lock(impl_->mu);
+  Impl::Lock lock(*impl_);
   impl_->MaybeCheckLeases();
   impl_->ReclaimMoved();
   return impl_->StatsLocked();
@@ -914,7 +961,7 @@ Result<std::vector<PendingBlock>> StreamProducer::Pending() {
   // First: expired leases end (their shares spent) and the blocks they held free below.
   std::vector<remote::RemoteHold> remote_holds;
   if (impl_->server) remote_holds = impl_->server->Holds();
-  std::lock_guard lock(impl_->mu);
+  Impl::Lock lock(*impl_);
   impl_->ReclaimAll();
   impl_->last_lease_check = Clock::now();
   const auto now = Clock::now();
@@ -949,7 +996,7 @@ Result<std::vector<PendingBlock>> StreamProducer::Pending() {
 }
 
 std::vector<std::string> StreamProducer::SegmentPaths() {
-  std::lock_guard lock(impl_->mu);
+  Impl::Lock lock(*impl_);
   std::vector<std::string> out;
   for (auto& [id, seg] : impl_->segments) out.push_back(seg->file.path);
   return out;
@@ -979,7 +1026,7 @@ void Reservation::GiveBack() noexcept {
   if (!state_ || state_->done) return;
   auto& p = *state_->producer;
   if (p.Foreign()) return;  // the parent's reservation: the parent gives it back
-  std::lock_guard lock(p.mu);
+  StreamProducer::Impl::Lock lock(p);
   auto it = p.segments.find(state_->segment);
   if (it == p.segments.end()) return;
   BlockRecord& rec = it->second->blocks[state_->slot];
@@ -1049,7 +1096,7 @@ Result<std::string> Reservation::Publish(const TensorInfo& info, uint32_t reader
   auto& p = *state_->producer;
   TensorDescriptor d;
   {
-    std::lock_guard lock(p.mu);
+    StreamProducer::Impl::Lock lock(p);
     EA_RETURN_IF_ERROR(PublishLocked(p, *state_, info, readers, d));
   }
   // A listening producer with a token signs what it hands out (its server checks the MAC).
@@ -1084,7 +1131,7 @@ Result<std::vector<std::string>> StreamProducer::PutMany(std::span<const PutItem
   }
   std::vector<TensorDescriptor> published(items.size());
   {
-    std::lock_guard lock(impl_->mu);
+    Impl::Lock lock(*impl_);
     // An abort of one key while the batch was written refuses the whole batch.
     for (size_t i = 0; i < items.size(); ++i) {
       Reservation::State& st = *held[i].state_;
