@@ -204,6 +204,21 @@ def check_bound(model, views, when):
                                 if extra else "", LOAD_FORMAT))
 
 
+def check_at_first_forwards(model, views, count=3):
+    """vLLM's profile and warm-up runs come after load_model: check_bound runs again before
+    each of the model's first `count` forwards, then the hook goes."""
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] >= count:
+            handle.remove()
+        check_bound(module, views, "at forward %d" % calls[0])
+
+    handle = model.register_forward_pre_hook(hook)
+    return handle
+
+
 def _loader_class():
     """The loader class, made on first use so that importing this module needs no vLLM."""
     global _LOADER
@@ -378,20 +393,7 @@ def _loader_class():
                 process_weights_after_loading(model, model_config, device)
             if device.type == "cpu":
                 check_bound(model, views, "after post-processing")
-                _check_at_first_forwards(model, views)
-
-    def _check_at_first_forwards(model, views, count=3):
-        """The warm-up and profile runs come after load_model: the check runs again before
-        each of the first forwards, then the hook goes."""
-        calls = [0]
-
-        def hook(module, args):
-            calls[0] += 1
-            check_bound(module, views, "at forward %d" % calls[0])
-            if calls[0] >= count:
-                handle.remove()
-
-        handle = model.register_forward_pre_hook(hook)
+                check_at_first_forwards(model, views)
 
     _LOADER = ExpertArenaModelLoader
     return _LOADER
