@@ -1,0 +1,51 @@
+"""One vLLM engine (CPU, offline) for test_vllm.py: generates greedy tokens for a fixed prompt
+and prints one JSON line; with --hold it then waits, alive, until its stdin closes.
+
+    python vllm_engine.py MODEL_DIR LOAD_FORMAT ARENA_DIR DTYPE [--hold]
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor), so
+its model's memory is this pid's."""
+
+import json
+import os
+import sys
+import time
+
+
+def inspect(model):
+    """Runs in the worker (here: this process): where the model's tensors lie."""
+    arena = getattr(model, "expert_arena", None)
+    tensors = list(model.parameters()) + list(model.buffers())
+    if arena is None:
+        return {"role": "private", "tensors": len(tensors)}
+    start, size = arena.data_range()
+    report = arena.report
+    return {"role": report["role"], "path": report["path"], "bytes_read": report["bytes_read"],
+            "data_bytes": report["data_bytes"], "tensors": len(tensors),
+            "in_arena": all(start <= t.data_ptr() < start + size for t in tensors),
+            "loader": type(model).__module__}
+
+
+def main():
+    model_dir, load_format, arena_dir, dtype = sys.argv[1:5]
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+    extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
+        if load_format == "expert_arena" else {}
+    llm = LLM(model=model_dir, load_format=load_format, dtype=dtype, enforce_eager=True,
+              max_model_len=128, max_num_seqs=4, seed=0, distributed_executor_backend="uni",
+              **extra)
+    ready = time.monotonic() - started
+    out = llm.generate([{"prompt_token_ids": [5, 9, 2, 7, 11]}],
+                       SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    result = {"tokens": list(out[0].outputs[0].token_ids), "ready_seconds": ready,
+              "pid": os.getpid()}
+    result.update(llm.apply_model(inspect)[0])
+    print("RESULT " + json.dumps(result), flush=True)
+    if "--hold" in sys.argv:
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main()
