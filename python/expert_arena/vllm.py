@@ -323,7 +323,7 @@ def _loader_class():
             logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
                         time.monotonic() - started,
                         "built and published" if report["role"] == "loaded" else
-                        "attached, no checkpoint tensor read, no post-processing",
+                        "attached: no checkpoint tensor read, no transform run",
                         "its parameters and buffers are the arena's pages" if on_cpu else
                         "parameters copied to %s from the arena (%s)"
                         % (device, report.get("gpu")))

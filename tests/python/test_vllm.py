@@ -251,3 +251,15 @@ def test_a_parameter_whose_storage_is_replaced_after_binding_is_refused(shm_path
     hook.remove()
     with pytest.raises(ReplacedStorageError, match="after binding"):
         check_bound(model, views, "after binding")
+
+
+def test_the_extra_config_is_checked():
+    from expert_arena.vllm import Settings
+    s = Settings.parse({"arena_dir": "/mnt/huge", "file_mode": "0640", "huge": "on",
+                        "wait_timeout": 30})
+    assert (s.arena_dir, s.file_mode, s.huge, s.wait_timeout) == ("/mnt/huge", 0o640, "on", 30)
+    assert Settings.parse(None) == Settings()
+    with pytest.raises(ValueError, match=r"\['arena_dirr'\].*arena_dir: directory"):
+        Settings.parse({"arena_dirr": "/dev/shm"})
+    with pytest.raises(ValueError, match="huge is auto, on or off"):
+        Settings.parse({"huge": "yes"})
