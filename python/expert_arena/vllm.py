@@ -9,9 +9,10 @@ vLLM process. The engine that wins the arena's FILL lock loads with vLLM's Defau
 and post-processing (`process_weights_after_loading`: fused and repacked experts), publishes
 every parameter and buffer of the processed model into the arena of its identity, and binds the
 model to the arena's read-only views. Every other engine (now or after a restart) builds the
-model on the meta device and binds it, reading no checkpoint byte and transforming nothing;
-`process_weights_after_loading` runs again under vLLM's `weights_already_processed()` (as
-vLLM's own IPC weight-cache loader does), which rebuilds only the kernels' Python-side state.
+model on the meta device and binds it, reading no checkpoint tensor (only the files' headers,
+for the fingerprint) and transforming nothing; `process_weights_after_loading` runs again
+under vLLM's `weights_already_processed()` (as vLLM's own IPC weight-cache loader does), which
+rebuilds only the kernels' Python-side state.
 
 The identity of an arena is the library's fingerprint of the checkpoint files vLLM would read
 (path, size, mtime, safetensors header) with vLLM's version, platform, architecture, dtype,
