@@ -79,7 +79,7 @@ def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1)
     args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
     args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                         text=True, env=_env(tp), start_new_session=True)
+                         text=True, env=_env(tp), process_group=0)  # killpg reaches its workers
     p.err_file = err
     # A thread reads the engine's stdout (vLLM's log, then the RESULT line) to its end, so
     # that the pipe never fills and no line waits in a buffer that select() cannot see.
