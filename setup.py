@@ -111,6 +111,8 @@ setup(
     package_dir={"": "python"},
     package_data={"expert_arena": ["__init__.pyi", "py.typed"]},
     ext_modules=[CMakeExtension("expert_arena._core")],
+    # vLLM loads its general plugins in every process it starts: --load-format expert_arena.
+    entry_points={"vllm.general_plugins": ["expert_arena = expert_arena.vllm:register"]},
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
 )

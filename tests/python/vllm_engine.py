@@ -1,0 +1,59 @@
+"""One vLLM engine (CPU, offline) for test_vllm.py: generates greedy tokens for a fixed prompt
+and prints one JSON line; with --hold it then waits, alive, until its stdin closes.
+
+    python vllm_engine.py MODEL_DIR LOAD_FORMAT ARENA_DIR DTYPE [--hold] [--tp N]
+
+With one rank the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
+executor), so its model's memory is this pid's; with --tp N its ranks are vLLM's worker
+processes, and "ranks" lists what each one found."""
+
+import json
+import os
+import sys
+import time
+
+
+def inspect(model):
+    """Runs in the worker (here: this process): where the model's tensors lie."""
+    arena = getattr(model, "expert_arena", None)
+    tensors = list(model.parameters()) + list(model.buffers())
+    if arena is None:
+        return {"role": "private", "tensors": len(tensors)}
+    start, size = arena.data_range()
+    report = arena.report
+    return {"role": report["role"], "path": report["path"], "bytes_read": report["bytes_read"],
+            "data_bytes": report["data_bytes"], "tensors": len(tensors),
+            "in_arena": all(start <= t.data_ptr() < start + size for t in tensors),
+            "loader": type(model).__module__}
+
+
+def main():
+    model_dir, load_format, arena_dir, dtype = sys.argv[1:5]
+    tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+    extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
+        if load_format == "expert_arena" else {}
+    llm = LLM(model=model_dir, load_format=load_format, dtype=dtype, enforce_eager=True,
+              max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
+              distributed_executor_backend="uni" if tp == 1 else "mp", **extra)
+    ready = time.monotonic() - started
+    out = llm.generate([{"prompt_token_ids": [5, 9, 2, 7, 11]}],
+                       SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    result = {"tokens": list(out[0].outputs[0].token_ids), "ready_seconds": ready,
+              "pid": os.getpid()}
+    # By its module's name, which vLLM's worker processes import (this file's directory is on
+    # the path they inherit): a function of __main__ does not pickle across to them.
+    import vllm_engine
+    ranks = llm.apply_model(vllm_engine.inspect)
+    result.update(ranks[0])
+    result["ranks"] = ranks
+    print("RESULT " + json.dumps(result), flush=True)
+    if "--hold" in sys.argv:
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    if "--tp" not in sys.argv:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main()
