@@ -3,6 +3,11 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+
 #include "common/units.h"
 #include "platform/file.h"
 #include "platform/file_locks.h"
@@ -134,14 +139,67 @@ TEST(SystemInfoTest, DevShmIsTmpfs) {
   EXPECT_EQ(fs->kind, FsKind::kTmpfs);
 }
 
-TEST(SystemInfoTest, ReadersParse) {
-  ASSERT_OK(FreeHugeBlocks());
-  ASSERT_OK_AND_ASSIGN(ProcessIo io, ReadProcessIo());
-  EXPECT_GT(io.rchar, 0u);
+// Each reader against what it reads, seen another way: bytes this process read, its start
+// time from its own stat line, the bracketed word of shmem_enabled, the buddy allocator's
+// counts. (The arena's "model bytes read" and the sweep's pid identity rest on these.)
+TEST(SystemInfoTest, ProcessIoCountsTheBytesThisProcessReads) {
+  testing::ScopedPath path("io");
+  const std::string bytes(3 << 20, 'x');
+  {
+    ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+    ASSERT_EQ(pwrite(fd.get(), bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  }
+  ASSERT_OK_AND_ASSIGN(ProcessIo before, ReadProcessIo());
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), {}));
+  std::string back(bytes.size(), '\0');
+  ASSERT_EQ(pread(fd.get(), back.data(), back.size(), 0), static_cast<ssize_t>(back.size()));
+  ASSERT_OK_AND_ASSIGN(ProcessIo after, ReadProcessIo());
+  EXPECT_GE(after.rchar - before.rchar, bytes.size());
+  EXPECT_LT(after.rchar - before.rchar, bytes.size() + (1 << 20));  // the reads of /proc only
+  EXPECT_GE(after.wchar, bytes.size());
+}
+
+TEST(SystemInfoTest, ProcessStartTimeIsField22OfStatAndUnknownPidsAreNotFound) {
+  std::ifstream stat("/proc/self/stat");
+  std::string line;
+  std::getline(stat, line);
+  // Fields after the command (which may hold spaces and parentheses): state is field 3.
+  std::istringstream rest(line.substr(line.rfind(')') + 2));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) rest >> field;
   ASSERT_OK_AND_ASSIGN(uint64_t self_start, ProcessStartTime(getpid()));
+  EXPECT_EQ(self_start, std::stoull(field));
   EXPECT_GT(self_start, 0u);
-  EXPECT_FALSE(ProcessStartTime(999999999).ok());
-  EXPECT_NE(ShmemHugeSetting(), "unknown");
+  auto none = ProcessStartTime(999999999);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
+}
+
+TEST(SystemInfoTest, ShmemHugeSettingIsTheBracketedWord) {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.empty()) GTEST_SKIP() << "no shmem_enabled on this kernel";
+  const size_t open = text.find('['), close = text.find(']');
+  ASSERT_NE(open, std::string::npos);
+  EXPECT_EQ(ShmemHugeSetting(), text.substr(open + 1, close - open - 1));
+}
+
+TEST(SystemInfoTest, FreeHugeBlocksCountsOrdersFromNineOfBuddyinfo) {
+  std::ifstream in("/proc/buddyinfo");
+  uint64_t blocks = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line.substr(line.find("zone") + 4));
+    std::string zone;
+    fields >> zone;
+    uint64_t count = 0;
+    for (int order = 0; fields >> count; ++order) {
+      if (order >= 9) blocks += count << (order - 9);
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t free_blocks, FreeHugeBlocks());
+  // Both reads see a moving allocator: within a few hundred blocks of each other.
+  EXPECT_NEAR(static_cast<double>(free_blocks), static_cast<double>(blocks), 512.0);
 }
 
 TEST(SystemInfoTest, SmapsCountsCollapsedTmpfsPages) {
