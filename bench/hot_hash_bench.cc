@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "common/units.h"
-#include "load/fast_xxh3.h"
-#include "load/fast_xxh3_build.h"
+#include "common/fast_xxh3.h"
+#include "common/fast_xxh3_build.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
 
@@ -38,7 +38,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // The loader's XXH3 build for this CPU.
-using Hasher = load::Xxh3Build;
+using Hasher = Xxh3Build;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   const double map_s = Since(map_start);
   const std::byte* src = source->data();
 
-  std::vector<Hasher> hashers = {load::ChosenXxh3Build()};
+  std::vector<Hasher> hashers = {ChosenXxh3Build()};
 
   struct Case {
     std::string name;

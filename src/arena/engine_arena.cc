@@ -18,7 +18,7 @@
 #include "common/escape.h"
 #include "common/units.h"
 #include "format/arena_format.h"
-#include "load/fast_xxh3.h"
+#include "common/fast_xxh3.h"
 #include "platform/file.h"
 
 namespace expert_arena::arena {
@@ -247,7 +247,7 @@ Result<load::LoadResult> FillEngineArena(const EngineArenaSpec& spec,
   }
   if (!filled.ok()) return filled.WithContext("the engine's fill");
   for (format::TensorRecord& t : table.tensors) {
-    t.checksum = load::FastXxh3(request.data.data() + t.arena_offset, t.bytes);
+    t.checksum = FastXxh3(request.data.data() + t.arena_offset, t.bytes);
   }
   load::LoadResult result;
   result.reader = "engine";

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "expert_arena/status.h"
-#include "load/fast_xxh3.h"
+#include "common/fast_xxh3.h"
 #include "load/read_plan.h"
 
 namespace expert_arena::load {

@@ -14,7 +14,7 @@
 #include "common/ready_front.h"
 #include "common/units.h"
 #include "format/arena_format.h"
-#include "load/fast_xxh3.h"
+#include "common/fast_xxh3.h"
 #include "platform/file.h"
 #include "platform/net.h"
 #include "remote/front_door.h"
@@ -443,7 +443,7 @@ Status UcxPeerSource::Fill(std::span<std::byte> data, const format::ArenaTable& 
     while (hashed < order.size()) {
       const format::TensorRecord& t = table.tensors[order[hashed]];
       if (t.arena_offset + t.bytes > landed_bytes) break;
-      uint64_t sum = load::FastXxh3(data.data() + t.arena_offset, t.bytes);
+      uint64_t sum = FastXxh3(data.data() + t.arena_offset, t.bytes);
       if (sum != t.checksum) {
         char text[96];
         std::snprintf(text, sizeof text, "%016llx, expected %016llx",

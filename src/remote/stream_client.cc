@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "load/fast_xxh3.h"
+#include "common/fast_xxh3.h"
 #include "platform/net.h"
 #include "remote/front_door.h"
 #include "remote/stream_remote.h"
@@ -397,7 +397,7 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
       out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.done_text));
       continue;
     }
-    if (load::FastXxh3(f.into.data(), f.into.size()) != f.data.xxh3) {
+    if (FastXxh3(f.into.data(), f.into.size()) != f.data.xxh3) {
       // Give the hold back unspent: the bytes were damaged on the way, not read.
       StreamRelease r{f.data.hold, 0, 0};
       ucp_request_param_t param{};

@@ -31,7 +31,7 @@
 #include "common/escape.h"
 #include "common/logging.h"
 #include "common/units.h"
-#include "load/fast_xxh3.h"
+#include "common/fast_xxh3.h"
 #include "platform/file.h"
 #include "platform/net.h"
 #include "remote/stream_remote.h"
@@ -296,7 +296,7 @@ void Server::Serve(OpenAsk& ask) {
   h.header.status = static_cast<uint32_t>(StreamStatus::kOk);
   h.header.hold = h.id;
   h.header.length = bytes.size();
-  h.header.xxh3 = load::FastXxh3(bytes.data(), bytes.size());
+  h.header.xxh3 = FastXxh3(bytes.data(), bytes.size());
   ucp_request_param_t param{};
   h.send = ucp_am_send_nbx(c->ep, kStreamDataId, &h.header, sizeof h.header, bytes.data(),
                            bytes.size(), &param);

@@ -7,8 +7,8 @@
 #include <random>
 #include <thread>
 
-#include "load/fast_xxh3.h"
-#include "load/fast_xxh3_build.h"
+#include "common/fast_xxh3.h"
+#include "common/fast_xxh3_build.h"
 #include "load/tensor_hasher.h"
 #include "test_util.h"
 

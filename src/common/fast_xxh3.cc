@@ -1,8 +1,8 @@
-#include "load/fast_xxh3.h"
+#include "common/fast_xxh3.h"
 
-#include "load/fast_xxh3_build.h"
+#include "common/fast_xxh3_build.h"
 
-namespace expert_arena::load {
+namespace expert_arena {
 
 const Xxh3Build& ChosenXxh3Build() {
   static const Xxh3Build& build = []() -> const Xxh3Build& {
@@ -33,4 +33,4 @@ uint64_t FastXxh3(const void* data, size_t bytes) {
 
 const char* FastXxh3Variant() { return ChosenXxh3Build().name; }
 
-}  // namespace expert_arena::load
+}  // namespace expert_arena

@@ -3,4 +3,4 @@
 #define XXH_VECTOR XXH_AVX2
 #define EA_XXH3_BUILD_FUNCTION Xxh3Avx2Build
 #define EA_XXH3_BUILD_NAME "avx2"
-#include "load/fast_xxh3_build.inc"
+#include "common/fast_xxh3_build.inc"

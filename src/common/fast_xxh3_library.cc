@@ -2,4 +2,4 @@
 // architectures.
 #define EA_XXH3_BUILD_FUNCTION Xxh3LibraryBuild
 #define EA_XXH3_BUILD_NAME "sse2"
-#include "load/fast_xxh3_build.inc"
+#include "common/fast_xxh3_build.inc"

@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace expert_arena::load {
+namespace expert_arena {
 
 // Opaque streaming state.
 struct FastXxh3State;
@@ -25,4 +25,4 @@ uint64_t FastXxh3(const void* data, size_t bytes);
 // "avx512", "avx2" or "sse2": what the functions above run.
 const char* FastXxh3Variant();
 
-}  // namespace expert_arena::load
+}  // namespace expert_arena

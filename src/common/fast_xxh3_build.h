@@ -6,7 +6,7 @@
 
 #include <cstddef>
 
-namespace expert_arena::load {
+namespace expert_arena {
 
 struct Xxh3Build {
   const char* name;
@@ -27,4 +27,4 @@ const Xxh3Build& Xxh3LibraryBuild();
 const Xxh3Build& Xxh3Avx2Build();    // fast_xxh3_avx2.cc, -mavx2
 const Xxh3Build& Xxh3Avx512Build();  // fast_xxh3_avx512.cc, -mavx512f
 
-}  // namespace expert_arena::load
+}  // namespace expert_arena
