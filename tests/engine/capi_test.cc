@@ -60,18 +60,35 @@ TEST(CApiTest, CProgramSeesFilesThatAreNotModelsRefused) {
   }
 }
 
-// The C interface of tensor streaming (expert_arena_stream.h): every call in one process, then
-// the same program as a consumer child, a producer child whose tensor outlives its exit, and a
-// killed producer whose segments a sweep removes. Private directories, empty at the end.
-TEST(CApiTest, CStreamProgramPassesEveryCheck) {
+// The C interface of tensor streaming (expert_arena_stream.h), as a C program uses it, one
+// group of checks per test: the params and struct sizes; put, open and reserve; pending
+// blocks and fork; strict mode and spill; threads; and processes (the same program as a
+// consumer child, a producer child whose tensor outlives its exit, and a killed producer
+// whose segments a sweep removes). Private directories, empty at the end.
+class CStreamProgramTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CStreamProgramTest, PassesItsChecks) {
   ScopedArenaDir dir("capi-stream");
   ScopedArenaDir spill("capi-stream-spill");
-  Child c = SpawnProgram(BinDir() + "/capi_stream_c_program", {"check", dir.path(), spill.path()});
+  Child c = SpawnProgram(BinDir() + "/capi_stream_c_program",
+                         {"check", GetParam(), dir.path(), spill.path()});
   EXPECT_EQ(c.Wait(60), 0) << c.Output();
-  EXPECT_NE(c.Output().find("all checks passed"), std::string::npos) << c.Output();
+  EXPECT_NE(c.Output().find("all checks of " + GetParam() + " passed"), std::string::npos)
+      << c.Output();
   EXPECT_TRUE(dir.entries().empty());
   EXPECT_TRUE(spill.entries().empty());
 }
+
+INSTANTIATE_TEST_SUITE_P(Groups, CStreamProgramTest,
+                         ::testing::Values("params", "put-open-reserve", "pending-fork",
+                                           "strict-spill", "threads", "processes"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           for (char& ch : name) {
+                             if (ch == '-') ch = '_';
+                           }
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace expert_arena::testing
