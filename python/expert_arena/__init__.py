@@ -375,6 +375,22 @@ def _bytes_of(torch, tensor):
     return flat.numpy()
 
 
+def _declare_module(torch, module, built):
+    """The engine table of every parameter and buffer of `module` (tied ones once), kept in
+    `built["entries"]` for _fill_module."""
+    unique = {}
+    for _, t, _, name in _module_tensors(module):
+        unique.setdefault(name, t)
+    built["entries"] = list(unique.items())
+    return [(name, _engine_dtype(torch, t.dtype), list(t.shape), t.numel() * t.element_size(), 0)
+            for name, t in built["entries"]]
+
+
+def _fill_module(torch, built, writer):
+    for i, (_, t) in enumerate(built["entries"]):
+        writer.write(i, _bytes_of(torch, t))
+
+
 def _bind_module(torch, module, arena):
     """Rebinds every parameter and buffer of `module` to the arena's read-only view of the
     same name, checking dtypes and shapes; ValueError listing the missing and unexpected."""
@@ -439,17 +455,11 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
         replaced = load(module)
         if replaced is not None:
             module = replaced
-        unique = {}
-        for _, t, _, name in _module_tensors(module):
-            unique.setdefault(name, t)
         built["module"] = module
-        built["entries"] = list(unique.items())
-        return [(name, _engine_dtype(torch, t.dtype), list(t.shape),
-                 t.numel() * t.element_size(), 0) for name, t in built["entries"]]
+        return _declare_module(torch, module, built)
 
     def fill(writer):
-        for i, (_, t) in enumerate(built["entries"]):
-            writer.write(i, _bytes_of(torch, t))
+        _fill_module(torch, built, writer)
 
     arena = open_engine(path, identity, declare, fill, files, alignment=alignment, gpu=gpu,
                         huge=huge, wait_timeout=wait_timeout, file_mode=file_mode,

@@ -237,7 +237,7 @@ def _loader_class():
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     import expert_arena
-    from . import _bytes_of, _engine_dtype, _module_tensors
+    from . import _declare_module, _fill_module, _module_tensors
 
     # Under "vllm." so that vLLM's own handlers and format (VLLM_LOGGING_LEVEL) apply.
     logger = init_logger("vllm.expert_arena")
@@ -287,16 +287,10 @@ def _loader_class():
             def declare():
                 model = built["model"] = self._load_and_process(vllm_config, model_config,
                                                                 prefix)
-                unique = {}
-                for _, t, _, name in _module_tensors(model):
-                    unique.setdefault(name, t)
-                built["entries"] = list(unique.items())
-                return [(name, _engine_dtype(torch, t.dtype), list(t.shape),
-                         t.numel() * t.element_size(), 0) for name, t in built["entries"]]
+                return _declare_module(torch, model, built)
 
             def fill(writer):
-                for i, (_, t) in enumerate(built["entries"]):
-                    writer.write(i, _bytes_of(torch, t))
+                _fill_module(torch, built, writer)
 
             os.makedirs(self.settings.arena_dir, exist_ok=True)
             arena = expert_arena.open_engine(

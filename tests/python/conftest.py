@@ -161,3 +161,16 @@ def consume(kind, directory, descriptors):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     return [line.split() for line in out.stdout.splitlines()]
+
+
+def arena_pss_kib(pid, path):
+    """Pss of every mapping of the arena file in process `pid`, in KiB."""
+    total, inside = 0, False
+    with open("/proc/%d/smaps" % pid) as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not line.startswith(("Pss", "Rss")):
+                inside = line.rstrip("\n").endswith(path)
+            elif inside and line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import expert_arena
-from conftest import child_env
+from conftest import arena_pss_kib, child_env
 
 IN_CI = os.environ.get("CI") == "true"
 torch = pytest.importorskip("torch") if not IN_CI else __import__("torch")
@@ -207,19 +207,6 @@ HF_ENGINE = textwrap.dedent("""
 """)
 
 
-def _arena_pss_kib(pid, path):
-    """Pss of every mapping of the arena file in process `pid`, in KiB."""
-    total, inside = 0, False
-    with open("/proc/%d/smaps" % pid) as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and len(head) >= 5 and not line.startswith(("Pss", "Rss")):
-                inside = line.rstrip("\n").endswith(path)
-            elif inside and line.startswith("Pss:"):
-                total += int(line.split()[1])
-    return total
-
-
 def _tiny_checkpoint(kind, out):
     transformers = pytest.importorskip("transformers") if not IN_CI else \
         __import__("transformers")
@@ -288,7 +275,7 @@ def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, sh
         results = [_first_line(p) for p in engines]
         # Both alive: the arena's pages are held once between them (the Pss of its mappings
         # sums to at most the file's size; a copy each would be twice it).
-        pss = sum(_arena_pss_kib(p.pid, path) for p in engines) * 1024
+        pss = sum(arena_pss_kib(p.pid, path) for p in engines) * 1024
         file_bytes = os.path.getsize(path)
         assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
     finally:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import child_env
+from conftest import arena_pss_kib, child_env
 from conftest import test_dir as arena_root
 
 if os.environ.get("EXPERT_ARENA_REQUIRE_VLLM") == "1":
@@ -130,19 +130,6 @@ def _run(*args, **kwargs):
         _finish(p)
 
 
-def _arena_pss_kib(pid, path):
-    """Pss of every mapping of the arena file in process `pid`, in KiB."""
-    total, inside = 0, False
-    with open("/proc/%d/smaps" % pid) as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and len(head) >= 5 and not line.startswith(("Pss", "Rss")):
-                inside = line.rstrip("\n").endswith(path)
-            elif inside and line.startswith("Pss:"):
-                total += int(line.split()[1])
-    return total
-
-
 _CHECKPOINTS = {}
 
 
@@ -181,7 +168,7 @@ def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpo
         path = results[0]["path"]
         # Both alive: the arena's pages are held once between them (the Pss of its mappings
         # sums to at most the file's size; a copy each would be twice it).
-        pss = sum(_arena_pss_kib(p.pid, path) for p in engines) * 1024
+        pss = sum(arena_pss_kib(p.pid, path) for p in engines) * 1024
         file_bytes = os.path.getsize(path)
         assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
     finally:
