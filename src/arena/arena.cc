@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "arena/arena_impl.h"
+#include "arena/numa_placement.h"
 #include "arena/test_hooks.h"
 #include "common/logging.h"
 #include "common/units.h"
@@ -96,6 +97,7 @@ std::string ArenaReport::StartLine() const {
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
   if (!peer_note.empty()) line += "; " + peer_note;
   if (!kernel_note.empty()) line += "; " + kernel_note;
+  line += arena::NumaStartLinePart(*this);
   if (!charge_note.empty()) line += "; memory: " + charge_note;
   return line;
 }
@@ -120,6 +122,7 @@ void MeasureBacking(Arena::Impl& impl) {
   auto huge = platform::HugeBytesInRange(impl.mapping.data(), impl.mapping.size());
   impl.report.mapped_bytes = impl.mapping.size();
   if (huge.ok()) impl.report.huge_bytes = std::min(*huge, impl.mapping.size());
+  arena::MeasureNuma(impl.mapping.data(), impl.report);
   // VmPin matters only once something was registered with a GPU.
   if (impl.report.gpu_registered_bytes > 0) {
     auto pinned = platform::PinnedBytes();
@@ -161,6 +164,12 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
 }  // namespace arena
 
 namespace {
+
+// Before any load: a NUMA placement this host cannot give (a node that is not there or not in
+// the process's cpuset) is refused now, whether or not this engine turns out to load.
+Status CheckNumaOptions(const ArenaOptions& options) {
+  return arena::ResolvePlacement(options).status();
+}
 
 // Before any load: a GPU name that cannot be parsed is a usage error, and a GPU the engine
 // requires but this build or machine cannot give fails now rather than after a long load.
@@ -219,6 +228,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
   EA_RETURN_IF_ERROR(CheckGpuOptions(options));
+  EA_RETURN_IF_ERROR(CheckNumaOptions(options));
   if (options.shared_path.empty()) {
     EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
@@ -266,6 +276,7 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
   auto logger = ResolveLogger(options.logger);
   EA_RETURN_IF_ERROR(CheckGpuOptions(options));
+  EA_RETURN_IF_ERROR(CheckNumaOptions(options));
   if (options.shared_path.empty()) {
     return InvalidArgument(
         "an engine-made arena needs a shared path (a file on tmpfs or hugetlbfs): a private "

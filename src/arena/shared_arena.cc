@@ -22,6 +22,7 @@
 #include "arena/arena_impl.h"
 #include "arena/arena_locks.h"
 #include "arena/memory_charge.h"
+#include "arena/numa_placement.h"
 #include "arena/page_backing.h"
 #include "arena/test_hooks.h"
 #include "common/units.h"
@@ -526,9 +527,14 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
           path, FormatBytes(layout->file_bytes));
     }
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
+    auto placement = ResolvePlacement(options);
+    if (!placement.ok()) return fail(placement.status());
+    Status room = CheckRoomOnNode(*placement, hugetlbfs, layout->file_bytes,
+                                  std::max(fs.block_bytes, kHugePageBytes), path);
+    if (!room.ok()) return fail(room);
     auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
                                  PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
-                                 options.pages_alongside_load);
+                                 options.pages_alongside_load, &*placement);
     if (!backed.ok()) {
       return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
     }
@@ -597,6 +603,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     impl->report.role = ArenaRole::kLoaded;
     impl->report.backing = platform::FsKindName(fs.kind);
     impl->report.huge_note = huge.note;
+    impl->report.numa = placement->asked;
+    impl->report.numa_note = backed->numa_note;
     impl->report.charge_note = *charge;
     impl->report.collapse_seconds = collapse_seconds;
     impl->report.load_seconds = loaded->seconds;
