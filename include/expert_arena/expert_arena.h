@@ -88,6 +88,10 @@ typedef struct ea_open_params {
    * is used; with them, their layout must be the peer's, and they are read if the fill fails. */
   const char* from_peer;
   const char* peer_token; /* the peer's shared token; NULL: none */
+  /* Where a loader puts the pages on a host with several NUMA nodes (docs/numa.md): "auto",
+   * "local", "interleave", "node:N" or "replicate"; NULL or "": "auto". Anything else is
+   * -EINVAL naming the accepted forms. */
+  const char* numa;
 } ea_open_params;
 
 typedef struct ea_tensor_view {

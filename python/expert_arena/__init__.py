@@ -275,7 +275,7 @@ class Arena(_abc.Mapping):
 def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
-         progress=None, format="auto", from_peer=None, peer_token=None) -> Arena:
+         progress=None, format="auto", from_peer=None, peer_token=None, numa="auto") -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
@@ -296,6 +296,12 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     the bytes crossed: "am" or "get"). `peer_token` is the peer's
     shared token.
 
+    `numa` is where a loader puts the pages on a host with several NUMA nodes (docs/numa.md):
+    "auto" (interleave over the nodes this process may use where the kernel allows it, else
+    first touch), "local" (first touch), "interleave", "node:N", or "replicate" (not built yet:
+    refused on a host with several nodes). report["numa"] says where the pages are: placement,
+    policy (as numa_maps names it), note, and nodes ({node: bytes}, empty on a one-node host).
+
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another
     engine's load took longer than `wait_timeout`), BusyError (a file of another model in
     use), NoSpaceError (the filesystem is too small), ValueError (a damaged model, a bad
@@ -309,7 +315,7 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                           select, bool(select_all), gpu, bool(gpu_required), huge,
                           float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                           int(pin_budget_bytes), reader, bool(quiet), bool(progress),
-                          int(alignment), format, from_peer or "", peer_token or "")
+                          int(alignment), format, from_peer or "", peer_token or "", numa)
     except ValueError as e:
         raise _in_python_words(e)
     finally:

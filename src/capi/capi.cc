@@ -83,6 +83,10 @@ int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& o
   options.progress = false;
   options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
   options.peer_token = p.peer_token != nullptr ? p.peer_token : "";
+  if (p.numa != nullptr && *p.numa != '\0') {
+    Status numa = ParseNumaPlacement(p.numa, &options.numa, &options.numa_node);
+    if (!numa.ok()) return Fail(-EINVAL, who + ": " + numa.message());
+  }
   if (p.quiet != 0) {
     options.logger = std::make_shared<spdlog::logger>(
         "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());
