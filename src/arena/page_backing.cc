@@ -106,6 +106,24 @@ Status TouchEachHugePage(std::byte* data, uint64_t offset, uint64_t length,
   return Status::Ok();
 }
 
+// MADV_COLLAPSE of [start, start+length). Under an interleave policy one call per 2 MiB: each
+// block's 2 MiB page then lands on the node of its own seed page (SeedPageOffset), where one
+// call over a 64 MiB piece put every block on the first node (Debian's 6.1 under QEMU with two
+// nodes, tests/kernel/qemu_numa.sh). A call per block costs a syscall per 2 MiB.
+Status CollapseRange(std::byte* start, uint64_t length, const std::string& what,
+                     unsigned interleave_nodes) {
+  if (interleave_nodes <= 1) {
+    return platform::AdviseRange(start, length, platform::Advice::kCollapse, what);
+  }
+  Status first = Status::Ok();
+  for (uint64_t at = 0; at < length; at += kHugePageBytes) {
+    Status s = platform::AdviseRange(start + at, std::min(kHugePageBytes, length - at),
+                                     platform::Advice::kCollapse, what);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
 }  // namespace
 
 uint64_t SeedPageOffset(uint64_t at, unsigned interleave_nodes, uint64_t base_page) {
@@ -155,11 +173,11 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
           s = platform::AdviseRange(data + offset, length, platform::Advice::kPopulateWrite, what);
         }
         if (s.ok() && can_collapse) {
-          s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+          s = CollapseRange(data + offset, length, what, interleave_nodes);
         }
         if (!s.ok() && s.code() == StatusCode::kBusy) {
           // EAGAIN: the kernel could not take a lock or a page right now; one retry.
-          s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+          s = CollapseRange(data + offset, length, what, interleave_nodes);
         }
         if (!s.ok()) {
           std::lock_guard lock(mu);
@@ -288,7 +306,7 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
       s = platform::AllocateRange(*fd_, SeedPageOffset(at, interleave_nodes_, page), 1);
     }
     if (!s.ok()) return s;  // fatal: the filesystem is full or failing
-    Status c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
+    Status c = CollapseRange(piece, length, what_, interleave_nodes_);
     if (!c.ok() && (c.code() == StatusCode::kBusy || c.code() == StatusCode::kInvalidArgument)) {
       // EAGAIN: one retry. EINVAL: fault the piece in and collapse it (that copies).
       if (c.code() == StatusCode::kInvalidArgument) {
@@ -296,7 +314,7 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
         EA_RETURN_IF_ERROR(
             platform::AdviseRange(piece, length, platform::Advice::kPopulateWrite, what_));
       }
-      c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
+      c = CollapseRange(piece, length, what_, interleave_nodes_);
     }
     NoteCollapseProblem(c, offset, length);
   }

@@ -498,7 +498,14 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     const uint64_t ticks = start_time.ok() ? *start_time : 0;
     const uint64_t pid_namespace = platform::PidNamespaceId();
     const uint64_t created = UnixNanos();
-    {
+    auto placement = ResolvePlacement(options);
+    if (!placement.ok()) return fail(placement.status());
+    // With a NUMA policy on tmpfs no page of the file may exist before the policy is set (the
+    // collapse puts a 2 MiB page where its small pages are): the stub below would make the
+    // header's first page on the loader's node, so it waits for the header in the mapping.
+    const bool placed_tmpfs = placement->policy != platform::MemPolicy::kDefault &&
+                              fs.kind == platform::FsKind::kTmpfs;
+    if (!placed_tmpfs) {
       // Say who is loading before the (possibly long) allocation, so engines that arrive now
       // can name this process. Best effort: hugetlbfs has no write(2); the header written
       // into the mapping below says it again.
@@ -527,8 +534,6 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
           path, FormatBytes(layout->file_bytes));
     }
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
-    auto placement = ResolvePlacement(options);
-    if (!placement.ok()) return fail(placement.status());
     Status room = CheckRoomOnNode(*placement, hugetlbfs, layout->file_bytes,
                                   std::max(fs.block_bytes, kHugePageBytes), path);
     if (!room.ok()) return fail(room);
