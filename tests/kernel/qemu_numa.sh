@@ -16,7 +16,7 @@
 # Kernels: Debian's linux-image-*-cloud-amd64, fetched with apt-get download into
 # ${XDG_CACHE_HOME:-~/.cache}/expert-arena/kernels (once). bookworm (6.1) through the machine's
 # own apt lists; bullseye (5.10) and trixie (6.12) through a sources list and apt state of this
-# script's own under the cache. EA_QEMU_KERNELS picks them (default: bookworm; "all": the
+# script's own under the cache. EA_QEMU_KERNELS picks them ("bookworm", ...; default "all": the
 # three). Each boot is bounded by timeout (EA_QEMU_TIMEOUT seconds, default 150).
 #
 #   tests/kernel/qemu_numa.sh [BUILD_DIR]      (default: build)
@@ -29,7 +29,7 @@ build=${1:-build}
 bin=$build/bin
 started=$SECONDS
 timeout_s=${EA_QEMU_TIMEOUT:-150}
-kernels=${EA_QEMU_KERNELS:-bookworm}
+kernels=${EA_QEMU_KERNELS:-all}
 [[ $kernels == all ]] && kernels="bullseye bookworm trixie"
 
 skip() {
@@ -68,7 +68,7 @@ apt_for() {
 
 # Prints the path of the vmlinuz of `suite`'s cloud kernel, fetching it the first time.
 fetch_kernel() {
-  local suite=$1 opts=""
+  local suite=$1 opts="-o APT::Sandbox::User=root"
   local existing
   existing=$(ls "$cache/$suite"/boot/vmlinuz-* 2>/dev/null | head -1 || true)
   if [[ -n $existing ]]; then
@@ -78,7 +78,7 @@ fetch_kernel() {
   local host_suite
   host_suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
   if [[ $suite != "$host_suite" ]]; then
-    opts=$(apt_for "$suite")
+    opts="$opts $(apt_for "$suite")"
     # shellcheck disable=SC2086
     apt-get $opts update -qq >&2 || return 1
   fi
@@ -87,6 +87,7 @@ fetch_kernel() {
   pkg=$(apt-cache $opts depends linux-image-cloud-amd64 2>/dev/null |
     awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
   [[ -n $pkg ]] || return 1
+  # shellcheck disable=SC2086
   (cd "$cache" && apt-get $opts download -qq "$pkg" >&2) || return 1
   mkdir -p "$cache/$suite"
   dpkg-deb -x "$(ls "$cache"/"$pkg"_*.deb | head -1)" "$cache/$suite.tmp"
