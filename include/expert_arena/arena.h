@@ -50,8 +50,9 @@ enum class NumaPlacement {
   kLocal,       // first touch: the pages land on the node of the loader's threads
   kInterleave,  // spread over every node this process may use (its cpuset's mems)
   kNode,        // bound to ArenaOptions::numa_node; refused when that node lacks the room
-  kReplicate,   // one arena per node, each engine attaching to its own node's (not yet built:
-                // refused with a message naming interleave and node:N)
+  kReplicate,   // one arena per node (the node in the path: m.arena -> m.node1.arena, bound
+                // there), each engine attaching to its own node's: the node of the GPU it
+                // registers with (its PCI slot's), else of its CPU affinity
 };
 
 // Parses "auto", "local", "interleave", "node:N" or "replicate" into *placement and *node (N,

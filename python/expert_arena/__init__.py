@@ -298,8 +298,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
 
     `numa` is where a loader puts the pages on a host with several NUMA nodes (docs/numa.md):
     "auto" (interleave over the nodes this process may use where the kernel allows it, else
-    first touch), "local" (first touch), "interleave", "node:N", or "replicate" (not built yet:
-    refused on a host with several nodes). report["numa"] says where the pages are: placement,
+    first touch), "local" (first touch), "interleave", "node:N", or "replicate" (one arena per
+    node, the node in its file name, each engine on its GPU's or CPUs' node's). report["numa"] says where the pages are: placement,
     policy (as numa_maps names it), note, and nodes ({node: bytes}, empty on a one-node host).
 
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another

@@ -15,6 +15,7 @@
 #include "expert_arena/gpu.h"
 #include "gpu/runtime.h"
 #include "platform/kernel_features.h"
+#include "platform/numa.h"
 #include "platform/system_info.h"
 #include "remote/peer_fill.h"
 #include "source/model_fingerprint.h"
@@ -165,10 +166,28 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
 
 namespace {
 
-// Before any load: a NUMA placement this host cannot give (a node that is not there or not in
-// the process's cpuset) is refused now, whether or not this engine turns out to load.
-Status CheckNumaOptions(const ArenaOptions& options) {
-  return arena::ResolvePlacement(options).status();
+// Before any load: --numa replicate becomes this engine's replica (its path and node:N), and a
+// NUMA placement this host cannot give (a node that is not there or not in the process's
+// cpuset) is refused now, whether or not this engine turns out to load. `*how`: which replica.
+Result<ArenaOptions> ResolveNumaOptions(const ArenaOptions& options, std::string* how) {
+  int gpu_node = -1;
+  if (options.numa == NumaPlacement::kReplicate) {
+    auto device = ParseGpuDevice(options.gpu);
+    if (device.ok()) gpu_node = gpu::NumaNodeOfDevice(*device);
+  }
+  EA_ASSIGN_OR_RETURN(
+      ArenaOptions resolved,
+      arena::ResolveReplica(options, gpu_node,
+                            options.numa == NumaPlacement::kReplicate ? platform::NodeOfCurrentCpus()
+                                                                      : -1,
+                            platform::AllowedMemoryNodes(), how));
+  EA_RETURN_IF_ERROR(arena::ResolvePlacement(resolved).status());
+  return resolved;
+}
+
+// The report's placement: "replicate (replica of node 1, ...)" where it was resolved.
+void NoteReplica(ArenaReport& r, const ArenaOptions& asked, const std::string& how) {
+  if (asked.numa == NumaPlacement::kReplicate && !how.empty()) r.numa = "replicate (" + how + ")";
 }
 
 // Before any load: a GPU name that cannot be parsed is a usage error, and a GPU the engine
@@ -223,12 +242,14 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
 
 }  // namespace
 
-Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
+Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options_in) {
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
-  auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
-  EA_RETURN_IF_ERROR(CheckNumaOptions(options));
+  auto logger = ResolveLogger(options_in.logger);
+  EA_RETURN_IF_ERROR(CheckGpuOptions(options_in));
+  std::string replica;
+  EA_ASSIGN_OR_RETURN(const ArenaOptions placed, ResolveNumaOptions(options_in, &replica));
+  const ArenaOptions& options = placed;
   if (options.shared_path.empty()) {
     EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
@@ -257,6 +278,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
         want.plan ? want.plan->metadata_bytes_read : want.fingerprint_bytes_read;
   }
   impl->report.peer_note = std::move(peer_note);
+  NoteReplica(impl->report, options_in, replica);
   return Finish(std::move(impl), options, *logger, start, ledger);
 }
 
@@ -271,12 +293,14 @@ Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions&
   return Finish(std::move(impl), attach, *logger, start, ledger);
 }
 
-Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions& options) {
+Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions& options_in) {
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
-  auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckGpuOptions(options));
-  EA_RETURN_IF_ERROR(CheckNumaOptions(options));
+  auto logger = ResolveLogger(options_in.logger);
+  EA_RETURN_IF_ERROR(CheckGpuOptions(options_in));
+  std::string replica;
+  EA_ASSIGN_OR_RETURN(const ArenaOptions placed, ResolveNumaOptions(options_in, &replica));
+  const ArenaOptions& options = placed;
   if (options.shared_path.empty()) {
     return InvalidArgument(
         "an engine-made arena needs a shared path (a file on tmpfs or hugetlbfs): a private "
@@ -302,6 +326,7 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, engine_options, *logger));
   impl->report.bytes_read = id.bytes_read;
   impl->report.reader = impl->report.role == ArenaRole::kLoaded ? "engine" : "";
+  NoteReplica(impl->report, options_in, replica);
   return Finish(std::move(impl), options, *logger, start, ledger);
 }
 

@@ -64,9 +64,8 @@ Result<PagePlacement> ResolvePlacement(NumaPlacement placement, int node,
   switch (placement) {
     case NumaPlacement::kReplicate:
       if (allowed.size() <= 1) return p;  // one node: its one replica is the arena itself
-      return Unsupported(
-          "--numa replicate (one arena per node) is not built yet; --numa interleave keeps one "
-          "copy spread over the nodes, --numa node:N binds it to node N (docs/numa.md)");
+      // ResolveReplica turns it into node:N of a path per node before any arena is opened.
+      return Internal("--numa replicate reached the page placement unresolved");
     case NumaPlacement::kNode: {
       if (std::find(allowed.begin(), allowed.end(), node) == allowed.end()) {
         const bool exists = std::find(present.begin(), present.end(), node) != present.end();
@@ -101,6 +100,49 @@ Result<PagePlacement> ResolvePlacement(const ArenaOptions& options) {
   }
   return ResolvePlacement(options.numa, options.numa_node, platform::AllowedMemoryNodes(),
                           platform::MemoryNodes());
+}
+
+std::string ReplicaPath(const std::string& path, int node) {
+  const std::string suffix = ".node" + std::to_string(node);
+  constexpr std::string_view kExtension = ".arena";
+  const size_t slash = path.rfind('/');
+  const std::string_view name =
+      std::string_view(path).substr(slash == std::string::npos ? 0 : slash + 1);
+  if (name.size() > kExtension.size() &&
+      name.substr(name.size() - kExtension.size()) == kExtension) {
+    return path.substr(0, path.size() - kExtension.size()) + suffix + std::string(kExtension);
+  }
+  return path + suffix;
+}
+
+Result<ArenaOptions> ResolveReplica(const ArenaOptions& options, int gpu_node, int cpu_node,
+                                    const std::vector<int>& allowed, std::string* how) {
+  ArenaOptions out = options;
+  how->clear();
+  if (options.numa != NumaPlacement::kReplicate) return out;
+  if (options.shared_path.empty() || allowed.size() <= 1) {
+    out.numa = NumaPlacement::kLocal;
+    return out;
+  }
+  auto in = [&](int n) { return std::find(allowed.begin(), allowed.end(), n) != allowed.end(); };
+  int node = -1;
+  if (gpu_node >= 0 && in(gpu_node)) {
+    node = gpu_node;
+    *how = "replica of node " + std::to_string(node) + ", the node of " + options.gpu;
+  } else if (cpu_node >= 0 && in(cpu_node)) {
+    node = cpu_node;
+    *how = "replica of node " + std::to_string(node) + ", the node of this engine's CPUs";
+  } else {
+    return InvalidArgument(
+        "--numa replicate: cannot tell this engine's node (no GPU with a NUMA node, and its CPUs "
+        "are not on one of nodes " +
+        platform::FormatNodeList(allowed) +
+        "); pin it (numactl --cpunodebind=N) or use --numa node:N with a path per node");
+  }
+  out.shared_path = ReplicaPath(options.shared_path, node);
+  out.numa = NumaPlacement::kNode;
+  out.numa_node = node;
+  return out;
 }
 
 Status CheckRoomOnNode(const PagePlacement& placement, uint64_t bytes, uint64_t free_bytes,

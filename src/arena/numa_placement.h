@@ -37,6 +37,19 @@ Result<PagePlacement> ResolvePlacement(NumaPlacement placement, int node,
 // ResolvePlacement on this host.
 Result<PagePlacement> ResolvePlacement(const ArenaOptions& options);
 
+// `path` of node `node`'s replica: "/dev/shm/m.arena" -> "/dev/shm/m.node1.arena", a path
+// without the .arena extension gets ".node1" appended.
+std::string ReplicaPath(const std::string& path, int node);
+
+// --numa replicate turned into the options of this engine's replica: its node is the GPU's
+// (`gpu_node`, the PCI slot's node of the device it registers with) when that is one of
+// `allowed`, else the one holding its CPUs (`cpu_node`); the path is ReplicaPath and the
+// placement node:N. Other placements, a private arena (its own copy: first touch) and a host
+// with one allowed node (the arena itself) come back as they are, replicate as local.
+// kInvalidArgument when neither node is known. `*how` says which node was taken and why.
+Result<ArenaOptions> ResolveReplica(const ArenaOptions& options, int gpu_node, int cpu_node,
+                                    const std::vector<int>& allowed, std::string* how);
+
 // Bound to one node: kNoSpace when `free_bytes` there is less than `bytes`, naming the node,
 // what it has free and where that was read. OK for other policies.
 Status CheckRoomOnNode(const PagePlacement& placement, uint64_t bytes, uint64_t free_bytes,

@@ -9,6 +9,8 @@
 #   - local loaded from node 1's CPU puts >= 95% on node 1 (first touch);
 #   - on hugetlbfs the pages come from the per-node pools, and node:1 with too small a pool on
 #     node 1 is refused naming node 1 and its free pages;
+#   - replicate: an engine on each node's CPU loads its node's replica (the node in the file
+#     name), >= 95% local, and a second engine on node 1 attaches to node 1's;
 #   - a cpuset limited to node 1 (cgroup v2): interleave lands on node 1 and node:0 is refused.
 # The guest prints one "EA-CHECK <name> PASS|FAIL <what it saw>" line per check on the serial
 # console; this script exits non-zero naming the kernel and each failing check.
@@ -205,6 +207,21 @@ for backing in shm huge; do
   check $backing-node1-from-cpu0 node1 taskset -c 0 $ea load --model /tmp/m.gguf --json \
     --arena $dir/n1.arena --numa node:1
   rm -f $dir/n1.arena
+  # replicate: an engine on each node loads its own node's replica; a second engine on node 1
+  # attaches to node 1's.
+  check $backing-replicate-cpu0 node0 taskset -c 0 $ea load --model /tmp/m.gguf --json \
+    --arena $dir/r.arena --numa replicate
+  check $backing-replicate-cpu1 node1 taskset -c 1 $ea load --model /tmp/m.gguf --json \
+    --arena $dir/r.arena --numa replicate
+  check $backing-replicate-attach-cpu1 node1 taskset -c 1 $ea load --model /tmp/m.gguf --json \
+    --arena $dir/r.arena --numa replicate
+  if [ -e $dir/r.node0.arena ] && [ -e $dir/r.node1.arena ] && [ ! -e $dir/r.arena ] &&
+    echo "$out" | grep -q '"role":"attached"'; then
+    echo "EA-CHECK $backing-replicate-files PASS r.node0.arena and r.node1.arena, the third attached"
+  else
+    echo "EA-CHECK $backing-replicate-files FAIL: $(ls $dir) $(echo "$out" | grep -o '"role":"[a-z]*"')"
+  fi
+  rm -f $dir/r.node0.arena $dir/r.node1.arena
 done
 # A node whose pool cannot hold the arena: refused naming the node and what it has.
 echo 4 >/sys/devices/system/node/node1/hugepages/hugepages-2048kB/nr_hugepages

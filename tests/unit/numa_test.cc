@@ -106,11 +106,53 @@ TEST(NumaPlacementTest, ANodeThatIsNotThere) {
       << p.status().message();
 }
 
-TEST(NumaPlacementTest, ReplicateOnSeveralNodesIsRefusedNamingTheAlternatives) {
-  auto p = ResolvePlacement(NumaPlacement::kReplicate, -1, {0, 1}, {0, 1});
-  EXPECT_EQ(p.status().code(), StatusCode::kUnsupported);
-  EXPECT_NE(p.status().message().find("--numa interleave"), std::string::npos);
-  EXPECT_NE(p.status().message().find("node:N"), std::string::npos);
+TEST(NumaReplicaTest, TheReplicaPathNamesTheNode) {
+  EXPECT_EQ(arena::ReplicaPath("/dev/shm/m.arena", 1), "/dev/shm/m.node1.arena");
+  EXPECT_EQ(arena::ReplicaPath("/dev/shm/model", 0), "/dev/shm/model.node0");
+  EXPECT_EQ(arena::ReplicaPath("/dev/shm/.arena", 2), "/dev/shm/.arena.node2");
+  EXPECT_EQ(arena::ReplicaPath("/a.arena/m", 3), "/a.arena/m.node3");
+}
+
+TEST(NumaReplicaTest, TheGpusNodeFirstThenTheCpus) {
+  ArenaOptions o;
+  o.shared_path = "/dev/shm/m.arena";
+  o.numa = NumaPlacement::kReplicate;
+  o.gpu = "cuda:5";
+  std::string how;
+  auto by_gpu = arena::ResolveReplica(o, /*gpu_node=*/1, /*cpu_node=*/0, {0, 1}, &how);
+  ASSERT_OK(by_gpu.status());
+  EXPECT_EQ(by_gpu->shared_path, "/dev/shm/m.node1.arena");
+  EXPECT_EQ(by_gpu->numa, NumaPlacement::kNode);
+  EXPECT_EQ(by_gpu->numa_node, 1);
+  EXPECT_NE(how.find("cuda:5"), std::string::npos) << how;
+  // A GPU on a node this process may not use (a cpuset): the CPUs' node.
+  auto by_cpu = arena::ResolveReplica(o, 3, 0, {0, 1}, &how);
+  ASSERT_OK(by_cpu.status());
+  EXPECT_EQ(by_cpu->shared_path, "/dev/shm/m.node0.arena");
+  EXPECT_NE(how.find("CPUs"), std::string::npos) << how;
+  auto unknown = arena::ResolveReplica(o, -1, -1, {0, 1}, &how);
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("numactl --cpunodebind"), std::string::npos);
+}
+
+TEST(NumaReplicaTest, OneNodeOrAPrivateArenaIsTheArenaItself) {
+  ArenaOptions o;
+  o.shared_path = "/dev/shm/m.arena";
+  o.numa = NumaPlacement::kReplicate;
+  std::string how;
+  auto one = arena::ResolveReplica(o, -1, 0, {0}, &how);
+  ASSERT_OK(one.status());
+  EXPECT_EQ(one->shared_path, "/dev/shm/m.arena");
+  EXPECT_EQ(one->numa, NumaPlacement::kLocal);
+  o.shared_path.clear();
+  auto priv = arena::ResolveReplica(o, 1, 1, {0, 1}, &how);
+  ASSERT_OK(priv.status());
+  EXPECT_EQ(priv->numa, NumaPlacement::kLocal);
+  o.numa = NumaPlacement::kInterleave;
+  o.shared_path = "/dev/shm/m.arena";
+  auto other = arena::ResolveReplica(o, 1, 1, {0, 1}, &how);
+  ASSERT_OK(other.status());
+  EXPECT_EQ(other->shared_path, "/dev/shm/m.arena") << "only replicate changes the path";
 }
 
 TEST(NumaPlacementTest, ThisHostsNodesResolve) {
