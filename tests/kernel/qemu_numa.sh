@@ -11,7 +11,9 @@
 #     node 1 is refused naming node 1 and its free pages;
 #   - replicate: an engine on each node's CPU loads its node's replica (the node in the file
 #     name), >= 95% local, and a second engine on node 1 attaches to node 1's;
-#   - a cpuset limited to node 1 (cgroup v2): interleave lands on node 1 and node:0 is refused.
+#   - a cpuset limited to node 1 (cgroup v2): interleave lands on node 1 and node:0 is refused;
+#   - under Docker's and Podman's seccomp profiles (ea-kernel-profile), where mbind needs
+#     CAP_SYS_NICE: auto loads on first touch saying why, interleave is refused naming mbind.
 # The guest prints one "EA-CHECK <name> PASS|FAIL <what it saw>" line per check on the serial
 # console; this script exits non-zero naming the kernel and each failing check.
 #
@@ -110,13 +112,20 @@ for applet in sh mount umount mkdir cat echo grep sed awk taskset poweroff sleep
   ln -sf busybox "$root/bin/$applet"
 done
 strip -o "$root/bin/expert-arena" "$bin/expert-arena"
+# Docker's and Podman's seccomp profiles (tools/kernel-profile), for auto's fallback.
+profile_bin=""
+if [[ -x $bin/ea-kernel-profile ]]; then
+  strip -o "$root/bin/ea-kernel-profile" "$bin/ea-kernel-profile"
+  profile_bin=$bin/ea-kernel-profile
+fi
 # The shared libraries it needs, where ldd finds them (stripped: the GPU runtimes are large).
-ldd "$bin/expert-arena" | awk '/=> \// {print $3} /^\t\/lib64/ {print $1}' | while read -r lib; do
-  dest=$root$(dirname "$lib")
-  mkdir -p "$dest"
-  strip --strip-unneeded -o "$dest/$(basename "$lib")" "$lib" 2>/dev/null ||
-    cp -L "$lib" "$dest/"
-done
+ldd "$bin/expert-arena" $profile_bin | awk '/=> \// {print $3} /^\t\/lib64/ {print $1}' | sort -u |
+  while read -r lib; do
+    dest=$root$(dirname "$lib")
+    mkdir -p "$dest"
+    strip --strip-unneeded -o "$dest/$(basename "$lib")" "$lib" 2>/dev/null ||
+      cp -L "$lib" "$dest/"
+  done
 # ldd names some by their build-tree path (libcudart of the PyPI wheel): the loader finds them
 # through LD_LIBRARY_PATH in the guest.
 ld_path=$(ldd "$bin/expert-arena" | awk '/=> \// {print $3}' | xargs -n1 dirname | sort -u | tr '\n' ':')
@@ -223,6 +232,25 @@ for backing in shm huge; do
   fi
   rm -f $dir/r.node0.arena $dir/r.node1.arena
 done
+# A container's seccomp profile without CAP_SYS_NICE refuses mbind: auto loads on first touch and
+# says why; interleave asked by name is refused naming mbind.
+if [ -x /bin/ea-kernel-profile ]; then
+  for profile in docker podman; do
+    out=$(ea-kernel-profile --profile $profile -- $ea load --model /tmp/m.gguf --json \
+      --arena /dev/shm/d.arena 2>/tmp/err)
+    if echo "$out" | grep -q '"note":"first touch (--numa auto: mbind interleave'; then
+      echo "EA-CHECK $profile-auto-first-touch PASS $(echo "$out" | grep -o '"note":"first touch[^"]*"')"
+    else
+      echo "EA-CHECK $profile-auto-first-touch FAIL $(echo "$out" | grep -o '"numa":{[^}]*}') $(tail -2 /tmp/err)"
+    fi
+    rm -f /dev/shm/d.arena
+    refused $profile-interleave-refused "mbind interleave to nodes 0-1" ea-kernel-profile \
+      --profile $profile -- $ea load --model /tmp/m.gguf --arena /dev/shm/d.arena --numa interleave
+    rm -f /dev/shm/d.arena
+  done
+else
+  echo "EA-CHECK seccomp-profiles FAIL: ea-kernel-profile not built"
+fi
 # A node whose pool cannot hold the arena: refused naming the node and what it has.
 echo 4 >/sys/devices/system/node/node1/hugepages/hugepages-2048kB/nr_hugepages
 refused huge-node1-without-room "node 1, which has 8.0 MiB free" load /mnt/huge/r.arena --numa node:1
