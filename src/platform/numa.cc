@@ -160,20 +160,6 @@ Result<uint64_t> ReadNodeNumber(const std::string& path) {
 
 }  // namespace
 
-Result<uint64_t> NodeFreeBytes(int node) {
-  const std::string path = "/sys/devices/system/node/node" + std::to_string(node) + "/meminfo";
-  std::ifstream in(path);
-  if (!in) return ErrnoStatus(errno, "open", path);
-  std::string line;
-  while (std::getline(in, line)) {
-    // "Node 1 MemFree:         1020304 kB"
-    size_t at = line.find("MemFree:");
-    if (at == std::string::npos) continue;
-    return std::strtoull(line.c_str() + at + 8, nullptr, 10) * kKiB;
-  }
-  return NotFound("no MemFree in " + path);
-}
-
 Result<uint64_t> NodeFreeHugePages(int node, uint64_t page_bytes) {
   return ReadNodeNumber("/sys/devices/system/node/node" + std::to_string(node) +
                         "/hugepages/hugepages-" + std::to_string(page_bytes / kKiB) +

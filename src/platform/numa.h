@@ -30,8 +30,6 @@ std::vector<int> MemoryNodes();
 // /proc/self/status) that have memory; MemoryNodes() when the field is absent.
 std::vector<int> AllowedMemoryNodes();
 
-// MemFree of /sys/devices/system/node/nodeN/meminfo, in bytes.
-Result<uint64_t> NodeFreeBytes(int node);
 // free_hugepages of /sys/devices/system/node/nodeN/hugepages/hugepages-<page_bytes/1024>kB.
 Result<uint64_t> NodeFreeHugePages(int node, uint64_t page_bytes);
 
