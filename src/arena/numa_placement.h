@@ -14,18 +14,12 @@
 
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
+#include "pages/page_placement.h"
 #include "platform/numa.h"
 
 namespace expert_arena::arena {
 
-struct PagePlacement {
-  platform::MemPolicy policy = platform::MemPolicy::kDefault;  // kDefault: first touch
-  std::vector<int> nodes;
-  // false for NumaPlacement::kAuto: a kernel that refuses the policy (EPERM in a container
-  // without CAP_SYS_NICE, ENOSYS without CONFIG_NUMA) leaves first touch, and the note says so.
-  bool required = true;
-  std::string asked;  // NumaPlacementName of the option
-};
+using pages::PagePlacement;
 
 // The placement `placement`/`node` means where this process may allocate from `allowed` (its
 // cpuset's mems with memory) of `present` (every node with memory). kInvalidArgument for

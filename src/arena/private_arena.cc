@@ -6,13 +6,19 @@
 
 #include "arena/arena_impl.h"
 #include "arena/numa_placement.h"
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "load/loader.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
 namespace expert_arena::arena {
+
+using pages::ApplyHugePages;
+using pages::BackgroundPages;
+using pages::DecideHugePages;
+using pages::HugeDecision;
+using pages::PageSource;
 
 Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
                                                  const ArenaOptions& options, spdlog::logger& log) {

@@ -23,7 +23,7 @@
 #include "arena/arena_locks.h"
 #include "arena/memory_charge.h"
 #include "arena/numa_placement.h"
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "arena/test_hooks.h"
 #include "common/units.h"
 #include "format/arena_format.h"
@@ -36,6 +36,11 @@
 #include "source/model_fingerprint.h"
 
 namespace expert_arena::arena {
+
+using pages::AllocateAndMap;
+using pages::BackgroundPages;
+using pages::HugeDecision;
+using pages::PageSourceFor;
 namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(20);

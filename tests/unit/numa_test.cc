@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "platform/mapping.h"
 #include "platform/numa.h"
@@ -207,11 +207,11 @@ TEST(NumaMapsTest, CountsPagesOnEachNodeInBytes) {
 
 TEST(SeedPageTest, InterleaveGivesBlockINodeIModN) {
   constexpr uint64_t kPage = 4096;
-  EXPECT_EQ(arena::SeedPageOffset(6 * kHugePageBytes, 1, kPage), 6 * kHugePageBytes);
+  EXPECT_EQ(pages::SeedPageOffset(6 * kHugePageBytes, 1, kPage), 6 * kHugePageBytes);
   for (unsigned n : {2u, 3u, 4u, 7u}) {
     for (uint64_t block = 0; block < 64; ++block) {
       const uint64_t at = block * kHugePageBytes;
-      const uint64_t seed = arena::SeedPageOffset(at, n, kPage);
+      const uint64_t seed = pages::SeedPageOffset(at, n, kPage);
       ASSERT_GE(seed, at);
       ASSERT_LT(seed, at + kHugePageBytes);
       // The kernel's interleave of small pages: node (page index mod n).

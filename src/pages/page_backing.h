@@ -1,5 +1,6 @@
-// 2 MiB pages for an arena: whether to ask for them, asking (MADV_HUGEPAGE, MADV_COLLAPSE in
-// parallel), and reading back from the page tables how much of the mapping really is on them.
+// The page code beneath arenas and stream segments: 2 MiB pages for a mapping, whether to ask
+// for them, asking (MADV_HUGEPAGE, MADV_COLLAPSE in parallel), making them alongside a load,
+// and placing them on NUMA nodes (PagePlacement) before the first one exists.
 //
 // The rule (from the field: per-fault compaction on a fragmented box stalled engines for
 // minutes): on tmpfs and anonymous memory ask only when free 2 MiB blocks could back at least
@@ -18,14 +19,14 @@
 
 #include "common/ready_front.h"
 #include "expert_arena/arena.h"
-#include "arena/numa_placement.h"
 #include "expert_arena/status.h"
+#include "pages/page_placement.h"
 #include "platform/file.h"
 #include "platform/kernel_features.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
-namespace expert_arena::arena {
+namespace expert_arena::pages {
 
 struct HugeDecision {
   bool ask = false;
@@ -198,4 +199,4 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
                                   const std::string& what, bool pages_in_background = false,
                                   const PagePlacement* placement = nullptr);
 
-}  // namespace expert_arena::arena
+}  // namespace expert_arena::pages

@@ -1,4 +1,4 @@
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 
 #include <algorithm>
 #include <atomic>
@@ -7,12 +7,12 @@
 #include <thread>
 #include <vector>
 
-#include "arena/test_hooks.h"
 #include "common/units.h"
+#include "pages/page_hooks.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
-namespace expert_arena::arena {
+namespace expert_arena::pages {
 
 PageSource PageSourceFor(platform::FsKind kind, const std::string& tmpfs_huge) {
   if (kind == platform::FsKind::kHugetlbfs) return PageSource::kHugetlbfs;
@@ -475,4 +475,4 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
   return file;
 }
 
-}  // namespace expert_arena::arena
+}  // namespace expert_arena::pages
