@@ -175,12 +175,11 @@ Result<ArenaOptions> ResolveNumaOptions(const ArenaOptions& options, std::string
     auto device = ParseGpuDevice(options.gpu);
     if (device.ok()) gpu_node = gpu::NumaNodeOfDevice(*device);
   }
-  EA_ASSIGN_OR_RETURN(
-      ArenaOptions resolved,
-      arena::ResolveReplica(options, gpu_node,
-                            options.numa == NumaPlacement::kReplicate ? platform::NodeOfCurrentCpus()
-                                                                      : -1,
-                            platform::AllowedMemoryNodes(), how));
+  const int cpu_node =
+      options.numa == NumaPlacement::kReplicate ? platform::NodeOfCurrentCpus() : -1;
+  EA_ASSIGN_OR_RETURN(ArenaOptions resolved,
+                      arena::ResolveReplica(options, gpu_node, cpu_node,
+                                            platform::AllowedMemoryNodes(), how));
   EA_RETURN_IF_ERROR(arena::ResolvePlacement(resolved).status());
   return resolved;
 }

@@ -170,7 +170,8 @@ Result<uint64_t> NodeRoomBytes(int node, std::string* source) {
   while (std::getline(in, line)) {
     auto field = [&](const char* key, uint64_t* out) {
       size_t at = line.find(key);
-      if (at != std::string::npos) *out = std::strtoull(line.c_str() + at + std::strlen(key), nullptr, 10) * kKiB;
+      if (at == std::string::npos) return;
+      *out = std::strtoull(line.c_str() + at + std::strlen(key), nullptr, 10) * kKiB;
     };
     field("MemFree:", &free);
     field("FilePages:", &file);

@@ -122,7 +122,8 @@ std::string FormatNodeList(const std::vector<int>& nodes) {
 }
 
 std::vector<int> MemoryNodes() {
-  for (const char* file : {"/sys/devices/system/node/has_memory", "/sys/devices/system/node/online"}) {
+  for (const char* file :
+       {"/sys/devices/system/node/has_memory", "/sys/devices/system/node/online"}) {
     bool ok = false;
     std::string text = ReadText(file, &ok);
     if (!ok) continue;
