@@ -14,7 +14,7 @@
 #include <string>
 #include <thread>
 
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
@@ -54,7 +54,7 @@ static double Run(uint64_t bytes, Order order, unsigned threads, double* huge_sh
   }
   auto m = platform::Mapping::MapFile(*fd, bytes, true, kHugePageBytes);
   if (!m.ok()) std::exit(1);
-  auto collapsed = arena::CollapseParallel(m->data(), bytes, path, order == Order::kFaultIn,
+  auto collapsed = pages::CollapseParallel(m->data(), bytes, path, order == Order::kFaultIn,
                                            threads, pieces ? &*fd : nullptr);
   if (!collapsed.ok()) {
     std::fprintf(stderr, "%s\n", collapsed.status().ToString().c_str());

@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/gpu.h"
@@ -106,8 +106,8 @@ Result<Backing> MakeAnonymousBacking(uint64_t bytes, bool huge) {
   EA_ASSIGN_OR_RETURN(b.mapping, platform::Mapping::MapAnonymous(bytes, kHugePageBytes));
   if (huge) {
     double collapse_seconds = 0;
-    arena::HugeDecision d =
-        arena::ApplyHugePages(HugePages::kOn, arena::PageSource::kAnonymous, b.mapping.data(),
+    pages::HugeDecision d =
+        pages::ApplyHugePages(HugePages::kOn, pages::PageSource::kAnonymous, b.mapping.data(),
                               bytes, "anonymous backing", &collapse_seconds);
     b.note = "anonymous memory" + (d.note.empty() ? "" : ", " + d.note);
   } else {
@@ -145,8 +145,8 @@ Result<Backing> MakeBacking(const std::string& dir, uint64_t bytes, bool huge,
                                                               : std::string("other fs");
   if (huge) {
     double collapse_seconds = 0;
-    arena::HugeDecision d =
-        arena::ApplyHugePages(HugePages::kOn, arena::PageSourceFor(fs.kind, fs.tmpfs_huge),
+    pages::HugeDecision d =
+        pages::ApplyHugePages(HugePages::kOn, pages::PageSourceFor(fs.kind, fs.tmpfs_huge),
                               b.mapping.data(), bytes, b.path, &collapse_seconds);
     b.note = fs_name + (d.note.empty() ? "" : ", " + d.note);
   } else {

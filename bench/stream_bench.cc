@@ -49,7 +49,7 @@
 #include <thread>
 #include <vector>
 
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "expert_arena/stream.h"
 #include "platform/file.h"
@@ -207,7 +207,7 @@ double Median(std::vector<double> v) {
 // One segment-sized file on 2 MiB pages made the way CreateSegment made it before (fallocate
 // every 4 KiB page, then MADV_COLLAPSE copies them into 2 MiB pages) or the way it does now
 // (size only; the collapse allocates one small page per 2 MiB and fills the rest; then
-// fallocate), as CreateSegment does through arena::ApplyHugePages. Returns seconds,
+// fallocate), as CreateSegment does through pages::ApplyHugePages. Returns seconds,
 // and the share on 2 MiB pages in *huge_share; -1 on an error.
 double MakeHugeFile(const std::string& dir, uint64_t bytes, bool sparse, double* huge_share) {
   using namespace expert_arena;
@@ -222,7 +222,7 @@ double MakeHugeFile(const std::string& dir, uint64_t bytes, bool sparse, double*
   auto m = platform::Mapping::MapFile(*fd, bytes, true, kHugePageBytes);
   if (!m.ok()) return -1;
   (void)platform::AdviseRange(m->data(), bytes, platform::Advice::kHugePage, path);
-  if (!arena::CollapseParallel(m->data(), bytes, path, false, 0, sparse ? &*fd : nullptr).ok()) {
+  if (!pages::CollapseParallel(m->data(), bytes, path, false, 0, sparse ? &*fd : nullptr).ok()) {
     return -1;
   }
   if (sparse && !platform::AllocateFile(*fd, bytes).ok()) return -1;

@@ -14,6 +14,7 @@ required=(
   liburing-dev libspdlog-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev
   nlohmann-json3-dev libxxhash-dev libsimdjson-dev libssl-dev
   libseccomp-dev  # tools/kernel-profile: older kernels and container runtimes emulated in tests
+  qemu-system-x86 busybox-static  # tests/kernel/qemu_numa.sh: real kernels, two NUMA nodes
   clang libclang-rt-14-dev  # the libFuzzer build of tests/fuzz (clang 14 and its runtime)
   python3-dev pybind11-dev python3-numpy python3-torch python3-pytest  # the Python package
   python3-setuptools python3-wheel python3-pip  # pip install --no-build-isolation .

@@ -67,6 +67,12 @@ step "kernel profiles: older kernels and container runtimes emulated with seccom
 # huge=always, hugetlbfs: engines, arena protocol, stream process and Python tests, asserting
 # the start line (docs/kernels.md). About 2-2.5 minutes on 2 cores.
 tests/kernel/kernel_profiles.sh build
+
+step "NUMA placement on Debian's real kernels under QEMU (two emulated nodes)"
+# tests/kernel/qemu_numa.sh: interleave, node:N, local and a cpuset on /dev/shm and hugetlbfs,
+# in a guest booted with the built expert-arena (docs/numa.md). The kernels are fetched once
+# into ~/.cache/expert-arena/kernels. 83 s for the three kernels on 2 cores (once cached).
+EA_QEMU_KERNELS=${EA_QEMU_KERNELS:-all} tests/kernel/qemu_numa.sh build
 venv_torch=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
 step "as an unprivileged user: the arena protocol, streams across processes, the Python tests on .venv's torch $venv_torch"
 # Engines run as ordinary users in the field (docs/deployment.md), and on torch 2.x from PyPI:

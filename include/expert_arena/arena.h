@@ -42,6 +42,26 @@ namespace expert_arena {
 // hugetlbfs pages are reserved by the filesystem whatever this says.
 enum class HugePages { kAuto, kOn, kOff };
 
+// Where a shared arena's pages live on a host with several NUMA nodes (docs/numa.md), whoever
+// touches them first. On a one-node host every choice is the same first touch.
+enum class NumaPlacement {
+  kAuto,        // interleave where this process may use several nodes and the kernel lets it
+                // set the policy (a container without CAP_SYS_NICE may not); otherwise local
+  kLocal,       // first touch: the pages land on the node of the loader's threads
+  kInterleave,  // spread over every node this process may use (its cpuset's mems)
+  kNode,        // bound to ArenaOptions::numa_node; refused when that node lacks the room
+  kReplicate,   // one arena per node (the node in the path: m.arena -> m.node1.arena, bound
+                // there), each engine attaching to its own node's: the node of the GPU it
+                // registers with (its PCI slot's), else of its CPU affinity
+};
+
+// Parses "auto", "local", "interleave", "node:N" or "replicate" into *placement and *node (N,
+// or -1); kInvalidArgument naming the accepted forms otherwise.
+EXPERT_ARENA_EXPORT Status ParseNumaPlacement(std::string_view text, NumaPlacement* placement,
+                                              int* node);
+// "auto", "local", "interleave", "node:1", "replicate".
+EXPERT_ARENA_EXPORT std::string NumaPlacementName(NumaPlacement placement, int node);
+
 // How the model's files are read. kAuto recognises GGUF, safetensors and a safetensors
 // index from their first bytes and refuses anything else with a message that says what the
 // file looks like (empty, a Git LFS pointer, an HTML page, a damaged header). kRaw is never
@@ -74,6 +94,10 @@ struct ArenaOptions {
   // The shared arena file (on tmpfs or hugetlbfs). Empty: a private arena.
   std::string shared_path;
   HugePages huge = HugePages::kAuto;
+  // Where a loader puts the pages (an attacher finds them where the loader put them).
+  // Checked when the arena is opened: a node this process may not use is an error.
+  NumaPlacement numa = NumaPlacement::kAuto;
+  int numa_node = -1;  // for NumaPlacement::kNode
   // How long to wait for another engine that is loading the same file.
   double wait_timeout_seconds = 600.0;
   // Mode of a file this engine creates; 0600 unless the operator asks for group access.
@@ -138,6 +162,12 @@ struct KernelFallbackReport {
   uint64_t bytes = 0;    // bytes it covered during Open
 };
 
+// Bytes of this process's mapping of the arena on one NUMA node (from /proc/self/numa_maps).
+struct NumaNodeBytes {
+  int node = 0;
+  uint64_t bytes = 0;
+};
+
 struct ArenaReport {
   ArenaRole role = ArenaRole::kPrivate;
   std::string path;      // the shared file, empty when private
@@ -171,6 +201,14 @@ struct ArenaReport {
   std::string kernel_release;                        // uname -r
   std::vector<KernelFallbackReport> kernel_missing;  // every newer feature this kernel lacks
   std::string kernel_note;  // the start line's part: the ones whose fallback ran, and the cost
+  // NUMA, on a host with several nodes (empty on a one-node host): the placement asked for
+  // ("interleave", "node:1", ...; "" when attached), the policy the kernel holds for the
+  // mapping as numa_maps names it ("interleave:0-1", "bind:1", "default"), where the pages
+  // are, and why an "auto" placement fell back to first touch.
+  std::string numa;
+  std::string numa_policy;
+  std::vector<NumaNodeBytes> numa_nodes;
+  std::string numa_note;
   // Loaders: the cgroup the arena's pages are charged to and the room it had ("" when none).
   std::string charge_note;
 

@@ -13,6 +13,7 @@
 //   --shared-expert-arena PATH   the arena file on tmpfs or hugetlbfs (absent: private)
 //   --arena-wait-timeout SEC     how long to wait for another engine that is loading it
 //   --arena-huge auto|on|off     2 MiB pages on tmpfs / anonymous memory
+//   --arena-numa PLACEMENT       auto|local|interleave|node:N|replicate (docs/numa.md)
 //   --arena-mode MODE            octal mode of a file this engine creates (default 0600)
 //   --arena-allow-foreign-owner  attach to a file another user created
 //   --gpu none|cuda[:N]|hip[:N]  register the arena with that device
@@ -38,6 +39,7 @@ struct SharedArenaFlags {
   std::string path;
   double wait_timeout_seconds = 600.0;
   std::string huge = "auto";
+  std::string numa = "auto";
   std::string mode = "0600";
   bool allow_foreign_owner = false;
   std::string gpu = "none";
@@ -59,6 +61,11 @@ struct SharedArenaFlags {
     options.file_mode = end != nullptr && *end == '\0' && !mode.empty()
                             ? static_cast<mode_t>(parsed)
                             : mode_t{0600};
+    // Validated by the parser; a value set by hand that does not parse keeps auto.
+    if (!ParseNumaPlacement(numa, &options.numa, &options.numa_node).ok()) {
+      options.numa = NumaPlacement::kAuto;
+      options.numa_node = -1;
+    }
     options.allow_foreign_owner = allow_foreign_owner;
     options.gpu = gpu;
     options.gpu_required = gpu_required;
@@ -81,6 +88,18 @@ inline CLI::Validator GpuDeviceValidator() {
         return "expected none, cuda, cuda:N, hip or hip:N, got '" + value + "'";
       },
       "none|cuda[:N]|hip[:N]", "GpuDevice");
+}
+
+// A CLI11 validator for --numa / --arena-numa: auto, local, interleave, node:N, replicate.
+inline CLI::Validator NumaPlacementValidator() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        NumaPlacement placement;
+        int node = -1;
+        Status s = ParseNumaPlacement(value, &placement, &node);
+        return s.ok() ? std::string() : s.message();
+      },
+      "auto|local|interleave|node:N|replicate", "NumaPlacement");
 }
 
 // An octal file mode between 0400 and 0777 that the owner can read and write.
@@ -123,6 +142,11 @@ inline CLI::Option_group* AddSharedArenaOptions(
       ->add_option("--arena-huge", flags.huge,
                    "2 MiB pages on tmpfs: auto (when free blocks allow), on, off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  group
+      ->add_option("--arena-numa", flags.numa,
+                   "Where a loader puts the arena's pages on a host with several NUMA nodes: "
+                   "auto (interleave where it can), local, interleave, node:N, replicate")
+      ->check(NumaPlacementValidator());
   group
       ->add_option("--arena-mode", flags.mode,
                    "Octal mode of an arena file this engine creates (0660: group access)")

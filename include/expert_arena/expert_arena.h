@@ -94,6 +94,10 @@ typedef struct ea_open_params {
   uint64_t alignment;         /* of every tensor, a power of two up to 2 MiB; default 4096 */
   double peer_stall_seconds;  /* longest wait for the peer before the fill is abandoned; 30 */
   const char* peer_transport; /* "auto", "am", "get"; NULL: "auto" (docs/cross-host.md) */
+  /* Where a loader puts the pages on a host with several NUMA nodes (docs/numa.md): "auto",
+   * "local", "interleave", "node:N" or "replicate"; NULL or "": "auto". Anything else is
+   * -EINVAL naming the accepted forms. */
+  const char* numa;
 } ea_open_params;
 
 typedef struct ea_tensor_view {

@@ -259,7 +259,7 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
          progress=None, format="auto", from_peer=None, peer_token=None, peer_stall_seconds=30.0,
-         peer_transport="auto") -> Arena:
+         peer_transport="auto", numa="auto") -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
@@ -282,6 +282,12 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     `peer_transport` "auto", "am" (only ranges the peer checks and sends) or "get".
     docs/options.md lists every option as C++, C, the CLI and Python name it.
 
+    `numa` is where a loader puts the pages on a host with several NUMA nodes (docs/numa.md):
+    "auto" (interleave over the nodes this process may use where the kernel allows it, else
+    first touch), "local" (first touch), "interleave", "node:N", or "replicate" (one arena per
+    node, the node in its file name, each engine on its GPU's or CPUs' node's). report["numa"] says where the pages are: placement,
+    policy (as numa_maps names it), note, and nodes ({node: bytes}, empty on a one-node host).
+
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another
     engine's load took longer than `wait_timeout`), BusyError (a file of another model in
     use), NoSpaceError (the filesystem is too small), ValueError (a damaged model, a bad
@@ -296,7 +302,7 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                           float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                           int(pin_budget_bytes), reader, bool(quiet), bool(progress),
                           int(alignment), format, from_peer or "", peer_token or "",
-                          float(peer_stall_seconds), peer_transport)
+                          float(peer_stall_seconds), peer_transport, numa)
     finally:
         _emit_logs()
     return Arena(core)

@@ -62,7 +62,8 @@ def open(model_files: Union[_Path, Sequence[_Path]], shared_path: Optional[_Path
          pin_budget_bytes: int = ..., reader: str = ..., alignment: int = ...,
          quiet: bool = ..., progress: Optional[bool] = ..., format: str = ...,
          from_peer: Optional[str] = ..., peer_token: Optional[str] = ...,
-         peer_stall_seconds: float = ..., peer_transport: str = ...) -> Arena: ...
+         peer_stall_seconds: float = ..., peer_transport: str = ...,
+         numa: str = ...) -> Arena: ...
 def attach(path: _Path, gpu: str = ..., *, gpu_required: bool = ...,
            allow_foreign_owner: bool = ..., pin_budget_bytes: int = ...,
            quiet: bool = ...) -> Arena: ...

@@ -197,6 +197,10 @@ class PyArena {
     }
     d["kernel"] = py::dict(py::arg("release") = r.kernel_release, py::arg("note") = r.kernel_note,
                            py::arg("missing") = missing);
+    py::dict numa_nodes;
+    for (const NumaNodeBytes& n : r.numa_nodes) numa_nodes[py::int_(n.node)] = n.bytes;
+    d["numa"] = py::dict(py::arg("placement") = r.numa, py::arg("policy") = r.numa_policy,
+                         py::arg("note") = r.numa_note, py::arg("nodes") = numa_nodes);
     d["charge"] = r.charge_note;
     d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
     d["gpu_registered_bytes"] = r.gpu_registered_bytes;
@@ -247,7 +251,7 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   const std::string& reader, bool quiet, bool progress, uint64_t alignment,
                   const std::string& format, const std::string& from_peer,
                   const std::string& peer_token, double peer_stall_seconds,
-                  const std::string& peer_transport) {
+                  const std::string& peer_transport, const std::string& numa) {
   if (files.empty() && from_peer.empty()) {
     throw py::value_error("open(): model_files names no file (or give from_peer)");
   }
@@ -265,6 +269,9 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
   options.peer_token = peer_token;
   options.peer_stall_seconds = peer_stall_seconds;
   options.peer_transport = peer_transport;
+  if (Status s = ParseNumaPlacement(numa, &options.numa, &options.numa_node); !s.ok()) {
+    throw py::value_error("open(): numa=" + s.message());
+  }
   std::optional<Result<Arena>> arena;
   {
     py::gil_scoped_release release;
@@ -454,7 +461,7 @@ void BindArena(py::module_& m) {
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
         py::arg("peer_token") = "", py::arg("peer_stall_seconds") = 30.0,
-        py::arg("peer_transport") = "auto");
+        py::arg("peer_transport") = "auto", py::arg("numa") = "auto");
   py::class_<PyEngineWriter>(m, "EngineWriter")
       .def("__len__", &PyEngineWriter::Length)
       .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));

@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "arena/arena_impl.h"
+#include "arena/numa_placement.h"
 #include "arena/test_hooks.h"
 #include "common/escape.h"
 #include "common/logging.h"
@@ -14,6 +15,7 @@
 #include "expert_arena/gpu.h"
 #include "gpu/runtime.h"
 #include "platform/kernel_features.h"
+#include "platform/numa.h"
 #include "platform/system_info.h"
 #include "remote/peer_fill.h"
 #include "source/model_fingerprint.h"
@@ -96,6 +98,7 @@ std::string ArenaReport::StartLine() const {
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
   if (!peer_note.empty()) line += "; " + peer_note;
   if (!kernel_note.empty()) line += "; " + kernel_note;
+  line += arena::NumaStartLinePart(*this);
   if (!charge_note.empty()) line += "; memory: " + charge_note;
   return line;
 }
@@ -120,6 +123,7 @@ void MeasureBacking(Arena::Impl& impl) {
   auto huge = platform::HugeBytesInRange(impl.mapping.data(), impl.mapping.size());
   impl.report.mapped_bytes = impl.mapping.size();
   if (huge.ok()) impl.report.huge_bytes = std::min(*huge, impl.mapping.size());
+  arena::MeasureNuma(impl.mapping.data(), impl.report);
   // VmPin matters only once something was registered with a GPU.
   if (impl.report.gpu_registered_bytes > 0) {
     auto pinned = platform::PinnedBytes();
@@ -161,6 +165,29 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
 }  // namespace arena
 
 namespace {
+
+// Before any load: --numa replicate becomes this engine's replica (its path and node:N), and a
+// NUMA placement this host cannot give (a node that is not there or not in the process's
+// cpuset) is refused now, whether or not this engine turns out to load. `*how`: which replica.
+Result<ArenaOptions> ResolveNumaOptions(const ArenaOptions& options, std::string* how) {
+  int gpu_node = -1;
+  if (options.numa == NumaPlacement::kReplicate) {
+    auto device = ParseGpuDevice(options.gpu);
+    if (device.ok()) gpu_node = gpu::NumaNodeOfDevice(*device);
+  }
+  const int cpu_node =
+      options.numa == NumaPlacement::kReplicate ? platform::NodeOfCurrentCpus() : -1;
+  EA_ASSIGN_OR_RETURN(ArenaOptions resolved,
+                      arena::ResolveReplica(options, gpu_node, cpu_node,
+                                            platform::AllowedMemoryNodes(), how));
+  EA_RETURN_IF_ERROR(arena::ResolvePlacement(resolved).status());
+  return resolved;
+}
+
+// The report's placement: "replicate (replica of node 1, ...)" where it was resolved.
+void NoteReplica(ArenaReport& r, const ArenaOptions& asked, const std::string& how) {
+  if (asked.numa == NumaPlacement::kReplicate && !how.empty()) r.numa = "replicate (" + how + ")";
+}
 
 // Before any load, whatever the role turns out to be: an option that cannot be right is a
 // usage error now (an attaching engine would otherwise never see it), and a GPU the engine
@@ -232,11 +259,14 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
 
 }  // namespace
 
-Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
+Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options_in) {
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
-  auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckOptions(options));
+  auto logger = ResolveLogger(options_in.logger);
+  EA_RETURN_IF_ERROR(CheckOptions(options_in));
+  std::string replica;
+  EA_ASSIGN_OR_RETURN(const ArenaOptions placed, ResolveNumaOptions(options_in, &replica));
+  const ArenaOptions& options = placed;
   if (options.shared_path.empty()) {
     EA_ASSIGN_OR_RETURN(source::ModelPlan plan, source::PlanModel(model));
     EA_ASSIGN_OR_RETURN(auto impl, arena::OpenPrivate(std::move(plan), options, *logger));
@@ -265,6 +295,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options) {
         want.plan ? want.plan->metadata_bytes_read : want.fingerprint_bytes_read;
   }
   impl->report.peer_note = std::move(peer_note);
+  NoteReplica(impl->report, options_in, replica);
   return Finish(std::move(impl), options, *logger, start, ledger);
 }
 
@@ -279,11 +310,14 @@ Result<Arena> Arena::AttachExisting(const std::string& path, const ArenaOptions&
   return Finish(std::move(impl), attach, *logger, start, ledger);
 }
 
-Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions& options) {
+Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions& options_in) {
   auto start = std::chrono::steady_clock::now();
   const platform::FallbackLedger ledger = platform::ReadFallbackLedger();
-  auto logger = ResolveLogger(options.logger);
-  EA_RETURN_IF_ERROR(CheckOptions(options));
+  auto logger = ResolveLogger(options_in.logger);
+  EA_RETURN_IF_ERROR(CheckOptions(options_in));
+  std::string replica;
+  EA_ASSIGN_OR_RETURN(const ArenaOptions placed, ResolveNumaOptions(options_in, &replica));
+  const ArenaOptions& options = placed;
   if (options.shared_path.empty()) {
     return InvalidArgument(
         "an engine-made arena needs a shared path (a file on tmpfs or hugetlbfs): a private "
@@ -309,6 +343,7 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, engine_options, *logger));
   impl->report.bytes_read = id.bytes_read;
   impl->report.reader = impl->report.role == ArenaRole::kLoaded ? "engine" : "";
+  NoteReplica(impl->report, options_in, replica);
   return Finish(std::move(impl), options, *logger, start, ledger);
 }
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "arena/arena_locks.h"
+#include "arena/numa_placement.h"
 #include "arena/test_hooks.h"
 #include "common/units.h"
 #include "load/loader.h"
@@ -127,6 +128,10 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages,
     auto huge = platform::HugeBytesInRange(mapping->data(), mapping->size());
     if (huge.ok()) info.huge_bytes = *huge;
     info.mapped_bytes = mapping->size();
+    ArenaReport numa;
+    MeasureNuma(mapping->data(), numa);
+    info.numa_policy = numa.numa_policy;
+    info.numa_nodes = numa.numa_nodes;
   }
   return info;
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "expert_arena/arena.h"
 #include "expert_arena/status.h"
 #include "format/arena_format.h"
 #include "format/arena_table.h"
@@ -25,6 +26,10 @@ struct ArenaFileInfo {
   std::string backing;       // tmpfs, hugetlbfs, other
   uint64_t huge_bytes = 0;   // of a read-only mapping of the file, from the page tables
   uint64_t mapped_bytes = 0;
+  // With scan_pages, on a host with several NUMA nodes: the file's policy and its bytes on each
+  // node, from numa_maps (docs/numa.md); empty otherwise.
+  std::string numa_policy;
+  std::vector<NumaNodeBytes> numa_nodes;
   // Granted locks on USER in /proc/locks: one per open arena handle (an engine, a holder,
   // `serve`); -1 when /proc/locks cannot be read.
   int64_t users = -1;

@@ -5,7 +5,8 @@
 #include <chrono>
 
 #include "arena/arena_impl.h"
-#include "arena/page_backing.h"
+#include "arena/numa_placement.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "load/loader.h"
 #include "platform/mapping.h"
@@ -13,12 +14,27 @@
 
 namespace expert_arena::arena {
 
+using pages::ApplyHugePages;
+using pages::BackgroundPages;
+using pages::DecideHugePages;
+using pages::HugeDecision;
+using pages::PageSource;
+
 Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
                                                  const ArenaOptions& options, spdlog::logger& log) {
   auto impl = std::make_unique<Arena::Impl>();
   impl->table = std::move(plan.table);
   EA_ASSIGN_OR_RETURN(impl->mapping,
                       platform::Mapping::MapAnonymous(impl->table.data_bytes, kHugePageBytes));
+  // The mapping's own policy, before its first fault (docs/numa.md).
+  EA_ASSIGN_OR_RETURN(PagePlacement placement, ResolvePlacement(options));
+  if (placement.policy != platform::MemPolicy::kDefault) {
+    Status bound = platform::BindRange(impl->mapping.data(), impl->mapping.size(),
+                                       placement.policy, placement.nodes, "private arena");
+    if (!bound.ok() && placement.required) return bound.WithContext("--numa " + placement.asked);
+    if (!bound.ok()) impl->report.numa_note = "first touch (--numa auto: " + bound.message() + ")";
+  }
+  impl->report.numa = placement.asked;
   double collapse_seconds = 0;
   load::LoadRequest request;
   request.data = impl->mapping.bytes();

@@ -22,7 +22,8 @@
 #include "arena/arena_impl.h"
 #include "arena/arena_locks.h"
 #include "arena/memory_charge.h"
-#include "arena/page_backing.h"
+#include "arena/numa_placement.h"
+#include "pages/page_backing.h"
 #include "arena/test_hooks.h"
 #include "common/units.h"
 #include "format/arena_format.h"
@@ -35,6 +36,11 @@
 #include "source/model_fingerprint.h"
 
 namespace expert_arena::arena {
+
+using pages::AllocateAndMap;
+using pages::BackgroundPages;
+using pages::HugeDecision;
+using pages::PageSourceFor;
 namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
@@ -497,7 +503,14 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     const uint64_t ticks = start_time.ok() ? *start_time : 0;
     const uint64_t pid_namespace = platform::PidNamespaceId();
     const uint64_t created = UnixNanos();
-    {
+    auto placement = ResolvePlacement(options);
+    if (!placement.ok()) return fail(placement.status());
+    // With a NUMA policy on tmpfs no page of the file may exist before the policy is set (the
+    // collapse puts a 2 MiB page where its small pages are): the stub below would make the
+    // header's first page on the loader's node, so it waits for the header in the mapping.
+    const bool placed_tmpfs = placement->policy != platform::MemPolicy::kDefault &&
+                              fs.kind == platform::FsKind::kTmpfs;
+    if (!placed_tmpfs) {
       // Say who is loading before the (possibly long) allocation, so engines that arrive now
       // can name this process. Best effort: hugetlbfs has no write(2); the header written
       // into the mapping below says it again.
@@ -526,9 +539,12 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
           path, FormatBytes(layout->file_bytes));
     }
     uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
+    Status room = CheckRoomOnNode(*placement, hugetlbfs, layout->file_bytes,
+                                  std::max(fs.block_bytes, kHugePageBytes), path);
+    if (!room.ok()) return fail(room);
     auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
                                  PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
-                                 options.pages_alongside_load);
+                                 options.pages_alongside_load, &*placement);
     if (!backed.ok()) {
       return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
     }
@@ -598,6 +614,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     impl->report.role = ArenaRole::kLoaded;
     impl->report.backing = platform::FsKindName(fs.kind);
     impl->report.huge_note = huge.note;
+    impl->report.numa = placement->asked;
+    impl->report.numa_note = backed->numa_note;
     impl->report.charge_note = *charge;
     impl->report.collapse_seconds = collapse_seconds;
     impl->report.load_seconds = loaded->seconds;

@@ -18,11 +18,6 @@ void RunBeforePublish();
 void SetAfterRemoveOpened(std::function<void()> hook);
 void RunAfterRemoveOpened();
 
-// Runs in a BackgroundPages worker before it makes piece `piece` (from several threads at
-// once: the hook must be thread-safe).
-void SetBeforePagePiece(std::function<void(size_t piece)> hook);
-void RunBeforePagePiece(size_t piece);
-
 // How many times this process planned a model for a shared arena (an engine that attaches
 // through the fingerprint plans nothing).
 size_t PlansMade();

@@ -88,6 +88,10 @@ int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& o
   options.peer_stall_seconds = p.peer_stall_seconds;
   options.peer_transport =
       p.peer_transport != nullptr && *p.peer_transport != '\0' ? p.peer_transport : "auto";
+  if (p.numa != nullptr && *p.numa != '\0') {
+    Status numa = ParseNumaPlacement(p.numa, &options.numa, &options.numa_node);
+    if (!numa.ok()) return Fail(-EINVAL, who + ": " + numa.message());
+  }
   if (p.quiet != 0) {
     options.logger = std::make_shared<spdlog::logger>(
         "expert_arena_c", std::make_shared<spdlog::sinks::null_sink_mt>());

@@ -6,6 +6,7 @@
 
 #include "expert_arena/gpu.h"
 #include "gpu/runtime.h"
+#include "platform/numa.h"
 
 namespace expert_arena {
 
@@ -136,6 +137,13 @@ std::string WhyDeviceUnusable(const GpuDevice& device) {
            (*count == 1 ? " device)" : " devices)");
   }
   return "";
+}
+
+int NumaNodeOfDevice(const GpuDevice& device) {
+  if (device.backend == GpuBackend::kNone || !WhyDeviceUnusable(device).empty()) return -1;
+  auto bus = RuntimeFor(device.backend)->PciBusId(device.index);
+  if (!bus.ok()) return -1;
+  return platform::NodeOfPciDevice(*bus);
 }
 
 }  // namespace gpu

@@ -36,6 +36,11 @@ class Runtime {
   virtual Result<int> DeviceCount() const = 0;
   // "NVIDIA H200, 139.8 GiB, driver 13.0" (for reports); the error when the device is absent.
   virtual Result<std::string> Describe(int device) const = 0;
+  // The device's PCI address as sysfs names it ("0000:3b:00.0"), from its properties; for the
+  // NUMA node a replica is chosen by (docs/numa.md). Unsupported where a runtime has none.
+  virtual Result<std::string> PciBusId(int /*device*/) const {
+    return Unsupported(std::string(name()) + ": no PCI address");
+  }
   // Whether `device` can register memory mapped PROT_READ (cudaHostRegisterReadOnly).
   virtual bool CanRegisterReadOnly(int device) const = 0;
 
@@ -92,5 +97,9 @@ Result<std::unique_ptr<Registration>> RegisterHostRangeOn(const Runtime& runtime
 // The one-line reason a device cannot be used ("cuda: no usable device: ..."), or "" when
 // `device` is usable. Used for the skip line of a registration and by the check program.
 std::string WhyDeviceUnusable(const GpuDevice& device);
+
+// The NUMA node of the device's PCI slot (/sys/bus/pci/devices/<address>/numa_node); -1 when
+// there is no such device, no runtime, or the host does not say (one node).
+int NumaNodeOfDevice(const GpuDevice& device);
 
 }  // namespace expert_arena::gpu

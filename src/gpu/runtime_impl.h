@@ -69,6 +69,15 @@ class RuntimeImpl final : public Runtime {
     return Api::DeviceLine(prop, memory, driver);
   }
 
+  Result<std::string> PciBusId(int device) const override {
+    typename Api::DeviceProp prop{};
+    EA_GPU_RETURN_IF_ERROR(Api::GetDeviceProperties(&prop, device), Api::kGetDevicePropertiesCall);
+    char id[32];
+    std::snprintf(id, sizeof id, "%04x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
+                  static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+    return std::string(id);
+  }
+
   bool CanRegisterReadOnly(int device) const override { return Api::CanRegisterReadOnly(device); }
 
   Status HostRegister(int device, void* data, size_t bytes, bool read_only) const override {

@@ -9,7 +9,7 @@
 //   MADV_POPULATE_READ/WRITE (5.14)  pages touched from threads (PopulateByTouch, mapping.h)
 //   MADV_COLLAPSE (6.1)              MADV_HUGEPAGE before the first touch on a tmpfs mounted
 //                                    huge=advise; elsewhere 4 KiB pages, and the start line
-//                                    names the fixes (arena/page_backing.h)
+//                                    names the fixes (pages/page_backing.h)
 //   PAGEMAP_SCAN (6.7)               /proc/self/smaps (system_info.h)
 //   io_uring (5.1; IORING_OP_READ 5.6) pread (load/readers.cc)
 //   cachestat (6.5)                  mincore on a mapping (load/loader.cc)

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "platform/ofd_lock.h"
 #include "platform/pid_namespace.h"
 #include "platform/system_info.h"
@@ -42,11 +42,11 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
     (void)platform::UnlinkPath(seg.path);
     return status;
   };
-  // 2 MiB pages per the arena's rule (arena/page_backing.h), every byte allocated.
+  // 2 MiB pages per the arena's rule (pages/page_backing.h), every byte allocated.
   auto fs = platform::StatFilesystem(p.directory);
-  auto source = arena::PageSourceFor(fs.ok() ? fs->kind : platform::FsKind::kTmpfs,
+  auto source = pages::PageSourceFor(fs.ok() ? fs->kind : platform::FsKind::kTmpfs,
                                      fs.ok() ? fs->tmpfs_huge : "never");
-  auto backed = arena::AllocateAndMap(seg.fd, file_bytes, kHugePageBytes, p.huge, source,
+  auto backed = pages::AllocateAndMap(seg.fd, file_bytes, kHugePageBytes, p.huge, source,
                                       fs.ok() ? fs->available_bytes : 0, seg.path);
   if (!backed.ok()) return fail(backed.status());
   seg.mapping = std::move(backed->mapping);

@@ -8,7 +8,7 @@
 #include <mutex>
 
 #include "arena/arena_file.h"
-#include "arena/test_hooks.h"
+#include "pages/page_hooks.h"
 #include "common/units.h"
 #include "engine_role.h"
 #include "platform/system_info.h"
@@ -225,7 +225,7 @@ TEST(ArenaPagesAlongsideTest, BothOrdersGiveTheSameArenaOnTwoMiBPages) {
 Result<Arena> OpenWithEventBeforePiece1(const std::string& model, const std::string& arena,
                                         std::function<void()> event) {
   std::once_flag once;
-  arena::test_hooks::SetBeforePagePiece([&](size_t piece) {
+  pages::test_hooks::SetBeforePagePiece([&](size_t piece) {
     if (piece == 1) std::call_once(once, event);
   });
   ModelSpec spec;
@@ -236,7 +236,7 @@ Result<Arena> OpenWithEventBeforePiece1(const std::string& model, const std::str
   options.progress = false;
   options.huge = HugePages::kOn;
   auto result = Arena::Open(spec, options);
-  arena::test_hooks::SetBeforePagePiece(nullptr);
+  pages::test_hooks::SetBeforePagePiece(nullptr);
   return result;
 }
 

@@ -56,6 +56,9 @@ struct FakeApi {
   struct DeviceProp {
     char name[32];
     size_t totalGlobalMem;
+    int pciDomainID;
+    int pciBusID;
+    int pciDeviceID;
   };
   static constexpr Error kSuccess = FakeError::kSuccess;
   static constexpr Error kNotReady = FakeError::kNotReady;
@@ -151,7 +154,7 @@ struct FakeApi {
     return Run("fakeGetDeviceCount");
   }
   static Error GetDeviceProperties(DeviceProp* prop, int /*device*/) {
-    *prop = DeviceProp{"Fake GPU", size_t{3} << 29};  // 1.5 GiB
+    *prop = DeviceProp{"Fake GPU", size_t{3} << 29, 0, 0x3b, 2};  // 1.5 GiB
     return Run(kGetDevicePropertiesCall);
   }
   static Error DriverGetVersion(int* version) {
@@ -431,6 +434,13 @@ TEST_F(RuntimeImplTest, DeviceCount) {
   EXPECT_EQ(no_driver.status().code(), StatusCode::kUnsupported);
   EXPECT_EQ(no_driver.status().message(), Message("", FakeError::kInsufficientDriver));
   EXPECT_EQ(fake_.last_error, FakeError::kSuccess);
+}
+
+TEST_F(RuntimeImplTest, PciBusIdAsSysfsNamesIt) {
+  ASSERT_OK_AND_ASSIGN(std::string id, runtime_.PciBusId(1));
+  EXPECT_EQ(id, "0000:3b:02.0");
+  fake_.fail["fakeGetDeviceProperties"] = FakeError::kInsufficientDriver;
+  EXPECT_FALSE(runtime_.PciBusId(1).ok());
 }
 
 TEST_F(RuntimeImplTest, Describe) {

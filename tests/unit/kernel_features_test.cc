@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 #include "common/units.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
@@ -123,18 +123,18 @@ TEST(KernelFeaturesTest, PopulateByTouchWritesAnonymousMemory) {
 }
 
 TEST(KernelFeaturesTest, WithoutCollapseATmpfsMountedHugeNeverNamesTheFixes) {
-  arena::HugeDecision d = arena::DecideHugePages(HugePages::kAuto, arena::PageSource::kTmpfs, kGiB,
+  pages::HugeDecision d = pages::DecideHugePages(HugePages::kAuto, pages::PageSource::kTmpfs, kGiB,
                                                  1 << 20, /*can_collapse=*/false);
   EXPECT_FALSE(d.ask);
   for (const char* words : {"lacks MADV_COLLAPSE", "huge=never", "huge=advise", "hugetlbfs"}) {
     EXPECT_NE(d.note.find(words), std::string::npos) << words << " in " << d.note;
   }
-  d = arena::DecideHugePages(HugePages::kAuto, arena::PageSource::kTmpfsAdvise, kGiB, 1 << 20,
+  d = pages::DecideHugePages(HugePages::kAuto, pages::PageSource::kTmpfsAdvise, kGiB, 1 << 20,
                              /*can_collapse=*/false);
   EXPECT_TRUE(d.ask) << d.note;
   EXPECT_NE(d.note.find("MADV_HUGEPAGE before the first touch"), std::string::npos) << d.note;
-  EXPECT_EQ(arena::PageSourceFor(platform::FsKind::kTmpfs, "advise"),
-            arena::PageSource::kTmpfsAdvise);
+  EXPECT_EQ(pages::PageSourceFor(platform::FsKind::kTmpfs, "advise"),
+            pages::PageSource::kTmpfsAdvise);
 }
 
 TEST(KernelFeaturesTest, NoteNamesOnlyFallbacksThatRan) {

@@ -1,7 +1,7 @@
 // The rule for asking for 2 MiB pages, from the field: only when free 2 MiB blocks could back
 // at least half of the arena, said either way, with an override; never on pages the
 // filesystem already gives (or reserves) as 2 MiB.
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 
 #include <sys/stat.h>
 
@@ -14,7 +14,7 @@
 #include "platform/system_info.h"
 #include "test_util.h"
 
-namespace expert_arena::arena {
+namespace expert_arena::pages {
 namespace {
 
 constexpr uint64_t kArena = 10 * kGiB;
@@ -221,4 +221,4 @@ TEST(BackgroundPagesTest, DestroyedEarlyStops) {
 }
 
 }  // namespace
-}  // namespace expert_arena::arena
+}  // namespace expert_arena::pages

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../kernel_json.h"
+#include "../numa_json.h"
 #include "arena/arena_file.h"
 #include "commands.h"
 #include "common/escape.h"
@@ -48,6 +49,12 @@ int RunInfo(const std::string& path, bool json) {
     j["loading_now"] = i.loading_now;
     j["backing"] = i.backing;
     j["huge_bytes"] = i.huge_bytes;
+    {
+      ArenaReport numa;
+      numa.numa_policy = i.numa_policy;
+      numa.numa_nodes = i.numa_nodes;
+      j["numa"] = tools::NumaJson(numa);
+    }
     j["kernel"] = tools::KernelJsonNow();
     j["format_version"] = i.summary.version;
     j["header_bytes"] = i.summary.layout.header_bytes;
@@ -99,6 +106,14 @@ int RunInfo(const std::string& path, bool json) {
   if (i.state == "published") {
     std::printf("pages:     %s of %s on 2 MiB pages\n", FormatBytes(i.huge_bytes).c_str(),
                 FormatBytes(i.mapped_bytes).c_str());
+    if (!i.numa_nodes.empty()) {
+      std::string nodes;
+      for (const NumaNodeBytes& n : i.numa_nodes) {
+        nodes += (nodes.empty() ? "node" : ", node") + std::to_string(n.node) + " " +
+                 FormatBytes(n.bytes);
+      }
+      std::printf("numa:      %s (%s)\n", nodes.c_str(), i.numa_policy.c_str());
+    }
     {
       // What this kernel lacks of what expert-arena uses, and what reading the pages cost.
       const auto missing =

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../kernel_json.h"
+#include "../numa_json.h"
 #include "commands.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/cli.h"
@@ -31,6 +32,7 @@ struct LoadArgs {
   bool gpu_required = false;
   uint64_t pin_budget = 0;
   std::string huge = "auto";
+  std::string numa = "auto";
   bool pages_first = false;
   double wait_timeout = 600;
   bool hold = false;
@@ -90,6 +92,10 @@ int RunLoad(const LoadArgs& args) {
   options.huge = args.huge == "on"    ? HugePages::kOn
                  : args.huge == "off" ? HugePages::kOff
                                       : HugePages::kAuto;
+  if (Status numa = ParseNumaPlacement(args.numa, &options.numa, &options.numa_node); !numa.ok()) {
+    std::fprintf(stderr, "expert-arena load: %s\n", numa.message().c_str());
+    return 2;
+  }
   options.pages_alongside_load = !args.pages_first;
   options.wait_timeout_seconds = args.wait_timeout;
   options.gpu = args.gpu;
@@ -145,6 +151,7 @@ int RunLoad(const LoadArgs& args) {
     }
     j["gpu_backends"] = backends;
     j["kernel"] = tools::KernelJson(r);
+    j["numa"] = tools::NumaJson(r);
     j["pid"] = getpid();
     if (!args.from_peer.empty()) {
       j["from_peer"] = r.from_peer;  // empty when the fill failed and the files were read
@@ -181,6 +188,11 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
                   "Upper bound on bytes this process pins for the GPU (0: no bound)");
   cmd->add_option("--huge", args->huge, "2 MiB pages: auto|on|off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
+  cmd->add_option("--numa", args->numa,
+                  "Where a load puts the pages on a host with several NUMA nodes: auto "
+                  "(interleave where it can), local (first touch), interleave, node:N, "
+                  "replicate (docs/numa.md)")
+      ->check(NumaPlacementValidator());
   cmd->add_flag("--pages-first", args->pages_first,
                 "On plain tmpfs, make every 2 MiB page before reading (default: alongside)");
   cmd->add_option("--wait-timeout", args->wait_timeout,

@@ -145,12 +145,20 @@ std::vector<Profile> Profiles() {
        "Docker 25+ / containerd 2 default seccomp profile",
        {Missing("io_uring_setup", 425, EPERM, "io_uring (not in the profile)"),
         Missing("io_uring_enter", 426, EPERM, "io_uring (not in the profile)"),
-        Missing("io_uring_register", 427, EPERM, "io_uring (not in the profile)")}},
+        Missing("io_uring_register", 427, EPERM, "io_uring (not in the profile)"),
+        // Allowed only with CAP_SYS_NICE, which a container does not get by default.
+        Missing("mbind", 237, EPERM, "mbind (CAP_SYS_NICE only)"),
+        Missing("set_mempolicy", 238, EPERM, "set_mempolicy (CAP_SYS_NICE only)"),
+        Missing("get_mempolicy", 239, EPERM, "get_mempolicy (CAP_SYS_NICE only)")}},
       {"podman",
        "Podman's default seccomp profile",
        {Missing("io_uring_setup", 425, ENOSYS, "io_uring (not in the profile)"),
         Missing("io_uring_enter", 426, ENOSYS, "io_uring (not in the profile)"),
-        Missing("io_uring_register", 427, ENOSYS, "io_uring (not in the profile)")}},
+        Missing("io_uring_register", 427, ENOSYS, "io_uring (not in the profile)"),
+        // Allowed only with CAP_SYS_NICE; the profile's default answer otherwise.
+        Missing("mbind", 237, ENOSYS, "mbind (CAP_SYS_NICE only)"),
+        Missing("set_mempolicy", 238, ENOSYS, "set_mempolicy (CAP_SYS_NICE only)"),
+        Missing("get_mempolicy", 239, ENOSYS, "get_mempolicy (CAP_SYS_NICE only)")}},
   };
 }
 

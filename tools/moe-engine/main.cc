@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../kernel_json.h"
+#include "../numa_json.h"
 #include "common/units.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/cli.h"
@@ -132,6 +133,7 @@ int Run(EngineArgs& args) {
     nlohmann::json j;
     j["role"] = role;
     j["kernel"] = expert_arena::tools::KernelJson(r);
+    j["numa"] = expert_arena::tools::NumaJson(r);
     j["checksum"] = Hex(result->checksum);
     j["seconds"] = r.seconds;
     j["bytes_read"] = r.bytes_read;

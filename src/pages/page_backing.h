@@ -1,5 +1,6 @@
-// 2 MiB pages for an arena: whether to ask for them, asking (MADV_HUGEPAGE, MADV_COLLAPSE in
-// parallel), and reading back from the page tables how much of the mapping really is on them.
+// The page code beneath arenas and stream segments: 2 MiB pages for a mapping, whether to ask
+// for them, asking (MADV_HUGEPAGE, MADV_COLLAPSE in parallel), making them alongside a load,
+// and placing them on NUMA nodes (PagePlacement) before the first one exists.
 //
 // The rule (from the field: per-fault compaction on a fragmented box stalled engines for
 // minutes): on tmpfs and anonymous memory ask only when free 2 MiB blocks could back at least
@@ -19,12 +20,13 @@
 #include "common/ready_front.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
+#include "pages/page_placement.h"
 #include "platform/file.h"
 #include "platform/kernel_features.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
-namespace expert_arena::arena {
+namespace expert_arena::pages {
 
 struct HugeDecision {
   bool ask = false;
@@ -68,9 +70,20 @@ HugeDecision DecideHugePages(
 // caller checked the filesystem has room (statfs), as a touch past a full tmpfs is a SIGBUS.
 // Returns the seconds it took; a failure names the first range that could not be allocated
 // or collapsed. Every piece is attempted whatever happened to the others.
+// `interleave_nodes`: the file's shared policy interleaves over that many nodes (see
+// SeedPageOffset).
 Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,
                                 bool populate_first, unsigned threads = 0,
-                                const platform::UniqueFd* allocate = nullptr);
+                                const platform::UniqueFd* allocate = nullptr,
+                                unsigned interleave_nodes = 1);
+
+// The offset of the one small page allocated in the 2 MiB block at `at` before its collapse.
+// MADV_COLLAPSE makes the 2 MiB page on the node holding the block's small pages, and under an
+// interleave policy a small page goes to node (page index mod node count): the first page of
+// every block (an index that is a multiple of 512) would put every block on the first node.
+// This picks the page of the block whose index gives block i node i mod `interleave_nodes`,
+// what interleaving 2 MiB pages gives.
+uint64_t SeedPageOffset(uint64_t at, unsigned interleave_nodes, uint64_t base_page);
 
 // "" or, when making 2 MiB pages for `bytes` took `seconds` at a rate far above what free
 // 2 MiB blocks allow, a note for the start line saying why that may be and what avoids it.
@@ -83,7 +96,8 @@ std::string SlowCollapseHint(double seconds, uint64_t bytes);
 // (pieces are left unallocated when 2 MiB pages are not asked for or a piece fails).
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
                             const std::string& what, double* collapse_seconds,
-                            const platform::UniqueFd* allocate = nullptr);
+                            const platform::UniqueFd* allocate = nullptr,
+                            unsigned interleave_nodes = 1);
 
 // Makes the pages of a mapping on background threads, in 64 MiB pieces taken front to back.
 // For a file that is sized but not allocated, mapped at `data` from offset 0 (`fd` set): one
@@ -102,7 +116,7 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
 class BackgroundPages {
  public:
   BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes, std::string what,
-                  bool collapse, unsigned threads = 0);
+                  bool collapse, unsigned threads = 0, unsigned interleave_nodes = 1);
   ~BackgroundPages();
   BackgroundPages(const BackgroundPages&) = delete;
   BackgroundPages& operator=(const BackgroundPages&) = delete;
@@ -132,6 +146,7 @@ class BackgroundPages {
   uint64_t bytes_;
   std::string what_;
   bool collapse_;
+  unsigned interleave_nodes_;
   std::chrono::steady_clock::time_point start_;
   ReadyFront front_;
   std::atomic<size_t> next_{0};
@@ -155,6 +170,8 @@ struct BackedFile {
   // written only where pages->front() says they are ready, and FinishPages is called before
   // the file is published.
   std::unique_ptr<BackgroundPages> pages;
+  // Why the NUMA placement asked for was not applied ("auto" only; "" when it was, or none).
+  std::string numa_note;
 
   // Waits for the background pages (if any) and completes `huge.note` and collapse_seconds;
   // the first piece that could not be allocated or populated. Called right after the load:
@@ -173,8 +190,13 @@ struct BackedFile {
 // `pages_in_background`: on 4 KiB tmpfs with room for the file and 2 MiB pages asked for,
 // return as soon as the file is sized and mapped, with the pages made by BackgroundPages
 // (BackedFile::pages); elsewhere it changes nothing. `fd` must outlive the BackedFile.
+// `placement` (null: first touch): on tmpfs the file is sized and mapped, its shared policy
+// set (mbind), and only then allocated; on hugetlbfs it is allocated under the thread policy
+// (set_mempolicy). A placement other than first touch elsewhere, or one the kernel refuses, is
+// an error unless it is not `required` (then BackedFile::numa_note says why it was not applied).
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
-                                  const std::string& what, bool pages_in_background = false);
+                                  const std::string& what, bool pages_in_background = false,
+                                  const PagePlacement* placement = nullptr);
 
-}  // namespace expert_arena::arena
+}  // namespace expert_arena::pages

@@ -1,4 +1,4 @@
-#include "arena/page_backing.h"
+#include "pages/page_backing.h"
 
 #include <algorithm>
 #include <atomic>
@@ -7,12 +7,12 @@
 #include <thread>
 #include <vector>
 
-#include "arena/test_hooks.h"
 #include "common/units.h"
+#include "pages/page_hooks.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
-namespace expert_arena::arena {
+namespace expert_arena::pages {
 
 PageSource PageSourceFor(platform::FsKind kind, const std::string& tmpfs_huge) {
   if (kind == platform::FsKind::kHugetlbfs) return PageSource::kHugetlbfs;
@@ -106,11 +106,38 @@ Status TouchEachHugePage(std::byte* data, uint64_t offset, uint64_t length,
   return Status::Ok();
 }
 
+// MADV_COLLAPSE of [start, start+length). Under an interleave policy one call per 2 MiB: each
+// block's 2 MiB page then lands on the node of its own seed page (SeedPageOffset), where one
+// call over a 64 MiB piece put every block on the first node (Debian's 6.1 under QEMU with two
+// nodes, tests/kernel/qemu_numa.sh). A call per block costs a syscall per 2 MiB.
+Status CollapseRange(std::byte* start, uint64_t length, const std::string& what,
+                     unsigned interleave_nodes) {
+  if (interleave_nodes <= 1) {
+    return platform::AdviseRange(start, length, platform::Advice::kCollapse, what);
+  }
+  Status first = Status::Ok();
+  for (uint64_t at = 0; at < length; at += kHugePageBytes) {
+    Status s = platform::AdviseRange(start + at, std::min(kHugePageBytes, length - at),
+                                     platform::Advice::kCollapse, what);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
 }  // namespace
+
+uint64_t SeedPageOffset(uint64_t at, unsigned interleave_nodes, uint64_t base_page) {
+  if (interleave_nodes <= 1 || base_page == 0) return at;
+  const uint64_t n = interleave_nodes;
+  const uint64_t block = at / kHugePageBytes;
+  const uint64_t first_index = at / base_page;
+  const uint64_t k = (block % n + n - first_index % n) % n;
+  return at + std::min<uint64_t>(k, kHugePageBytes / base_page - 1) * base_page;
+}
 
 Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::string& what,
                                 bool populate_first, unsigned threads,
-                                const platform::UniqueFd* allocate) {
+                                const platform::UniqueFd* allocate, unsigned interleave_nodes) {
   auto start = std::chrono::steady_clock::now();
   const bool can_collapse = platform::Kernel().has(platform::KernelFeature::kCollapse);
   constexpr uint64_t kPiece = 64 * kMiB;
@@ -137,19 +164,20 @@ Result<double> CollapseParallel(std::byte* data, uint64_t bytes, const std::stri
           // One small page per 2 MiB (the one holding its first byte) is enough: the
           // collapse fills the holes with zeroes while it builds the 2 MiB page, ten times
           // faster here than copying 512 freshly allocated 4 KiB pages (bench/collapse_bench).
+          const uint64_t page = platform::BasePageSize();
           for (uint64_t at = offset; s.ok() && at < offset + length; at += kHugePageBytes) {
-            s = platform::AllocateRange(*allocate, at, 1);
+            s = platform::AllocateRange(*allocate, SeedPageOffset(at, interleave_nodes, page), 1);
           }
         }
         if (s.ok() && populate_first) {
           s = platform::AdviseRange(data + offset, length, platform::Advice::kPopulateWrite, what);
         }
         if (s.ok() && can_collapse) {
-          s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+          s = CollapseRange(data + offset, length, what, interleave_nodes);
         }
         if (!s.ok() && s.code() == StatusCode::kBusy) {
           // EAGAIN: the kernel could not take a lock or a page right now; one retry.
-          s = platform::AdviseRange(data + offset, length, platform::Advice::kCollapse, what);
+          s = CollapseRange(data + offset, length, what, interleave_nodes);
         }
         if (!s.ok()) {
           std::lock_guard lock(mu);
@@ -184,7 +212,7 @@ std::string SlowCollapseHint(double seconds, uint64_t bytes) {
 
 HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, uint64_t bytes,
                             const std::string& what, double* collapse_seconds,
-                            const platform::UniqueFd* allocate) {
+                            const platform::UniqueFd* allocate, unsigned interleave_nodes) {
   uint64_t free_blocks = 0;
   auto blocks = platform::FreeHugeBlocks();
   if (blocks.ok()) free_blocks = *blocks;
@@ -197,9 +225,11 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
   // same workers). MADV_COLLAPSE refuses (EINVAL) a file range not allocated yet; then fault
   // in and collapse again (that copies, so it is the second choice).
   const bool anonymous = source == PageSource::kAnonymous;
-  auto collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/anonymous, 0, allocate);
+  auto collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/anonymous, 0, allocate,
+                                    interleave_nodes);
   if (!collapsed.ok() && !anonymous && collapsed.status().code() == StatusCode::kInvalidArgument) {
-    collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/true, 0, allocate);
+    collapsed = CollapseParallel(data, bytes, what, /*populate_first=*/true, 0, allocate,
+                                 interleave_nodes);
   }
   if (collapsed.ok()) {
     *collapse_seconds = *collapsed;
@@ -220,12 +250,14 @@ constexpr uint64_t kBackgroundPiece = 64 * kMiB;
 }  // namespace
 
 BackgroundPages::BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes,
-                                 std::string what, bool collapse, unsigned threads)
+                                 std::string what, bool collapse, unsigned threads,
+                                 unsigned interleave_nodes)
     : fd_(fd),
       data_(data),
       bytes_(bytes),
       what_(std::move(what)),
       collapse_(collapse),
+      interleave_nodes_(interleave_nodes),
       start_(std::chrono::steady_clock::now()) {
   const size_t pieces = (bytes + kBackgroundPiece - 1) / kBackgroundPiece;
   done_.assign(pieces, 0);
@@ -269,11 +301,12 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
   } else if (collapse_) {
     Status s = Status::Ok();
     // One small page per 2 MiB: see CollapseParallel.
+    const uint64_t page = platform::BasePageSize();
     for (uint64_t at = offset; s.ok() && at < offset + length; at += kHugePageBytes) {
-      s = platform::AllocateRange(*fd_, at, 1);
+      s = platform::AllocateRange(*fd_, SeedPageOffset(at, interleave_nodes_, page), 1);
     }
     if (!s.ok()) return s;  // fatal: the filesystem is full or failing
-    Status c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
+    Status c = CollapseRange(piece, length, what_, interleave_nodes_);
     if (!c.ok() && (c.code() == StatusCode::kBusy || c.code() == StatusCode::kInvalidArgument)) {
       // EAGAIN: one retry. EINVAL: fault the piece in and collapse it (that copies).
       if (c.code() == StatusCode::kInvalidArgument) {
@@ -281,7 +314,7 @@ Status BackgroundPages::MakePiece(uint64_t offset, uint64_t length) {
         EA_RETURN_IF_ERROR(
             platform::AdviseRange(piece, length, platform::Advice::kPopulateWrite, what_));
       }
-      c = platform::AdviseRange(piece, length, platform::Advice::kCollapse, what_);
+      c = CollapseRange(piece, length, what_, interleave_nodes_);
     }
     NoteCollapseProblem(c, offset, length);
   }
@@ -361,14 +394,63 @@ Status BackedFile::FinishPages() {
 
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
-                                  const std::string& what, bool pages_in_background) {
+                                  const std::string& what, bool pages_in_background,
+                                  const PagePlacement* placement) {
   const bool allocate_in_pieces =
       (source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise) &&
       mode != HugePages::kOff && available_bytes >= bytes;
-  EA_RETURN_IF_ERROR(allocate_in_pieces ? platform::ExtendFile(fd, bytes)
-                                        : platform::AllocateFile(fd, bytes));
+  const bool tmpfs = source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise ||
+                     source == PageSource::kTmpfsHuge;
+  bool place = placement != nullptr && placement->policy != platform::MemPolicy::kDefault;
+  std::string numa_note;
+  // A policy the kernel refused: fatal when asked for by name, first touch for "auto".
+  auto refused = [&](const Status& s) -> Status {
+    if (placement->required) return s.WithContext("--numa " + placement->asked);
+    numa_note = "first touch (--numa auto: " + s.message() + ")";
+    place = false;
+    return Status::Ok();
+  };
+  if (place && !tmpfs && source != PageSource::kHugetlbfs) {
+    EA_RETURN_IF_ERROR(refused(InvalidArgument(
+        what + " is not on tmpfs or hugetlbfs: its pages are a disk file's page cache, which no "
+               "shared policy places")));
+  }
+  const bool bind_tmpfs = place && tmpfs;
+  if (place && source == PageSource::kHugetlbfs) {
+    // hugetlbfs has no shared policy (mbind sets only the mapping's own): fallocate, which makes
+    // every page of the file here and now, draws them from the per-node pools under this
+    // thread's policy, restored afterwards.
+    Status set = platform::SetThreadPolicy(placement->policy, placement->nodes, what);
+    if (!set.ok()) {
+      EA_RETURN_IF_ERROR(refused(set));
+      EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
+    } else {
+      Status allocated = platform::AllocateFile(fd, bytes);
+      Status restored = platform::RestoreThreadPolicy(what);
+      EA_RETURN_IF_ERROR(allocated);
+      EA_RETURN_IF_ERROR(restored);
+    }
+  } else {
+    // On tmpfs with a policy: sized only, the pages are made once the policy is set below.
+    EA_RETURN_IF_ERROR(allocate_in_pieces || bind_tmpfs ? platform::ExtendFile(fd, bytes)
+                                                        : platform::AllocateFile(fd, bytes));
+  }
   BackedFile file;
   EA_ASSIGN_OR_RETURN(file.mapping, platform::Mapping::MapFile(fd, bytes, true, alignment));
+  unsigned interleave_nodes = 1;
+  if (bind_tmpfs) {
+    // No page of the file exists yet: the shared policy rules every page made from now on, by
+    // fallocate, a collapse or a fault, in this process or any other.
+    Status bound = platform::BindRange(file.mapping.data(), bytes, placement->policy,
+                                       placement->nodes, what);
+    if (!bound.ok()) {
+      EA_RETURN_IF_ERROR(refused(bound));
+    } else if (placement->policy == platform::MemPolicy::kInterleave) {
+      interleave_nodes = static_cast<unsigned>(placement->nodes.size());
+    }
+    if (!allocate_in_pieces) EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
+  }
+  file.numa_note = numa_note;
   if (allocate_in_pieces && pages_in_background) {
     uint64_t free_blocks = 0;
     auto blocks = platform::FreeHugeBlocks();
@@ -379,18 +461,18 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
           platform::AdviseRange(file.mapping.data(), bytes, platform::Advice::kHugePage, what);
       if (!advise.ok()) file.huge.note += "; " + advise.message();
       file.pages = std::make_unique<BackgroundPages>(&fd, file.mapping.data(), bytes, what,
-                                                     /*collapse=*/true);
+                                                     /*collapse=*/true, 0, interleave_nodes);
       return file;
     }
     EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
     return file;
   }
   file.huge = ApplyHugePages(mode, source, file.mapping.data(), bytes, what, &file.collapse_seconds,
-                             allocate_in_pieces ? &fd : nullptr);
+                             allocate_in_pieces ? &fd : nullptr, interleave_nodes);
   // A no-op where the collapse allocated; 4 KiB pages where it did not (not asked for, or a
   // piece failed). Before any byte is written through the mapping.
   if (allocate_in_pieces) EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
   return file;
 }
 
-}  // namespace expert_arena::arena
+}  // namespace expert_arena::pages

@@ -1,0 +1,108 @@
+"""NUMA placement through the Python package and the C ABI (docs/numa.md): the option is
+checked before anything loads, and the report says where the pages are."""
+import ctypes
+import os
+
+import pytest
+
+import expert_arena
+from conftest import BUILD
+from test_capi_ctypes import OpenParams
+
+
+def memory_nodes():
+    try:
+        with open("/sys/devices/system/node/has_memory") as f:
+            text = f.read().strip()
+    except OSError:
+        return [0]
+    nodes = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        nodes.extend(range(int(lo), int(hi or lo) + 1))
+    return nodes
+
+
+@pytest.mark.parametrize("bad", ["bogus", "node:", "node:-1", "Node:1", "node:1x", ""])
+def test_a_placement_that_is_not_one_is_a_value_error(gen_model, shm_path, bad):
+    model = gen_model("gguf", "f32")
+    path = shm_path()
+    with pytest.raises(ValueError, match="auto, local, interleave, node:N or replicate|node number"):
+        expert_arena.open(model, shared_path=path, quiet=True, numa=bad)
+    assert not os.path.exists(path), "nothing was created for a bad option"
+
+
+def test_a_node_that_is_not_there_is_refused_naming_it(gen_model, shm_path):
+    model = gen_model("gguf", "f32")
+    path = shm_path()
+    with pytest.raises(ValueError, match="no node 4000 with memory on this host"):
+        expert_arena.open(model, shared_path=path, quiet=True, numa="node:4000")
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("numa", ["auto", "local", "interleave", "node:%d" % memory_nodes()[0]])
+def test_the_report_says_where_the_pages_are(gen_model, shm_path, numa):
+    model = gen_model("gguf", "f32", layers=2, experts=4, hidden=128, ffn=256)
+    path = shm_path()
+    with expert_arena.open(model, shared_path=path, quiet=True, numa=numa) as arena:
+        r = arena.report["numa"]
+        assert r["placement"] == numa
+        if len(memory_nodes()) == 1:
+            # One node: every choice is first touch, and nothing is measured or printed.
+            assert r["nodes"] == {}
+            assert "numa:" not in arena.report["start_line"]
+        else:
+            assert sum(r["nodes"].values()) == arena.report["mapped_bytes"]
+            assert "numa: " + numa in arena.report["start_line"]
+        # An attacher finds the pages where the loader put them, whatever it asks for.
+        with expert_arena.attach(path, quiet=True) as other:
+            assert other.report["numa"]["placement"] == ""
+            assert other.report["numa"]["nodes"] == r["nodes"]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    path = os.path.join(BUILD, "lib", "libexpert_arena.so")
+    if not os.path.exists(path):
+        if os.environ.get("CI") == "true":
+            pytest.fail("%s is not built" % path)
+        pytest.skip("%s is not built" % path)
+    lib = ctypes.CDLL(path)
+    lib.ea_open_params_init_sized.argtypes = [ctypes.POINTER(NumaOpenParams), ctypes.c_size_t]
+    lib.ea_arena_open.argtypes = [ctypes.POINTER(NumaOpenParams), ctypes.POINTER(ctypes.c_void_p)]
+    lib.ea_arena_close.argtypes = [ctypes.c_void_p]
+    lib.ea_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+class NumaOpenParams(ctypes.Structure):
+    """ea_open_params up to its numa field (appended last)."""
+    _fields_ = OpenParams._fields_ + [("from_peer", ctypes.c_char_p),
+                                      ("peer_token", ctypes.c_char_p), ("numa", ctypes.c_char_p)]
+
+
+def c_open(lib, model, path, numa):
+    params = NumaOpenParams()
+    lib.ea_open_params_init_sized(ctypes.byref(params), ctypes.sizeof(params))
+    assert params.numa is None, "the default is NULL: auto"
+    files = (ctypes.c_char_p * 1)(os.fsencode(model))
+    params.model_files = files
+    params.model_file_count = 1
+    params.shared_path = os.fsencode(path)
+    params.quiet = 1
+    params.numa = numa
+    handle = ctypes.c_void_p()
+    rc = lib.ea_arena_open(ctypes.byref(params), ctypes.byref(handle))
+    if rc == 0:
+        lib.ea_arena_close(handle)
+    return rc
+
+
+def test_the_c_abi_takes_the_placement_and_refuses_a_bad_one(lib, gen_model, shm_path):
+    model = gen_model("gguf", "f32")
+    path = shm_path()
+    assert c_open(lib, model, path, b"interleave") == 0, lib.ea_last_error()
+    bad = shm_path()
+    assert c_open(lib, model, bad, b"sideways") == -22
+    assert b"expected auto, local, interleave, node:N or replicate" in lib.ea_last_error()
+    assert not os.path.exists(bad)
