@@ -78,7 +78,12 @@ def lib():
 class NumaOpenParams(ctypes.Structure):
     """ea_open_params up to its numa field (appended last)."""
     _fields_ = OpenParams._fields_ + [("from_peer", ctypes.c_char_p),
-                                      ("peer_token", ctypes.c_char_p), ("numa", ctypes.c_char_p)]
+                                      ("peer_token", ctypes.c_char_p),
+                                      ("pin_budget_bytes", ctypes.c_uint64),
+                                      ("reader", ctypes.c_char_p), ("alignment", ctypes.c_uint64),
+                                      ("peer_stall_seconds", ctypes.c_double),
+                                      ("peer_transport", ctypes.c_char_p),
+                                      ("numa", ctypes.c_char_p)]
 
 
 def c_open(lib, model, path, numa):
