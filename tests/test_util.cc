@@ -331,7 +331,7 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
   }
   dir_ = tmpl;
   uint64_t mib = (bytes + (1 << 20) - 1) >> 20;
-  if (kind != Kind::kHugetlbfs) {
+  if (kind != Kind::kHugetlbfs && kind != Kind::kHugetlbfs1G) {
     const char* huge = kind == Kind::kTmpfsHuge ? "always" : "never";
     std::string opts = "size=" + std::to_string(mib) + "m,huge=" + huge + ",mode=0700";
     if (mount("tmpfs", dir_.c_str(), "tmpfs", 0, opts.c_str()) != 0) {
@@ -339,19 +339,27 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
       return;
     }
   } else {
-    saved_nr_hugepages_ = ReadLong(kNrHugepages);
-    long pages = static_cast<long>((mib + 1) / 2);
-    if (saved_nr_hugepages_ < 0 || !WriteLong(kNrHugepages, saved_nr_hugepages_ + pages)) {
-      skip_reason_ = "cannot set vm.nr_hugepages";
+    const bool gib = kind == Kind::kHugetlbfs1G;
+    const uint64_t page_mib = gib ? 1024 : 2;
+    nr_hugepages_path_ =
+        gib ? "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages" : kNrHugepages;
+    const char* pool = nr_hugepages_path_.c_str();
+    saved_nr_hugepages_ = ReadLong(pool);
+    long pages = static_cast<long>((mib + page_mib - 1) / page_mib);
+    if (saved_nr_hugepages_ < 0 || !WriteLong(pool, saved_nr_hugepages_ + pages)) {
+      skip_reason_ = std::string("cannot set ") + pool;
+      saved_nr_hugepages_ = -1;
       return;
     }
-    long now = ReadLong(kNrHugepages);
+    long now = ReadLong(pool);
     if (now < saved_nr_hugepages_ + pages) {
       skip_reason_ = "the kernel gave only " + std::to_string(now - saved_nr_hugepages_) + " of " +
-                     std::to_string(pages) + " huge pages (memory fragmented)";
+                     std::to_string(pages) + " huge pages of " + std::to_string(page_mib) +
+                     " MiB (memory fragmented)";
       return;
     }
-    std::string opts = "pagesize=2M,size=" + std::to_string(pages * 2) + "m,mode=0700";
+    std::string opts = std::string("pagesize=") + (gib ? "1G" : "2M") + ",size=" +
+                       std::to_string(pages * page_mib) + "m,mode=0700";
     if (mount("hugetlbfs", dir_.c_str(), "hugetlbfs", 0, opts.c_str()) != 0) {
       skip_reason_ = std::string("mount hugetlbfs: ") + std::strerror(errno);
       return;
@@ -363,7 +371,7 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
 ScopedMount::~ScopedMount() {
   if (mounted_) umount2(dir_.c_str(), MNT_DETACH);
   if (!dir_.empty()) rmdir(dir_.c_str());
-  if (saved_nr_hugepages_ >= 0) WriteLong(kNrHugepages, saved_nr_hugepages_);
+  if (saved_nr_hugepages_ >= 0) WriteLong(nr_hugepages_path_.c_str(), saved_nr_hugepages_);
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 

@@ -143,7 +143,8 @@ std::string BinDir();
 // test processes never change these settings at once. skip_reason() says why none was made.
 class ScopedMount {
  public:
-  enum class Kind { kTmpfs, kTmpfsHuge, kHugetlbfs };
+  // kHugetlbfs1G reserves 1 GiB pages (hugepages-1048576kB) for the mount and gives them back.
+  enum class Kind { kTmpfs, kTmpfsHuge, kHugetlbfs, kHugetlbfs1G };
   ScopedMount(Kind kind, uint64_t bytes);
   ~ScopedMount();
   bool ok() const { return skip_reason_.empty(); }
@@ -155,6 +156,7 @@ class ScopedMount {
   std::string skip_reason_;
   int lock_fd_ = -1;
   long saved_nr_hugepages_ = -1;
+  std::string nr_hugepages_path_;
   bool mounted_ = false;
 };
 

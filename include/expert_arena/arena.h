@@ -189,6 +189,9 @@ struct ArenaReport {
   std::string reader;       // "io_uring", "pread", or "" when nothing was read
   std::string reader_note;  // why io_uring was not used, when "auto" fell back to pread
   std::string huge_note;    // why 2 MiB pages were or were not asked for
+  // The size of the huge pages the file lives on: 2 MiB (tmpfs, hugetlbfs pagesize=2M) or
+  // 1 GiB (hugetlbfs pagesize=1G); 0 for a private arena or another filesystem.
+  uint64_t page_bytes = 0;
   std::string gpu_note;     // the registration outcome
   uint64_t gpu_registered_bytes = 0;
   double gpu_seconds = 0;

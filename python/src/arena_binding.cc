@@ -173,6 +173,7 @@ class PyArena {
     d["collapse_seconds"] = r.collapse_seconds;
     d["bytes_read"] = r.bytes_read;
     d["huge_bytes"] = r.huge_bytes;
+    d["page_bytes"] = r.page_bytes;
     d["mapped_bytes"] = r.mapped_bytes;
     d["data_bytes"] = r.data_bytes;
     d["tensor_bytes"] = r.tensor_bytes;

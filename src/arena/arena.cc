@@ -93,8 +93,15 @@ std::string ArenaReport::StartLine() const {
       line += buf;
       break;
   }
-  line += "; " + FormatBytes(huge_bytes) + " of " + FormatBytes(mapped_bytes) + " on 2 MiB pages";
+  const uint64_t page = page_bytes != 0 ? page_bytes : kHugePageBytes;
+  line += "; " + FormatBytes(huge_bytes) + " of " + FormatBytes(mapped_bytes) + " on " +
+          FormatPageSize(page) + " pages";
   if (!huge_note.empty()) line += " (" + huge_note + ")";
+  // hugetlbfs sizes a file in whole pages: a small arena on 1 GiB pages pays for a whole one.
+  if (page > kHugePageBytes && mapped_bytes >= page && 2 * data_bytes < mapped_bytes) {
+    line += "; a " + FormatBytes(data_bytes) + " arena takes " + FormatBytes(mapped_bytes) +
+            ": hugetlbfs sizes files in whole " + FormatPageSize(page) + " pages";
+  }
   line += "; gpu: " + (gpu_note.empty() ? std::string("none") : gpu_note);
   if (!peer_note.empty()) line += "; " + peer_note;
   if (!kernel_note.empty()) line += "; " + kernel_note;

@@ -76,6 +76,11 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages,
   info.mode = st.mode & 07777;
   auto fs = platform::StatFilesystem(DirectoryOf(path));
   info.backing = fs.ok() ? platform::FsKindName(fs->kind) : "unknown";
+  if (fs.ok() && fs->kind == platform::FsKind::kHugetlbfs) {
+    info.page_bytes = std::max<uint64_t>(fs->block_bytes, kHugePageBytes);
+  } else if (fs.ok() && fs->kind == platform::FsKind::kTmpfs) {
+    info.page_bytes = kHugePageBytes;
+  }
   EA_ASSIGN_OR_RETURN(info.in_use,
                       platform::ByteIsLocked(fd, kUserByte, platform::LockMode::kExclusive));
   EA_ASSIGN_OR_RETURN(info.loading_now,

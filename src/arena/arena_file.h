@@ -24,6 +24,7 @@ struct ArenaFileInfo {
   bool in_use = false;       // an engine holds USER
   bool loading_now = false;  // an engine holds FILL
   std::string backing;       // tmpfs, hugetlbfs, other
+  uint64_t page_bytes = 0;   // its huge page size: 2 MiB, 1 GiB (hugetlbfs pagesize=1G); 0: other
   uint64_t huge_bytes = 0;   // of a read-only mapping of the file, from the page tables
   uint64_t mapped_bytes = 0;
   // With scan_pages, on a host with several NUMA nodes: the file's policy and its bytes on each

@@ -111,15 +111,29 @@ Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint6
                    "see docs/deployment.md");
   }
   if (s.code() != StatusCode::kNoSpace || fs.kind != platform::FsKind::kHugetlbfs) return s;
-  auto pool = platform::ReadHugetlbPool();
-  uint64_t pages = (file_bytes + fs.block_bytes - 1) / fs.block_bytes;
+  const uint64_t page = std::max(fs.block_bytes, kHugePageBytes);
+  auto pool = platform::ReadHugetlbPool(page);
+  uint64_t pages = (file_bytes + page - 1) / page;
   std::string have = pool.ok() ? std::to_string(pool->free - std::min(pool->free, pool->reserved))
                                : std::string("unknown");
+  // vm.nr_hugepages is the pool of the default size only; another size has its own file.
+  const std::string pool_file = platform::HugetlbPoolDir(page) + "nr_hugepages";
+  const std::string knob = page == kHugePageBytes ? "set vm.nr_hugepages (e.g. echo " +
+                                                        std::to_string(pages + (pool.ok() ? pool->total : 0)) +
+                                                        " > /proc/sys/vm/nr_hugepages)"
+                                                  : "reserve them (e.g. echo " +
+                                                        std::to_string(pages + (pool.ok() ? pool->total : 0)) +
+                                                        " > " + pool_file + ")";
   return NoSpace("allocate " + path + ": hugetlbfs needs " + std::to_string(pages) +
-                 " huge pages of " + FormatBytes(fs.block_bytes) + " (" + FormatBytes(file_bytes) +
-                 ") but has " + have + " free; set vm.nr_hugepages (e.g. echo " +
-                 std::to_string(pages + (pool.ok() ? pool->total : 0)) +
-                 " > /proc/sys/vm/nr_hugepages) or mount with a larger size=");
+                 " huge pages of " + FormatPageSize(page) + " (" + FormatBytes(file_bytes) +
+                 ") but its pool " + platform::HugetlbPoolName(page) + " has " + have +
+                 " free; " + knob + " or mount with a larger size=");
+}
+
+// The huge page size an arena on `fs` lives on (ArenaReport::page_bytes).
+uint64_t HugePageBytesOf(const platform::FilesystemInfo& fs) {
+  if (fs.kind == platform::FsKind::kHugetlbfs) return std::max(fs.block_bytes, kHugePageBytes);
+  return fs.kind == platform::FsKind::kTmpfs ? kHugePageBytes : 0;
 }
 
 // Engines map arenas at 2 MiB-aligned addresses (hugetlbfs: its page size).
@@ -443,6 +457,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
       impl->report.waited_for_pid = waited_for;
       impl->report.backing = platform::FsKindName(fs.kind);
       impl->report.huge_note = hugetlbfs ? "hugetlbfs" : "";
+      impl->report.page_bytes = HugePageBytesOf(fs);
       return impl;
     }
     view.reset();
@@ -613,7 +628,10 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     impl->fd = std::move(fd);
     impl->report.role = ArenaRole::kLoaded;
     impl->report.backing = platform::FsKindName(fs.kind);
-    impl->report.huge_note = huge.note;
+    impl->report.huge_note = hugetlbfs ? "hugetlbfs: " + FormatPageSize(fs.block_bytes) +
+                                             " pages reserved by the filesystem"
+                                       : huge.note;
+    impl->report.page_bytes = HugePageBytesOf(fs);
     impl->report.numa = placement->asked;
     impl->report.numa_note = backed->numa_note;
     impl->report.charge_note = *charge;

@@ -51,6 +51,13 @@ inline std::string FormatDuration(double seconds) {
   return buf;
 }
 
+// A page size as the kernel's documentation names it: "4 KiB", "2 MiB", "1 GiB".
+inline std::string FormatPageSize(uint64_t bytes) {
+  if (bytes >= kGiB && bytes % kGiB == 0) return std::to_string(bytes / kGiB) + " GiB";
+  if (bytes >= kMiB && bytes % kMiB == 0) return std::to_string(bytes / kMiB) + " MiB";
+  return std::to_string(bytes / 1024) + " KiB";
+}
+
 // "2.10 GiB/s", "350.0 MiB/s": bytes per second in the unit FormatBytes would use.
 inline std::string FormatRate(uint64_t bytes, double seconds) {
   if (seconds <= 0) return "-";

@@ -47,7 +47,7 @@ HugeDecision DecideHugePages(HugePages mode, PageSource source, uint64_t bytes,
                              uint64_t free_blocks, bool can_collapse) {
   HugeDecision d;
   if (source == PageSource::kHugetlbfs) {
-    d.note = "hugetlbfs: 2 MiB pages reserved by the filesystem";
+    d.note = "hugetlbfs: huge pages reserved by the filesystem";
     return d;
   }
   if (source == PageSource::kOtherFs) {

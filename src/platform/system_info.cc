@@ -198,8 +198,16 @@ Result<uint64_t> ProcessStartTime(pid_t pid) {
 
 pid_t CurrentPid() { return ::getpid(); }
 
-Result<HugetlbPool> ReadHugetlbPool() {
-  const std::string dir = "/sys/kernel/mm/hugepages/hugepages-2048kB/";
+std::string HugetlbPoolName(uint64_t page_bytes) {
+  return "hugepages-" + std::to_string(page_bytes >> 10) + "kB";
+}
+
+std::string HugetlbPoolDir(uint64_t page_bytes) {
+  return "/sys/kernel/mm/hugepages/" + HugetlbPoolName(page_bytes) + "/";
+}
+
+Result<HugetlbPool> ReadHugetlbPool(uint64_t page_bytes) {
+  const std::string dir = HugetlbPoolDir(page_bytes);
   HugetlbPool pool;
   EA_ASSIGN_OR_RETURN(pool.total, ReadNumber(dir + "nr_hugepages"));
   EA_ASSIGN_OR_RETURN(pool.free, ReadNumber(dir + "free_hugepages"));

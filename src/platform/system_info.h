@@ -71,7 +71,10 @@ struct HugetlbPool {
   uint64_t reserved = 0;
   uint64_t overcommit = 0;
 };
-Result<HugetlbPool> ReadHugetlbPool();
+// The pool of `page_bytes` pages: hugepages-2048kB, hugepages-1048576kB.
+Result<HugetlbPool> ReadHugetlbPool(uint64_t page_bytes = 2ull << 20);
+std::string HugetlbPoolName(uint64_t page_bytes);  // "hugepages-1048576kB"
+std::string HugetlbPoolDir(uint64_t page_bytes);   // "/sys/kernel/mm/hugepages/hugepages-...kB/"
 
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled, the bracketed word ("never", ...).
 std::string ShmemHugeSetting();

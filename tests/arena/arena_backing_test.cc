@@ -134,6 +134,58 @@ TEST(ArenaHugetlbSpaceTest, TooFewHugePagesSaysWhatToSet) {
   EXPECT_NE(stat(arena.path().c_str(), &st), 0);
 }
 
+// hugetlbfs mounted pagesize=1G: the arena loads and attaches on 1 GiB pages, the start line,
+// the report and `info` name the page size, and a small arena says it pays a whole page.
+TEST(ArenaHugetlbSpaceTest, OneGiBPagesAreNamedAndASmallArenaSaysItPaysAWholePage) {
+  ScopedMount mount(ScopedMount::Kind::kHugetlbfs1G, 1024 * kMiB);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  ScopedDataFile model(6 * kMiB, 11);
+  ScopedPath path("arena", mount.dir());
+  ArenaOptions options;
+  options.shared_path = path.path();
+  ModelSpec spec;
+  spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
+  ASSERT_OK_AND_ASSIGN(Arena loaded, Arena::Open(spec, options));
+  EXPECT_EQ(loaded.report().page_bytes, 1024 * kMiB);
+  const std::string line = loaded.report().StartLine();
+  EXPECT_NE(line.find("on 1 GiB pages"), std::string::npos) << line;
+  EXPECT_NE(line.find("hugetlbfs: 1 GiB pages reserved by the filesystem"), std::string::npos)
+      << line;
+  EXPECT_NE(line.find("hugetlbfs sizes files in whole 1 GiB pages"), std::string::npos)
+      << line;
+  EXPECT_EQ(line.find("2 MiB pages"), std::string::npos) << line;
+  ASSERT_OK_AND_ASSIGN(Arena attached, Arena::AttachExisting(path.path(), options));
+  EXPECT_EQ(attached.report().page_bytes, 1024 * kMiB);
+  EXPECT_EQ(HexSum(attached.tensor(0).bytes), FileSum(model.path()));
+  ASSERT_OK_AND_ASSIGN(arena::ArenaFileInfo info, arena::InspectArenaFile(path.path()));
+  EXPECT_EQ(info.page_bytes, 1024 * kMiB);
+  EXPECT_EQ(info.file_bytes % (1024 * kMiB), 0u);
+}
+
+// A pool of 1 GiB pages too small: the message names that pool and its own file, not
+// vm.nr_hugepages (the default size's).
+TEST(ArenaHugetlbSpaceTest, TooFewOneGiBPagesNamesTheirPool) {
+  ScopedMount mount(ScopedMount::Kind::kHugetlbfs1G, 1024 * kMiB);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  ScopedDataFile model(1100 * kMiB, 12);
+  ScopedPath arena("arena", mount.dir());
+  ModelSpec spec;
+  spec.files = {model.path()};
+  spec.format = ModelFormat::kRaw;
+  ArenaOptions options;
+  options.shared_path = arena.path();
+  auto result = Arena::Open(spec, options);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(result.status().message().find("hugepages-1048576kB"), std::string::npos)
+      << result.status().message();
+  EXPECT_EQ(result.status().message().find("vm.nr_hugepages"), std::string::npos)
+      << result.status().message();
+  struct stat st;
+  EXPECT_NE(stat(arena.path().c_str(), &st), 0);
+}
+
 // Field lesson 002: the hugetlbfs pages of an arena go back to the pool when its file is deleted
 // (and not before: a published file keeps them for a restart to attach).
 // The copy-on-write mapping the Python views use, on hugetlbfs (MAP_NORESERVE: the mapping

@@ -49,6 +49,7 @@ int RunInfo(const std::string& path, bool json) {
     j["loading_now"] = i.loading_now;
     j["backing"] = i.backing;
     j["huge_bytes"] = i.huge_bytes;
+    j["page_bytes"] = i.page_bytes;
     {
       ArenaReport numa;
       numa.numa_policy = i.numa_policy;
@@ -104,8 +105,9 @@ int RunInfo(const std::string& path, bool json) {
         platform::DescribePid(i.summary.loader_pid, i.summary.loader_pid_namespace).c_str());
   }
   if (i.state == "published") {
-    std::printf("pages:     %s of %s on 2 MiB pages\n", FormatBytes(i.huge_bytes).c_str(),
-                FormatBytes(i.mapped_bytes).c_str());
+    std::printf("pages:     %s of %s on %s pages\n", FormatBytes(i.huge_bytes).c_str(),
+                FormatBytes(i.mapped_bytes).c_str(),
+                FormatPageSize(i.page_bytes != 0 ? i.page_bytes : kHugePageBytes).c_str());
     if (!i.numa_nodes.empty()) {
       std::string nodes;
       for (const NumaNodeBytes& n : i.numa_nodes) {

@@ -129,6 +129,7 @@ int RunLoad(const LoadArgs& args) {
     j["tensors"] = r.tensors;
     j["model_tensors"] = r.model_tensors;
     j["huge_bytes"] = r.huge_bytes;
+    j["page_bytes"] = r.page_bytes;
     j["seconds"] = r.seconds;
     j["load_seconds"] = r.load_seconds;
     j["wait_seconds"] = r.wait_seconds;
