@@ -36,6 +36,9 @@ void DeclareFamilies(Exposition& e) {
   e.Declare("expert_arena_arena_huge_page_bytes", "gauge",
             "Bytes of a published arena on huge pages of page_size (2MiB: tmpfs or hugetlbfs, "
             "1GiB: hugetlbfs), read from the page tables.");
+  e.Declare("expert_arena_arena_node_bytes", "gauge",
+            "Bytes of a published arena on each NUMA node, from numa_maps (hosts with several "
+            "nodes only; docs/numa.md).");
   e.Declare("expert_arena_arena_in_use", "gauge",
             "1 when a process maps the arena (holds its USER lock), else 0.");
   e.Declare("expert_arena_arena_loading", "gauge",
@@ -100,6 +103,11 @@ void AddArena(Exposition& e, const std::string& path,
       Labels l = labels;
       l.emplace_back("page_size", PageSizeLabel(page));
       e.Add("expert_arena_arena_huge_page_bytes", l, on_huge);
+    }
+    for (const NumaNodeBytes& n : a.numa_nodes) {
+      Labels l = labels;
+      l.emplace_back("node", std::to_string(n.node));
+      e.Add("expert_arena_arena_node_bytes", l, n.bytes);
     }
   }
   e.Add("expert_arena_arena_in_use", labels, a.in_use ? 1 : 0);

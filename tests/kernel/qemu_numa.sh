@@ -200,6 +200,14 @@ for backing in shm huge; do
     dir=/dev/shm
   fi
   check $backing-interleave interleave load $dir/i.arena --numa interleave
+  # The metrics of the directory: the arena's bytes on each node (expert_arena_arena_node_bytes).
+  m0=$($ea metrics $dir | grep '^expert_arena_arena_node_bytes{' | grep 'node="0"' | awk '{print $2}')
+  m1=$($ea metrics $dir | grep '^expert_arena_arena_node_bytes{' | grep 'node="1"' | awk '{print $2}')
+  if [ "${m0:-0}" -gt 0 ] && [ "${m1:-0}" -gt 0 ]; then
+    echo "EA-CHECK $backing-metrics-node-bytes PASS node0 $m0 node1 $m1 bytes"
+  else
+    echo "EA-CHECK $backing-metrics-node-bytes FAIL node0 '${m0}' node1 '${m1}'"
+  fi
   rm -f $dir/i.arena
   check $backing-auto interleave load $dir/a.arena
   rm -f $dir/a.arena
