@@ -480,7 +480,23 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
             module = make()
     _bind_module(torch, module, arena)
     module.expert_arena = arena
+    _release_freed_memory()
     return module
+
+
+def _release_freed_memory():
+    """Gives the private copies' memory, freed by the rebinding, back to the kernel: glibc's
+    allocator keeps freed heap memory (measured: a building transformers engine held 137 MiB
+    more than an attaching one until malloc_trim)."""
+    import gc
+    gc.collect()
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
 
 
 def _numpy_source(array):

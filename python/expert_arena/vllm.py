@@ -34,7 +34,6 @@ reads and N post-processings).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import glob
 import hashlib
 import json
@@ -237,7 +236,7 @@ def _loader_class():
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     import expert_arena
-    from . import _declare_module, _fill_module, _module_tensors
+    from . import _declare_module, _fill_module, _module_tensors, _release_freed_memory
 
     # Under "vllm." so that vLLM's own handlers and format (VLLM_LOGGING_LEVEL) apply.
     logger = init_logger("vllm.expert_arena")
@@ -314,7 +313,7 @@ def _loader_class():
                 self._bind(model, model_config, arena, device)
             # (A GPU engine that built keeps the device tensors it published from.)
             model.expert_arena = arena
-            gc.collect()
+            _release_freed_memory()
             logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
                         time.monotonic() - started,
                         "built and published" if report["role"] == "loaded" else
