@@ -115,7 +115,11 @@ std::string FormatNodeList(const std::vector<int>& nodes) {
     while (j + 1 < nodes.size() && nodes[j + 1] == nodes[j] + 1) ++j;
     if (!out.empty()) out += ',';
     out += std::to_string(nodes[i]);
-    if (j > i) out += "-" + std::to_string(nodes[j]);
+    if (j > i) {
+      // Appended, not "-" + std::to_string(): g++ 12 -O3 false -Wrestrict (GCC PR 105651).
+      out += '-';
+      out += std::to_string(nodes[j]);
+    }
     i = j + 1;
   }
   return out;
