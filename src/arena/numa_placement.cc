@@ -221,8 +221,10 @@ void MeasureNuma(const void* start, ArenaReport& report) {
     report.numa_nodes.clear();
     for (int node : platform::MemoryNodes()) report.numa_nodes.push_back({node, 0});
     for (auto& [node, bytes] : platform::ParseNumaMapsLine(line)) {
+      // A copy for the lambda: clang 14 cannot capture a structured binding.
+      const int wanted = node;
       auto it = std::find_if(report.numa_nodes.begin(), report.numa_nodes.end(),
-                             [&](const NumaNodeBytes& n) { return n.node == node; });
+                             [wanted](const NumaNodeBytes& n) { return n.node == wanted; });
       if (it == report.numa_nodes.end()) {
         report.numa_nodes.push_back({node, bytes});
       } else {
