@@ -100,6 +100,24 @@ def _log(p):
     return p.err_file.read()[-6000:]
 
 
+@pytest.fixture(autouse=True)
+def no_vllm_shm_left():
+    """vLLM's CPU tensor-parallel communicator makes /dev/shm/vllm_dist_*-cpushm_N files and
+    does not unlink them when its engine exits: the ones a test's engines made go with it."""
+    def listed():
+        try:
+            return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
+        except OSError:
+            return set()
+    before = listed()
+    yield
+    for name in listed() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
 def _answer(p, timeout=240):
     """The engine's RESULT line (its other output is vLLM's log)."""
     try:
