@@ -36,19 +36,26 @@ class TensorView(ctypes.Structure):
                 ("file_offset", ctypes.c_uint64), ("checksum", ctypes.c_uint64)]
 
 
-@pytest.fixture(scope="module")
-def lib():
+def open_library(params_type):
+    """libexpert_arena.so of the build through ctypes, ea_arena_open taking `params_type` (a
+    Structure of ea_open_params up to the fields the test uses); fails in CI when not built."""
     path = os.path.join(BUILD, "lib", "libexpert_arena.so")
     if not os.path.exists(path):
         if os.environ.get("CI") == "true":
             pytest.fail("%s is not built" % path)
         pytest.skip("%s is not built" % path)
     lib = ctypes.CDLL(path)
-    lib.ea_open_params_init_sized.argtypes = [ctypes.POINTER(OpenParams), ctypes.c_size_t]
-    lib.ea_arena_open.argtypes = [ctypes.POINTER(OpenParams), ctypes.POINTER(ctypes.c_void_p)]
+    lib.ea_open_params_init_sized.argtypes = [ctypes.POINTER(params_type), ctypes.c_size_t]
+    lib.ea_arena_open.argtypes = [ctypes.POINTER(params_type), ctypes.POINTER(ctypes.c_void_p)]
     lib.ea_arena_close.argtypes = [ctypes.c_void_p]
-    lib.ea_arena_find.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(TensorView)]
     lib.ea_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = open_library(OpenParams)
+    lib.ea_arena_find.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(TensorView)]
     return lib
 
 

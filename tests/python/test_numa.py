@@ -6,8 +6,7 @@ import os
 import pytest
 
 import expert_arena
-from conftest import BUILD
-from test_capi_ctypes import OpenParams
+from test_capi_ctypes import OpenParams, open_library
 
 
 def memory_nodes():
@@ -62,17 +61,7 @@ def test_the_report_says_where_the_pages_are(gen_model, shm_path, numa):
 
 @pytest.fixture(scope="module")
 def lib():
-    path = os.path.join(BUILD, "lib", "libexpert_arena.so")
-    if not os.path.exists(path):
-        if os.environ.get("CI") == "true":
-            pytest.fail("%s is not built" % path)
-        pytest.skip("%s is not built" % path)
-    lib = ctypes.CDLL(path)
-    lib.ea_open_params_init_sized.argtypes = [ctypes.POINTER(NumaOpenParams), ctypes.c_size_t]
-    lib.ea_arena_open.argtypes = [ctypes.POINTER(NumaOpenParams), ctypes.POINTER(ctypes.c_void_p)]
-    lib.ea_arena_close.argtypes = [ctypes.c_void_p]
-    lib.ea_last_error.restype = ctypes.c_char_p
-    return lib
+    return open_library(NumaOpenParams)
 
 
 class NumaOpenParams(ctypes.Structure):
