@@ -64,7 +64,11 @@ std::string Unhex(const std::string& hex) {
 
 std::string ShapeText(const std::vector<uint64_t>& shape) {
   std::string s;
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    // Appended, not "," + std::to_string(): g++ 12 -O3 false -Wrestrict (GCC PR 105651).
+    if (i) s += ',';
+    s += std::to_string(shape[i]);
+  }
   return s.empty() ? "-" : s;
 }
 
