@@ -179,7 +179,7 @@ struct RegistrationFigures {
 Result<std::pair<double, double>> RegisterOnce(std::span<std::byte> range, const Config& c,
                                                int threads, RegistrationFigures* figures) {
   gpu::RegisterOptions options;
-  options.device = c.device;
+  EA_ASSIGN_OR_RETURN(options.device, ParseGpuDevice(c.device));
   options.chunk_bytes = c.chunk_mib * kMiB;
   options.threads = threads;
   EA_ASSIGN_OR_RETURN(auto registration, gpu::RegisterHostRange(range, options));
@@ -234,7 +234,7 @@ Result<RegistrationFigures> MeasureBacking(Backing& b, const Config& c, const gp
   f.parallel_s_per_gib = parallel / gib;
   f.unregister_s_per_gib = unregister / gib;
   gpu::RegisterOptions options;
-  options.device = c.device;
+  EA_ASSIGN_OR_RETURN(options.device, ParseGpuDevice(c.device));
   options.chunk_bytes = c.chunk_mib * kMiB;
   options.threads = c.threads;
   EA_ASSIGN_OR_RETURN(auto registration, gpu::RegisterHostRange(range, options));
@@ -273,7 +273,7 @@ Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* l
   };
   ArenaOptions options;
   if (shared) options.shared_path = arena_path;
-  options.gpu = device.ToString();
+  options.gpu = device;
   options.gpu_required = true;
   options.progress = false;
   Status result = [&]() -> Status {

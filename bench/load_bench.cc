@@ -157,7 +157,12 @@ double TimeArenaOpen(const std::string& model, const std::string& arena, const s
                      bool pages_alongside_load) {
   ArenaOptions options;
   options.shared_path = arena;
-  options.reader = reader;
+  auto parsed = ParseModelReader(reader);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "load_bench: %s\n", parsed.status().message().c_str());
+    std::exit(2);
+  }
+  options.reader = *parsed;
   options.progress = false;
   options.pages_alongside_load = pages_alongside_load;
   auto start = Clock::now();

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "expert_arena/export.h"
+#include "expert_arena/gpu_device.h"
 #include "expert_arena/status.h"
 
 namespace spdlog {
@@ -70,6 +71,23 @@ EXPERT_ARENA_EXPORT std::string NumaPlacementName(NumaPlacement placement, int n
 enum class ModelFormat { kAuto, kGguf, kSafetensors, kRaw };
 EXPERT_ARENA_EXPORT const char* ModelFormatName(ModelFormat format);
 
+// How a loader reads the model's files: kAuto uses io_uring (O_DIRECT where the file system
+// allows it) and falls back to pread, saying why, where the kernel or a container refuses it.
+enum class ModelReader { kAuto, kIoUring, kPread };
+// "auto", "io_uring", "pread".
+EXPERT_ARENA_EXPORT const char* ModelReaderName(ModelReader reader);
+// The inverse of ModelReaderName; kInvalidArgument naming the accepted words otherwise.
+EXPERT_ARENA_EXPORT Result<ModelReader> ParseModelReader(std::string_view text);
+
+// How a peer's bytes may cross (docs/cross-host.md): kAuto takes what the server offers; kAm
+// only ranges the server checks and sends (a get server is refused); kGet the peer's memory
+// read directly.
+enum class PeerTransport { kAuto, kAm, kGet };
+// "auto", "am", "get".
+EXPERT_ARENA_EXPORT const char* PeerTransportName(PeerTransport transport);
+// The inverse of PeerTransportName; kInvalidArgument naming the accepted words otherwise.
+EXPERT_ARENA_EXPORT Result<PeerTransport> ParsePeerTransport(std::string_view text);
+
 // Whose words a message uses for the options it names: the C++ fields, the C params
 // (ea_open_params), the CLI's flags or Python's keywords.
 enum class OptionWords { kCpp, kC, kCli, kPython };
@@ -104,14 +122,13 @@ struct ArenaOptions {
   mode_t file_mode = 0600;
   // Attach to a file owned by another user (refused by default).
   bool allow_foreign_owner = false;
-  // "none", "cuda", "cuda:N", "hip", "hip:N": register the arena with that device.
-  std::string gpu = "none";
+  // Register the arena with this device (none by default; ParseGpuDevice reads "cuda:1").
+  GpuDevice gpu;
   // Fail when the GPU registration fails (by default it is reported and skipped).
   bool gpu_required = false;
   // Upper bound on bytes this process pins for the arena; 0 means no bound.
   uint64_t pin_budget_bytes = 0;
-  // "auto", "io_uring" or "pread".
-  std::string reader = "auto";
+  ModelReader reader = ModelReader::kAuto;
   // On a 4 KiB tmpfs (plain /dev/shm), make the file's 2 MiB pages in the background, front to
   // back, while the loader fills the pieces already made; false: all pages first, then the
   // load (what load_bench compares).
@@ -131,9 +148,8 @@ struct ArenaOptions {
   std::string peer_token;
   // The longest wait for the peer (connect, answer, next chunk) before the fill is abandoned.
   double peer_stall_seconds = 30.0;
-  // How the peer's bytes may cross: "auto" (what the server offers), "am" (only ranges the
-  // server checks and sends; a get server is refused) or "get" (docs/cross-host.md).
-  std::string peer_transport = "auto";
+  // How the peer's bytes may cross (see PeerTransport).
+  PeerTransport peer_transport = PeerTransport::kAuto;
 };
 
 enum class ArenaRole { kLoaded, kAttached, kPrivate };

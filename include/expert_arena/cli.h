@@ -67,7 +67,9 @@ struct SharedArenaFlags {
       options.numa_node = -1;
     }
     options.allow_foreign_owner = allow_foreign_owner;
-    options.gpu = gpu;
+    // Validated by the parser; a value set by hand that does not parse keeps none.
+    auto device = ParseGpuDevice(gpu);
+    options.gpu = device.ok() ? *device : GpuDevice{};
     options.gpu_required = gpu_required;
   }
 };
@@ -76,16 +78,8 @@ struct SharedArenaFlags {
 inline CLI::Validator GpuDeviceValidator() {
   return CLI::Validator(
       [](std::string& value) -> std::string {
-        auto numeric = [](const std::string& s) {
-          return !s.empty() && s.size() <= 4 &&
-                 s.find_first_not_of("0123456789") == std::string::npos;
-        };
-        if (value == "none" || value == "cuda" || value == "hip") return {};
-        for (const char* backend : {"cuda:", "hip:"}) {
-          std::string prefix = backend;
-          if (value.rfind(prefix, 0) == 0 && numeric(value.substr(prefix.size()))) return {};
-        }
-        return "expected none, cuda, cuda:N, hip or hip:N, got '" + value + "'";
+        auto device = ParseGpuDevice(value);
+        return device.ok() ? std::string() : device.status().message();
       },
       "none|cuda[:N]|hip[:N]", "GpuDevice");
 }

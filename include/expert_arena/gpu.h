@@ -27,23 +27,10 @@
 
 #include "expert_arena/arena.h"
 #include "expert_arena/export.h"
+#include "expert_arena/gpu_device.h"
 #include "expert_arena/status.h"
 
 namespace expert_arena {
-
-enum class GpuBackend { kNone, kCuda, kHip };
-EXPERT_ARENA_EXPORT const char* GpuBackendName(GpuBackend backend);
-
-struct GpuDevice {
-  GpuBackend backend = GpuBackend::kNone;
-  int index = 0;
-  // "cuda:0", "hip:1", "none".
-  EXPERT_ARENA_EXPORT std::string ToString() const;
-};
-
-// "none" (or ""), "cuda", "cuda:N", "hip", "hip:N" (N a decimal device index; "cuda" is
-// "cuda:0"). Anything else is InvalidArgument naming the text.
-EXPERT_ARENA_EXPORT Result<GpuDevice> ParseGpuDevice(std::string_view spec);
 
 // Whether this build of the library has the backend (kNone always).
 EXPERT_ARENA_EXPORT bool GpuBackendBuilt(GpuBackend backend);

@@ -124,10 +124,10 @@ struct StreamOptions {
   double strict_wait_seconds = 1.0;
   // 2 MiB pages for segments (collapsed while empty, like the arena): see HugePages.
   HugePages huge = HugePages::kAuto;
-  // "none", "cuda[:N]", "hip[:N]": register each regular segment in this process, within
+  // A device to register each regular segment with in this process (none by default), within
   // pin_budget_bytes (0: no bound; the budget is shared by every registration of the process,
   // see src/gpu/gpu.h). Dedicated one-shot segments and spill files are never pinned.
-  std::string gpu = "none";
+  GpuDevice gpu;
   uint64_t pin_budget_bytes = 4ull << 30;
   // Put() copies tensors of 8 MiB and more with up to this many threads (0: a quarter of the
   // cores, 1 to 4); one thread is latency-bound below the memory bus on large hosts.
@@ -171,7 +171,7 @@ struct ConsumerOptions {
   // Must name the same directories as the producers' (descriptors carry names only).
   std::string directory = "/dev/shm";
   std::string spill_directory = "/var/tmp";
-  std::string gpu = "none";
+  GpuDevice gpu;
   uint64_t pin_budget_bytes = 4ull << 30;
   // Map segments owned by another user (refused by default).
   bool allow_foreign_owner = false;

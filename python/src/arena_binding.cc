@@ -229,7 +229,7 @@ ArenaOptions MakeArenaOptions(const std::optional<std::string>& shared_path, con
                               bool progress) {
   ArenaOptions options;
   if (shared_path) options.shared_path = *shared_path;
-  options.gpu = gpu;
+  options.gpu = ParseGpu(gpu);
   options.gpu_required = gpu_required;
   options.huge = ParseHuge(huge);
   if (!(wait_timeout >= 0)) throw py::value_error("wait_timeout must be >= 0 seconds");
@@ -239,7 +239,7 @@ ArenaOptions MakeArenaOptions(const std::optional<std::string>& shared_path, con
   options.file_mode = static_cast<mode_t>(file_mode);
   options.allow_foreign_owner = allow_foreign_owner;
   options.pin_budget_bytes = pin_budget_bytes;
-  options.reader = reader;
+  options.reader = ParseReaderWord(reader);
   options.progress = progress && !quiet;
   if (quiet) options.logger = QuietLogger();
   return options;
@@ -269,7 +269,7 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
   options.from_peer = from_peer;
   options.peer_token = peer_token;
   options.peer_stall_seconds = peer_stall_seconds;
-  options.peer_transport = peer_transport;
+  options.peer_transport = ParseTransportWord(peer_transport);
   if (Status s = ParseNumaPlacement(numa, &options.numa, &options.numa_node); !s.ok()) {
     throw py::value_error("open(): numa=" + s.message());
   }

@@ -211,6 +211,25 @@ inline HugePages ParseHuge(const std::string& huge) {
   throw py::value_error("huge=" + huge + ": use \"auto\", \"on\" or \"off\"");
 }
 
+// gpu="cuda:1", reader="pread", peer_transport="am": the library's words, refused by name.
+inline GpuDevice ParseGpu(const std::string& gpu) {
+  auto device = ParseGpuDevice(gpu);
+  if (!device.ok()) throw py::value_error("gpu=" + device.status().message());
+  return *device;
+}
+
+inline ModelReader ParseReaderWord(const std::string& reader) {
+  auto r = ParseModelReader(reader);
+  if (!r.ok()) throw py::value_error(r.status().message());
+  return *r;
+}
+
+inline PeerTransport ParseTransportWord(const std::string& transport) {
+  auto t = ParsePeerTransport(transport);
+  if (!t.ok()) throw py::value_error(t.status().message());
+  return *t;
+}
+
 // The sink of the library's "expert_arena" logger inside Python: it keeps each message (with
 // its level as Python's logging numbers it) until Python takes them and hands them to the
 // logging module's "expert_arena" logger (expert_arena._emit_logs, after each call that may

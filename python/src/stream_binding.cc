@@ -121,7 +121,7 @@ class PyProducer {
     options.max_segments = max_segments;
     options.strict = strict;
     options.strict_wait_seconds = strict_wait_seconds;
-    options.gpu = gpu;
+    options.gpu = ParseGpu(gpu);
     options.pin_budget_bytes = pin_budget_bytes;
     options.block_alignment = block_alignment;
     options.spill_directory = spill_directory;
@@ -427,7 +427,7 @@ class PyConsumer {
     options.remote_timeout_seconds = remote_timeout_seconds;
     options.directory = directory;
     options.spill_directory = spill_directory;
-    options.gpu = gpu;
+    options.gpu = ParseGpu(gpu);
     options.pin_budget_bytes = pin_budget_bytes;
     options.allow_foreign_owner = allow_foreign_owner;
     if (quiet) options.logger = QuietLogger();

@@ -48,6 +48,44 @@ const char* ModelFormatName(ModelFormat format) {
   return "unknown";
 }
 
+const char* ModelReaderName(ModelReader reader) {
+  switch (reader) {
+    case ModelReader::kAuto:
+      return "auto";
+    case ModelReader::kIoUring:
+      return "io_uring";
+    case ModelReader::kPread:
+      return "pread";
+  }
+  return "unknown";
+}
+
+Result<ModelReader> ParseModelReader(std::string_view text) {
+  for (ModelReader r : {ModelReader::kAuto, ModelReader::kIoUring, ModelReader::kPread}) {
+    if (text == ModelReaderName(r)) return r;
+  }
+  return InvalidArgument("reader must be auto, io_uring or pread, not " + QuoteForMessage(text));
+}
+
+const char* PeerTransportName(PeerTransport transport) {
+  switch (transport) {
+    case PeerTransport::kAuto:
+      return "auto";
+    case PeerTransport::kAm:
+      return "am";
+    case PeerTransport::kGet:
+      return "get";
+  }
+  return "unknown";
+}
+
+Result<PeerTransport> ParsePeerTransport(std::string_view text) {
+  for (PeerTransport t : {PeerTransport::kAuto, PeerTransport::kAm, PeerTransport::kGet}) {
+    if (text == PeerTransportName(t)) return t;
+  }
+  return InvalidArgument("peer_transport must be auto, am or get, not " + QuoteForMessage(text));
+}
+
 std::string ArenaReport::StartLine() const {
   // Sizes and times in the unit that shows them (MiB and ms for a small arena, never "0.00
   // GiB in 0.00 s").
@@ -139,8 +177,7 @@ void MeasureBacking(Arena::Impl& impl) {
 }
 
 bool MapWritableForGpu(const ArenaOptions& options) {
-  auto device = ParseGpuDevice(options.gpu);
-  return device.ok() && device->backend != GpuBackend::kNone;
+  return options.gpu.backend != GpuBackend::kNone;
 }
 
 Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::logger& log) {
@@ -178,10 +215,7 @@ namespace {
 // cpuset) is refused now, whether or not this engine turns out to load. `*how`: which replica.
 Result<ArenaOptions> ResolveNumaOptions(const ArenaOptions& options, std::string* how) {
   int gpu_node = -1;
-  if (options.numa == NumaPlacement::kReplicate) {
-    auto device = ParseGpuDevice(options.gpu);
-    if (device.ok()) gpu_node = gpu::NumaNodeOfDevice(*device);
-  }
+  if (options.numa == NumaPlacement::kReplicate) gpu_node = gpu::NumaNodeOfDevice(options.gpu);
   const int cpu_node =
       options.numa == NumaPlacement::kReplicate ? platform::NodeOfCurrentCpus() : -1;
   EA_ASSIGN_OR_RETURN(ArenaOptions resolved,
@@ -200,14 +234,15 @@ void NoteReplica(ArenaReport& r, const ArenaOptions& asked, const std::string& h
 // usage error now (an attaching engine would otherwise never see it), and a GPU the engine
 // requires but this build or machine cannot give fails now rather than after a long load.
 Status CheckOptions(const ArenaOptions& options) {
-  if (options.reader != "auto" && options.reader != "io_uring" && options.reader != "pread") {
-    return InvalidArgument("reader must be auto, io_uring or pread, not " +
-                           QuoteForMessage(options.reader));
+  // Enums an engine may have cast from anything: a value outside the set is refused by name.
+  if (std::string_view(ModelReaderName(options.reader)) == "unknown") {
+    return InvalidArgument("reader " + std::to_string(static_cast<int>(options.reader)) +
+                           " is not a ModelReader");
   }
-  if (options.peer_transport != "auto" && options.peer_transport != "am" &&
-      options.peer_transport != "get") {
-    return InvalidArgument("peer_transport must be auto, am or get, not " +
-                           QuoteForMessage(options.peer_transport));
+  if (std::string_view(PeerTransportName(options.peer_transport)) == "unknown") {
+    return InvalidArgument("peer_transport " +
+                           std::to_string(static_cast<int>(options.peer_transport)) +
+                           " is not a PeerTransport");
   }
   if (!(options.wait_timeout_seconds >= 0)) {
     return InvalidArgument("wait_timeout_seconds must be >= 0, not " +
@@ -217,7 +252,7 @@ Status CheckOptions(const ArenaOptions& options) {
     return InvalidArgument("peer_stall_seconds must be > 0, not " +
                            std::to_string(options.peer_stall_seconds));
   }
-  EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.gpu));
+  EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.gpu.ToString()));
   if (options.gpu_required && device.backend != GpuBackend::kNone) {
     std::string why = gpu::WhyDeviceUnusable(device);
     if (!why.empty()) return Unsupported("GPU registration required but not done: " + why);
@@ -430,7 +465,8 @@ Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
       // mapping. Pages a write copied later are not the pinned ones: a device copy then reads
       // the arena's bytes, not the stray write.
       gpu::RegisterOptions options;
-      options.device = impl.registration->report().device;
+      auto device = ParseGpuDevice(impl.registration->report().device);
+      if (device.ok()) options.device = *device;
       options.read_only = true;
       auto registration = gpu::RegisterHostRange(impl.copy_on_write.bytes(), options);
       if (registration.ok() && (*registration)->report().registered_bytes > 0) {
@@ -439,7 +475,7 @@ Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
         ResolveLogger(nullptr)->warn(
             "expert-arena: {}: the copy-on-write mapping of the views is not registered "
             "with {} ({}): device copies from them are staged",
-            impl.report.path, options.device,
+            impl.report.path, options.device.ToString(),
             registration.ok() ? (*registration)->report().note : registration.status().message());
       }
     }

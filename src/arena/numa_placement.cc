@@ -128,7 +128,7 @@ Result<ArenaOptions> ResolveReplica(const ArenaOptions& options, int gpu_node, i
   int node = -1;
   if (gpu_node >= 0 && in(gpu_node)) {
     node = gpu_node;
-    *how = "replica of node " + std::to_string(node) + ", the node of " + options.gpu;
+    *how = "replica of node " + std::to_string(node) + ", the node of " + options.gpu.ToString();
   } else if (cpu_node >= 0 && in(cpu_node)) {
     node = cpu_node;
     *how = "replica of node " + std::to_string(node) + ", the node of this engine's CPUs";

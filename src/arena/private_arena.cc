@@ -38,7 +38,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenPrivate(source::ModelPlan plan,
   double collapse_seconds = 0;
   load::LoadRequest request;
   request.data = impl->mapping.bytes();
-  request.reader = options.reader;
+  request.reader = ModelReaderName(options.reader);
   request.progress = options.progress;
   request.logger = &log;
   request.logger_is_engines = options.logger != nullptr;

@@ -587,7 +587,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
 
     load::LoadRequest request;
     request.data = {data, impl->table.data_bytes};
-    request.reader = options.reader;
+    request.reader = ModelReaderName(options.reader);
     request.progress = options.progress;
     request.logger = &log;
     request.logger_is_engines = options.logger != nullptr;

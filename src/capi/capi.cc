@@ -76,7 +76,11 @@ int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& o
       return Fail(-EINVAL, who + ": huge_pages " + std::to_string(p.huge_pages) +
                                " is not EA_HUGE_AUTO, EA_HUGE_ON or EA_HUGE_OFF");
   }
-  options.gpu = p.gpu != nullptr && *p.gpu != '\0' ? p.gpu : "none";
+  if (p.gpu != nullptr) {
+    auto gpu = ParseGpuDevice(p.gpu);
+    if (!gpu.ok()) return Fail(-EINVAL, who + ": gpu: " + gpu.status().message());
+    options.gpu = *gpu;
+  }
   options.gpu_required = p.gpu_required != 0;
   options.file_mode = static_cast<mode_t>(p.file_mode != 0 ? p.file_mode : 0600);
   options.allow_foreign_owner = p.allow_foreign_owner != 0;
@@ -84,10 +88,17 @@ int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& o
   options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
   options.peer_token = p.peer_token != nullptr ? p.peer_token : "";
   options.pin_budget_bytes = p.pin_budget_bytes;
-  options.reader = p.reader != nullptr && *p.reader != '\0' ? p.reader : "auto";
+  if (p.reader != nullptr && *p.reader != '\0') {
+    auto reader = ParseModelReader(p.reader);
+    if (!reader.ok()) return Fail(-EINVAL, who + ": " + reader.status().message());
+    options.reader = *reader;
+  }
   options.peer_stall_seconds = p.peer_stall_seconds;
-  options.peer_transport =
-      p.peer_transport != nullptr && *p.peer_transport != '\0' ? p.peer_transport : "auto";
+  if (p.peer_transport != nullptr && *p.peer_transport != '\0') {
+    auto transport = ParsePeerTransport(p.peer_transport);
+    if (!transport.ok()) return Fail(-EINVAL, who + ": " + transport.status().message());
+    options.peer_transport = *transport;
+  }
   if (p.numa != nullptr && *p.numa != '\0') {
     Status numa = ParseNumaPlacement(p.numa, &options.numa, &options.numa_node);
     if (!numa.ok()) return Fail(-EINVAL, who + ": " + numa.message());

@@ -220,7 +220,11 @@ int ea_stream_producer_create(const ea_stream_params* params_in, ea_stream_produ
     }
     o.strict_wait_seconds = p.strict_wait_seconds;
     if (int rc = capi::HugeFor(kWhat, p.huge_pages, &o.huge); rc != 0) return rc;
-    o.gpu = capi::Text(p.gpu, "none");
+    if (auto gpu = ParseGpuDevice(capi::Text(p.gpu, "none")); gpu.ok()) {
+      o.gpu = *gpu;
+    } else {
+      return Fail(-EINVAL, std::string(kWhat) + ": gpu: " + gpu.status().message());
+    }
     o.pin_budget_bytes = p.pin_budget_bytes;
     o.copy_threads = p.copy_threads;
     o.non_temporal_copy_from = p.non_temporal_copy_from;
@@ -550,7 +554,11 @@ int ea_stream_consumer_create(const ea_stream_params* params_in, ea_stream_consu
     ConsumerOptions o;
     o.directory = capi::Text(p.directory, "/dev/shm");
     o.spill_directory = capi::Text(p.spill_directory, "/var/tmp");
-    o.gpu = capi::Text(p.gpu, "none");
+    if (auto gpu = ParseGpuDevice(capi::Text(p.gpu, "none")); gpu.ok()) {
+      o.gpu = *gpu;
+    } else {
+      return Fail(-EINVAL, std::string(kWhat) + ": gpu: " + gpu.status().message());
+    }
     o.pin_budget_bytes = p.pin_budget_bytes;
     o.allow_foreign_owner = p.allow_foreign_owner != 0;
     o.remote_token = capi::Text(p.listen_token, "");

@@ -32,7 +32,7 @@ using Backend = GpuBackend;
 using DeviceSpec = GpuDevice;
 
 struct RegisterOptions {
-  std::string device = "none";    // "none", "cuda[:N]", "hip[:N]"
+  GpuDevice device;                // none: nothing is registered
   uint64_t pin_budget_bytes = 0;  // 0: no bound; accounted across the whole process
   uint64_t chunk_bytes = 1ull << 30;  // rounded up to a multiple of 2 MiB
   int threads = 2;                // threads that register (and unregister) chunks

@@ -191,7 +191,9 @@ uint64_t ProcessRegisteredBytes() { return g_registered_bytes.load(); }
 
 Result<std::unique_ptr<Registration>> RegisterHostRange(std::span<std::byte> range,
                                                         const RegisterOptions& options) {
-  EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.device));
+  // Parsed back from its name: a device an engine built by hand (a negative index, a backend
+  // cast from anything) is refused here as a mistyped name would be.
+  EA_ASSIGN_OR_RETURN(GpuDevice device, ParseGpuDevice(options.device.ToString()));
   if (device.backend == GpuBackend::kNone) {
     RegistrationReport report;
     report.requested_bytes = range.size();

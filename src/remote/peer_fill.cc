@@ -49,12 +49,7 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   peer_options.address = options.from_peer;
   peer_options.token = options.peer_token;
   peer_options.stall_seconds = options.peer_stall_seconds;
-  peer_options.transport = options.peer_transport;
-  if (peer_options.transport != "auto" && peer_options.transport != "am" &&
-      peer_options.transport != "get") {
-    return InvalidArgument("peer_transport \"" + peer_options.transport +
-                           "\": auto, am or get");
-  }
+  peer_options.transport = PeerTransportName(options.peer_transport);
   peer_options.logger = &log;
   EA_ASSIGN_OR_RETURN(std::unique_ptr<PeerSource> peer, ConnectPeer(peer_options));
 

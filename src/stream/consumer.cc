@@ -248,7 +248,7 @@ Result<PeerSegment*> StreamConsumer::Impl::MapLocked(bool spill, const std::stri
     Status s = platform::AdviseRange(seg->file.mapping.data(), seg->file.file_bytes(),
                                      platform::Advice::kPopulateRead, seg->file.path);
     if (!s.ok()) log->debug("{}", s.message());
-    if (!options.gpu.empty() && options.gpu != "none") {
+    if (options.gpu.backend != GpuBackend::kNone) {
       auto reg = gpu::RegisterHostRange(
           seg->file.mapping.bytes(),
           {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
@@ -293,7 +293,7 @@ Status StreamConsumer::Impl::MapPrivateLocked(PeerSegment& seg) {
       log->warn(
           "stream consumer: the copy-on-write view mapping of {} is not registered with {} "
           "({}): device copies from the Python views are staged",
-          seg.file.path, options.gpu,
+          seg.file.path, options.gpu.ToString(),
           private_reg.ok() ? (*private_reg)->report().note : private_reg.status().message());
     }
   }
@@ -529,7 +529,7 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
   }
   for (size_t i = 0; i < n; ++i) {
     RemoteView& view = *views[i];
-    if (options.gpu != "none" && !options.gpu.empty()) {
+    if (options.gpu.backend != GpuBackend::kNone) {
       auto reg = gpu::RegisterHostRange(
           view.memory.bytes(),
           {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
@@ -634,7 +634,7 @@ Result<StreamConsumer> StreamConsumer::Create(const ConsumerOptions& options) {
     }
   });
   impl->fork_generation = stream::ForkGeneration();
-  if (auto device = ParseGpuDevice(options.gpu); !device.ok()) {
+  if (auto device = ParseGpuDevice(options.gpu.ToString()); !device.ok()) {
     return device.status().WithContext("stream consumer gpu");
   }
   impl->options = options;

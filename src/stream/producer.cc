@@ -294,7 +294,7 @@ Result<std::unique_ptr<ProducerSegment>> StreamProducer::Impl::MakeSegment(Segme
   seg->blocks.resize(slots);
   seg->free_slots.reserve(slots);
   for (uint32_t s = slots; s-- > 0;) seg->free_slots.push_back(s);
-  if (kind == SegmentKind::kRegular && options.gpu != "none" && !options.gpu.empty()) {
+  if (kind == SegmentKind::kRegular && options.gpu.backend != GpuBackend::kNone) {
     auto reg = gpu::RegisterHostRange(
         seg->file.mapping.bytes(),
         {.device = options.gpu, .pin_budget_bytes = options.pin_budget_bytes, .logger = log});
@@ -749,7 +749,7 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
   }
   if (o.max_segments == 0) return InvalidArgument("stream max_segments must be at least 1");
   // A typo in the device is refused here, as Arena::Open does, not found at the first segment.
-  if (auto device = ParseGpuDevice(o.gpu); !device.ok()) {
+  if (auto device = ParseGpuDevice(o.gpu.ToString()); !device.ok()) {
     return device.status().WithContext("stream producer gpu");
   }
   // Auto: a quarter of the cores, at most 4 (measured: on a busy 2-core machine a second

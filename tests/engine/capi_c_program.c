@@ -254,6 +254,10 @@ int main(int argc, char** argv) {
   CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
   CHECK(strstr(ea_last_error(), "peer_transport must be auto, am or get") != NULL);
   p.peer_transport = NULL;
+  p.gpu = "cuda:first";
+  CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
+  CHECK(strstr(ea_last_error(), "gpu: GPU device \"cuda:first\"") != NULL);
+  p.gpu = NULL;
   p.alignment = 3000;
   CHECK(ea_arena_open(&p, &arena) == -EINVAL && arena == NULL);
   CHECK(strstr(ea_last_error(), "power of two") != NULL);

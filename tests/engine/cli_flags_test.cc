@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "expert_arena/cli.h"
+#include "test_util.h"
 
 namespace expert_arena::cli {
 namespace {
@@ -33,7 +34,7 @@ TEST(SharedArenaFlagsTest, WithoutTheFlagTheArenaIsPrivate) {
   EXPECT_FALSE(flags.shared());
   EXPECT_EQ(options.shared_path, "");
   EXPECT_EQ(options.huge, HugePages::kAuto);
-  EXPECT_EQ(options.gpu, "none");
+  EXPECT_EQ(options.gpu, GpuDevice{});
   EXPECT_EQ(options.file_mode, 0600u);
 }
 
@@ -51,7 +52,7 @@ TEST(SharedArenaFlagsTest, EveryOptionReachesArenaOptions) {
   EXPECT_EQ(options.huge, HugePages::kOff);
   EXPECT_EQ(options.file_mode, 0660u);
   EXPECT_TRUE(options.allow_foreign_owner);
-  EXPECT_EQ(options.gpu, "cuda:1");
+  EXPECT_EQ(options.gpu, (GpuDevice{GpuBackend::kCuda, 1}));
   EXPECT_TRUE(options.gpu_required);
 }
 
@@ -70,6 +71,35 @@ TEST(SharedArenaFlagsTest, BadValuesAreUsageErrors) {
   }
   SharedArenaFlags flags;
   EXPECT_EQ(Parse({"--gpu", "hip"}, flags), "");
+}
+
+// The closed sets of ArenaOptions are enums; their words parse back to them, and a word that
+// is not one is refused naming the accepted ones (the C, CLI and Python front ends use these).
+TEST(OptionWordsTest, EnumsParseFromTheirNamesAndRefuseOthers) {
+  for (ModelReader r : {ModelReader::kAuto, ModelReader::kIoUring, ModelReader::kPread}) {
+    ASSERT_OK_AND_ASSIGN(ModelReader back, ParseModelReader(ModelReaderName(r)));
+    EXPECT_EQ(back, r);
+  }
+  for (PeerTransport t : {PeerTransport::kAuto, PeerTransport::kAm, PeerTransport::kGet}) {
+    ASSERT_OK_AND_ASSIGN(PeerTransport back, ParsePeerTransport(PeerTransportName(t)));
+    EXPECT_EQ(back, t);
+  }
+  auto reader = ParseModelReader("mmap");
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reader.status().message(), "reader must be auto, io_uring or pread, not \"mmap\"");
+  auto transport = ParsePeerTransport("");
+  ASSERT_FALSE(transport.ok());
+  EXPECT_NE(transport.status().message().find("peer_transport must be auto, am or get"),
+            std::string::npos);
+  // An enum cast from anything is refused by Arena::Open before any role, by name.
+  ArenaOptions options;
+  options.progress = false;
+  options.reader = static_cast<ModelReader>(7);
+  auto opened = Arena::Open({.files = {"/nonexistent/model.gguf"}}, options);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find("reader 7 is not a ModelReader"), std::string::npos)
+      << opened.status().message();
 }
 
 TEST(SharedArenaFlagsTest, HelpShowsTheGroup) {

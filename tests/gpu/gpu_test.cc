@@ -71,7 +71,7 @@ TEST(GpuDeviceTest, RefusesBadNames) {
     EXPECT_NE(d.status().message().find(text), std::string::npos) << d.status().message();
   }
   gpu::RegisterOptions options;
-  options.device = "cuda:zero";
+  options.device = GpuDevice{GpuBackend::kCuda, -1};  // built by hand, naming no device
   std::vector<std::byte> bytes(4096);
   auto r = gpu::RegisterHostRange(bytes, options);
   ASSERT_FALSE(r.ok());
@@ -84,7 +84,7 @@ TEST(GpuNoneTest, RegistersNothing) {
   ASSERT_OK_AND_ASSIGN(platform::Mapping m, platform::Mapping::MapAnonymous(4 * kMiB, kHugePageBytes));
   for (const char* name : {"none", ""}) {
     gpu::RegisterOptions options;
-    options.device = name;
+    ASSERT_OK_AND_ASSIGN(options.device, ParseGpuDevice(name));
     ASSERT_OK_AND_ASSIGN(auto registration, gpu::RegisterHostRange(m.bytes(), options));
     EXPECT_EQ(registration->report().backend, "none");
     EXPECT_EQ(registration->report().registered_bytes, 0u);
@@ -117,7 +117,7 @@ TEST(GpuNoDeviceTest, SkipsWithOneLineSayingWhy) {
     ASSERT_OK_AND_ASSIGN(platform::Mapping m,
                          platform::Mapping::MapAnonymous(4 * kMiB, kHugePageBytes));
     gpu::RegisterOptions options;
-    options.device = name;
+    options.device = GpuDevice{backend, 0};
     if (!GpuBackendBuilt(backend)) {
       ++checked;
       auto r = gpu::RegisterHostRange(m.bytes(), options);
@@ -160,7 +160,7 @@ TEST(GpuNoDeviceTest, ArenaReportsSkipAndRequiredFails) {
   const std::string name = GpuBackendName(backend);
   testing::ScopedDataFile model(3 * kMiB + 123, 7);
   ArenaOptions options;
-  options.gpu = name + ":0";
+  options.gpu = GpuDevice{backend, 0};
   options.progress = false;
   ASSERT_OK_AND_ASSIGN(
       Arena arena, Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options));
@@ -187,7 +187,7 @@ TEST(GpuNoDeviceTest, BadNameOrMissingRequiredGpuFailsBeforeLoading) {
   ArenaOptions options;
   options.shared_path = path.path();
   options.progress = false;
-  options.gpu = "cuda:first";
+  options.gpu = GpuDevice{GpuBackend::kCuda, -1};  // built by hand, naming no device
   auto bad = Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
@@ -199,7 +199,7 @@ TEST(GpuNoDeviceTest, BadNameOrMissingRequiredGpuFailsBeforeLoading) {
     if (!gpu::WhyDeviceUnusable(GpuDevice{b, 0}).empty()) missing = b;
   }
   if (missing == GpuBackend::kNone) GTEST_SKIP() << "every backend is built and has a device";
-  options.gpu = GpuBackendName(missing);
+  options.gpu = GpuDevice{missing, 0};
   options.gpu_required = true;
   auto required = Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options);
   ASSERT_FALSE(required.ok());
@@ -217,7 +217,7 @@ TEST(GpuNoDeviceTest, BackendNotBuiltIsAnErrorOnlyWhenRequired) {
   if (missing == GpuBackend::kNone) GTEST_SKIP() << "both CUDA and HIP backends are built";
   testing::ScopedDataFile model(kMiB, 8);
   ArenaOptions options;
-  options.gpu = GpuBackendName(missing);
+  options.gpu = GpuDevice{missing, 0};
   options.progress = false;
   ASSERT_OK_AND_ASSIGN(
       Arena arena, Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options));
@@ -242,7 +242,7 @@ TEST(GpuArenaMappingTest, WritableOnlyWhenAGpuIsAsked) {
   EXPECT_EQ(MappingPermissions(loaded.data().data()).substr(0, 3), "r--");
 
   ArenaOptions with_gpu = plain;
-  with_gpu.gpu = "cuda:0";  // registered or skipped, the mapping is writable either way
+  with_gpu.gpu = GpuDevice{GpuBackend::kCuda, 0};  // registered or skipped, the mapping is writable either way
   ASSERT_OK_AND_ASSIGN(
       Arena attached,
       Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, with_gpu));
@@ -251,7 +251,7 @@ TEST(GpuArenaMappingTest, WritableOnlyWhenAGpuIsAsked) {
   EXPECT_EQ(MappingPermissions(loaded.data().data()).substr(0, 3), "r--");
 
   ArenaOptions private_gpu;
-  private_gpu.gpu = "hip";
+  private_gpu.gpu = GpuDevice{GpuBackend::kHip, 0};
   private_gpu.progress = false;
   ASSERT_OK_AND_ASSIGN(
       Arena priv, Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, private_gpu));
@@ -332,7 +332,7 @@ TEST(GpuDeviceRegistrationTest, ChunksRegisterAndUnregister) {
                          platform::Mapping::MapFile(fd, 64 * kMiB, true, kHugePageBytes));
     ASSERT_OK(platform::AdviseRange(m.data(), m.size(), platform::Advice::kPopulateWrite, "test"));
     gpu::RegisterOptions options;
-    options.device = device.ToString();
+    options.device = device;
     options.chunk_bytes = 7 * kMiB;  // rounded up to 8 MiB: 8 chunks
     options.threads = 2;
     {
@@ -373,7 +373,7 @@ TEST(GpuDeviceRegistrationTest, ArenaCopyEqualsHostBytes) {
     testing::ScopedPath path("gpu-arena");
     ArenaOptions options;
     options.shared_path = path.path();
-    options.gpu = device.ToString();
+    options.gpu = device;
     options.gpu_required = true;
     options.progress = false;
     {

@@ -39,7 +39,7 @@ TEST(HostDeviceTest, SharedArenaRegistersItsMappingAndCopiesFromIt) {
   ScopedPath path("arena");
   ArenaOptions options;
   options.shared_path = path.path();
-  options.gpu = "cuda:0";
+  options.gpu = GpuDevice{GpuBackend::kCuda, 0};
   options.progress = false;
   ModelSpec spec;
   spec.files = {model.path()};
@@ -74,7 +74,7 @@ TEST(HostDeviceTest, ArenaRegistersUpToThePinBudgetAndSaysSo) {
   ScopedPath path("arena");
   ArenaOptions options;
   options.shared_path = path.path();
-  options.gpu = "cuda:0";
+  options.gpu = GpuDevice{GpuBackend::kCuda, 0};
   options.progress = false;
   options.pin_budget_bytes = 2 * kMiB;
   options.gpu_required = true;  // a budget cut is not a failed registration
@@ -99,7 +99,7 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
   ScopedHostDevice device;
   StreamDirs dirs;
   StreamOptions o = dirs.Producer();
-  o.gpu = "cuda:0";
+  o.gpu = GpuDevice{GpuBackend::kCuda, 0};
   o.grow_ahead = false;
   {
     ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
@@ -119,7 +119,7 @@ TEST(HostDeviceTest, StreamPinsRegularSegmentsNotDedicatedOnes) {
     EXPECT_EQ(device.runtime().registered_bytes(), pinned_one);
 
     ConsumerOptions co = dirs.Consumer();
-    co.gpu = "cuda:0";
+    co.gpu = GpuDevice{GpuBackend::kCuda, 0};
     ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(co));
     {
       ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d_small));
@@ -149,10 +149,10 @@ TEST(HostDeviceTest, ReleaseAfterHoldsTheBlockUntilTheCopyIsDone) {
   ScopedHostDevice device;
   StreamDirs dirs;
   StreamOptions o = dirs.Producer();
-  o.gpu = "cuda:0";
+  o.gpu = GpuDevice{GpuBackend::kCuda, 0};
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   ConsumerOptions co = dirs.Consumer();
-  co.gpu = "cuda:0";
+  co.gpu = GpuDevice{GpuBackend::kCuda, 0};
   ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(co));
   std::vector<std::byte> bytes(256 * kKiB, std::byte{3});
   ASSERT_OK_AND_ASSIGN(std::string d, producer.Put("k", bytes, {"u8", {bytes.size()}}));

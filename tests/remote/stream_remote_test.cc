@@ -182,7 +182,7 @@ TEST_F(StreamLoopbackTest, RemoteViewRegisteredWithTheGpuOrAWarningWhenRefused) 
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
   std::ostringstream logged;
   ConsumerOptions co = Consumer();
-  co.gpu = "cuda:0";
+  co.gpu = GpuDevice{GpuBackend::kCuda, 0};
   co.logger = std::make_shared<spdlog::logger>(
       "remote-registration-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
   auto consumer = StreamConsumer::Create(co);

@@ -166,17 +166,18 @@ TEST(StreamProducer, RefusesBadOptions) {
   o = dirs.Producer();
   o.segment_bytes = 3 << 20;
   EXPECT_EQ(StreamProducer::Create(o).status().code(), StatusCode::kInvalidArgument);
-  // A device that cannot be parsed is refused at create time, as Arena::Open refuses it.
+  // A device that names nothing (built by hand) is refused at create time, as Arena::Open
+  // refuses it, not found at the first segment.
   o = dirs.Producer();
-  o.gpu = "cuda:zero";
+  o.gpu = GpuDevice{GpuBackend::kCuda, -3};
   auto typo = StreamProducer::Create(o);
   EXPECT_EQ(typo.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(typo.status().message().find("cuda:zero"), std::string::npos) << typo.status().ToString();
+  EXPECT_NE(typo.status().message().find("cuda:-3"), std::string::npos) << typo.status().ToString();
   ConsumerOptions c = dirs.Consumer();
-  c.gpu = "gpu0";
+  c.gpu = GpuDevice{static_cast<GpuBackend>(9), 0};
   auto consumer = StreamConsumer::Create(c);
   EXPECT_EQ(consumer.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(consumer.status().message().find("gpu0"), std::string::npos)
+  EXPECT_NE(consumer.status().message().find("unknown"), std::string::npos)
       << consumer.status().ToString();
 }
 
@@ -775,10 +776,10 @@ TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {
   }
   StreamDirs dirs;
   StreamOptions o = dirs.Producer();
-  o.gpu = "cuda";
+  o.gpu = cuda;
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
   ConsumerOptions c = dirs.Consumer();
-  c.gpu = "cuda";
+  c.gpu = cuda;
   ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(c));
   std::vector<std::byte> data(4096);
   ASSERT_OK_AND_ASSIGN(auto d, producer.Put("k", data, {}));

@@ -117,7 +117,7 @@ TEST(NumaReplicaTest, TheGpusNodeFirstThenTheCpus) {
   ArenaOptions o;
   o.shared_path = "/dev/shm/m.arena";
   o.numa = NumaPlacement::kReplicate;
-  o.gpu = "cuda:5";
+  o.gpu = GpuDevice{GpuBackend::kCuda, 5};
   std::string how;
   auto by_gpu = arena::ResolveReplica(o, /*gpu_node=*/1, /*cpu_node=*/0, {0, 1}, &how);
   ASSERT_OK(by_gpu.status());

@@ -98,10 +98,20 @@ int RunLoad(const LoadArgs& args) {
   }
   options.pages_alongside_load = !args.pages_first;
   options.wait_timeout_seconds = args.wait_timeout;
-  options.gpu = args.gpu;
+  // Validated by the parser (--gpu, --reader, --peer-transport); parsed here into their types.
+  auto gpu = ParseGpuDevice(args.gpu);
+  auto reader = ParseModelReader(args.reader);
+  auto transport = ParsePeerTransport(args.peer_transport);
+  for (const Status& s : {gpu.status(), reader.status(), transport.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "expert-arena load: %s\n", s.message().c_str());
+      return 2;
+    }
+  }
+  options.gpu = *gpu;
   options.gpu_required = args.gpu_required;
   options.pin_budget_bytes = args.pin_budget;
-  options.reader = args.reader;
+  options.reader = *reader;
   options.file_mode = static_cast<mode_t>(std::strtoul(args.mode.c_str(), nullptr, 8));
   options.allow_foreign_owner = args.allow_foreign_owner;
   options.progress = !args.json && isatty(STDERR_FILENO);
@@ -112,7 +122,7 @@ int RunLoad(const LoadArgs& args) {
     if (token != nullptr) options.peer_token = token;
   }
   options.peer_stall_seconds = args.peer_stall;
-  options.peer_transport = args.peer_transport;
+  options.peer_transport = *transport;
   auto result = Arena::Open(model, options);
   if (!result.ok()) {
     std::fprintf(stderr, "expert-arena load: %s\n", result.status().message().c_str());
