@@ -107,6 +107,7 @@ if [[ $(id -u) -eq 0 ]]; then
   fi
   "${unprivileged[@]}" build/bin/arena_protocol_test --gtest_brief=1
   "${unprivileged[@]}" build/bin/stream_process_test --gtest_brief=1
+  "${unprivileged[@]}" build/bin/stream_sweep_test --gtest_brief=1
   "${unprivileged[@]}" PYTHONPATH=build/python .venv/bin/python -m pytest -q -p no:cacheprovider \
     tests/python --ignore=tests/python/test_install.py
   restore_modes
@@ -170,7 +171,7 @@ step "ThreadSanitizer build: the threaded and multi-process parts"
 # (children are the same instrumented binary), plus the CLI that their tests drive. Run
 # directly: the rest of the tsan tree is not built, so ctest would list the other tests as
 # missing.
-tsan_tests=(stream_unit_test stream_process_test loader_test arena_protocol_test host_device_test
+tsan_tests=(stream_unit_test stream_process_test stream_sweep_test loader_test arena_protocol_test host_device_test
             page_backing_test arena_backing_test)
 cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j"$jobs" --target "${tsan_tests[@]}" expert-arena

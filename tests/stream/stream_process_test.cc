@@ -1,7 +1,7 @@
 // Cross-process behaviour of tensor streaming, with real child processes (SpawnRole):
-// round trips, many-to-many, two instances of one logical name, sweeping a killed producer
-// (never a live one), exact-key abort, spill at the cap and back, strict mode, release gated
-// on a completion, dead readers, and a consumer dropping an unlinked segment.
+// round trips, many-to-many, two instances of one logical name, exact-key abort, spill at the cap and back, strict mode, release gated
+// on a completion, dead readers, and a consumer dropping an unlinked segment. The sweep is in
+// stream_sweep_test.cc.
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -125,26 +125,6 @@ EA_CHILD_ROLE(stream_produce) {
   return stats.live_blocks == 0 && stats.free_bytes == stats.total_bytes ? 0 : 7;
 }
 
-// args: shm spill logical ready-file — creates a producer, puts one tensor, then sleeps until
-// killed (SIGKILL in the test).
-EA_CHILD_ROLE(stream_produce_and_hang) {
-  StreamOptions o;
-  o.directory = args[0];
-  o.spill_directory = args[1];
-  o.logical_name = args[2];
-  o.segment_bytes = 4ull << 20;
-  o.huge = HugePages::kOff;
-  auto producer = StreamProducer::Create(o);
-  if (!producer.ok()) return 3;
-  std::vector<std::byte> data(5000);
-  auto d = producer->Put("x", data, {});
-  if (!d.ok()) return 4;
-  WriteMessages(args[3] + ".desc", {*d});
-  TouchFile(args[3]);
-  std::this_thread::sleep_for(std::chrono::seconds(120));
-  return 0;
-}
-
 int CountLines(const std::string& text, const std::string& prefix) {
   int n = 0;
   size_t pos = 0;
@@ -221,47 +201,6 @@ TEST(StreamProcess, ManyToManyWithOneLogicalName) {
   for (auto& p : producers) {
     EXPECT_EQ(p.Wait(60), 0) << p.Output();
   }
-  std::filesystem::remove_all(dirs.spill());
-  std::filesystem::create_directory(dirs.spill());
-  EXPECT_TRUE(dirs.remaining().empty());
-}
-
-TEST(StreamProcess, SweepRemovesAKilledProducersSegmentsNeverALiveOnes) {
-  StreamDirs dirs;
-  const std::string base = dirs.spill() + "/";
-  Child doomed =
-      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "doomed", base + "doomed"});
-  Child alive =
-      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "alive", base + "alive"});
-  ASSERT_TRUE(WaitForFile(base + "doomed", 60));
-  ASSERT_TRUE(WaitForFile(base + "alive", 60));
-  ASSERT_OK_AND_ASSIGN(auto doomed_d,
-                       TensorDescriptor::Decode(ReadMessages(base + "doomed.desc").at(0)));
-  ASSERT_OK_AND_ASSIGN(auto alive_d,
-                       TensorDescriptor::Decode(ReadMessages(base + "alive.desc").at(0)));
-  doomed.Kill(SIGKILL);
-  EXPECT_EQ(doomed.Wait(10), 128 + SIGKILL);
-  EXPECT_TRUE(std::filesystem::exists(dirs.shm() + "/" + doomed_d.segment));
-  {
-    // The next start sweeps.
-    ASSERT_OK_AND_ASSIGN(auto next, StreamProducer::Create(dirs.Producer("next")));
-    std::vector<std::byte> data(100);
-    ASSERT_OK(next.Put("n", data, {}).status());  // its first segment
-    EXPECT_FALSE(std::filesystem::exists(dirs.shm() + "/" + doomed_d.segment));
-    EXPECT_TRUE(std::filesystem::exists(dirs.shm() + "/" + alive_d.segment));
-    // An explicit sweep (what `expert-arena sweep` runs) keeps both live producers' files.
-    ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
-    EXPECT_TRUE(report.removed.empty());
-    EXPECT_EQ(report.live.size(), 2u);
-    // The live producer's tensor is intact and readable.
-    ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(dirs.Consumer()));
-    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(ReadMessages(base + "alive.desc").at(0)));
-    EXPECT_EQ(t.bytes().size(), 5000u);
-  }
-  alive.Kill(SIGKILL);
-  alive.Wait(10);
-  ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
-  EXPECT_EQ(report.removed.size(), 1u);
   std::filesystem::remove_all(dirs.spill());
   std::filesystem::create_directory(dirs.spill());
   EXPECT_TRUE(dirs.remaining().empty());
@@ -442,39 +381,6 @@ TEST(StreamProcess, ConsumerDropsAnUnlinkedSegmentAfterItsViews) {
   ConsumerStats s = consumer.Stats();
   EXPECT_EQ(s.mapped_segments, 0u);
   EXPECT_EQ(s.dropped_segments, 1u);
-}
-
-// The CLI: `info` on a segment names its owner and liveness; `sweep DIR` removes a dead
-// owner's segments only.
-TEST(StreamProcess, CliInfoAndSweep) {
-  StreamDirs dirs;
-  const std::string base = dirs.spill() + "/";
-  const std::string tool = testing::BinDir() + "/expert-arena";
-  if (!std::filesystem::exists(tool)) GTEST_SKIP() << "expert-arena not built";
-  Child owner =
-      SpawnRole("stream_produce_and_hang", {dirs.shm(), dirs.spill(), "cli", base + "ready"});
-  ASSERT_TRUE(WaitForFile(base + "ready", 60));
-  ASSERT_OK_AND_ASSIGN(auto d, TensorDescriptor::Decode(ReadMessages(base + "ready.desc").at(0)));
-  std::string seg = dirs.shm() + "/" + d.segment;
-  Child info = testing::SpawnProgram(tool, {"info", seg});
-  ASSERT_EQ(info.Wait(30), 0);
-  EXPECT_NE(info.Output().find("pid " + std::to_string(owner.pid())), std::string::npos)
-      << info.Output();
-  EXPECT_NE(info.Output().find("alive"), std::string::npos) << info.Output();
-  EXPECT_NE(info.Output().find("1 live"), std::string::npos) << info.Output();
-  Child sweep_live = testing::SpawnProgram(tool, {"sweep", dirs.shm()});
-  ASSERT_EQ(sweep_live.Wait(30), 0);
-  EXPECT_TRUE(std::filesystem::exists(seg));
-  owner.Kill(SIGKILL);
-  owner.Wait(10);
-  Child info_dead = testing::SpawnProgram(tool, {"info", seg, "--json"});
-  ASSERT_EQ(info_dead.Wait(30), 0);
-  EXPECT_NE(info_dead.Output().find("\"owner_alive\": false"), std::string::npos)
-      << info_dead.Output();
-  Child sweep = testing::SpawnProgram(tool, {"sweep", dirs.shm()});
-  ASSERT_EQ(sweep.Wait(30), 0);
-  EXPECT_NE(sweep.Output().find("removed 1"), std::string::npos) << sweep.Output();
-  EXPECT_FALSE(std::filesystem::exists(seg));
 }
 
 // `expert-arena ls DIR`: every arena and stream segment of a shared directory with what holds

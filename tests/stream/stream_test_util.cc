@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include "expert_arena/stream.h"
 #include "platform/file.h"
 #include "stream/segment_format.h"
 #include "test_util.h"
@@ -143,6 +144,26 @@ void WriteLogicalName(const std::string& path, const std::string& name) {
   ASSERT_OK(fd.status());
   ASSERT_OK(platform::WriteFull(*fd, offsetof(stream::SegmentHeader, logical_name),
                                 std::as_bytes(std::span(field))));
+}
+
+// args: shm spill logical ready-file — creates a producer, puts one tensor, then sleeps until
+// killed (SIGKILL in the test).
+EA_CHILD_ROLE(stream_produce_and_hang) {
+  StreamOptions o;
+  o.directory = args[0];
+  o.spill_directory = args[1];
+  o.logical_name = args[2];
+  o.segment_bytes = 4ull << 20;
+  o.huge = HugePages::kOff;
+  auto producer = StreamProducer::Create(o);
+  if (!producer.ok()) return 3;
+  std::vector<std::byte> data(5000);
+  auto d = producer->Put("x", data, {});
+  if (!d.ok()) return 4;
+  WriteMessages(args[3] + ".desc", {*d});
+  TouchFile(args[3]);
+  std::this_thread::sleep_for(std::chrono::seconds(120));
+  return 0;
 }
 
 }  // namespace expert_arena::testing

@@ -1,6 +1,6 @@
 // In-process tests of the stream pieces: allocator, descriptor wire form, validation of
 // hostile descriptors, sizing, fragmentation warning. Cross-process behaviour is in
-// stream_process_test.cc.
+// stream_process_test.cc, the sweep in stream_sweep_test.cc.
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -20,7 +20,6 @@
 #include "expert_arena/stream.h"
 #include "gpu/runtime.h"
 #include "platform/file.h"
-#include "platform/memory_copy.h"
 #include "platform/system_info.h"
 #include "stream/block_allocator.h"
 #include "stream_test_util.h"
@@ -549,28 +548,6 @@ TEST(StreamProducer, SegmentsOnTwoMiBPagesCarryTheBytesToOtherMappings) {
   }
 }
 
-TEST(CopyNonTemporal, CopiesEveryAlignmentAndSize) {
-  std::vector<std::byte> from(1 << 20), to(1 << 20);
-  testing::FillPattern(from, "nt");
-  std::mt19937 rng(5);
-  for (int i = 0; i < 300; ++i) {
-    size_t src = rng() % 200, dst = rng() % 200;
-    size_t n = i < 100 ? static_cast<size_t>(i) : rng() % ((1 << 20) - 400);
-    std::memset(to.data(), 0x5a, to.size());
-    platform::CopyNonTemporal(to.data() + dst, from.data() + src, n);
-    ASSERT_EQ(std::memcmp(to.data() + dst, from.data() + src, n), 0) << n;
-    for (size_t k = 0; k < dst; ++k) ASSERT_EQ(to[k], std::byte{0x5a});
-    ASSERT_EQ(to[dst + n], std::byte{0x5a}) << n;
-  }
-}
-
-TEST(LastLevelCacheBytes, IsACacheSizeOrUnknown) {
-  uint64_t bytes = platform::LastLevelCacheBytes();
-  if (bytes == 0) GTEST_SKIP() << "sysfs gives no cache sizes here";
-  EXPECT_GE(bytes, 64u << 10);
-  EXPECT_LE(bytes, 4ull << 30);
-}
-
 TEST(StreamProducer, AbortRefusesAPublishInFlightAndLeavesOtherKeys) {
   StreamDirs dirs;
   ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
@@ -658,57 +635,6 @@ TEST(StreamProducer, AbortIsSafeWhileOtherKeysAreWritten) {
   StreamStats s = producer.Stats().value();
   EXPECT_EQ(s.live_blocks, 0u);
   EXPECT_EQ(s.free_bytes, s.total_bytes);
-}
-
-// The sweep leaves another user's files alone (with a note), removes a leftover of ours that no
-// owner holds (a crashed create), and ignores files that are not stream segments.
-TEST(StreamSweep, LeavesAnotherUsersFilesAloneWithANote) {
-  StreamDirs dirs;
-  std::string leftover = dirs.shm() + "/ea-stream-crashed-1-2-abcd-0";
-  std::string unrelated = dirs.shm() + "/not-a-stream-file";
-  testing::TouchFile(leftover);
-  testing::TouchFile(unrelated);
-  std::string foreign = dirs.shm() + "/ea-stream-other-1-2-abcd-0";
-  bool root = geteuid() == 0;
-  if (root) {
-    testing::TouchFile(foreign);
-    ASSERT_EQ(chown(foreign.c_str(), 65534, 65534), 0);
-  }
-  ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
-  ASSERT_EQ(report.removed.size(), 1u);
-  EXPECT_EQ(report.removed[0], leftover);
-  EXPECT_TRUE(std::filesystem::exists(unrelated));
-  if (!root) GTEST_SKIP() << "needs root to make a file of another user";
-  EXPECT_TRUE(std::filesystem::exists(foreign));
-  bool noted = false;
-  for (const auto& n : report.notes) noted |= n.find("uid 65534") != std::string::npos;
-  EXPECT_TRUE(noted);
-}
-
-// Liveness is the owner's lock, not its pid: a copy of a live producer's segment names a live
-// pid (ours) in its header, yet nobody holds its lock, so the sweep removes it (what a reused
-// pid looks like); the original, whose lock is held, stays.
-TEST(StreamSweep, AliveByLockNotByPid) {
-  StreamDirs dirs;
-  ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(dirs.Producer()));
-  // Creating commits nothing: the first segment comes with the first put.
-  EXPECT_TRUE(producer.SegmentPaths().empty());
-  EXPECT_EQ(producer.Stats()->segments, 0u);
-  std::vector<std::byte> data(4096);
-  ASSERT_OK(producer.Put("k", data, {}).status());
-  ASSERT_EQ(producer.SegmentPaths().size(), 1u);
-  std::string original = producer.SegmentPaths().at(0);
-  std::string copy = dirs.shm() + "/ea-stream-copy-1-2-abcd-0";
-  std::filesystem::copy_file(original, copy);
-  ASSERT_OK_AND_ASSIGN(auto info, InspectSegment(copy));
-  EXPECT_EQ(info.owner_pid, static_cast<uint32_t>(getpid()));
-  EXPECT_FALSE(info.owner_alive);
-  ASSERT_OK_AND_ASSIGN(auto live, InspectSegment(original));
-  EXPECT_TRUE(live.owner_alive);
-  ASSERT_OK_AND_ASSIGN(auto report, SweepStreamDirectory(dirs.shm()));
-  ASSERT_EQ(report.removed.size(), 1u);
-  EXPECT_EQ(report.removed[0], copy);
-  EXPECT_TRUE(std::filesystem::exists(original));
 }
 
 // A consumer refuses a segment of another user unless allow_foreign_owner opts in.
@@ -1010,22 +936,6 @@ TEST(StreamProducer, PutManyThatFailsPartWayPublishesNothing) {
 }
 
 // ---- peers' strings in messages --------------------------------------------------------------
-
-TEST(EscapeForMessage, WritesEveryByteAPeerChoseAsPrintableAscii) {
-  EXPECT_EQ(EscapeForMessage("abc_1_2 req/17:0"), "abc_1_2 req/17:0");
-  EXPECT_EQ(EscapeForMessage("a\x1b[31m"), "a\\x1b[31m");
-  EXPECT_EQ(EscapeForMessage(std::string("n\0l", 3)), "n\\x00l");
-  EXPECT_EQ(EscapeForMessage("line\nforged\r"), "line\\x0aforged\\x0d");
-  EXPECT_EQ(EscapeForMessage("del\x7f"), "del\\x7f");
-  // UTF-8 and the 8-bit CSI (0x9b) alike: bytes of 0x80 and up are written as \xNN.
-  EXPECT_EQ(EscapeForMessage("caf\xc3\xa9\x9b"), "caf\\xc3\\xa9\\x9b");
-  // Quotes and backslashes are escaped, so the quoted form is unambiguous.
-  EXPECT_EQ(EscapeForMessage("say \"hi\\\""), "say \\\"hi\\\\\\\"");
-  EXPECT_EQ(QuoteForMessage("k"), "\"k\"");
-  EXPECT_EQ(QuoteForMessage(std::string(200, 'k'), 4), "\"kkkk\"...");
-  EXPECT_EQ(ControlByteProblem("fine \xc3\xa9"), "");
-  EXPECT_EQ(ControlByteProblem("tab\there"), "the control byte 0x09 at byte 3 of 8");
-}
 
 // A key is what consumers' messages print. The producer refuses, before it reserves anything,
 // a key that is empty, holds a control byte or is longer than a descriptor carries (which no

@@ -1,17 +1,23 @@
-// The platform layer: OFD lock semantics, aligned mappings, the proc readers.
+// The platform layer: OFD lock semantics, aligned mappings, the proc readers, the
+// non-temporal copy and the cache size; and the escaping of peer-chosen bytes in messages.
 #include <sys/mman.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <sstream>
 #include <string>
+#include <vector>
 
+#include "common/escape.h"
 #include "common/units.h"
 #include "platform/file.h"
 #include "platform/file_locks.h"
 #include "platform/mapping.h"
+#include "platform/memory_copy.h"
 #include "platform/ofd_lock.h"
 #include "platform/page_scan.h"
 #include "platform/system_info.h"
@@ -279,6 +285,46 @@ TEST(FileTest, AllocateBeyondTheFilesystemNamesTheSizes) {
   EXPECT_EQ(s.code(), StatusCode::kNoSpace);
   EXPECT_NE(s.message().find("64.0 MiB"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("available"), std::string::npos) << s.message();
+}
+
+// ---- copies and caches --------------------------------------------------------------------
+
+TEST(CopyNonTemporal, CopiesEveryAlignmentAndSize) {
+  std::vector<std::byte> from(1 << 20), to(1 << 20);
+  std::mt19937 rng(5);
+  for (std::byte& b : from) b = static_cast<std::byte>(rng());
+  for (int i = 0; i < 300; ++i) {
+    size_t src = rng() % 200, dst = rng() % 200;
+    size_t n = i < 100 ? static_cast<size_t>(i) : rng() % ((1 << 20) - 400);
+    std::memset(to.data(), 0x5a, to.size());
+    platform::CopyNonTemporal(to.data() + dst, from.data() + src, n);
+    ASSERT_EQ(std::memcmp(to.data() + dst, from.data() + src, n), 0) << n;
+    for (size_t k = 0; k < dst; ++k) ASSERT_EQ(to[k], std::byte{0x5a});
+    ASSERT_EQ(to[dst + n], std::byte{0x5a}) << n;
+  }
+}
+
+TEST(LastLevelCacheBytes, IsACacheSizeOrUnknown) {
+  uint64_t bytes = platform::LastLevelCacheBytes();
+  if (bytes == 0) GTEST_SKIP() << "sysfs gives no cache sizes here";
+  EXPECT_GE(bytes, 64u << 10);
+  EXPECT_LE(bytes, 4ull << 30);
+}
+
+TEST(EscapeForMessage, WritesEveryByteAPeerChoseAsPrintableAscii) {
+  EXPECT_EQ(EscapeForMessage("abc_1_2 req/17:0"), "abc_1_2 req/17:0");
+  EXPECT_EQ(EscapeForMessage("a\x1b[31m"), "a\\x1b[31m");
+  EXPECT_EQ(EscapeForMessage(std::string("n\0l", 3)), "n\\x00l");
+  EXPECT_EQ(EscapeForMessage("line\nforged\r"), "line\\x0aforged\\x0d");
+  EXPECT_EQ(EscapeForMessage("del\x7f"), "del\\x7f");
+  // UTF-8 and the 8-bit CSI (0x9b) alike: bytes of 0x80 and up are written as \xNN.
+  EXPECT_EQ(EscapeForMessage("caf\xc3\xa9\x9b"), "caf\\xc3\\xa9\\x9b");
+  // Quotes and backslashes are escaped, so the quoted form is unambiguous.
+  EXPECT_EQ(EscapeForMessage("say \"hi\\\""), "say \\\"hi\\\\\\\"");
+  EXPECT_EQ(QuoteForMessage("k"), "\"k\"");
+  EXPECT_EQ(QuoteForMessage(std::string(200, 'k'), 4), "\"kkkk\"...");
+  EXPECT_EQ(ControlByteProblem("fine \xc3\xa9"), "");
+  EXPECT_EQ(ControlByteProblem("tab\there"), "the control byte 0x09 at byte 3 of 8");
 }
 
 }  // namespace
