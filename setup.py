@@ -3,8 +3,8 @@
     pip install --no-build-isolation .        (offline: setuptools, wheel and pip from Debian)
 
 The extension module is CMake's target expert_arena_python (build directory build-pip/, kept
-between installs), with the UCX transport plugin libexpert_arena_ucx.so next to it when UCX is
-found; extra CMake options come from the CMAKE_ARGS environment variable, e.g.
+between installs), with libexpert_arena.so.N (the core it links) and the UCX transport plugin
+libexpert_arena_ucx.so next to it when UCX is found; extra CMake options come from the CMAKE_ARGS environment variable, e.g.
 CMAKE_ARGS="-DEXPERT_ARENA_CUDA=ON -DCMAKE_CXX_COMPILER_LAUNCHER=ccache". See docs/python.md.
 """
 
@@ -86,6 +86,12 @@ class CMakeBuild(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(built, target)
+        # libexpert_arena.so under its soname: the module links it and finds it beside itself
+        # (RUNPATH $ORIGIN); the process's one copy of the core.
+        for name in os.listdir(os.path.dirname(built)):
+            if name.startswith("libexpert_arena.so."):
+                shutil.copyfile(os.path.join(os.path.dirname(built), name),
+                                os.path.join(os.path.dirname(target), name))
         # The UCX transport plugin (built with the module when UCX is found): the module
         # loads it from its own directory at the first open(..., from_peer=...).
         plugin = os.path.join(os.path.dirname(built), "libexpert_arena_ucx.so")

@@ -11,6 +11,7 @@
 // or copy tensors release the GIL; they hold their own reference to the C++ object meanwhile,
 // so another thread's close() cannot free it under them.
 #include "binding.h"
+#include "remote/core_identity.h"
 
 PYBIND11_MODULE(_core, m) {
   using namespace expert_arena;
@@ -59,4 +60,27 @@ PYBIND11_MODULE(_core, m) {
       [](const py::array& array) { return reinterpret_cast<uintptr_t>(array.data()); },
       "Address of a NumPy array's first byte (what array.ctypes.data gives, without ctypes)");
   m.def("is_stream_segment", [](const std::string& path) { return IsStreamSegment(path); });
+  m.def(
+      "_core_identity",
+      [](bool plugin) {
+        auto as_dict = [](const remote::CoreIdentity& id) {
+          py::dict d;
+          d["fork_registry"] = id.fork_registry;
+          d["pin_budget"] = id.pin_budget;
+          d["kernel_features"] = id.kernel_features;
+          d["object"] = id.object;
+          return d;
+        };
+        if (!plugin) return as_dict(remote::ThisCoreIdentity());
+        Result<remote::CoreIdentity> id = [] {
+          py::gil_scoped_release release;
+          return remote::PluginCoreIdentity();
+        }();
+        if (!id.ok()) RaiseStatus(id.status());
+        return as_dict(*id);
+      },
+      py::arg("plugin") = false,
+      "Diagnostic: the addresses of the process-wide objects (fork registry, pin budget, "
+      "kernel-feature probe) of the core this module reaches, or with plugin=True the one the "
+      "UCX transport plugin reaches (loading it), and the file that answered");
 }

@@ -8,8 +8,8 @@
 
 #include "arena/arena_impl.h"
 #include "arena/numa_placement.h"
-#include "arena/test_hooks.h"
 #include "common/escape.h"
+#include "common/fault_points.h"
 #include "common/logging.h"
 #include "common/units.h"
 #include "expert_arena/gpu.h"
@@ -158,7 +158,7 @@ void Arena::Impl::IndexNames() {
 namespace arena {
 
 Status ModelWant::MakePlan() {
-  test_hooks::CountPlan();
+  fault_points::PlanMade();
   EA_ASSIGN_OR_RETURN(source::ModelPlan made, planner ? planner() : source::PlanModel(*spec));
   plan = std::move(made);
   return Status::Ok();

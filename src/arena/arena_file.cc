@@ -5,7 +5,7 @@
 
 #include "arena/arena_locks.h"
 #include "arena/numa_placement.h"
-#include "arena/test_hooks.h"
+#include "common/fault_points.h"
 #include "common/units.h"
 #include "load/loader.h"
 #include "platform/directory.h"
@@ -175,7 +175,7 @@ namespace {
 Result<platform::UniqueFd> LockForRemoval(const std::string& path) {
   EA_ASSIGN_OR_RETURN(platform::UniqueFd fd, OpenExisting(path, true));
   EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
-  test_hooks::RunAfterRemoveOpened();
+  fault_points::AfterRemoveOpened();
   EA_ASSIGN_OR_RETURN(bool fill,
                       platform::TryLockByte(fd, kFillByte, platform::LockMode::kExclusive));
   if (!fill) return Busy(path + ": an engine is loading it; not removed");

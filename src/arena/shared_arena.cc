@@ -23,11 +23,11 @@
 #include "arena/arena_locks.h"
 #include "arena/memory_charge.h"
 #include "arena/numa_placement.h"
-#include "pages/page_backing.h"
-#include "arena/test_hooks.h"
+#include "common/fault_points.h"
 #include "common/units.h"
 #include "format/arena_format.h"
 #include "load/loader.h"
+#include "pages/page_backing.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
@@ -607,7 +607,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
 
     s = CheckWritesReachedTheFile(fd, impl->mapping, impl->data_offset, impl->table.data_bytes);
     if (!s.ok()) return fail(s);
-    test_hooks::RunBeforePublish();
+    fault_points::BeforePublish();
     s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
                              created, UnixNanos(), header, pid_namespace);
     if (!s.ok()) return fail(s);

@@ -78,6 +78,9 @@ Result<std::unique_ptr<Registration>> RegisterHostRange(std::span<std::byte> ran
 // Bytes this process holds registered through RegisterHostRange now (all registrations).
 uint64_t ProcessRegisteredBytes();
 
+// The address of the process-wide pin budget's counter (remote/core_identity.h).
+const void* PinBudgetAddress();
+
 // ---- The pin budget, exposed for tests ---------------------------------------------------
 // Reserves up to `want` bytes of the process-wide budget `budget` (0: unbounded), in whole
 // multiples of `granule` bytes; returns the bytes reserved (possibly 0).

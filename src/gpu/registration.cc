@@ -189,6 +189,8 @@ void ReleasePinBudget(uint64_t bytes) { g_registered_bytes.fetch_sub(bytes); }
 
 uint64_t ProcessRegisteredBytes() { return g_registered_bytes.load(); }
 
+const void* PinBudgetAddress() { return &g_registered_bytes; }
+
 Result<std::unique_ptr<Registration>> RegisterHostRange(std::span<std::byte> range,
                                                         const RegisterOptions& options) {
   // Parsed back from its name: a device an engine built by hand (a negative index, a backend

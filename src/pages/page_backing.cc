@@ -7,8 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/fault_points.h"
 #include "common/units.h"
-#include "pages/page_hooks.h"
 #include "platform/mapping.h"
 #include "platform/system_info.h"
 
@@ -350,7 +350,7 @@ void BackgroundPages::Work() {
   for (size_t i; !stop_.load() && (i = next_.fetch_add(1)) < done_.size();) {
     const uint64_t offset = i * kBackgroundPiece;
     const uint64_t length = std::min(kBackgroundPiece, bytes_ - offset);
-    test_hooks::RunBeforePagePiece(i);
+    fault_points::BeforePagePiece(i);
     Status s = MakePiece(offset, length);
     std::lock_guard lock(mu_);
     if (!s.ok()) {

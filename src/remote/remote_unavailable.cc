@@ -1,5 +1,6 @@
 // Built without UCX (EXPERT_ARENA_UCX OFF, or libucx-dev absent): no transport plugin, and the
 // server and the client refuse with a message that says how to get them.
+#include "remote/core_identity.h"
 #include "remote/net_control.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
@@ -21,6 +22,7 @@ Result<std::unique_ptr<PeerSource>> ConnectPeer(const PeerOptions&) { return Not
 bool RemoteBuilt() { return false; }
 Result<const UcxPlugin*> Ucx() { return NotBuilt(); }
 Result<std::string> FindNetProcess() { return NotBuilt(); }
+Result<CoreIdentity> PluginCoreIdentity() { return NotBuilt(); }
 
 Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string&, const ServeOptions&) {
   return NotBuilt();

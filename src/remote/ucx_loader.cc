@@ -8,6 +8,7 @@
 #include "common/logging.h"
 #include "platform/process.h"
 #include "platform/shared_object.h"
+#include "remote/core_identity.h"
 #include "remote/net_control.h"
 #include "remote/ucx_plugin.h"
 
@@ -104,6 +105,11 @@ Result<const UcxPlugin*> Ucx() {
 
 bool RemoteBuilt() { return true; }
 
+Result<CoreIdentity> PluginCoreIdentity() {
+  EA_ASSIGN_OR_RETURN(const UcxPlugin* ucx, Ucx());
+  return ucx->core_identity();
+}
+
 Result<std::unique_ptr<PeerSource>> ConnectPeer(const PeerOptions& options) {
   EA_ASSIGN_OR_RETURN(const UcxPlugin* ucx, Ucx());
   return ucx->connect_peer(options);
@@ -112,7 +118,7 @@ Result<std::unique_ptr<PeerSource>> ConnectPeer(const PeerOptions& options) {
 Result<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& path,
                                                       const ServeOptions& options) {
   EA_ASSIGN_OR_RETURN(const UcxPlugin* ucx, Ucx());
-  // The plugin's copy of the core has its own default logger: it always gets the process's.
+  // The process's logger, resolved here as for every call into the plugin.
   ServeOptions resolved = options;
   resolved.logger = ResolveLogger(options.logger);
   return ucx->start_server(path, resolved);

@@ -16,6 +16,8 @@ expert_arena_ucx_v1() {
       .start_server = &StartUcxServer,
       .start_stream_server = &StartUcxStreamServer,
       .connect_stream_peer = &ConnectUcxStreamPeer,
+      // Bound to libexpert_arena.so's ThisCoreIdentity: the core this plugin links.
+      .core_identity = &ThisCoreIdentity,
   };
   return &plugin;
 }

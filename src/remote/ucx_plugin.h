@@ -8,15 +8,17 @@
 // at the first peer fill or server (docs/cross-host.md says where it is looked for).
 //
 // C++ types cross this boundary: the plugin and the core come from the same build and the
-// same compiler, which the table's `build` string checks. The plugin carries its own copy of
-// the parts of the core it uses (expert_arena_internal, all symbols local to it) and shares no
-// global state with the process other than the spdlog loggers passed in.
+// same compiler, which the table's `build` string checks. The plugin carries no copy of the
+// core: it links libexpert_arena.so (the EXPERT_ARENA_INTERNAL symbols, src/expert_arena.map),
+// the copy the process already holds, so its fork registry, pin budget and kernel-feature probe
+// are the process's (core_identity.h). Its own symbols stay local to it.
 #pragma once
 
 #include <memory>
 #include <string>
 
 #include "expert_arena/status.h"
+#include "remote/core_identity.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
 #include "remote/stream_remote.h"
@@ -47,6 +49,8 @@ struct UcxPlugin {
   // Tensor streams across hosts (stream_remote.h).
   Result<std::unique_ptr<StreamServer>> (*start_stream_server)(const StreamServerOptions& options);
   Result<std::shared_ptr<StreamPeer>> (*connect_stream_peer)(const StreamPeerOptions& options);
+  // The core the plugin reaches (core_identity.h): the process's own.
+  CoreIdentity (*core_identity)();
 };
 
 using UcxPluginEntry = const UcxPlugin* (*)();

@@ -68,6 +68,8 @@ void UnregisterForFork(ForkParticipant* p) {
 
 uint64_t ForkGeneration() { return generation.load(std::memory_order_relaxed); }
 
+const void* ForkRegistryAddress() { return &Get(); }
+
 void KeepForever(const void* object) {
   Registry& r = Get();
   std::lock_guard lock(r.kept_mu);

@@ -43,6 +43,9 @@ void UnregisterForFork(ForkParticipant* p);
 // child. An object made at generation G belongs to another process when this differs from G.
 uint64_t ForkGeneration();
 
+// The address of this process's registry of fork participants (remote/core_identity.h).
+const void* ForkRegistryAddress();
+
 // Keeps `object` allocated for the life of the process (reachable, so not a leak to a leak
 // checker): what a child inherited is never destroyed there.
 void KeepForever(const void* object);

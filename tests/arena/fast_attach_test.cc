@@ -11,8 +11,8 @@
 #include "arena/test_hooks.h"
 #include "expert_arena/arena.h"
 #include "format/arena_format.h"
+#include "generators/synthetic_model.h"
 #include "source/safetensors_reader.h"
-#include "source/synthetic_model.h"
 #include "source_test_util.h"
 #include "test_util.h"
 

@@ -13,9 +13,9 @@
 
 #include "expert_arena/stream.h"
 #include "format/arena_format.h"
+#include "generators/gguf_writer.h"
+#include "generators/safetensors_writer.h"
 #include "source/dtypes.h"
-#include "source/gguf_writer.h"
-#include "source/safetensors_writer.h"
 #include "stream/segment_format.h"
 
 using namespace expert_arena;

@@ -24,18 +24,18 @@
 #include <spdlog/spdlog.h>
 
 #include "common/ready_front.h"
-#include "load/progress.h"
 #include "common/units.h"
 #include "expert_arena/arena.h"
+#include "generators/gguf_writer.h"
+#include "generators/synthetic_model.h"
+#include "load/progress.h"
 #include "platform/file.h"
 #include "platform/file_cache.h"
 #include "platform/io_ring.h"
 #include "platform/mapping.h"
 #include "platform/page_cache_stat.h"
 #include "source/dtypes.h"
-#include "source/gguf_writer.h"
 #include "source/model_source.h"
-#include "source/synthetic_model.h"
 #include "source_test_util.h"
 #include "test_util.h"
 

@@ -10,6 +10,11 @@ import pytest
 from conftest import BUILD
 
 
+# Prints each libexpert_arena.so the process has mapped (one line each).
+PRINT_CORES = ("print('\\n'.join(sorted({l.split()[-1] for l in open('/proc/self/maps')\n"
+               "                           if '/libexpert_arena.so' in l})))\n")
+
+
 def test_cmake_install_gives_an_importable_package(tmp_path, gen_model):
     if not os.path.exists(os.path.join(BUILD, "CMakeCache.txt")):
         pytest.skip("no CMake build directory at %s" % BUILD)
@@ -22,16 +27,20 @@ def test_cmake_install_gives_an_importable_package(tmp_path, gen_model):
     files = set(os.listdir(os.path.join(site, "expert_arena")))
     assert {"__init__.py", "__init__.pyi", "__main__.py", "py.typed"} <= files
     assert any(f.startswith("_core.") and f.endswith(".so") for f in files)
+    # The core the module links lies beside it (docs/building.md, "How the pieces link").
+    assert any(f.startswith("libexpert_arena.so.") for f in files), files
     script = ("import sys, expert_arena\n"
               "assert expert_arena.__file__.startswith(sys.argv[1]), expert_arena.__file__\n"
               "a = expert_arena.open(sys.argv[2], quiet=True)\n"
-              "print(a.report['role'], len(a))\n")
+              "print(a.report['role'], len(a))\n" + PRINT_CORES)
     env = dict(os.environ, PYTHONPATH=site)
     out = subprocess.run([sys.executable, "-c", script, site, gen_model("gguf", "f32")],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=str(tmp_path), timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["private", "6"]
+    assert out.stdout.split()[:2] == ["private", "6"]
+    assert out.stdout.split()[2:] == [
+        os.path.realpath(os.path.join(site, "expert_arena", "libexpert_arena.so.0"))]
 
 
 def test_cmake_install_carries_the_ucx_plugin(tmp_path, gen_model, shm_path):
@@ -104,8 +113,11 @@ def test_pip_install_into_a_venv_reuses_the_build(tmp_path, gen_model):
     script = ("import sys, expert_arena\n"
               "assert expert_arena.__file__.startswith(sys.prefix), expert_arena.__file__\n"
               "a = expert_arena.open(sys.argv[1], quiet=True)\n"
-              "print(a.report['role'], len(a))\n")
+              "print(a.report['role'], len(a))\n" + PRINT_CORES)
     run = subprocess.run([python, "-c", script, gen_model("gguf", "f32")], env=env,
                          capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["private", "6"]
+    assert run.stdout.split()[:2] == ["private", "6"]
+    # The wheel's own copy of the core, beside the module: nothing of build/ is loaded.
+    assert run.stdout.split()[2:] == [os.path.realpath(
+        os.path.join(os.path.dirname(module), "libexpert_arena.so.0"))], run.stdout

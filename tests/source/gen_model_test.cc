@@ -5,10 +5,10 @@
 #include <filesystem>
 
 #include "expert_arena/arena.h"
+#include "generators/synthetic_model.h"
 #include "source/gguf_reader.h"
 #include "source/model_source.h"
 #include "source/safetensors_reader.h"
-#include "source/synthetic_model.h"
 #include "source_test_util.h"
 #include "test_util.h"
 

@@ -5,9 +5,9 @@
 
 #include "expert_arena/arena.h"
 #include "format/arena_table.h"
+#include "generators/gguf_writer.h"
 #include "source/dtypes.h"
 #include "source/gguf_reader.h"
-#include "source/gguf_writer.h"
 #include "source/model_source.h"
 #include "source_test_util.h"
 #include "test_util.h"

@@ -7,8 +7,8 @@
 #include <filesystem>
 
 #include "expert_arena/arena.h"
+#include "generators/synthetic_model.h"
 #include "source/model_source.h"
-#include "source/synthetic_model.h"
 #include "source_test_util.h"
 #include "test_util.h"
 

@@ -3,11 +3,11 @@
 #include <filesystem>
 
 #include "expert_arena/arena.h"
+#include "generators/safetensors_writer.h"
+#include "generators/synthetic_model.h"
 #include "source/dtypes.h"
 #include "source/model_source.h"
 #include "source/safetensors_reader.h"
-#include "source/safetensors_writer.h"
-#include "source/synthetic_model.h"
 #include "source_test_util.h"
 #include "test_util.h"
 

@@ -1,9 +1,9 @@
 // Which tensors are routed experts, and the --select / --all overrides.
 #include "source/selection.h"
 
-#include "source/gguf_writer.h"
+#include "generators/gguf_writer.h"
+#include "generators/safetensors_writer.h"
 #include "source/model_source.h"
-#include "source/safetensors_writer.h"
 #include "source_test_util.h"
 #include "test_util.h"
 

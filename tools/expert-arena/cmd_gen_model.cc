@@ -4,7 +4,7 @@
 
 #include "commands.h"
 #include "common/units.h"
-#include "source/synthetic_model.h"
+#include "generators/synthetic_model.h"
 
 namespace expert_arena::cli {
 namespace {

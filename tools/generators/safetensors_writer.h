@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "expert_arena/status.h"
+#include "generators/tensor_file_writer.h"
 #include "source/safetensors_reader.h"
-#include "source/tensor_file_writer.h"
 
 namespace expert_arena::source {
 

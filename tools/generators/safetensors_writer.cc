@@ -1,4 +1,4 @@
-#include "source/safetensors_writer.h"
+#include "generators/safetensors_writer.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "source/gguf_writer.h"
+#include "generators/gguf_writer.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "source/tensor_file_writer.h"
+#include "generators/tensor_file_writer.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "source/synthetic_model.h"
+#include "generators/synthetic_model.h"
 
 #include <xxhash.h>
 
@@ -10,10 +10,10 @@
 #include <limits>
 #include <map>
 
+#include "generators/gguf_writer.h"
+#include "generators/safetensors_writer.h"
 #include "platform/file.h"
 #include "source/dtypes.h"
-#include "source/gguf_writer.h"
-#include "source/safetensors_writer.h"
 
 namespace expert_arena::source {
 namespace {

@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
+#include "generators/gguf_writer.h"
+#include "generators/synthetic_model.h"
 #include "source/dtypes.h"
-#include "source/gguf_writer.h"
-#include "source/synthetic_model.h"
 
 namespace expert_arena::source {
 namespace {

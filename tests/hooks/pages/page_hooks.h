@@ -1,4 +1,5 @@
-// Fault-injection point of the page code for tests (never set in production).
+// What a test runs at the page code's fault-injection point (src/common/fault_points.h;
+// never set in production, and not in libexpert_arena.so: tests/hooks).
 #pragma once
 
 #include <cstddef>
@@ -9,6 +10,5 @@ namespace expert_arena::pages::test_hooks {
 // Runs in a BackgroundPages worker before it makes piece `piece` (from several threads at
 // once: the hook must be thread-safe).
 void SetBeforePagePiece(std::function<void(size_t piece)> hook);
-void RunBeforePagePiece(size_t piece);
 
 }  // namespace expert_arena::pages::test_hooks
