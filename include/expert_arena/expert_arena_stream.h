@@ -121,6 +121,11 @@ typedef struct ea_stream_params {
   const char* listen_token;
   double remote_lease_seconds;
   double remote_timeout_seconds;
+  /* Producer: where segments' pages live on a host with several NUMA nodes (docs/numa.md):
+   * "auto" (NULL or ""), the producer's own node (that of its CPU affinity); "local" (first
+   * touch), "interleave", "node:N". -EINVAL for anything else, "replicate" included, and for a
+   * node this process may not allocate on. Appended last: older callers' structs end before. */
+  const char* numa;
 } ea_stream_params;
 
 /* The producer's counters (StreamStats). */
@@ -139,6 +144,9 @@ typedef struct ea_stream_stats {
   uint64_t reclaimed_blocks;
   uint64_t dead_readers_cleared;
   uint64_t segments_grown_ahead;
+  /* The node every segment is on (the producer's own, node:N, or the only one); -1 when they
+   * are interleaved or on first touch across several nodes. Appended last. */
+  int64_t numa_node;
 } ea_stream_stats;
 
 /* One tensor of ea_stream_put_many; its bytes are read during the call only. */

@@ -124,6 +124,14 @@ struct StreamOptions {
   double strict_wait_seconds = 1.0;
   // 2 MiB pages for segments (collapsed while empty, like the arena): see HugePages.
   HugePages huge = HugePages::kAuto;
+  // Where segments' pages live on a host with several NUMA nodes (docs/numa.md), whichever
+  // thread or process touches them first. kAuto (the default): the producer's own node, the
+  // one node its CPU affinity is on at Create (first touch when its CPUs span several nodes,
+  // or where the kernel refuses the policy; the start line says why). kLocal: first touch.
+  // kInterleave: over the nodes this process may use. kNode: bound to numa_node, refused at
+  // Create when this process may not allocate there. kReplicate is refused. One node: as today.
+  NumaPlacement numa = NumaPlacement::kAuto;
+  int numa_node = -1;  // for NumaPlacement::kNode
   // A device to register each regular segment with in this process (none by default), within
   // pin_budget_bytes (0: no bound; the budget is shared by every registration of the process,
   // see src/gpu/gpu.h). Dedicated one-shot segments and spill files are never pinned.
@@ -196,6 +204,13 @@ struct StreamStats {
   uint64_t reclaimed_blocks = 0;
   uint64_t dead_readers_cleared = 0;
   uint64_t segments_grown_ahead = 0;  // created by the grow-ahead thread
+  // Where segments are placed (StreamOptions::numa resolved at Create): "node:1 (the
+  // producer's node)", "interleave over nodes 0-1", "local (first touch)", and after "; "
+  // why a policy the kernel refused was not applied.
+  std::string numa;
+  // The node every segment is on (the producer's own, node:N, or the only one); -1 when they
+  // are interleaved or on first touch across several nodes.
+  int numa_node = -1;
   // A listening producer's front door (docs/cross-host.md): consumers admitted; refused
   // (limits, throttling); timed out (no handshake in time, or a transfer not taken within the
   // lease); dropped (garbage, a hang-up mid-handshake); failed token proofs.
@@ -309,6 +324,10 @@ class EXPERT_ARENA_EXPORT StreamProducer {
   Status CheckProcess() const;
   // The names of this producer's segment files (for tools and tests).
   std::vector<std::string> SegmentPaths();
+  // Bytes of this producer's segment mappings (regular and dedicated) on each memory node,
+  // read from /proc/self/numa_maps (every page: segments are populated when made); every node
+  // with memory is listed, 0 where nothing is. Empty without numa_maps (no CONFIG_NUMA).
+  std::vector<NumaNodeBytes> SegmentNodeBytes();
   const std::string& instance_name() const;
   // "ADDR:PORT" the producer serves remote consumers on ("" without StreamOptions::listen).
   std::string remote_address() const;

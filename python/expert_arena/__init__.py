@@ -528,7 +528,7 @@ class StreamProducer:
                  huge="auto", copy_threads=0, grow_ahead=True, sweep_at_start=True,
                  quiet=False, lease_check_seconds=1.0, listen=None, listen_token=None,
                  remote_lease_seconds=60.0, non_temporal_copy_from=0,
-                 warning_interval_seconds=10.0):
+                 warning_interval_seconds=10.0, numa="auto"):
         if not lease_check_seconds >= 0:
             raise ValueError("StreamProducer(): lease_check_seconds must be >= 0 (0 checks "
                              "readers' leases at every reserve), got %r" % (lease_check_seconds,))
@@ -539,7 +539,7 @@ class StreamProducer:
             os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
             bool(sweep_at_start), bool(quiet), float(lease_check_seconds), listen or "",
             listen_token or "", float(remote_lease_seconds), int(non_temporal_copy_from),
-            float(warning_interval_seconds))
+            float(warning_interval_seconds), "auto" if numa is None else numa)
         _emit_logs()
 
     def __enter__(self):
@@ -606,12 +606,19 @@ class StreamProducer:
         self._core.reclaim()
 
     def stats(self) -> dict:
-        """total_bytes, free_bytes, largest_free_block, segments, live_blocks, spills, ..."""
+        """total_bytes, free_bytes, largest_free_block, segments, live_blocks, spills, ...,
+        numa (where segments are placed, e.g. "node:1 (the producer's node)") and numa_node
+        (the node every segment is on; -1 when interleaved or first touch over several)."""
         _emit_logs()
         return self._core.stats()
 
     def segment_paths(self):
         return self._core.segment_paths()
+
+    def segment_nodes(self) -> dict:
+        """{node: bytes} of this producer's segments on each memory node, read from
+        /proc/self/numa_maps; {} where the kernel has no NUMA."""
+        return self._core.segment_nodes()
 
     def pending(self) -> list:
         """The blocks not yet given back, oldest first: one dict per block with key, state

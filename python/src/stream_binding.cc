@@ -36,6 +36,8 @@ py::dict StatsDict(const StreamStats& s) {
   d["remote_dropped"] = s.remote_dropped;
   d["remote_auth_failed"] = s.remote_auth_failed;
   d["remote_restarts"] = s.remote_restarts;
+  d["numa"] = s.numa;
+  d["numa_node"] = s.numa_node;
   return d;
 }
 
@@ -108,8 +110,11 @@ class PyProducer {
              bool grow_ahead, bool sweep_at_start, bool quiet, double lease_check_seconds,
              const std::string& listen, const std::string& listen_token,
              double remote_lease_seconds, uint64_t non_temporal_copy_from,
-             double warning_interval_seconds) {
+             double warning_interval_seconds, const std::string& numa) {
     StreamOptions options;
+    if (Status s = ParseNumaPlacement(numa, &options.numa, &options.numa_node); !s.ok()) {
+      throw py::value_error("StreamProducer(): numa=" + s.message());
+    }
     options.non_temporal_copy_from = non_temporal_copy_from;
     options.warning_interval_seconds = warning_interval_seconds;
     options.listen = listen;
@@ -358,6 +363,11 @@ class PyProducer {
   }
 
   std::vector<std::string> SegmentPaths() { return Get()->SegmentPaths(); }
+  py::dict SegmentNodes() {
+    py::dict d;
+    for (const NumaNodeBytes& n : Get()->SegmentNodeBytes()) d[py::int_(n.node)] = n.bytes;
+    return d;
+  }
   std::string InstanceName() { return Get()->instance_name(); }
   std::string RemoteAddress() { return Get()->remote_address(); }
   bool closed() const { return producer_ == nullptr; }
@@ -619,7 +629,7 @@ void BindStream(py::module_& m) {
       .def(py::init<const std::string&, const std::string&, uint64_t, uint32_t, bool, double,
                     const std::string&, uint64_t, uint64_t, const std::string&, const std::string&,
                     uint32_t, bool, bool, bool, double, const std::string&, const std::string&,
-                    double, uint64_t, double>(),
+                    double, uint64_t, double, const std::string&>(),
            py::arg("directory"), py::arg("logical_name"), py::arg("segment_bytes"),
            py::arg("max_segments"), py::arg("strict"), py::arg("strict_wait_seconds"),
            py::arg("gpu"), py::arg("pin_budget_bytes"), py::arg("block_alignment"),
@@ -627,7 +637,7 @@ void BindStream(py::module_& m) {
            py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"),
            py::arg("lease_check_seconds"), py::arg("listen"), py::arg("listen_token"),
            py::arg("remote_lease_seconds"), py::arg("non_temporal_copy_from") = 0,
-           py::arg("warning_interval_seconds") = 10.0)
+           py::arg("warning_interval_seconds") = 10.0, py::arg("numa") = "auto")
       .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
            py::arg("dtype"), py::arg("shape"), py::arg("readers"))
       .def("put_many", &PyProducer::PutMany, py::arg("items"), py::arg("readers"))
@@ -639,6 +649,7 @@ void BindStream(py::module_& m) {
       .def("reclaim", &PyProducer::Reclaim)
       .def("stats", &PyProducer::Stats)
       .def("segment_paths", &PyProducer::SegmentPaths)
+      .def("segment_nodes", &PyProducer::SegmentNodes)
       .def("pending", &PyProducer::Pending)
       .def("instance_name", &PyProducer::InstanceName)
       .def("remote_address", &PyProducer::RemoteAddress)

@@ -243,6 +243,10 @@ int ea_stream_producer_create(const ea_stream_params* params_in, ea_stream_produ
                                std::to_string(p.remote_lease_seconds) + " is not more than 0");
     }
     o.remote_lease_seconds = p.remote_lease_seconds;
+    if (p.numa != nullptr && *p.numa != '\0') {
+      Status numa = ParseNumaPlacement(p.numa, &o.numa, &o.numa_node);
+      if (!numa.ok()) return Fail(-EINVAL, std::string(kWhat) + ": " + numa.message());
+    }
     if (p.quiet != 0) o.logger = capi::QuietLogger();
     auto producer = StreamProducer::Create(o);
     if (!producer.ok()) return Fail(producer.status());
@@ -537,6 +541,7 @@ int ea_stream_get_stats(ea_stream_producer* producer, ea_stream_stats* out) {
     st.reclaimed_blocks = s.reclaimed_blocks;
     st.dead_readers_cleared = s.dead_readers_cleared;
     st.segments_grown_ahead = s.segments_grown_ahead;
+    st.numa_node = s.numa_node;
     capi::CopyOut(st, out);
     return 0;
   });

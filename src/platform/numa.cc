@@ -171,11 +171,14 @@ Result<uint64_t> NodeFreeHugePages(int node, uint64_t page_bytes) {
                         "kB/free_hugepages");
 }
 
-int NodeOfCurrentCpus() {
+namespace {
+
+// How many CPUs of this thread's affinity each memory node holds ({} when unknown).
+std::map<int, int> CurrentCpusPerNode() {
+  std::map<int, int> counts;
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return -1;
-  int best = -1, best_count = 0;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return counts;
   for (int node : MemoryNodes()) {
     bool ok = false;
     std::string text =
@@ -187,9 +190,25 @@ int NodeOfCurrentCpus() {
     for (int cpu : *cpus) {
       if (cpu < CPU_SETSIZE && CPU_ISSET(cpu, &set)) ++count;
     }
+    if (count > 0) counts[node] = count;
+  }
+  return counts;
+}
+
+}  // namespace
+
+int NodeOfCurrentCpus() {
+  int best = -1, best_count = 0;
+  for (const auto& [node, count] : CurrentCpusPerNode()) {
     if (count > best_count) best = node, best_count = count;
   }
   return best;
+}
+
+std::vector<int> NodesOfCurrentCpus() {
+  std::vector<int> nodes;
+  for (const auto& entry : CurrentCpusPerNode()) nodes.push_back(entry.first);
+  return nodes;
 }
 
 int NodeOfPciDevice(const std::string& bus_id) {
@@ -295,6 +314,27 @@ Result<std::map<int, uint64_t>> MappingBytesPerNode(const void* start) {
     if (line.rfind(prefix, 0) == 0) return ParseNumaMapsLine(line);
   }
   return NotFound("no mapping at the arena's address in /proc/self/numa_maps");
+}
+
+std::map<int, uint64_t> MappingsBytesPerNode(const std::vector<const void*>& starts) {
+  std::map<int, uint64_t> total;
+  std::ifstream in("/proc/self/numa_maps");
+  if (!in) return total;
+  std::vector<std::string> prefixes;
+  for (const void* start : starts) {
+    char prefix[32];
+    std::snprintf(prefix, sizeof prefix, "%lx ", reinterpret_cast<unsigned long>(start));
+    prefixes.emplace_back(prefix);
+  }
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t space = line.find(' ');
+    if (space == std::string::npos) continue;
+    const std::string_view head(line.data(), space + 1);
+    if (std::find(prefixes.begin(), prefixes.end(), head) == prefixes.end()) continue;
+    for (const auto& [node, bytes] : ParseNumaMapsLine(line)) total[node] += bytes;
+  }
+  return total;
 }
 
 }  // namespace expert_arena::platform

@@ -35,6 +35,9 @@ Result<uint64_t> NodeFreeHugePages(int node, uint64_t page_bytes);
 
 // The node whose CPUs hold most of this thread's CPU affinity; -1 when unknown.
 int NodeOfCurrentCpus();
+// The memory nodes holding at least one CPU of this thread's affinity, ascending (one node for
+// a process pinned to a socket, every node for one that is not); empty when unknown.
+std::vector<int> NodesOfCurrentCpus();
 // numa_node of a PCI device (/sys/bus/pci/devices/<bus_id>/numa_node, e.g. "0000:3b:00.0");
 // -1 when the file is absent or says -1 (a one-node host).
 int NodeOfPciDevice(const std::string& bus_id);
@@ -55,6 +58,9 @@ Status RestoreThreadPolicy(const std::string& what);
 // Bytes of the mapping that starts at `start` on each node, from /proc/self/numa_maps (pages
 // this process has mapped: after populate, all of them). Empty when the kernel has no numa_maps.
 Result<std::map<int, uint64_t>> MappingBytesPerNode(const void* start);
+// MappingBytesPerNode summed over the mappings that start at each of `starts`, from one read
+// of /proc/self/numa_maps; a start without a line adds nothing. Empty without numa_maps.
+std::map<int, uint64_t> MappingsBytesPerNode(const std::vector<const void*>& starts);
 // One numa_maps line's "N<node>=<pages>" fields times its kernelpagesize_kB (pure, for tests).
 std::map<int, uint64_t> ParseNumaMapsLine(std::string_view line);
 

@@ -51,11 +51,13 @@
 #include "expert_arena/stream.h"
 #include "platform/file.h"
 #include "platform/memory_copy.h"
+#include "platform/numa.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
 #include "remote/stream_remote.h"
 #include "stream/block_allocator.h"
 #include "stream/fork_guard.h"
+#include "stream/segment_placement.h"
 #include "stream/segment_file.h"
 
 namespace expert_arena {
@@ -151,6 +153,7 @@ struct StreamProducer::Impl : stream::ForkParticipant {
   uint32_t regular_slots = 0;
   uint32_t copy_threads = 1;       // resolved once: hardware_concurrency() reads /sys each call
   uint64_t non_temporal_from = 0;  // resolved once from the option and the cache size
+  stream::SegmentPlacement placement;  // StreamOptions::numa, resolved once at Create
 
   std::mutex mu;
   stream::BlockAllocator allocator;
@@ -168,6 +171,9 @@ struct StreamProducer::Impl : stream::ForkParticipant {
   uint64_t reclaimed = 0;
   uint64_t dead_readers = 0;
   uint64_t grown_ahead = 0;
+  // Why the kernel refused the placement (auto only: first touch then), from the first
+  // segment it was refused for; "" while it was applied.
+  std::string numa_refused;
   Clock::time_point last_lease_check;
   // The fragmentation warning's rate limit: when it was last logged, failures since then.
   Clock::time_point last_fragmentation_warning;
@@ -281,6 +287,8 @@ Result<std::unique_ptr<ProducerSegment>> StreamProducer::Impl::MakeSegment(Segme
   // One-shot segments are not worth a collapse; spill files live on a plain filesystem.
   p.huge = kind == SegmentKind::kRegular ? options.huge : HugePages::kOff;
   p.populate = !spill;
+  // Spill files live on a plain filesystem, whose page cache no policy places.
+  p.placement = spill ? nullptr : &placement.pages;
   auto seg = std::make_unique<ProducerSegment>();
   Result<stream::SegmentFile> file = Busy("not tried");
   for (int attempt = 0; attempt < 8; ++attempt) {
@@ -314,6 +322,10 @@ ProducerSegment* StreamProducer::Impl::InstallSegment(std::unique_ptr<ProducerSe
   seg->id = next_id++;
   const SegmentKind kind = seg->file.kind;
   pinned_bytes += seg->file.pinned_bytes;
+  if (!seg->file.numa_note.empty() && numa_refused.empty()) {
+    numa_refused = seg->file.numa_note;
+    log->warn("stream {}: segment {} on {}", instance, seg->file.name, numa_refused);
+  }
   if (kind == SegmentKind::kRegular) {
     uint64_t data_bytes = seg->file.header().data_bytes;
     allocator.AddSegment(seg->id, seg->file.header().data_offset, data_bytes);
@@ -703,6 +715,9 @@ StreamStats StreamProducer::Impl::StatsLocked() const {
   s.reclaimed_blocks = reclaimed;
   s.dead_readers_cleared = dead_readers;
   s.segments_grown_ahead = grown_ahead;
+  s.numa = placement.description;
+  if (!numa_refused.empty()) s.numa += "; " + numa_refused;
+  s.numa_node = placement.node;
   if (server) {
     const remote::DoorCounters c = server->counters();
     s.remote_admitted = c.admitted;
@@ -798,6 +813,20 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
         FormatBytes(impl->regular_file_bytes));
   }
   EA_RETURN_IF_ERROR(platform::MakeDirectories(o.spill_directory, 0700));
+  // Resolved on the creating thread: its CPU affinity is the producer's node.
+  EA_ASSIGN_OR_RETURN(impl->placement, stream::ResolveSegmentPlacement(o.numa, o.numa_node));
+  if (impl->placement.pages.policy != platform::MemPolicy::kDefault &&
+      fs.kind == platform::FsKind::kOther) {
+    if (impl->placement.pages.required) {
+      return InvalidArgument("stream directory " + o.directory + " is not on tmpfs or " +
+                             "hugetlbfs: numa " + impl->placement.pages.asked +
+                             " cannot place a disk file's page cache");
+    }
+    impl->placement.pages = {};
+    impl->placement.node = -1;
+    impl->placement.description =
+        "local (first touch: " + o.directory + " is not on tmpfs or hugetlbfs)";
+  }
 
   uint64_t swept = 0;
   if (o.sweep_at_start) {
@@ -837,7 +866,8 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
     return InvalidArgument("stream listen_token given without listen (ADDR:PORT)");
   }
   EA_RETURN_IF_ERROR(stream::RegisterForFork(impl.get()));
-  impl->log->info("stream {}: {} on {} ({} free), segments of {} up to {} ({}), spill to {}{}{}{}",
+  impl->log->info(
+      "stream {}: {} on {} ({} free), segments of {} up to {} ({}), spill to {}{}{}{}; numa: {}",
                   impl->instance, o.directory, platform::FsKindName(fs.kind),
                   FormatBytes(fs.available_bytes), FormatBytes(o.segment_bytes), o.max_segments,
                   FormatBytes(impl->cap_bytes), o.spill_directory,
@@ -846,7 +876,8 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
                   impl->server ? "; serving other hosts on " + impl->server->address() +
                                      (o.listen_token.empty() ? "" : " (token)") + ", lease " +
                                      FormatSeconds(o.remote_lease_seconds)
-                               : "");
+                               : "",
+      impl->placement.description);
   return StreamProducer(std::move(impl));
 }
 
@@ -999,6 +1030,30 @@ std::vector<std::string> StreamProducer::SegmentPaths() {
   Impl::Lock lock(*impl_);
   std::vector<std::string> out;
   for (auto& [id, seg] : impl_->segments) out.push_back(seg->file.path);
+  return out;
+}
+
+std::vector<NumaNodeBytes> StreamProducer::SegmentNodeBytes() {
+  std::vector<const void*> starts;
+  {
+    Impl::Lock lock(*impl_);
+    for (auto& [id, seg] : impl_->segments) {
+      if (seg->file.kind != SegmentKind::kSpill) starts.push_back(seg->file.mapping.data());
+    }
+  }
+  // Read unlocked: a segment removed meanwhile has no line any more and adds nothing.
+  std::vector<NumaNodeBytes> out;
+  for (int node : platform::MemoryNodes()) out.push_back({node, 0});
+  for (const auto& [node, bytes] : platform::MappingsBytesPerNode(starts)) {
+    const int wanted = node;  // clang 14 cannot capture a structured binding
+    auto it = std::find_if(out.begin(), out.end(),
+                           [wanted](const NumaNodeBytes& n) { return n.node == wanted; });
+    if (it == out.end()) {
+      out.push_back({node, bytes});
+    } else {
+      it->bytes = bytes;
+    }
+  }
   return out;
 }
 

@@ -47,9 +47,11 @@ Result<SegmentFile> CreateSegment(const CreateSegmentParams& p, spdlog::logger& 
   auto source = pages::PageSourceFor(fs.ok() ? fs->kind : platform::FsKind::kTmpfs,
                                      fs.ok() ? fs->tmpfs_huge : "never");
   auto backed = pages::AllocateAndMap(seg.fd, file_bytes, kHugePageBytes, p.huge, source,
-                                      fs.ok() ? fs->available_bytes : 0, seg.path);
+                                      fs.ok() ? fs->available_bytes : 0, seg.path,
+                                      /*pages_in_background=*/false, p.placement);
   if (!backed.ok()) return fail(backed.status());
   seg.mapping = std::move(backed->mapping);
+  seg.numa_note = backed->numa_note;
   if (huge_note != nullptr && p.huge != HugePages::kOff) *huge_note = backed->huge.note;
   if (p.populate) {
     Status s = platform::AdviseRange(seg.mapping.data(), file_bytes,

@@ -12,6 +12,7 @@
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
 #include "gpu/gpu.h"
+#include "pages/page_placement.h"
 #include "platform/file.h"
 #include "platform/mapping.h"
 #include "stream/segment_format.h"
@@ -33,6 +34,8 @@ struct SegmentFile {
   std::unique_ptr<gpu::Registration> registration;
   SegmentView view;
   uint64_t pinned_bytes = 0;
+  // Why CreateSegmentParams::placement was not applied (not required, refused by the kernel).
+  std::string numa_note;
 
   uint64_t file_bytes() const { return mapping.size(); }
   const SegmentHeader& header() const { return *view.header; }
@@ -47,6 +50,8 @@ struct CreateSegmentParams {
   std::string logical_name;
   HugePages huge = HugePages::kOff;
   bool populate = true;  // fault the mapping in now (MADV_POPULATE_WRITE)
+  // NUMA placement of the pages (null: first touch), set before the first page exists.
+  const pages::PagePlacement* placement = nullptr;
 };
 
 // The file bytes of a segment with `data_bytes` of data.

@@ -14,6 +14,17 @@
 #   - a cpuset limited to node 1 (cgroup v2): interleave lands on node 1 and node:0 is refused;
 #   - under Docker's and Podman's seccomp profiles (ea-kernel-profile), where mbind needs
 #     CAP_SYS_NICE: auto loads on first touch saying why, interleave is refused naming mbind.
+#   - on /dev/shm, a tmpfs mounted huge=always and hugetlbfs: two moe-engines started at once
+#     (one loads, one attaches, the same checksum; wholly on 2 MiB pages on the last two); on
+#     one of the three a kernel (5.10 /dev/shm, 6.1 huge=always, 6.12 hugetlbfs), a subset of
+#     arena_protocol_test's multi-process tests (a waiter, a killed loader) and of
+#     stream_process_test's (a round trip, a sweep of a killed producer, a dead consumer's
+#     holds);
+#   - stream_numa_test: a producer pinned to node 1 puts its segments there (>= 95%), node:0
+#     puts them on node 0, interleave splits them.
+# Then, on the host, the start line of the same load on /dev/shm and on tmpfs huge=always under
+# tools/kernel-profile's linux-5.10 and linux-6.1 profiles is compared with real 5.10's and 6.1's:
+# what the kernel lacks and the page counts must agree (docs/kernels.md).
 # The guest prints one "EA-CHECK <name> PASS|FAIL <what it saw>" line per check on the serial
 # console; this script exits non-zero naming the kernel and each failing check.
 #
@@ -21,7 +32,7 @@
 # ${XDG_CACHE_HOME:-~/.cache}/expert-arena/kernels (once). bookworm (6.1) through the machine's
 # own apt lists; bullseye (5.10) and trixie (6.12) through a sources list and apt state of this
 # script's own under the cache. EA_QEMU_KERNELS picks them ("bookworm", ...; default "all": the
-# three). Each boot is bounded by timeout (EA_QEMU_TIMEOUT seconds, default 150).
+# three). Each boot is bounded by timeout (EA_QEMU_TIMEOUT seconds, default 300).
 #
 #   tests/kernel/qemu_numa.sh [BUILD_DIR]      (default: build)
 #
@@ -32,7 +43,7 @@ cd "$(dirname "$0")/../.."
 build=${1:-build}
 bin=$build/bin
 started=$SECONDS
-timeout_s=${EA_QEMU_TIMEOUT:-150}
+timeout_s=${EA_QEMU_TIMEOUT:-300}
 kernels=${EA_QEMU_KERNELS:-all}
 [[ $kernels == all ]] && kernels="bullseye bookworm trixie"
 
@@ -56,7 +67,7 @@ busybox_bin=$(command -v busybox)
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/expert-arena/kernels
 mkdir -p "$cache"
 work=$(mktemp -d /tmp/ea-qemu-numa-XXXXXX)
-trap 'rm -rf "$work"' EXIT
+trap 'umount "$work"/host-*/thp 2>/dev/null || true; rm -rf "$work"' EXIT
 
 # ---- the kernels -------------------------------------------------------------------------
 # apt-get with this script's own sources list and state for a suite other than the host's.
@@ -108,7 +119,7 @@ cp "$busybox_bin" "$root/bin/busybox"
 # The console init writes to (the kernel opens it before init runs).
 mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || true
 for applet in sh mount umount mkdir cat echo grep sed awk taskset poweroff sleep rm ls head \
-  tr cut wc expr seq; do
+  tr cut wc expr seq sort tail find; do
   ln -sf busybox "$root/bin/$applet"
 done
 strip -o "$root/bin/expert-arena" "$bin/expert-arena"
@@ -118,8 +129,17 @@ if [[ -x $bin/ea-kernel-profile ]]; then
   strip -o "$root/bin/ea-kernel-profile" "$bin/ea-kernel-profile"
   profile_bin=$bin/ea-kernel-profile
 fi
-# The shared libraries it needs, where ldd finds them (stripped: the GPU runtimes are large).
-ldd "$bin/expert-arena" $profile_bin | awk '/=> \// {print $3} /^\t\/lib64/ {print $1}' | sort -u |
+# The engines, the multi-process protocol and stream tests, and the stream placement test, run
+# on each backing in the guest (below).
+guest_tests="moe-engine arena_protocol_test stream_process_test stream_numa_test"
+guest_bins=()
+for t in $guest_tests; do
+  [[ -x $bin/$t ]] || skip "$bin/$t not built"
+  strip -o "$root/bin/$t" "$bin/$t"
+  guest_bins+=("$bin/$t")
+done
+# The shared libraries they need, where ldd finds them (stripped: the GPU runtimes are large).
+ldd "$bin/expert-arena" $profile_bin "${guest_bins[@]}" | awk '/=> \// {print $3} /^\t\/lib64/ {print $1}' | sort -u |
   while read -r lib; do
     dest=$root$(dirname "$lib")
     mkdir -p "$dest"
@@ -128,7 +148,7 @@ ldd "$bin/expert-arena" $profile_bin | awk '/=> \// {print $3} /^\t\/lib64/ {pri
   done
 # ldd names some by their build-tree path (libcudart of the PyPI wheel): the loader finds them
 # through LD_LIBRARY_PATH in the guest.
-ld_path=$(ldd "$bin/expert-arena" | awk '/=> \// {print $3}' | xargs -n1 dirname | sort -u | tr '\n' ':')
+ld_path=$(ldd "$bin/expert-arena" "${guest_bins[@]}" | awk '/=> \// {print $3}' | xargs -n1 dirname | sort -u | tr '\n' ':')
 
 cat >"$root/init" <<EOF
 #!/bin/sh
@@ -280,6 +300,104 @@ if mount -t cgroup2 none /sys/fs/cgroup 2>/dev/null &&
 else
   echo "EA-CHECK cpuset FAIL: no cgroup v2 cpuset controller"
 fi
+
+# ---- the engines, the arena protocol and the stream tests on the three backings ----------
+export EXPERT_ARENA_BIN_DIR=/bin
+now() { cut -d' ' -f1 /proc/uptime; }
+mkdir -p /mnt/thp
+mount -t tmpfs -o size=400m,huge=always tmpfs /mnt/thp || echo "EA-CHECK thp-mount FAIL"
+for n in 0 1; do
+  echo 80 >/sys/devices/system/node/node$n/hugepages/hugepages-2048kB/nr_hugepages
+done
+# With a size: a stream producer checks its cap against the filesystem's size, which a
+# hugetlbfs mounted without one reports as 0 B.
+mount -t hugetlbfs -o pagesize=2M,size=320m none /mnt/huge || echo "EA-CHECK hugetlbfs-mount FAIL"
+# The start line of a load on /dev/shm and on tmpfs huge=always, compared on the host with the
+# same load under the seccomp profile of this kernel (docs/kernels.md).
+for b in shm thp; do
+  d=/dev/shm
+  [ $b = thp ] && d=/mnt/thp
+  out=$($ea load --model /tmp/m.gguf --json --arena $d/s.arena --numa local 2>/tmp/err)
+  echo "EA-START $b $(grep 'expert-arena: loaded' /tmp/err | tail -1)"
+  echo "EA-JSON $b $out"
+  rm -f $d/s.arena
+done
+# gtest NAME DIR BINARY FILTER: the tests pass with their arenas and segments in DIR.
+gtest() {
+  name=$1 dir=$2 t=$3 filter=$4
+  t0=$(now)
+  EXPERT_ARENA_TEST_DIR=$dir /bin/$t --gtest_brief=1 --gtest_filter="$filter" >/tmp/gt 2>&1
+  rc=$?
+  t1=$(now)
+  passed=$(grep -o 'PASSED  \] [0-9]* test' /tmp/gt | grep -o '[0-9]*')
+  failed=$(grep '^\[  FAILED  \] [A-Za-z]' /tmp/gt | sed 's/^\[  FAILED  \] //; s/ (.*//' |
+    sort -u | tr '\n' ' ')
+  if [ $rc -eq 0 ] && [ -n "$passed" ]; then
+    echo "EA-CHECK $name PASS $passed tests of $t in $t0-$t1 s of uptime"
+  else
+    echo "EA-CHECK $name FAIL rc $rc, failed: ${failed:-?}: $(grep -v '^\[' /tmp/gt | tail -4 | tr '\n' ' ')"
+  fi
+}
+# engines NAME DIR: two moe-engines started at once on one arena: one loads, the other
+# attaches, the same checksum; on the 2 MiB backings both wholly on 2 MiB pages.
+engines() {
+  name=$1 dir=$2
+  /bin/moe-engine --model /tmp/m.gguf --shared-expert-arena $dir/e.arena --tokens 4 --json \
+    >/tmp/e1 2>/tmp/e1.err &
+  p1=$!
+  /bin/moe-engine --model /tmp/m.gguf --shared-expert-arena $dir/e.arena --tokens 4 --json \
+    >/tmp/e2 2>/tmp/e2.err &
+  p2=$!
+  wait $p1
+  r1=$?
+  wait $p2
+  r2=$?
+  $ea rm $dir/e.arena >/dev/null 2>&1
+  roles=$(cat /tmp/e1 /tmp/e2 | grep -o '"role":"[a-z]*"' | sort | tr '\n' ' ')
+  c1=$(grep -o '"checksum":"[0-9a-f]*"' /tmp/e1)
+  c2=$(grep -o '"checksum":"[0-9a-f]*"' /tmp/e2)
+  ok=1
+  [ $r1 -eq 0 ] && [ $r2 -eq 0 ] || ok=
+  [ "$roles" = '"role":"attached" "role":"loaded" ' ] || ok=
+  [ -n "$c1" ] && [ "$c1" = "$c2" ] || ok=
+  if [ $name != shm ]; then
+    for f in /tmp/e1 /tmp/e2; do
+      h=$(grep -o '"huge_bytes":[0-9]*' $f | cut -d: -f2)
+      m=$(grep -o '"mapped_bytes":[0-9]*' $f | cut -d: -f2)
+      [ -n "$h" ] && [ "$h" = "$m" ] && [ "$h" -gt 0 ] || ok=
+    done
+  fi
+  if [ -n "$ok" ]; then
+    echo "EA-CHECK $name-two-engines PASS $roles$c1"
+  else
+    echo "EA-CHECK $name-two-engines FAIL rc $r1 $r2, $roles, $c1 vs $c2: $(tail -2 /tmp/e1.err /tmp/e2.err | tr '\n' ' ')"
+  fi
+}
+protocol='ArenaProtocolTest.SecondEngineWaitsWhileTheFirstLoadsThenAttaches:ArenaProtocolTest.LoaderKilledBeforePublishingLeavesTheFileToTheNextEngine'
+streams='StreamProcess.RoundTripThroughAnotherProcess:StreamProcess.SweepRemovesAKilledProducersSegmentsNeverALiveOnes:StreamLease.ADeadConsumersHoldsComeBackALiveOnesStay'
+# The engines on every backing; the protocol and stream subsets (tens of seconds each under
+# TCG) on one backing a kernel, a different one for each of the three kernels.
+case $(cat /proc/sys/kernel/osrelease) in
+  5.10.*) tested=shm ;;
+  6.1.*) tested=thp ;;
+  *) tested=huge ;;
+esac
+for b in shm thp huge; do
+  case $b in
+    shm) d=/dev/shm ;;
+    thp) d=/mnt/thp ;;
+    huge) d=/mnt/huge ;;
+  esac
+  echo "EA-TIME $b engines from $(now) s of uptime"
+  engines $b $d
+  [ $b = $tested ] || continue
+  gtest $b-arena-protocol $d arena_protocol_test "$protocol"
+  gtest $b-stream-process $d stream_process_test "$streams"
+done
+# A producer's segments on its node (it pins itself to node 1's CPU), node:0, interleave.
+gtest stream-numa /dev/shm stream_numa_test '*'
+leftover=$(find /dev/shm /mnt/thp /mnt/huge -mindepth 1 | head -3)
+[ -z "$leftover" ] || echo "EA-CHECK tests-left-nothing FAIL: $leftover"
 echo "EA-DONE"
 poweroff -f
 EOF
@@ -309,6 +427,72 @@ for suite in $kernels; do
   while read -r line; do
     failed+=("$suite ($(basename "$vmlinuz")): $line")
   done < <(tr -d '\r' <"$log" | grep -E "^EA-CHECK [^ ]+ FAIL" || true)
+done
+
+# ---- real kernels against their seccomp profiles -------------------------------------------
+# The same load on /dev/shm and on a tmpfs mounted huge=always under tools/kernel-profile's
+# linux-5.10 and linux-6.1 on this host, against real 5.10 and 6.1 above: what the kernel
+# lacks (feature, answer, fallback, used) and the page counts must agree; timings are not
+# compared. Needs root (the mount) and ea-kernel-profile.
+compare_profile() {
+  local suite=$1 profile=$2 log=$work/$1.log
+  [[ -f $log ]] || return 0
+  if [[ ! -x $bin/ea-kernel-profile || $(id -u) -ne 0 ]]; then
+    echo "qemu_numa: $suite against $profile: not compared (needs root and ea-kernel-profile)"
+    return 0
+  fi
+  local host=$work/host-$profile
+  mkdir -p "$host/thp" "$host/model"
+  if ! mount -t tmpfs -o size=256m,huge=always,mode=0700 tmpfs "$host/thp"; then
+    failed+=("$suite against $profile: could not mount a tmpfs huge=always on $host/thp")
+    return 0
+  fi
+  local shm
+  shm=$(mktemp -d /dev/shm/ea-qemu-compare-XXXXXX)
+  "$bin/expert-arena" gen-model --format gguf --out "$host/model/m.gguf" --layers 2 --experts 8 \
+    --hidden 512 --ffn 1024 --dtype f16 >/dev/null
+  local b d
+  for b in shm thp; do
+    d=$shm
+    [[ $b == thp ]] && d=$host/thp
+    "$bin/ea-kernel-profile" --profile "$profile" -- "$bin/expert-arena" load \
+      --model "$host/model/m.gguf" --json --arena "$d/s.arena" --numa local \
+      >"$host/$b.json" 2>"$host/$b.err" || true
+    rm -f "$d/s.arena"
+    tr -d '\r' <"$log" | sed -n "s/^EA-JSON $b //p" >"$host/$b.guest.json"
+    tr -d '\r' <"$log" | sed -n "s/^EA-START $b //p" >"$host/$b.guest.line"
+    grep -h 'expert-arena: loaded' "$host/$b.err" | tail -1 >"$host/$b.line" || true
+    if ! /usr/bin/python3 - "$host/$b.guest.json" "$host/$b.json" "$suite/$b" "$profile/$b" <<'PY'
+import json, sys
+def parts(path):
+    with open(path) as f:
+        j = json.loads(f.read().strip() or "{}")
+    missing = sorted("%s %s -> %s%s" % (m["feature"], m["answer"], m["fallback"],
+                                         " (used)" if m["used"] else "")
+                     for m in j.get("kernel", {}).get("missing", []))
+    pages = "%s bytes on 2 MiB pages (data %s bytes)" % (j.get("huge_bytes"), j.get("data_bytes"))
+    return missing, pages
+real, emulated = parts(sys.argv[1]), parts(sys.argv[2])
+same = real == emulated
+print("qemu_numa: compare %s (real) and %s (profile): %s" % (
+    sys.argv[3], sys.argv[4], "the same" if same else "DIFFERENT"))
+for name, (missing, pages) in ((sys.argv[3], real), (sys.argv[4], emulated)):
+    print("qemu_numa:   %s lacks: %s; %s" % (name, "; ".join(missing) or "nothing", pages))
+sys.exit(0 if same else 1)
+PY
+    then
+      failed+=("$suite: the start line on real $(basename "$(fetch_kernel "$suite")") differs from the $profile profile's on $b")
+    fi
+    echo "qemu_numa:   real:    $(cat "$host/$b.guest.line")"
+    echo "qemu_numa:   profile: $(cat "$host/$b.line")"
+  done
+  umount "$host/thp"
+  rm -rf "$shm"
+}
+for pair in bullseye:linux-5.10 bookworm:linux-6.1; do
+  if [[ " $kernels " == *" ${pair%%:*} "* ]]; then
+    compare_profile "${pair%%:*}" "${pair#*:}"
+  fi
 done
 
 echo "qemu_numa: $((SECONDS - started)) s for kernels: $kernels"

@@ -100,3 +100,106 @@ def test_the_c_abi_takes_the_placement_and_refuses_a_bad_one(lib, gen_model, shm
     assert c_open(lib, model, bad, b"sideways") == -22
     assert b"expected auto, local, interleave, node:N or replicate" in lib.ea_last_error()
     assert not os.path.exists(bad)
+
+
+# ---- stream producers: segments on the producer's node unless asked otherwise ----------------
+
+def cpu_nodes():
+    """The memory nodes holding a CPU of this process's affinity."""
+    mine = os.sched_getaffinity(0)
+    out = []
+    for node in memory_nodes():
+        try:
+            with open("/sys/devices/system/node/node%d/cpulist" % node) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        cpus = set()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        if cpus & mine:
+            out.append(node)
+    return out
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("replicate", "no replica per node"),
+    ("sideways", "auto, local, interleave, node:N or replicate"),
+    ("node:4000", "no node 4000 with memory on this host"),
+])
+def test_a_stream_placement_it_cannot_take_is_a_value_error(stream_dir, bad, message):
+    with pytest.raises(ValueError, match=message):
+        expert_arena.StreamProducer(directory=stream_dir, quiet=True, numa=bad)
+    assert os.listdir(stream_dir) == []
+
+
+def test_a_producers_segments_are_on_its_node_and_stats_say_which(stream_dir):
+    import numpy as np
+    mine = cpu_nodes()
+    with expert_arena.StreamProducer(directory=stream_dir, segment_bytes=8 << 20,
+                                     max_segments=2, quiet=True) as producer:
+        producer.put("t", np.ones(1 << 20, dtype=np.float32))
+        stats = producer.stats()
+        where = producer.segment_nodes()
+    if len(mine) == 1:
+        assert stats["numa_node"] == mine[0], stats["numa"]
+        assert stats["numa"].startswith("node:%d (the producer's node" % mine[0]), stats["numa"]
+        if where:  # a kernel with numa_maps
+            assert sum(where.values()) >= 10 << 20, where
+            assert where[mine[0]] * 100 >= sum(where.values()) * 95, where
+    else:
+        assert stats["numa_node"] == -1 and "span nodes" in stats["numa"], stats["numa"]
+    assert os.listdir(stream_dir) == []
+
+
+def test_a_stream_producer_on_node_0_says_node_0(stream_dir):
+    with expert_arena.StreamProducer(directory=stream_dir, quiet=True, numa="node:0") as p:
+        assert p.stats()["numa_node"] == 0
+        assert p.stats()["numa"] == "node:0"
+    with expert_arena.StreamProducer(directory=stream_dir, quiet=True, numa="local") as p:
+        assert p.stats()["numa"].startswith("local (first touch")
+
+
+def test_the_c_stream_params_take_the_placement(stream_dir):
+    from test_capi_ctypes import RemoteStreamParams, StreamParams, StreamStats
+
+    class NumaStreamParams(ctypes.Structure):
+        _fields_ = RemoteStreamParams._fields_ + [("numa", ctypes.c_char_p)]
+
+    class NumaStreamStats(ctypes.Structure):
+        _fields_ = StreamStats._fields_ + [("numa_node", ctypes.c_int64)]
+
+    lib = open_library(NumaOpenParams)
+    lib.ea_stream_params_init_sized.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.ea_stream_producer_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.ea_stream_get_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ea_stream_producer_destroy.argtypes = [ctypes.c_void_p]
+    lib.ea_last_error.restype = ctypes.c_char_p
+
+    def create(numa):
+        p = NumaStreamParams()
+        lib.ea_stream_params_init_sized(ctypes.byref(p), ctypes.sizeof(p))
+        assert p.numa is None  # NULL: auto
+        p.directory = os.fsencode(stream_dir)
+        p.quiet = 1
+        p.numa = numa
+        producer = ctypes.c_void_p()
+        return lib.ea_stream_producer_create(ctypes.byref(p), ctypes.byref(producer)), producer
+
+    rc, producer = create(b"node:0")
+    assert rc == 0, lib.ea_last_error()
+    try:
+        stats = NumaStreamStats()
+        stats.size = ctypes.sizeof(stats)
+        assert lib.ea_stream_get_stats(producer, ctypes.byref(stats)) == 0, lib.ea_last_error()
+        assert stats.numa_node == 0
+    finally:
+        lib.ea_stream_producer_destroy(producer)
+    # An older caller's struct (without the field) is the default.
+    assert ctypes.sizeof(StreamParams) < ctypes.sizeof(NumaStreamParams)
+    for bad, message in ((b"replicate", b"no replica per node"),
+                         (b"node:4000", b"no node 4000"), (b"x", b"expected auto")):
+        rc, producer = create(bad)
+        assert rc == -22 and not producer, bad
+        assert message in lib.ea_last_error(), lib.ea_last_error()
