@@ -121,7 +121,7 @@ namespace arena {
 
 Status ModelWant::MakePlan() {
   test_hooks::CountPlan();
-  EA_ASSIGN_OR_RETURN(source::ModelPlan made, planner ? planner() : source::PlanModel(*spec));
+  EA_ASSIGN_OR_RETURN(source::ModelPlan made, filler->Plan());
   plan = std::move(made);
   return Status::Ok();
 }
@@ -293,7 +293,8 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options_in
     logger->warn("expert-arena: {}", peer_note);
   }
   // A model with a fingerprint is planned only when no published arena holds it.
-  arena::ModelWant want{.spec = &model};
+  arena::ModelFilesFiller files(model);
+  arena::ModelWant want{.spec = &model, .filler = &files};
   EA_ASSIGN_OR_RETURN(bool fingerprinted, source::HasFingerprint(model));
   if (!fingerprinted) EA_RETURN_IF_ERROR(want.MakePlan());
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, *logger));
@@ -338,12 +339,8 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
                            options.from_peer + ")");
   }
   EA_ASSIGN_OR_RETURN(arena::EngineIdentity id, arena::IdentifyEngineArena(spec));
-  arena::ModelWant want;
-  want.engine_identity = id.hash;
-  want.planner = [&] { return arena::PlanEngineArena(spec, id); };
-  want.fill = [&](const load::LoadRequest& request, format::ArenaTable& table) {
-    return arena::FillEngineArena(spec, request, table);
-  };
+  arena::EngineFiller engine(spec, id);
+  arena::ModelWant want{.engine_identity = id.hash, .filler = &engine};
   // The engine writes where it pleases: every page first (no pages made alongside).
   ArenaOptions engine_options = options;
   engine_options.pages_alongside_load = false;

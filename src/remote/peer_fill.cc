@@ -39,6 +39,54 @@ std::string LayoutDifference(const format::ArenaTable& local, const format::Aren
   return "";
 }
 
+namespace {
+
+// The bytes of a connected peer, verified as they land (PeerSource::Fill). Its plan: the
+// peer's table, or the local model's when it gives the peer's layout.
+class PeerFiller final : public arena::ArenaFiller {
+ public:
+  PeerFiller(PeerSource& peer, const ModelSpec& model, const std::string& address)
+      : peer_(peer), model_(model), address_(address) {}
+
+  Result<source::ModelPlan> Plan() override {
+    source::ModelPlan plan;
+    if (model_.files.empty()) {
+      // A new host without the checkpoint: the peer's table is the plan (its identity too).
+      plan.table = peer_.table();
+      plan.format = "peer";
+      return plan;
+    }
+    EA_ASSIGN_OR_RETURN(plan, source::PlanModel(model_));
+    std::string difference = LayoutDifference(plan.table, peer_.table());
+    if (!difference.empty()) {
+      return Corrupt("peer " + address_ + " serves another model than the local files (" +
+                     difference + "); its arena holds " + peer_.table().identity_text);
+    }
+    // The local identity (paths, times of this host's files), so that local engines opening
+    // the same files attach; the peer's checksums, verified as the bytes land.
+    for (size_t i = 0; i < plan.table.tensors.size(); ++i) {
+      plan.table.tensors[i].checksum = peer_.table().tensors[i].checksum;
+    }
+    return plan;
+  }
+
+  Result<load::LoadResult> Fill(const load::LoadRequest& request,
+                                format::ArenaTable& table) override {
+    EA_RETURN_IF_ERROR(peer_.Fill(request.data, table, request.ready_front, request.ready_base));
+    load::LoadResult result;
+    result.reader = "ucx";
+    result.seconds = peer_.fill_seconds();
+    return result;
+  }
+
+ private:
+  PeerSource& peer_;
+  const ModelSpec& model_;
+  const std::string& address_;
+};
+
+}  // namespace
+
 Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
                                                   const ArenaOptions& options,
                                                   spdlog::logger& log) {
@@ -58,35 +106,13 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   peer_options.logger = &log;
   EA_ASSIGN_OR_RETURN(std::unique_ptr<PeerSource> peer, ConnectPeer(peer_options));
 
-  arena::ModelWant want{.spec = &model};
-  source::ModelPlan plan;
-  if (model.files.empty()) {
-    // A new host without the checkpoint: the peer's table is the plan (its identity too).
-    plan.table = peer->table();
-    plan.format = "peer";
-  } else {
-    EA_ASSIGN_OR_RETURN(plan, source::PlanModel(model));
-    std::string difference = LayoutDifference(plan.table, peer->table());
-    if (!difference.empty()) {
-      return Corrupt("peer " + options.from_peer + " serves another model than the local files (" +
-                     difference + "); its arena holds " + peer->table().identity_text);
-    }
-    // The local identity (paths, times of this host's files), so that local engines opening
-    // the same files attach; the peer's checksums, verified as the bytes land.
-    for (size_t i = 0; i < plan.table.tensors.size(); ++i) {
-      plan.table.tensors[i].checksum = peer->table().tensors[i].checksum;
-    }
-  }
+  // Planned before the protocol (no published arena is matched without the plan), not
+  // counted as a plan of the model files.
+  PeerFiller filler(*peer, model, options.from_peer);
+  arena::ModelWant want{.spec = &model, .filler = &filler};
+  EA_ASSIGN_OR_RETURN(source::ModelPlan plan, filler.Plan());
+  const uint64_t metadata_bytes = plan.metadata_bytes_read;
   want.plan = std::move(plan);
-  const uint64_t metadata_bytes = want.plan->metadata_bytes_read;
-  want.fill = [&peer](const load::LoadRequest& request,
-                      format::ArenaTable& table) -> Result<load::LoadResult> {
-    EA_RETURN_IF_ERROR(peer->Fill(request.data, table, request.ready_front, request.ready_base));
-    load::LoadResult result;
-    result.reader = "ucx";
-    result.seconds = peer->fill_seconds();
-    return result;
-  };
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, log));
   impl->report.from_peer = options.from_peer;
   impl->report.peer_bytes = peer->bytes_received();
