@@ -8,6 +8,7 @@
 
 #include "arena/arena_impl.h"
 #include "arena/numa_placement.h"
+#include "arena/peer_fill.h"
 #include "arena/test_hooks.h"
 #include "common/escape.h"
 #include "common/logging.h"
@@ -17,7 +18,6 @@
 #include "platform/kernel_features.h"
 #include "platform/numa.h"
 #include "platform/system_info.h"
-#include "remote/peer_fill.h"
 #include "source/model_fingerprint.h"
 
 namespace expert_arena {
@@ -120,6 +120,7 @@ void Arena::Impl::IndexNames() {
 namespace arena {
 
 Status ModelWant::MakePlan() {
+  if (filler == nullptr) return Internal("an arena wanted without a filler cannot be planned");
   test_hooks::CountPlan();
   EA_ASSIGN_OR_RETURN(source::ModelPlan made, filler->Plan());
   plan = std::move(made);
@@ -281,7 +282,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options_in
   }
   std::string peer_note;
   if (!options.from_peer.empty()) {
-    auto filled = remote::FillFromPeer(model, options, *logger);
+    auto filled = arena::FillFromPeer(model, options, *logger);
     if (filled.ok()) return Finish(std::move(*filled), options, *logger, start, ledger);
     if (model.files.empty()) {
       return Status(filled.status().code(),

@@ -749,6 +749,10 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
         found = FileFindings();
         EA_RETURN_IF_ERROR(TakeUserExclusive(file, decision.busy));
         // A fresh, empty file: we load it, holding FILL and USER exclusively.
+        if (want->filler == nullptr) {
+          (void)platform::UnlinkPath(path);  // nobody maps it: we hold USER exclusively
+          return Internal(path + ": an arena wanted without a filler cannot be loaded");
+        }
         return LoadFresh(std::move(file), *want->plan, *want->filler, options, fs, wait, log);
       case Step::kPlanHere:
         break;  // planned above: Classify does not ask twice

@@ -19,7 +19,7 @@
 #include "expert_arena/status.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 
 namespace expert_arena::remote {
 

@@ -53,7 +53,7 @@
 #include "platform/memory_copy.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 #include "stream/block_allocator.h"
 #include "stream/fork_guard.h"
 #include "stream/segment_file.h"

@@ -1,12 +1,13 @@
-#include "remote/peer_fill.h"
+#include "arena/peer_fill.h"
 
 #include <spdlog/spdlog.h>
 
+#include "arena/arena_filler.h"
+#include "arena/peer_transport.h"
 #include "load/loader.h"
-#include "remote/peer_client.h"
 #include "source/model_source.h"
 
-namespace expert_arena::remote {
+namespace expert_arena::arena {
 
 std::string LayoutDifference(const format::ArenaTable& local, const format::ArenaTable& peer) {
   if (local.tensors.size() != peer.tensors.size()) {
@@ -41,11 +42,11 @@ std::string LayoutDifference(const format::ArenaTable& local, const format::Aren
 
 namespace {
 
-// The bytes of a connected peer, verified as they land (PeerSource::Fill). Its plan: the
+// The bytes of a connected peer, verified as they land (PeerConnection::Fill). Its plan: the
 // peer's table, or the local model's when it gives the peer's layout.
-class PeerFiller final : public arena::ArenaFiller {
+class PeerFiller final : public ArenaFiller {
  public:
-  PeerFiller(PeerSource& peer, const ModelSpec& model, const std::string& address)
+  PeerFiller(PeerConnection& peer, const ModelSpec& model, const std::string& address)
       : peer_(peer), model_(model), address_(address) {}
 
   Result<source::ModelPlan> Plan() override {
@@ -80,7 +81,7 @@ class PeerFiller final : public arena::ArenaFiller {
   }
 
  private:
-  PeerSource& peer_;
+  PeerConnection& peer_;
   const ModelSpec& model_;
   const std::string& address_;
 };
@@ -93,7 +94,7 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   if (options.shared_path.empty()) {
     return InvalidArgument("from_peer " + options.from_peer + " needs a shared arena path");
   }
-  PeerOptions peer_options;
+  PeerConnectOptions peer_options;
   peer_options.address = options.from_peer;
   peer_options.token = options.peer_token;
   peer_options.stall_seconds = options.peer_stall_seconds;
@@ -104,16 +105,16 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
                            "\": auto, am or get");
   }
   peer_options.logger = &log;
-  EA_ASSIGN_OR_RETURN(std::unique_ptr<PeerSource> peer, ConnectPeer(peer_options));
+  EA_ASSIGN_OR_RETURN(std::unique_ptr<PeerConnection> peer, ConnectToPeer(peer_options));
 
   // Planned before the protocol (no published arena is matched without the plan), not
   // counted as a plan of the model files.
   PeerFiller filler(*peer, model, options.from_peer);
-  arena::ModelWant want{.spec = &model, .filler = &filler};
+  ModelWant want{.spec = &model, .filler = &filler};
   EA_ASSIGN_OR_RETURN(source::ModelPlan plan, filler.Plan());
   const uint64_t metadata_bytes = plan.metadata_bytes_read;
   want.plan = std::move(plan);
-  EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, log));
+  EA_ASSIGN_OR_RETURN(auto impl, OpenShared(&want, options, log));
   impl->report.from_peer = options.from_peer;
   impl->report.peer_bytes = peer->bytes_received();
   impl->report.peer_transport = peer->transport();
@@ -122,4 +123,4 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   return impl;
 }
 
-}  // namespace expert_arena::remote
+}  // namespace expert_arena::arena
