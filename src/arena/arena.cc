@@ -8,6 +8,7 @@
 
 #include "arena/arena_impl.h"
 #include "arena/numa_placement.h"
+#include "arena/peer_fill.h"
 #include "common/escape.h"
 #include "common/fault_points.h"
 #include "common/logging.h"
@@ -17,7 +18,6 @@
 #include "platform/kernel_features.h"
 #include "platform/numa.h"
 #include "platform/system_info.h"
-#include "remote/peer_fill.h"
 #include "source/model_fingerprint.h"
 
 namespace expert_arena {
@@ -158,8 +158,9 @@ void Arena::Impl::IndexNames() {
 namespace arena {
 
 Status ModelWant::MakePlan() {
+  if (filler == nullptr) return Internal("an arena wanted without a filler cannot be planned");
   fault_points::PlanMade();
-  EA_ASSIGN_OR_RETURN(source::ModelPlan made, planner ? planner() : source::PlanModel(*spec));
+  EA_ASSIGN_OR_RETURN(source::ModelPlan made, filler->Plan());
   plan = std::move(made);
   return Status::Ok();
 }
@@ -316,7 +317,7 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options_in
   }
   std::string peer_note;
   if (!options.from_peer.empty()) {
-    auto filled = remote::FillFromPeer(model, options, *logger);
+    auto filled = arena::FillFromPeer(model, options, *logger);
     if (filled.ok()) return Finish(std::move(*filled), options, *logger, start, ledger);
     if (model.files.empty()) {
       return Status(filled.status().code(),
@@ -328,7 +329,8 @@ Result<Arena> Arena::Open(const ModelSpec& model, const ArenaOptions& options_in
     logger->warn("expert-arena: {}", peer_note);
   }
   // A model with a fingerprint is planned only when no published arena holds it.
-  arena::ModelWant want{.spec = &model};
+  arena::ModelFilesFiller files(model);
+  arena::ModelWant want{.spec = &model, .filler = &files};
   EA_ASSIGN_OR_RETURN(bool fingerprinted, source::HasFingerprint(model));
   if (!fingerprinted) EA_RETURN_IF_ERROR(want.MakePlan());
   EA_ASSIGN_OR_RETURN(auto impl, arena::OpenShared(&want, options, *logger));
@@ -373,12 +375,8 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
                            options.from_peer + ")");
   }
   EA_ASSIGN_OR_RETURN(arena::EngineIdentity id, arena::IdentifyEngineArena(spec));
-  arena::ModelWant want;
-  want.engine_identity = id.hash;
-  want.planner = [&] { return arena::PlanEngineArena(spec, id); };
-  want.fill = [&](const load::LoadRequest& request, format::ArenaTable& table) {
-    return arena::FillEngineArena(spec, request, table);
-  };
+  arena::EngineFiller engine(spec, id);
+  arena::ModelWant want{.engine_identity = id.hash, .filler = &engine};
   // The engine writes where it pleases: every page first (no pages made alongside).
   ArenaOptions engine_options = options;
   engine_options.pages_alongside_load = false;

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "arena/arena_filler.h"
 #include "expert_arena/arena.h"
 #include "format/arena_format.h"
 #include "format/arena_table.h"
@@ -54,21 +55,19 @@ struct Arena::Impl {
 namespace arena {
 
 // What an engine asks OpenShared for: a model (its spec, and its plan once made: a model with
-// a fingerprint is planned only when no published arena matches it), or, with a null spec
+// a fingerprint is planned only when no published arena matches it), or, with a null `want`
 // (AttachExisting), whatever is published.
 struct ModelWant {
   const ModelSpec* spec = nullptr;
   std::optional<source::ModelPlan> plan;
   uint64_t fingerprint_bytes_read = 0;  // read to match an arena's fingerprint
-  // When set, fills the data region in place of load::LoadTensors (a fill from a peer,
-  // src/remote): the same request, the plan's table, checksums already set and verified.
-  std::function<Result<load::LoadResult>(const load::LoadRequest&, format::ArenaTable&)> fill;
   // An engine-made arena (engine_arena.cc): a published arena is this one when its identity
   // hash is engine_identity (nothing is planned to know it); otherwise the engine that holds
-  // FILL on an empty file plans with `planner` then and there (it builds its tensors while the
-  // others wait), and fills with `fill`.
+  // FILL on an empty file plans then and there (it builds its tensors while the others wait).
   uint64_t engine_identity = 0;
-  std::function<Result<source::ModelPlan>()> planner;
+  // Plans the arena (MakePlan) and fills it when this engine loads (LoadFresh): the model
+  // files, the engine's own writer, or a peer (arena_filler.h). Required.
+  ArenaFiller* filler = nullptr;
   Status MakePlan();
 };
 
@@ -89,6 +88,21 @@ Result<source::ModelPlan> PlanEngineArena(const EngineArenaSpec& spec, const Eng
 Result<load::LoadResult> FillEngineArena(const EngineArenaSpec& spec,
                                          const load::LoadRequest& request,
                                          format::ArenaTable& table);
+
+// An engine-made arena's filler: PlanEngineArena and FillEngineArena of one spec.
+class EngineFiller final : public ArenaFiller {
+ public:
+  EngineFiller(const EngineArenaSpec& spec, const EngineIdentity& id) : spec_(spec), id_(id) {}
+  Result<source::ModelPlan> Plan() override { return PlanEngineArena(spec_, id_); }
+  Result<load::LoadResult> Fill(const load::LoadRequest& request,
+                                format::ArenaTable& table) override {
+    return FillEngineArena(spec_, request, table);
+  }
+
+ private:
+  const EngineArenaSpec& spec_;
+  const EngineIdentity& id_;
+};
 
 // The shared-file protocol (shared_arena.cc). `want` is null for AttachExisting.
 Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOptions& options,

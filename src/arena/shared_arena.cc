@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "arena/arena_impl.h"
+#include "arena/shared_protocol.h"
 #include "arena/arena_locks.h"
 #include "arena/memory_charge.h"
 #include "arena/numa_placement.h"
@@ -66,27 +67,6 @@ format::HeaderSummary PeekHeader(const platform::UniqueFd& fd) {
   if (!got.ok()) return {};
   buf.resize(*got);
   return format::SummarizeHeader(buf);
-}
-
-// Why a present file cannot be used as it is, or "" when it can.
-std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& decoded,
-                           const source::ModelPlan* plan, uint64_t file_size) {
-  if (file_size == 0) return "";
-  if (!summary.our_magic) return "a file that is not an expert-arena file";
-  if (summary.version != format::kFormatVersion) {
-    return "an arena of format version " + std::to_string(summary.version);
-  }
-  if (summary.state != format::FileState::kPublished) return "an unfinished load";
-  if (!decoded.ok()) return "a damaged arena (" + decoded.message() + ")";
-  if (plan != nullptr) {
-    if (summary.identity_hash != plan->table.identity_hash) {
-      return "another model (" + summary.identity_text + ")";
-    }
-    if (summary.layout.data_bytes != plan->table.data_bytes) {
-      return "an arena of another size (" + FormatBytes(summary.layout.data_bytes) + ")";
-    }
-  }
-  return "";
 }
 
 Status NoSpaceMessage(const Status& s, const platform::FilesystemInfo& fs, uint64_t file_bytes,
@@ -212,7 +192,480 @@ Status PopulateWriteInParallel(const platform::Mapping& mapping, uint64_t page_b
   return first.ok() ? second_status : first;
 }
 
+// Whether the published arena in `found` records the fingerprint of the model's planning
+// inputs and they hash the same on disk now (a model not planned yet attaches without
+// planning). Records the bytes read to know it.
+bool MatchesFingerprint(ModelWant& want, const FileFindings& found) {
+  if (found.size == 0 || !found.view || found.view->fixed().fingerprint == 0) return false;
+  if (!WhyNotReusable(found.summary, found.decoded, nullptr, found.size).empty()) return false;
+  std::vector<format::SourceRecord> sources;
+  sources.reserve(found.view->source_count());
+  for (size_t i = 0; i < found.view->source_count(); ++i) sources.push_back(found.view->source(i));
+  auto check = source::FingerprintFromSources(*want.spec, sources);
+  if (check.ok()) want.fingerprint_bytes_read = check->bytes_read;
+  return check.ok() && check->fingerprint == found.view->fixed().fingerprint;
+}
+
+// An engine-made arena whose planning failed on the empty file this engine created: nothing
+// was published, so the file goes (nobody else may map it yet).
+void AbandonEmptyFile(const ArenaFile& file, const std::string& path) {
+  auto user = platform::TryLockByte(file.fd, kUserByte, platform::LockMode::kExclusive);
+  if (user.ok() && *user && PathNamesFile(path, file.st)) (void)platform::UnlinkPath(path);
+}
+
 }  // namespace
+
+std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& decoded,
+                           const source::ModelPlan* plan, uint64_t file_size) {
+  if (file_size == 0) return "";
+  if (!summary.our_magic) return "a file that is not an expert-arena file";
+  if (summary.version != format::kFormatVersion) {
+    return "an arena of format version " + std::to_string(summary.version);
+  }
+  if (summary.state != format::FileState::kPublished) return "an unfinished load";
+  if (!decoded.ok()) return "a damaged arena (" + decoded.message() + ")";
+  if (plan != nullptr) {
+    if (summary.identity_hash != plan->table.identity_hash) {
+      return "another model (" + summary.identity_text + ")";
+    }
+    if (summary.layout.data_bytes != plan->table.data_bytes) {
+      return "an arena of another size (" + FormatBytes(summary.layout.data_bytes) + ")";
+    }
+  }
+  return "";
+}
+
+const char* StepName(Step step) {
+  switch (step) {
+    case Step::kAttach:
+      return "attach";
+    case Step::kPlanUnlocked:
+      return "plan unlocked";
+    case Step::kPlanHere:
+      return "plan here";
+    case Step::kWaitForCreator:
+      return "wait for creator";
+    case Step::kRefuse:
+      return "refuse";
+    case Step::kReplace:
+      return "replace";
+    case Step::kLoad:
+      return "load";
+  }
+  return "unknown";
+}
+
+double FillWait::Seconds() const {
+  return said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
+}
+
+Result<ArenaFile> OpenArenaFile(const ArenaOptions& options, bool create, bool absent_ok) {
+  const std::string& path = options.shared_path;
+  platform::OpenOptions open_options;
+  open_options.write = true;
+  open_options.create = create;
+  open_options.mode = options.file_mode;
+  open_options.exact_mode = true;
+  auto opened = platform::OpenFile(path, open_options);
+  ArenaFile file;
+  file.path = path;
+  if (!opened.ok() && opened.status().code() == StatusCode::kNotFound && absent_ok) {
+    file.absent = true;
+    return file;
+  }
+  // Another user's arena shared with a group mode (0640, or 0660 with a umask that took the
+  // group's write bit before this version): attaching needs only read access.
+  if (!opened.ok() && opened.status().code() == StatusCode::kPermission) {
+    auto lst = platform::StatPath(path);
+    if (!lst.ok() && lst.status().code() == StatusCode::kPermission) {
+      return PermissionDenied(path + ": this user may not reach the arena file: " +
+                              platform::DescribeFileAccess(path) +
+                              ". Every engine must be able to search its directory (a shared "
+                              "directory is mode 1777 like /dev/shm, or 2770 with a group)");
+    }
+    if (!lst.ok() || !lst->regular) return opened.status();  // a symlink, or no file at all
+    auto reading = platform::OpenFile(path, platform::OpenOptions{});
+    if (!reading.ok()) {
+      if (reading.status().code() != StatusCode::kPermission) return reading.status();
+      return PermissionDenied(
+          path +
+          ": this user may not read the arena file: " + platform::DescribeFileAccess(path) +
+          ". To share an arena between users, the engine that creates it sets a group mode "
+          "(moe-engine --arena-mode 0660, expert-arena load --mode 0660, Python "
+          "open(file_mode=0o660)) and every engine runs with that group (a supplementary "
+          "group; in a container --group-add or the pod's fsGroup) and "
+          "--arena-allow-foreign-owner; or run this engine as the owner, or give it another "
+          "arena path");
+    }
+    opened = std::move(reading);
+    file.read_only = true;
+  }
+  if (!opened.ok()) return opened.status();
+  file.fd = std::move(*opened);
+  EA_ASSIGN_OR_RETURN(file.st, platform::StatFd(file.fd));
+  if (!file.st.regular) return InvalidArgument(path + ": not a regular file");
+  if (file.st.owner_uid != platform::EffectiveUid() && !options.allow_foreign_owner) {
+    return PermissionDenied(path + " is owned by uid " + std::to_string(file.st.owner_uid) +
+                            ", not by this user (uid " +
+                            std::to_string(platform::EffectiveUid()) +
+                            "); refusing to share it (allow_foreign_owner opts in)");
+  }
+  return file;
+}
+
+Result<bool> WaitForFill(ArenaFile& file, FillWait& wait, spdlog::logger& log) {
+  const std::string& path = file.path;
+  // A read-only descriptor cannot take a write lock (EBADF): such an engine only attaches,
+  // and FILL shared is enough for that (it conflicts with a loader's, not with other
+  // attachers').
+  const platform::LockMode fill_mode =
+      file.read_only ? platform::LockMode::kShared : platform::LockMode::kExclusive;
+  for (;;) {
+    EA_ASSIGN_OR_RETURN(bool got_fill, platform::TryLockByte(file.fd, kFillByte, fill_mode));
+    if (got_fill) break;
+    if (!wait.said_waiting && PeekHeader(file.fd).state == format::FileState::kPublished) {
+      // FILL is held by an engine of another user checking a published arena before it
+      // attaches (shared): a moment, nobody is loading.
+    } else if (!wait.said_waiting) {
+      wait.wait_start = Clock::now();
+      format::HeaderSummary loading = PeekHeader(file.fd);
+      // The loader writes its pid first thing; give it up to 2 s to appear.
+      for (int i = 0; i < 100 && loading.loader_pid == 0; ++i) {
+        std::this_thread::sleep_for(kPollInterval);
+        loading = PeekHeader(file.fd);
+      }
+      // A loader in another container (PID namespace) is named as such, and not reported
+      // as a pid of ours.
+      wait.waiting_for =
+          loading.loader_pid == 0
+              ? std::string("pid unknown")
+              : platform::DescribePid(loading.loader_pid, loading.loader_pid_namespace);
+      wait.waited_for =
+          platform::PidIsLocal(loading.loader_pid_namespace) ? loading.loader_pid : 0;
+      log.info("expert-arena: another engine ({}) is loading {}, waiting", wait.waiting_for, path);
+      wait.said_waiting = true;
+    }
+    if (Clock::now() > wait.deadline) {
+      return TimedOut("waited " + std::to_string(static_cast<int>(SecondsSince(wait.start))) +
+                      " s for another engine (" + wait.waiting_for + ") loading " + path +
+                      "; raise the wait timeout or check that process");
+    }
+    std::this_thread::sleep_for(kPollInterval);
+    if (!PathNamesFile(path, file.st)) return false;
+  }
+  if (!PathNamesFile(path, file.st)) return false;  // replaced between open and lock
+  EA_ASSIGN_OR_RETURN(file.st, platform::StatFd(file.fd));
+  return true;
+}
+
+FileFindings ReadFindings(const ArenaFile& file, const platform::FilesystemInfo& fs,
+                          bool writable, const std::string& path) {
+  FileFindings found;
+  found.size = file.st.size;
+  found.read_only = file.read_only;
+  found.summary = PeekHeader(file.fd);
+  const format::HeaderSummary& summary = found.summary;
+  found.header_bytes = summary.layout.header_bytes;
+  const uint64_t header_bytes = found.header_bytes;
+  if (found.size > 0 && summary.our_magic && summary.version == format::kFormatVersion &&
+      summary.state == format::FileState::kPublished) {
+    if (header_bytes == 0 || header_bytes > found.size || header_bytes > 1024 * kMiB) {
+      found.decoded = format::DecodeHeader({}, found.size, path, nullptr, nullptr);
+    } else if (auto mapped = platform::Mapping::MapFile(file.fd, found.size, writable,
+                                                        MappingAlignment(fs));
+               mapped.ok()) {
+      auto opened =
+          format::TableView::Open(mapped->bytes().first(header_bytes), found.size, path);
+      if (opened.ok()) {
+        found.view = std::move(*opened);
+        found.whole = std::move(*mapped);
+      } else {
+        found.decoded = opened.status();
+      }
+    } else {
+      std::vector<std::byte> region(header_bytes);
+      found.decoded = platform::ReadFull(file.fd, 0, region);
+      if (found.decoded.ok()) {
+        found.decoded = format::DecodeHeader(region, found.size, path, nullptr, nullptr);
+      }
+    }
+  }
+  return found;
+}
+
+Decision Classify(const ModelWant* want, const FileFindings& found, const std::string& path) {
+  const source::ModelPlan* plan = want != nullptr && want->plan ? &*want->plan : nullptr;
+  const std::string why_not = WhyNotReusable(found.summary, found.decoded, plan, found.size);
+  const uint64_t size = found.size;
+  Decision d;
+  if (want != nullptr && plan == nullptr && want->engine_identity != 0) {
+    // An engine-made arena: ours when published under our identity hash.
+    const bool ours =
+        size > 0 && why_not.empty() && found.summary.identity_hash == want->engine_identity;
+    if (!ours && found.read_only) {
+      d.refusal = PermissionDenied(
+          path + " holds " +
+          (size == 0         ? std::string("no arena yet")
+           : why_not.empty() ? "another engine's arena (" + found.summary.identity_text + ")"
+                             : why_not) +
+          ", and this user may only read it (" + platform::DescribeFileAccess(path) +
+          "), so this engine cannot build or replace it; give this engine another arena path");
+      return d;
+    }
+    if (!ours && size > 0) {
+      // Another identity, an unfinished build, or a damaged file: replaced when no engine
+      // maps it, before this engine builds anything.
+      d.step = Step::kReplace;
+      d.held = why_not.empty() ? "another engine's arena (" + found.summary.identity_text + ")"
+                               : why_not;
+      d.busy = path + " holds " + d.held + " and is in use by another engine; this engine " +
+               "builds another. Stop the engines that use it, or give this one another "
+               "arena path";
+      return d;
+    }
+    // A fresh, empty file and FILL: this engine builds now, while the others wait.
+    if (!ours) {
+      d.step = Step::kPlanHere;
+      return d;
+    }
+  } else if (want != nullptr && plan == nullptr) {
+    // The model is not planned yet: a published arena that records the fingerprint of its
+    // planning inputs is this model when the inputs on disk hash the same. Otherwise it is
+    // planned without holding any lock, and the file decided on again.
+    if (!found.fingerprint_matches) {
+      d.step = Step::kPlanUnlocked;
+      return d;
+    }
+  }
+  if (size > 0 && why_not.empty()) {
+    d.step = Step::kAttach;  // a published arena of our model
+    return d;
+  }
+  if (found.read_only && size == 0 && found.creator_grace) {
+    // The owner's engine may have created the file and not yet taken FILL: give it a moment.
+    d.step = Step::kWaitForCreator;
+    return d;
+  }
+  if (plan == nullptr) {
+    d.refusal = size == 0 ? NotFound(path + ": empty file, no arena was loaded into it")
+                          : Corrupt(path + ": cannot attach: it holds " + why_not);
+    return d;
+  }
+  if (found.read_only) {
+    d.refusal = PermissionDenied(
+        path + " holds " + (size == 0 ? std::string("no arena yet") : why_not) +
+        ", and this user may only read it (" + platform::DescribeFileAccess(path) +
+        "), so this engine cannot load or replace it. Start an engine of a user that may "
+        "write it (its owner, or a member of its group with mode 0660) to load it, then attach; "
+        "or give this engine another arena path");
+    return d;
+  }
+  // Replace or load: both need every other engine gone from the file.
+  d.busy = path + " holds " + why_not + " and is in use by another engine; this engine " +
+           "wants " + plan->table.identity_text +
+           ". Stop the engines that use it, or give this one another arena path";
+  d.step = size > 0 ? Step::kReplace : Step::kLoad;
+  d.held = why_not;
+  return d;
+}
+
+Status TakeUserExclusive(const ArenaFile& file, const std::string& busy) {
+  EA_ASSIGN_OR_RETURN(bool unused,
+                      platform::TryLockByte(file.fd, kUserByte, platform::LockMode::kExclusive));
+  if (!unused) return Busy(busy);
+  return Status::Ok();
+}
+
+Status Replace(const std::string& path, const std::string& held, spdlog::logger& log) {
+  log.info("expert-arena: replacing {}: it held {} and no engine maps it", path, held);
+  return platform::UnlinkPath(path);
+}
+
+Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
+                                            const platform::FilesystemInfo& fs, bool writable,
+                                            const FillWait& wait, const std::string& path) {
+  EA_ASSIGN_OR_RETURN(bool user,
+                      platform::TryLockByte(file.fd, kUserByte, platform::LockMode::kShared));
+  if (!user) return Internal(path + ": USER held exclusively while FILL was free");
+  std::unique_ptr<Arena::Impl> impl;
+  if (found.view && found.view->in_place()) {
+    impl = std::make_unique<Arena::Impl>();
+    impl->mapping = std::move(*found.whole);
+    impl->table = found.view->Summary();
+    impl->view = std::move(found.view);
+    impl->data_offset = found.header_bytes;
+    EA_RETURN_IF_ERROR(platform::AdviseRange(
+        impl->mapping.data(), impl->mapping.size(),
+        writable ? platform::Advice::kPopulateWrite : platform::Advice::kPopulateRead, path));
+    impl->fd = std::move(file.fd);
+  } else {
+    found.view.reset();
+    found.whole.reset();
+    EA_ASSIGN_OR_RETURN(impl, MapPublished(std::move(file.fd), file.st, fs, path, writable));
+  }
+  EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
+  impl->report.role = ArenaRole::kAttached;
+  impl->report.wait_seconds = wait.Seconds();
+  impl->report.waited_for_pid = wait.waited_for;
+  impl->report.backing = platform::FsKindName(fs.kind);
+  impl->report.huge_note = fs.kind == platform::FsKind::kHugetlbfs ? "hugetlbfs" : "";
+  impl->report.page_bytes = HugePageBytesOf(fs);
+  return impl;
+}
+
+Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan& plan,
+                                               ArenaFiller& filler, const ArenaOptions& options,
+                                               const platform::FilesystemInfo& fs,
+                                               const FillWait& wait, spdlog::logger& log) {
+  const std::string& path = file.path;
+  platform::UniqueFd& fd = file.fd;
+  const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
+  auto impl = std::make_unique<Arena::Impl>();
+  // Every way on from here returns: the plan's table (90,000 records at the largest
+  // checkpoints) is moved, not copied; only its scalars are read below.
+  impl->table = std::move(plan.table);
+  auto fail = [&](const Status& s) {
+    // Nobody maps an unpublished file (we hold USER exclusively): remove it, leak nothing.
+    (void)platform::UnlinkPath(path);
+    return s;
+  };
+  auto layout = format::ComputeLayout(impl->table, hugetlbfs ? fs.block_bytes : kHugePageBytes);
+  if (!layout.ok()) return fail(layout.status());
+  // Before the first page is written (the stub header below makes one): would the pages
+  // this load makes fit the cgroup they are charged to? The file is new and empty, so every
+  // page of it is made here.
+  auto charge = CheckArenaCharge(fs, layout->file_bytes, path, log);
+  if (!charge.ok()) return fail(charge.status());
+  const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
+  auto start_time = platform::ProcessStartTime(platform::CurrentPid());
+  const uint64_t ticks = start_time.ok() ? *start_time : 0;
+  const uint64_t pid_namespace = platform::PidNamespaceId();
+  const uint64_t created = UnixNanos();
+  auto placement = ResolvePlacement(options);
+  if (!placement.ok()) return fail(placement.status());
+  // With a NUMA policy on tmpfs no page of the file may exist before the policy is set (the
+  // collapse puts a 2 MiB page where its small pages are): the stub below would make the
+  // header's first page on the loader's node, so it waits for the header in the mapping.
+  const bool placed_tmpfs = placement->policy != platform::MemPolicy::kDefault &&
+                            fs.kind == platform::FsKind::kTmpfs;
+  if (!placed_tmpfs) {
+    // Say who is loading before the (possibly long) allocation, so engines that arrive now
+    // can name this process. Best effort: hugetlbfs has no write(2); the header written
+    // into the mapping below says it again.
+    // Only the fixed part is written: encode the table's scalars, not its 90,000 entries.
+    std::vector<format::SourceRecord> sources = std::move(impl->table.sources);
+    std::vector<format::TensorRecord> tensors = std::move(impl->table.tensors);
+    format::ArenaTable scalars = impl->table;
+    impl->table.sources = std::move(sources);
+    impl->table.tensors = std::move(tensors);
+    format::ArenaLayout stub_layout = *layout;
+    stub_layout.header_bytes = format::kHeaderPageBytes;
+    std::vector<std::byte> stub(stub_layout.header_bytes);
+    if (format::EncodeHeader(scalars, stub_layout, format::FileState::kLoading, pid, ticks,
+                             created, 0, stub, pid_namespace)
+            .ok()) {
+      (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
+    }
+  }
+  if (fs.kind == platform::FsKind::kOther) {
+    // Works (every engine shares the file's page cache), but the operator most likely meant
+    // /dev/shm: say what it costs.
+    log.warn(
+        "expert-arena: {} is not on tmpfs or hugetlbfs: the arena is the page cache of a "
+        "file on a disk filesystem, {} written back to its device, on 4 KiB pages; "
+        "/dev/shm or a hugetlbfs mount keeps it in memory only, on 2 MiB pages",
+        path, FormatBytes(layout->file_bytes));
+  }
+  uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
+  Status room = CheckRoomOnNode(*placement, hugetlbfs, layout->file_bytes,
+                                std::max(fs.block_bytes, kHugePageBytes), path);
+  if (!room.ok()) return fail(room);
+  auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
+                               PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
+                               options.pages_alongside_load, &*placement);
+  if (!backed.ok()) {
+    return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
+  }
+  // The background pages (if any) write into this mapping: they are stopped and joined
+  // (backed->pages) before it is unmapped, on every path out of here.
+  impl->mapping = std::move(backed->mapping);
+  impl->data_offset = layout->header_bytes;
+  BackgroundPages* pages = backed->pages.get();
+  auto stop_pages = [&](Status s) {
+    backed->pages.reset();
+    return fail(s);
+  };
+
+  std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
+  Status s = pages != nullptr ? pages->front().WaitFor(layout->header_bytes) : Status::Ok();
+  if (!s.ok()) return stop_pages(s);
+  s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks, created,
+                           0, header, pid_namespace);
+  if (!s.ok()) return stop_pages(s);
+  std::byte* data = impl->mapping.data() + impl->data_offset;
+  if (pages == nullptr) {
+    s = PopulateWriteInParallel(impl->mapping, alignment, path);
+    if (!s.ok()) return fail(s);
+  }
+
+  load::LoadRequest request;
+  request.data = {data, impl->table.data_bytes};
+  request.reader = ModelReaderName(options.reader);
+  request.progress = options.progress;
+  request.logger = &log;
+  request.logger_is_engines = options.logger != nullptr;
+  if (pages != nullptr) {
+    request.ready_front = &pages->front();
+    request.ready_base = impl->data_offset;
+  }
+  auto loaded = filler.Fill(request, impl->table);
+  // A load that failed stops the pages at once (a failure of the pages reaches the load as
+  // the front's error); otherwise wait for the last pieces.
+  if (!loaded.ok()) return stop_pages(loaded.status().WithContext("loading " + path));
+  s = backed->FinishPages();
+  if (!s.ok()) return stop_pages(s);
+  const HugeDecision& huge = backed->huge;
+  const double collapse_seconds = backed->collapse_seconds;
+
+  s = CheckWritesReachedTheFile(fd, impl->mapping, impl->data_offset, impl->table.data_bytes);
+  if (!s.ok()) return fail(s);
+  fault_points::BeforePublish();
+  s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
+                           created, UnixNanos(), header, pid_namespace);
+  if (!s.ok()) return fail(s);
+  // Publish: USER exclusive -> shared in one call, then let the waiters in.
+  auto user_shared = platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared);
+  if (!user_shared.ok()) return fail(user_shared.status());
+  EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
+  // Nobody writes a published arena: the loader's mapping becomes read-only like the others
+  // (unless it is to be registered with a GPU: see MapWritableForGpu).
+  if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+  // From now on the loader reads its table where every other engine does: in the header it
+  // published, and the heap copy goes.
+  auto published = format::TableView::Open(header, layout->file_bytes, path);
+  if (published.ok()) {
+    impl->view = std::move(*published);
+    impl->table = impl->view->Summary();
+  }
+  impl->fd = std::move(fd);
+  impl->report.role = ArenaRole::kLoaded;
+  impl->report.backing = platform::FsKindName(fs.kind);
+  impl->report.huge_note = hugetlbfs ? "hugetlbfs: " + FormatPageSize(fs.block_bytes) +
+                                           " pages reserved by the filesystem"
+                                     : huge.note;
+  impl->report.page_bytes = HugePageBytesOf(fs);
+  impl->report.numa = placement->asked;
+  impl->report.numa_note = backed->numa_note;
+  impl->report.charge_note = *charge;
+  impl->report.collapse_seconds = collapse_seconds;
+  impl->report.load_seconds = loaded->seconds;
+  impl->report.reader = loaded->reader;
+  impl->report.reader_note = loaded->note;
+  impl->report.bytes_read = loaded->bytes_read + plan.metadata_bytes_read;
+  impl->report.wait_seconds = wait.Seconds();
+  impl->report.waited_for_pid = wait.waited_for;
+  return impl;
+}
 
 Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOptions& options,
                                                 spdlog::logger& log) {
@@ -220,9 +673,10 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
   return Unsupported(options.shared_path + ": shared arena files are implemented on Linux only");
 #else
   const std::string& path = options.shared_path;
-  const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::milliseconds(static_cast<int64_t>(options.wait_timeout_seconds * 1000));
+  FillWait wait;
+  wait.start = Clock::now();
+  wait.deadline = wait.start + std::chrono::milliseconds(
+                                   static_cast<int64_t>(options.wait_timeout_seconds * 1000));
   auto statfs = platform::StatFilesystem(DirectoryOf(path));
   if (!statfs.ok() && statfs.status().code() == StatusCode::kNotFound) {
     const std::string dir = DirectoryOf(path);
@@ -232,418 +686,78 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
                     "exists, such as /dev/shm");
   }
   EA_ASSIGN_OR_RETURN(platform::FilesystemInfo fs, std::move(statfs));
-  const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
-  bool said_waiting = false;
-  uint32_t waited_for = 0;
-  std::string waiting_for = "pid unknown";
-  Clock::time_point wait_start{};
 
+  // Each round opens the file anew: a round ends by a decision (attach, load, refuse) or by
+  // letting go of the file (planned without a lock, replaced, replaced by another engine).
   for (;;) {
-    const source::ModelPlan* plan = want != nullptr && want->plan ? &*want->plan : nullptr;
-    platform::OpenOptions open_options;
-    open_options.write = true;
+    const bool planned = want != nullptr && want->plan;
     // An engine-made arena is planned only once this engine holds FILL on an empty file.
-    open_options.create = plan != nullptr || (want != nullptr && want->engine_identity != 0);
-    open_options.mode = options.file_mode;
-    open_options.exact_mode = true;
-    auto opened = platform::OpenFile(path, open_options);
-    if (!opened.ok() && opened.status().code() == StatusCode::kNotFound && want != nullptr &&
-        plan == nullptr) {
+    const bool create = planned || (want != nullptr && want->engine_identity != 0);
+    EA_ASSIGN_OR_RETURN(ArenaFile file,
+                        OpenArenaFile(options, create, want != nullptr && !planned));
+    if (file.absent) {
       // Nothing to attach to: this engine loads, so it plans.
       EA_RETURN_IF_ERROR(want->MakePlan());
       continue;
     }
-    // Another user's arena shared with a group mode (0640, or 0660 with a umask that took the
-    // group's write bit before this version): attaching needs only read access.
-    bool read_only = false;
-    if (!opened.ok() && opened.status().code() == StatusCode::kPermission) {
-      auto lst = platform::StatPath(path);
-      if (!lst.ok() && lst.status().code() == StatusCode::kPermission) {
-        return PermissionDenied(path + ": this user may not reach the arena file: " +
-                                platform::DescribeFileAccess(path) +
-                                ". Every engine must be able to search its directory (a shared "
-                                "directory is mode 1777 like /dev/shm, or 2770 with a group)");
-      }
-      if (!lst.ok() || !lst->regular) return opened.status();  // a symlink, or no file at all
-      auto reading = platform::OpenFile(path, platform::OpenOptions{});
-      if (!reading.ok()) {
-        if (reading.status().code() != StatusCode::kPermission) return reading.status();
-        return PermissionDenied(
-            path +
-            ": this user may not read the arena file: " + platform::DescribeFileAccess(path) +
-            ". To share an arena between users, the engine that creates it sets a group mode "
-            "(moe-engine --arena-mode 0660, expert-arena load --mode 0660, Python "
-            "open(file_mode=0o660)) and every engine runs with that group (a supplementary "
-            "group; in a container --group-add or the pod's fsGroup) and "
-            "--arena-allow-foreign-owner; or run this engine as the owner, or give it another "
-            "arena path");
-      }
-      opened = std::move(reading);
-      read_only = true;
-    }
-    if (!opened.ok()) return opened.status();
-    platform::UniqueFd fd = std::move(*opened);
-    EA_ASSIGN_OR_RETURN(platform::FileStat st, platform::StatFd(fd));
-    if (!st.regular) return InvalidArgument(path + ": not a regular file");
-    if (st.owner_uid != platform::EffectiveUid() && !options.allow_foreign_owner) {
-      return PermissionDenied(path + " is owned by uid " + std::to_string(st.owner_uid) +
-                              ", not by this user (uid " +
-                              std::to_string(platform::EffectiveUid()) +
-                              "); refusing to share it (allow_foreign_owner opts in)");
-    }
-
-    // Wait for FILL, noticing when the path is given to a new file meanwhile.
-    bool reopen = false;
-    // A read-only descriptor cannot take a write lock (EBADF): such an engine only attaches,
-    // and FILL shared is enough for that (it conflicts with a loader's, not with other
-    // attachers').
-    const platform::LockMode fill_mode =
-        read_only ? platform::LockMode::kShared : platform::LockMode::kExclusive;
-    for (;;) {
-      EA_ASSIGN_OR_RETURN(bool got_fill, platform::TryLockByte(fd, kFillByte, fill_mode));
-      if (got_fill) break;
-      if (!said_waiting && PeekHeader(fd).state == format::FileState::kPublished) {
-        // FILL is held by an engine of another user checking a published arena before it
-        // attaches (shared): a moment, nobody is loading.
-      } else if (!said_waiting) {
-        wait_start = Clock::now();
-        format::HeaderSummary loading = PeekHeader(fd);
-        // The loader writes its pid first thing; give it up to 2 s to appear.
-        for (int i = 0; i < 100 && loading.loader_pid == 0; ++i) {
-          std::this_thread::sleep_for(kPollInterval);
-          loading = PeekHeader(fd);
-        }
-        // A loader in another container (PID namespace) is named as such, and not reported
-        // as a pid of ours.
-        waiting_for = loading.loader_pid == 0
-                          ? std::string("pid unknown")
-                          : platform::DescribePid(loading.loader_pid, loading.loader_pid_namespace);
-        waited_for = platform::PidIsLocal(loading.loader_pid_namespace) ? loading.loader_pid : 0;
-        log.info("expert-arena: another engine ({}) is loading {}, waiting", waiting_for, path);
-        said_waiting = true;
-      }
-      if (Clock::now() > deadline) {
-        return TimedOut("waited " + std::to_string(static_cast<int>(SecondsSince(start))) +
-                        " s for another engine (" + waiting_for + ") loading " + path +
-                        "; raise the wait timeout or check that process");
-      }
-      std::this_thread::sleep_for(kPollInterval);
-      if (!PathNamesFile(path, st)) {
-        reopen = true;
-        break;
-      }
-    }
-    if (reopen) continue;
-    if (!PathNamesFile(path, st)) continue;  // replaced between open and lock
-    EA_ASSIGN_OR_RETURN(st, platform::StatFd(fd));
+    EA_ASSIGN_OR_RETURN(bool held, WaitForFill(file, wait, log));
+    if (!held) continue;
 
     // An engine that may only read the file maps it read-only (and registers it so).
-    const bool writable = MapWritableForGpu(options) && !read_only;
-    // We hold FILL: nobody else decides now. What is in the file? A published header is
-    // validated where it will be used: in a mapping of the whole file (nothing copied; the
-    // pages are only populated once this engine attaches).
-    format::HeaderSummary summary = PeekHeader(fd);
-    Status decoded = Status::Ok();
-    std::optional<platform::Mapping> whole;
-    std::optional<format::TableView> view;
-    uint64_t header_bytes = summary.layout.header_bytes;
-    if (st.size > 0 && summary.our_magic && summary.version == format::kFormatVersion &&
-        summary.state == format::FileState::kPublished) {
-      if (header_bytes == 0 || header_bytes > st.size || header_bytes > 1024 * kMiB) {
-        decoded = format::DecodeHeader({}, st.size, path, nullptr, nullptr);
-      } else if (auto mapped =
-                     platform::Mapping::MapFile(fd, st.size, writable, MappingAlignment(fs));
-                 mapped.ok()) {
-        auto opened = format::TableView::Open(mapped->bytes().first(header_bytes), st.size, path);
-        if (opened.ok()) {
-          view = std::move(*opened);
-          whole = std::move(*mapped);
-        } else {
-          decoded = opened.status();
-        }
-      } else {
-        std::vector<std::byte> region(header_bytes);
-        decoded = platform::ReadFull(fd, 0, region);
-        if (decoded.ok()) decoded = format::DecodeHeader(region, st.size, path, nullptr, nullptr);
-      }
+    const bool writable = MapWritableForGpu(options) && !file.read_only;
+    // We hold FILL: nobody else decides now. What is in the file?
+    FileFindings found = ReadFindings(file, fs, writable, path);
+    if (want != nullptr && !want->plan && want->engine_identity == 0) {
+      found.fingerprint_matches = MatchesFingerprint(*want, found);
     }
-    std::string why_not = WhyNotReusable(summary, decoded, plan, st.size);
-
-    if (want != nullptr && plan == nullptr && want->engine_identity != 0) {
-      // An engine-made arena: ours when published under our identity hash.
-      const bool ours = st.size > 0 && why_not.empty() && summary.identity_hash == want->engine_identity;
-      if (!ours && read_only) {
-        return PermissionDenied(
-            path + " holds " + (st.size == 0 ? std::string("no arena yet") : why_not.empty() ? "another engine's arena (" + summary.identity_text + ")" : why_not) +
-            ", and this user may only read it (" + platform::DescribeFileAccess(path) +
-            "), so this engine cannot build or replace it; give this engine another arena path");
+    found.creator_grace =
+        Clock::now() < wait.deadline && SecondsSince(wait.start) < kCreatorGraceSeconds;
+    Decision decision = Classify(want, found, path);
+    if (decision.step == Step::kPlanHere) {
+      // A fresh, empty file and FILL: this engine builds now, while the others wait.
+      found.view.reset();
+      found.whole.reset();
+      Status made = want->MakePlan();
+      if (!made.ok()) {
+        AbandonEmptyFile(file, path);
+        return made.WithContext("building the engine arena " + path);
       }
-      if (!ours && st.size > 0) {
-        // Another identity, an unfinished build, or a damaged file: replaced when no engine
-        // maps it, before this engine builds anything.
-        view.reset();
-        whole.reset();
-        EA_ASSIGN_OR_RETURN(bool unused,
-                            platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
-        const std::string held = why_not.empty() ? "another engine's arena (" + summary.identity_text + ")" : why_not;
-        if (!unused) {
-          return Busy(path + " holds " + held + " and is in use by another engine; this engine " +
-                      "builds another. Stop the engines that use it, or give this one another "
-                      "arena path");
-        }
-        log.info("expert-arena: replacing {}: it held {} and no engine maps it", path, held);
-        EA_RETURN_IF_ERROR(platform::UnlinkPath(path));
-        continue;
-      }
-      if (!ours) {
-        // A fresh, empty file and FILL: this engine builds now, while the others wait.
-        view.reset();
-        whole.reset();
-        Status planned = want->MakePlan();
-        if (!planned.ok()) {
-          // Nothing was published: the empty file goes (nobody else may map it yet).
-          auto user = platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive);
-          if (user.ok() && *user && PathNamesFile(path, st)) (void)platform::UnlinkPath(path);
-          return planned.WithContext("building the engine arena " + path);
-        }
-        plan = &*want->plan;
-        why_not = WhyNotReusable(summary, decoded, plan, st.size);
-      }
-    } else if (want != nullptr && plan == nullptr) {
-      // The model is not planned yet: a published arena that records the fingerprint of its
-      // planning inputs is this model when the inputs on disk hash the same.
-      bool matches = false;
-      if (st.size > 0 && why_not.empty() && view && view->fixed().fingerprint != 0) {
-        std::vector<format::SourceRecord> sources;
-        sources.reserve(view->source_count());
-        for (size_t i = 0; i < view->source_count(); ++i) sources.push_back(view->source(i));
-        auto check = source::FingerprintFromSources(*want->spec, sources);
-        matches = check.ok() && check->fingerprint == view->fixed().fingerprint;
-        if (check.ok()) want->fingerprint_bytes_read = check->bytes_read;
-      }
-      if (!matches) {
-        // Plan it without holding any lock (closing fd drops FILL), then decide again.
-        view.reset();
-        whole.reset();
-        fd = platform::UniqueFd();
+      decision = Classify(want, found, path);
+    }
+    switch (decision.step) {
+      case Step::kAttach:
+        return Attach(std::move(file), std::move(found), fs, writable, wait, path);
+      case Step::kPlanUnlocked:
+        // Plan it without holding any lock (closing the file drops FILL), then decide again.
+        found = FileFindings();
+        file = ArenaFile();
         EA_RETURN_IF_ERROR(want->MakePlan());
         continue;
-      }
+      case Step::kWaitForCreator:
+        found = FileFindings();
+        file = ArenaFile();
+        std::this_thread::sleep_for(kPollInterval);
+        continue;
+      case Step::kRefuse:
+        return decision.refusal;
+      case Step::kReplace:
+        found = FileFindings();
+        EA_RETURN_IF_ERROR(TakeUserExclusive(file, decision.busy));
+        EA_RETURN_IF_ERROR(Replace(path, decision.held, log));
+        continue;  // closing the file drops our locks; the next round creates it anew
+      case Step::kLoad:
+        found = FileFindings();
+        EA_RETURN_IF_ERROR(TakeUserExclusive(file, decision.busy));
+        // A fresh, empty file: we load it, holding FILL and USER exclusively.
+        if (want->filler == nullptr) {
+          (void)platform::UnlinkPath(path);  // nobody maps it: we hold USER exclusively
+          return Internal(path + ": an arena wanted without a filler cannot be loaded");
+        }
+        return LoadFresh(std::move(file), *want->plan, *want->filler, options, fs, wait, log);
+      case Step::kPlanHere:
+        break;  // planned above: Classify does not ask twice
     }
-
-    if (st.size > 0 && why_not.empty()) {
-      // A published arena of our model: attach.
-      EA_ASSIGN_OR_RETURN(bool user,
-                          platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared));
-      if (!user) return Internal(path + ": USER held exclusively while FILL was free");
-      std::unique_ptr<Arena::Impl> impl;
-      if (view && view->in_place()) {
-        impl = std::make_unique<Arena::Impl>();
-        impl->mapping = std::move(*whole);
-        impl->table = view->Summary();
-        impl->view = std::move(view);
-        impl->data_offset = header_bytes;
-        EA_RETURN_IF_ERROR(platform::AdviseRange(
-            impl->mapping.data(), impl->mapping.size(),
-            writable ? platform::Advice::kPopulateWrite : platform::Advice::kPopulateRead, path));
-        impl->fd = std::move(fd);
-      } else {
-        EA_ASSIGN_OR_RETURN(impl, MapPublished(std::move(fd), st, fs, path, writable));
-      }
-      EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
-      impl->report.role = ArenaRole::kAttached;
-      impl->report.wait_seconds =
-          said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
-      impl->report.waited_for_pid = waited_for;
-      impl->report.backing = platform::FsKindName(fs.kind);
-      impl->report.huge_note = hugetlbfs ? "hugetlbfs" : "";
-      impl->report.page_bytes = HugePageBytesOf(fs);
-      return impl;
-    }
-    view.reset();
-    whole.reset();
-    if (read_only && st.size == 0 && Clock::now() < deadline &&
-        SecondsSince(start) < kCreatorGraceSeconds) {
-      // The owner's engine may have created the file and not yet taken FILL: give it a moment.
-      fd = platform::UniqueFd();
-      std::this_thread::sleep_for(kPollInterval);
-      continue;
-    }
-    if (plan == nullptr) {
-      return st.size == 0 ? NotFound(path + ": empty file, no arena was loaded into it")
-                          : Corrupt(path + ": cannot attach: it holds " + why_not);
-    }
-    if (read_only) {
-      return PermissionDenied(
-          path + " holds " + (st.size == 0 ? std::string("no arena yet") : why_not) +
-          ", and this user may only read it (" + platform::DescribeFileAccess(path) +
-          "), so this engine cannot load or replace it. Start an engine of a user that may "
-          "write it (its owner, or a member of its group with mode 0660) to load it, then attach; "
-          "or give this engine another arena path");
-    }
-
-    // Replace or load: both need every other engine gone from the file.
-    EA_ASSIGN_OR_RETURN(bool user_excl,
-                        platform::TryLockByte(fd, kUserByte, platform::LockMode::kExclusive));
-    if (!user_excl) {
-      return Busy(path + " holds " + why_not + " and is in use by another engine; this engine " +
-                  "wants " + plan->table.identity_text +
-                  ". Stop the engines that use it, or give this one another arena path");
-    }
-    if (st.size > 0) {
-      log.info("expert-arena: replacing {}: it held {} and no engine maps it", path, why_not);
-      EA_RETURN_IF_ERROR(platform::UnlinkPath(path));
-      continue;  // closing fd drops our locks; the next round creates the file anew
-    }
-
-    // A fresh, empty file: we load it, holding FILL and USER exclusively.
-    auto impl = std::make_unique<Arena::Impl>();
-    // Every way on from here returns: the plan's table (90,000 records at the largest
-    // checkpoints) is moved, not copied; only its scalars are read below.
-    impl->table = std::move(want->plan->table);
-    auto fail = [&](const Status& s) {
-      // Nobody maps an unpublished file (we hold USER exclusively): remove it, leak nothing.
-      (void)platform::UnlinkPath(path);
-      return s;
-    };
-    auto layout = format::ComputeLayout(impl->table, hugetlbfs ? fs.block_bytes : kHugePageBytes);
-    if (!layout.ok()) return fail(layout.status());
-    // Before the first page is written (the stub header below makes one): would the pages
-    // this load makes fit the cgroup they are charged to? The file is new and empty, so every
-    // page of it is made here.
-    auto charge = CheckArenaCharge(fs, layout->file_bytes, path, log);
-    if (!charge.ok()) return fail(charge.status());
-    const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
-    auto start_time = platform::ProcessStartTime(platform::CurrentPid());
-    const uint64_t ticks = start_time.ok() ? *start_time : 0;
-    const uint64_t pid_namespace = platform::PidNamespaceId();
-    const uint64_t created = UnixNanos();
-    auto placement = ResolvePlacement(options);
-    if (!placement.ok()) return fail(placement.status());
-    // With a NUMA policy on tmpfs no page of the file may exist before the policy is set (the
-    // collapse puts a 2 MiB page where its small pages are): the stub below would make the
-    // header's first page on the loader's node, so it waits for the header in the mapping.
-    const bool placed_tmpfs = placement->policy != platform::MemPolicy::kDefault &&
-                              fs.kind == platform::FsKind::kTmpfs;
-    if (!placed_tmpfs) {
-      // Say who is loading before the (possibly long) allocation, so engines that arrive now
-      // can name this process. Best effort: hugetlbfs has no write(2); the header written
-      // into the mapping below says it again.
-      // Only the fixed part is written: encode the table's scalars, not its 90,000 entries.
-      std::vector<format::SourceRecord> sources = std::move(impl->table.sources);
-      std::vector<format::TensorRecord> tensors = std::move(impl->table.tensors);
-      format::ArenaTable scalars = impl->table;
-      impl->table.sources = std::move(sources);
-      impl->table.tensors = std::move(tensors);
-      format::ArenaLayout stub_layout = *layout;
-      stub_layout.header_bytes = format::kHeaderPageBytes;
-      std::vector<std::byte> stub(stub_layout.header_bytes);
-      if (format::EncodeHeader(scalars, stub_layout, format::FileState::kLoading, pid, ticks,
-                               created, 0, stub, pid_namespace)
-              .ok()) {
-        (void)platform::WriteFull(fd, 0, std::span(stub).first(sizeof(format::HeaderFixed)));
-      }
-    }
-    if (fs.kind == platform::FsKind::kOther) {
-      // Works (every engine shares the file's page cache), but the operator most likely meant
-      // /dev/shm: say what it costs.
-      log.warn(
-          "expert-arena: {} is not on tmpfs or hugetlbfs: the arena is the page cache of a "
-          "file on a disk filesystem, {} written back to its device, on 4 KiB pages; "
-          "/dev/shm or a hugetlbfs mount keeps it in memory only, on 2 MiB pages",
-          path, FormatBytes(layout->file_bytes));
-    }
-    uint64_t alignment = hugetlbfs ? std::max(fs.block_bytes, kHugePageBytes) : kHugePageBytes;
-    Status room = CheckRoomOnNode(*placement, hugetlbfs, layout->file_bytes,
-                                  std::max(fs.block_bytes, kHugePageBytes), path);
-    if (!room.ok()) return fail(room);
-    auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
-                                 PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
-                                 options.pages_alongside_load, &*placement);
-    if (!backed.ok()) {
-      return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
-    }
-    // The background pages (if any) write into this mapping: they are stopped and joined
-    // (backed->pages) before it is unmapped, on every path out of here.
-    impl->mapping = std::move(backed->mapping);
-    impl->data_offset = layout->header_bytes;
-    BackgroundPages* pages = backed->pages.get();
-    auto stop_pages = [&](Status s) {
-      backed->pages.reset();
-      return fail(s);
-    };
-
-    std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
-    Status s = pages != nullptr ? pages->front().WaitFor(layout->header_bytes) : Status::Ok();
-    if (!s.ok()) return stop_pages(s);
-    s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks, created,
-                             0, header, pid_namespace);
-    if (!s.ok()) return stop_pages(s);
-    std::byte* data = impl->mapping.data() + impl->data_offset;
-    if (pages == nullptr) {
-      s = PopulateWriteInParallel(impl->mapping, alignment, path);
-      if (!s.ok()) return fail(s);
-    }
-
-    load::LoadRequest request;
-    request.data = {data, impl->table.data_bytes};
-    request.reader = ModelReaderName(options.reader);
-    request.progress = options.progress;
-    request.logger = &log;
-    request.logger_is_engines = options.logger != nullptr;
-    if (pages != nullptr) {
-      request.ready_front = &pages->front();
-      request.ready_base = impl->data_offset;
-    }
-    auto loaded =
-        want->fill ? want->fill(request, impl->table) : load::LoadTensors(request, impl->table);
-    // A load that failed stops the pages at once (a failure of the pages reaches the load as
-    // the front's error); otherwise wait for the last pieces.
-    if (!loaded.ok()) return stop_pages(loaded.status().WithContext("loading " + path));
-    s = backed->FinishPages();
-    if (!s.ok()) return stop_pages(s);
-    const HugeDecision& huge = backed->huge;
-    const double collapse_seconds = backed->collapse_seconds;
-
-    s = CheckWritesReachedTheFile(fd, impl->mapping, impl->data_offset, impl->table.data_bytes);
-    if (!s.ok()) return fail(s);
-    fault_points::BeforePublish();
-    s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
-                             created, UnixNanos(), header, pid_namespace);
-    if (!s.ok()) return fail(s);
-    // Publish: USER exclusive -> shared in one call, then let the waiters in.
-    auto user_shared = platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared);
-    if (!user_shared.ok()) return fail(user_shared.status());
-    EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
-    // Nobody writes a published arena: the loader's mapping becomes read-only like the others
-    // (unless it is to be registered with a GPU: see MapWritableForGpu).
-    if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
-    // From now on the loader reads its table where every other engine does: in the header it
-    // published, and the heap copy goes.
-    auto published = format::TableView::Open(header, layout->file_bytes, path);
-    if (published.ok()) {
-      impl->view = std::move(*published);
-      impl->table = impl->view->Summary();
-    }
-    impl->fd = std::move(fd);
-    impl->report.role = ArenaRole::kLoaded;
-    impl->report.backing = platform::FsKindName(fs.kind);
-    impl->report.huge_note = hugetlbfs ? "hugetlbfs: " + FormatPageSize(fs.block_bytes) +
-                                             " pages reserved by the filesystem"
-                                       : huge.note;
-    impl->report.page_bytes = HugePageBytesOf(fs);
-    impl->report.numa = placement->asked;
-    impl->report.numa_note = backed->numa_note;
-    impl->report.charge_note = *charge;
-    impl->report.collapse_seconds = collapse_seconds;
-    impl->report.load_seconds = loaded->seconds;
-    impl->report.reader = loaded->reader;
-    impl->report.reader_note = loaded->note;
-    impl->report.bytes_read = loaded->bytes_read + plan->metadata_bytes_read;
-    impl->report.wait_seconds =
-        said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
-    impl->report.waited_for_pid = waited_for;
-    return impl;
+    return Internal(path + ": the protocol asked to plan twice");
   }
 #endif
 }

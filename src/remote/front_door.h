@@ -41,6 +41,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/door_counters.h"
+#include "common/hmac.h"
 #include "expert_arena/status.h"
 #include "platform/file.h"
 #include "platform/net.h"
@@ -118,10 +120,9 @@ Result<DoorAdmit> ParseDoorAdmit(std::span<const std::byte> bytes);
 // "wrong token", "busy", ... for messages.
 const char* DoorStatusText(uint32_t status);
 
-// HMAC-SHA256 of `data` keyed by `key` (an empty key included).
-std::array<uint8_t, 32> HmacSha256(std::string_view key, std::span<const std::byte> data);
-// Constant-time comparison of equal-sized secrets.
-bool SameSecret(std::span<const uint8_t> a, std::span<const uint8_t> b);
+// HMAC-SHA256 and the constant-time comparison (common/hmac.h).
+using ::expert_arena::HmacSha256;
+using ::expert_arena::SameSecret;
 // Random bytes from OpenSSL's generator; kInternal when it has no entropy.
 Status RandomBytes(std::span<uint8_t> out);
 
@@ -136,15 +137,6 @@ struct FrontDoorLimits {
   size_t max_handshakes_per_peer = 8;
   uint32_t max_failures = 5;  // failed proofs of one peer address per interval before refusal
   double failure_interval_seconds = 10;
-};
-
-// What the front door has done to peers so far (serve --json, a producer's stats()).
-struct DoorCounters {
-  uint64_t admitted = 0;
-  uint64_t refused = 0;      // at accept: limits, throttling; or refused by the admit callback
-  uint64_t timed_out = 0;    // the handshake's deadline passed
-  uint64_t dropped = 0;      // a malformed message, a hang-up or a reset mid-handshake
-  uint64_t auth_failed = 0;  // a client proof that did not hold
 };
 
 // An authenticated peer, handed to the admit callback.

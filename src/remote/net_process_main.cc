@@ -22,7 +22,7 @@
 #include "platform/process.h"
 #include "remote/net_control.h"
 #include "remote/peer_server.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 
 namespace expert_arena::remote {
 namespace {

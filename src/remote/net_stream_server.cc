@@ -38,7 +38,7 @@
 #include "common/logging.h"
 #include "platform/process.h"
 #include "remote/net_control.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 
 namespace expert_arena::remote {
 namespace {

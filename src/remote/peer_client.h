@@ -22,6 +22,7 @@
 #include <span>
 #include <string>
 
+#include "arena/peer_transport.h"
 #include "expert_arena/status.h"
 #include "format/arena_table.h"
 
@@ -46,28 +47,12 @@ struct PeerOptions {
   spdlog::logger* logger = nullptr;
 };
 
-// A connected peer and its table. Made by ConnectPeer; the UCX implementation lives in the
-// transport plugin (ucx_plugin.h), whose code stays loaded for the life of the process.
-class PeerSource {
+// A connected peer and its table (the arena's PeerConnection: arena/peer_transport.h says what
+// table() and Fill() do). Made by ConnectPeer; the UCX implementation lives in the transport
+// plugin (ucx_plugin.h), whose code stays loaded for the life of the process.
+class PeerSource : public arena::PeerConnection {
  public:
-  virtual ~PeerSource() = default;
-
-  // The peer's table as its header holds it (sources, tensors with checksums, identity).
-  virtual const format::ArenaTable& table() const = 0;
   virtual const std::string& address() const = 0;
-
-  // Reads the peer's tensor bytes into `data` (the local data region, laid out like the
-  // peer's: `table` has the peer's arena offsets) and checks every tensor's checksum against
-  // `table` as it lands. When `front` is given, bytes are written only below
-  // front->ready() - front_base (the local pages are being made alongside). Errors: the peer
-  // gone (naming the bytes received), a checksum that differs (naming the tensor), a stall.
-  // On error nothing more is written into `data` once this returns.
-  virtual Status Fill(std::span<std::byte> data, const format::ArenaTable& table,
-                      const ReadyFront* front, uint64_t front_base) = 0;
-
-  virtual uint64_t bytes_received() const = 0;  // header region and data
-  virtual const char* transport() const = 0;    // "am" or "get", as the peer offered
-  virtual double fill_seconds() const = 0;
 };
 
 // Connects and reads the peer's table. Errors name the peer: refused (token, version),

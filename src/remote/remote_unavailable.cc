@@ -4,7 +4,7 @@
 #include "remote/net_control.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 #include "remote/ucx_plugin.h"
 
 namespace expert_arena::remote {

@@ -34,7 +34,7 @@
 #include "common/fast_xxh3.h"
 #include "platform/file.h"
 #include "platform/net.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 #include "remote/stream_wire.h"
 #include "remote/ucx_worker.h"
 

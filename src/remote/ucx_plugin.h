@@ -21,7 +21,7 @@
 #include "remote/core_identity.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 
 namespace expert_arena::remote {
 

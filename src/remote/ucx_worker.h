@@ -25,7 +25,7 @@
 #include "platform/net.h"
 #include "remote/peer_client.h"
 #include "remote/peer_server.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 
 namespace expert_arena::remote {
 

@@ -46,7 +46,7 @@
 #include "platform/mapping.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 #include "stream/fork_guard.h"
 #include "stream/segment_file.h"
 

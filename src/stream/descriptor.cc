@@ -17,8 +17,8 @@
 #include <cstring>
 
 #include "common/escape.h"
+#include "common/hmac.h"
 #include "expert_arena/stream.h"
-#include "remote/front_door.h"
 #include "stream/segment_format.h"
 
 namespace expert_arena {
@@ -104,7 +104,7 @@ std::string TensorDescriptor::Encode(std::string_view mac_key) const {
       static_cast<uint32_t>(out.size() + (with_mac ? kMacBytes : 0) + sizeof(uint64_t));
   std::memcpy(out.data() + 8, &total, sizeof total);
   if (!mac_key.empty()) {
-    auto m = remote::HmacSha256(mac_key, {reinterpret_cast<const std::byte*>(out.data()),
+    auto m = HmacSha256(mac_key, {reinterpret_cast<const std::byte*>(out.data()),
                                           out.size()});
     out.append(reinterpret_cast<const char*>(m.data()), m.size());
   } else if (with_mac) {
@@ -120,8 +120,8 @@ bool TensorDescriptor::MacMatches(std::string_view encoded, std::string_view key
   std::memcpy(&flags, encoded.data() + 6, sizeof flags);
   if ((flags & kFlagMac) == 0) return false;
   const size_t covered = encoded.size() - kMacBytes - 8;
-  auto m = remote::HmacSha256(key, {reinterpret_cast<const std::byte*>(encoded.data()), covered});
-  return remote::SameSecret(
+  auto m = HmacSha256(key, {reinterpret_cast<const std::byte*>(encoded.data()), covered});
+  return SameSecret(
       m, {reinterpret_cast<const uint8_t*>(encoded.data()) + covered, kMacBytes});
 }
 

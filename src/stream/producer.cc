@@ -54,7 +54,7 @@
 #include "platform/numa.h"
 #include "platform/ofd_lock.h"
 #include "platform/system_info.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 #include "stream/block_allocator.h"
 #include "stream/fork_guard.h"
 #include "stream/segment_placement.h"

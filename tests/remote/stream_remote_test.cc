@@ -27,7 +27,7 @@
 #include "expert_arena/expert_arena.h"
 #include "host_device_runtime.h"
 #include "remote/peer_client.h"
-#include "remote/stream_remote.h"
+#include "stream/stream_remote.h"
 #include "stream/stream_test_util.h"
 #include "test_util.h"
 

@@ -1,8 +1,11 @@
-// Tensor streams across hosts (docs/cross-host.md): the UCX-free face of the stream server
-// a listening StreamProducer runs and of the connection a StreamConsumer makes to it. The UCX
-// code is in stream_server.cc and stream_client.cc (built with UCX only); without UCX the
-// factories below refuse with kUnsupported (remote_unavailable.cc). src/stream calls only
-// these, never UCX.
+// Tensor streams across hosts (docs/cross-host.md): what a listening StreamProducer and a
+// StreamConsumer need from the network, declared here by the stream and implemented above it,
+// in src/remote: the stream server a producer runs and the connection a consumer makes to it.
+// The UCX code is in remote/stream_server.cc and remote/stream_client.cc (built with UCX only);
+// without UCX the factories below refuse with kUnsupported (remote/remote_unavailable.cc).
+// The names keep the namespace of the folder that defines them (expert_arena::remote); no
+// src/stream file includes a remote/ header. As for the peer fill (arena/peer_transport.h),
+// the factories are declarations resolved at link time: src/remote is always in the library.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +18,7 @@
 
 #include "expert_arena/status.h"
 #include "expert_arena/stream.h"
-#include "remote/front_door.h"
+#include "common/door_counters.h"
 
 namespace spdlog {
 class logger;

@@ -4,7 +4,8 @@
 // bytes read from the peer instead of the model files. Whatever fails (the peer unreachable
 // or gone mid-transfer, a checksum, another model), nothing is published: the protocol's
 // failure path removes the unfinished file. The fallback to the model files is the caller's
-// (arena.cc).
+// (arena.cc). The bytes come through a PeerConnection (peer_transport.h) that src/remote
+// implements; the fill is a filler of the protocol (arena_filler.h), not a branch of it.
 #pragma once
 
 #include <memory>
@@ -12,7 +13,7 @@
 #include "arena/arena_impl.h"
 #include "expert_arena/arena.h"
 
-namespace expert_arena::remote {
+namespace expert_arena::arena {
 
 Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
                                                   const ArenaOptions& options, spdlog::logger& log);
@@ -22,4 +23,4 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
 // times, which differ from host to host), or "" when they are.
 std::string LayoutDifference(const format::ArenaTable& local, const format::ArenaTable& peer);
 
-}  // namespace expert_arena::remote
+}  // namespace expert_arena::arena
