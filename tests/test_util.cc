@@ -331,7 +331,7 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
   }
   dir_ = tmpl;
   uint64_t mib = (bytes + (1 << 20) - 1) >> 20;
-  if (kind != Kind::kHugetlbfs && kind != Kind::kHugetlbfs1G) {
+  if (kind != Kind::kHugetlbfs && kind != Kind::kHugetlbfs1G && kind != Kind::kHugetlbfsNoSize) {
     const char* huge = kind == Kind::kTmpfsHuge ? "always" : "never";
     std::string opts = "size=" + std::to_string(mib) + "m,huge=" + huge + ",mode=0700";
     if (mount("tmpfs", dir_.c_str(), "tmpfs", 0, opts.c_str()) != 0) {
@@ -358,8 +358,8 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
                      " MiB (memory fragmented)";
       return;
     }
-    std::string opts = std::string("pagesize=") + (gib ? "1G" : "2M") + ",size=" +
-                       std::to_string(pages * page_mib) + "m,mode=0700";
+    std::string opts = std::string("pagesize=") + (gib ? "1G" : "2M") + ",mode=0700";
+    if (kind != Kind::kHugetlbfsNoSize) opts += ",size=" + std::to_string(pages * page_mib) + "m";
     if (mount("hugetlbfs", dir_.c_str(), "hugetlbfs", 0, opts.c_str()) != 0) {
       skip_reason_ = std::string("mount hugetlbfs: ") + std::strerror(errno);
       return;

@@ -143,8 +143,9 @@ std::string BinDir();
 // test processes never change these settings at once. skip_reason() says why none was made.
 class ScopedMount {
  public:
-  // kHugetlbfs1G reserves 1 GiB pages (hugepages-1048576kB) for the mount and gives them back.
-  enum class Kind { kTmpfs, kTmpfsHuge, kHugetlbfs, kHugetlbfs1G };
+  // kHugetlbfs1G reserves 1 GiB pages (hugepages-1048576kB) for the mount and gives them back;
+  // kHugetlbfsNoSize reserves 2 MiB pages but mounts without size= (the pool is the limit).
+  enum class Kind { kTmpfs, kTmpfsHuge, kHugetlbfs, kHugetlbfs1G, kHugetlbfsNoSize };
   ScopedMount(Kind kind, uint64_t bytes);
   ~ScopedMount();
   bool ok() const { return skip_reason_.empty(); }

@@ -80,6 +80,15 @@ Result<FilesystemInfo> StatFilesystem(const std::string& path) {
   info.block_bytes = static_cast<uint64_t>(fs.f_bsize);
   info.total_bytes = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   info.available_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  if (info.kind == FsKind::kHugetlbfs && vfs.f_blocks == 0 && info.block_bytes != 0) {
+    auto pool = ReadHugetlbPool(info.block_bytes);
+    if (pool.ok()) {
+      info.pool_sized = true;
+      info.total_bytes = pool->total * info.block_bytes;
+      const uint64_t unreserved = pool->free > pool->reserved ? pool->free - pool->reserved : 0;
+      info.available_bytes = unreserved * info.block_bytes;
+    }
+  }
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0) ReadMountInfo(st.st_dev, &info);
   return info;

@@ -18,8 +18,12 @@ const char* FsKindName(FsKind kind);
 struct FilesystemInfo {
   FsKind kind = FsKind::kOther;
   uint64_t block_bytes = 0;  // f_bsize: the huge page size on hugetlbfs
+  // f_blocks and f_bavail times f_frsize. A hugetlbfs mounted without size= has no limit of its
+  // own (statfs says 0): its pool of f_bsize pages is, so these are that pool's pages and its
+  // free ones less those reserved, and pool_sized says so.
   uint64_t total_bytes = 0;
-  uint64_t available_bytes = 0;  // f_bavail * f_frsize
+  uint64_t available_bytes = 0;
+  bool pool_sized = false;
   // tmpfs only: the mount's huge= option ("never" when absent, "always", "within_size",
   // "advise"), from /proc/self/mountinfo.
   std::string tmpfs_huge = "never";

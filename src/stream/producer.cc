@@ -799,11 +799,19 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
   if (!dir.ok()) return dir.status().WithContext("stream directory");
   EA_ASSIGN_OR_RETURN(auto fs, platform::StatFilesystem(o.directory));
   if (impl->cap_bytes > fs.total_bytes) {
+    // A hugetlbfs without size= holds what its pool does.
+    std::string sized_by;
+    if (fs.pool_sized) {
+      sized_by.append(", mounted without size=: its pool ");
+      sized_by.append(platform::HugetlbPoolName(fs.block_bytes));
+    }
     return NoSpace("stream directory " + o.directory + " (" + platform::FsKindName(fs.kind) +
-                   ") holds " + FormatBytes(fs.total_bytes) + " but the stream may use " +
+                   sized_by + ") holds " + FormatBytes(fs.total_bytes) +
+                   " but the stream may use " +
                    std::to_string(o.max_segments) + " segments x " +
                    FormatBytes(impl->regular_file_bytes) + " = " + FormatBytes(impl->cap_bytes) +
-                   "; lower max_segments or segment size, or enlarge the filesystem");
+                   "; lower max_segments or segment size, or enlarge the filesystem" +
+                   (fs.pool_sized ? std::string(" or its pool") : std::string()));
   }
   if (impl->cap_bytes > fs.available_bytes) {
     impl->log->warn(

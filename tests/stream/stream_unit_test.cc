@@ -693,6 +693,35 @@ TEST(StreamProducer, WarnsWhenFreeSpaceIsShortAndSpillsWhenGrowthHitsIt) {
   std::remove(filler.c_str());
 }
 
+// A hugetlbfs mounted without size= (the pool is its limit) takes a producer whose cap fits the
+// pool; one whose cap the pool cannot hold is refused naming the pool's size.
+TEST(StreamProducer, RunsOnAHugetlbfsWithoutASizeLimit) {
+  testing::ScopedMount mount(testing::ScopedMount::Kind::kHugetlbfsNoSize, 16 << 20);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  StreamDirs dirs;
+  StreamOptions o = dirs.Producer();
+  o.directory = mount.dir();
+  o.segment_bytes = 4 << 20;  // 6 MiB files
+  o.max_segments = 2;
+  {
+    ASSERT_OK_AND_ASSIGN(auto producer, StreamProducer::Create(o));
+    std::vector<std::byte> data(1 << 20);
+    FillPattern(data, "h");
+    ASSERT_OK_AND_ASSIGN(auto d, producer.Put("h", data, {}));
+    ConsumerOptions c = dirs.Consumer();
+    c.directory = mount.dir();
+    ASSERT_OK_AND_ASSIGN(auto consumer, StreamConsumer::Create(c));
+    ASSERT_OK_AND_ASSIGN(auto t, consumer.Open(d));
+    EXPECT_TRUE(CheckPattern(t.bytes(), "h"));
+  }
+  o.max_segments = 1u << 20;  // 6 TiB: no pool here holds it
+  auto refused = StreamProducer::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(refused.status().message().find("hugetlbfs"), std::string::npos)
+      << refused.status().message();
+}
+
 // Asking for a GPU on a machine without one (or a build without the backend) is reported and
 // skipped, never fatal; nothing is pinned.
 TEST(StreamProducer, GpuRegistrationWithoutADeviceIsSkipped) {

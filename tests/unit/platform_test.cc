@@ -145,6 +145,35 @@ TEST(SystemInfoTest, DevShmIsTmpfs) {
   EXPECT_EQ(fs->kind, FsKind::kTmpfs);
 }
 
+// A hugetlbfs mounted without size= has no limit of its own (statfs says 0 blocks): its pool
+// is the limit, and that is what its size and free bytes say.
+TEST(SystemInfoTest, HugetlbfsWithoutSizeIsSizedByItsPool) {
+  {
+    // One mounted with size= keeps its own limit. (One ScopedMount at a time: each holds the
+    // machine's test lock.)
+    testing::ScopedMount sized(testing::ScopedMount::Kind::kHugetlbfs, 4 * kHugePageBytes);
+    if (!sized.ok()) GTEST_SKIP() << sized.skip_reason();
+    ASSERT_OK_AND_ASSIGN(FilesystemInfo limited, StatFilesystem(sized.dir()));
+    EXPECT_FALSE(limited.pool_sized);
+    EXPECT_EQ(limited.total_bytes, 4 * kHugePageBytes);
+  }
+  testing::ScopedMount mount(testing::ScopedMount::Kind::kHugetlbfsNoSize, 8 * kHugePageBytes);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  ASSERT_OK_AND_ASSIGN(FilesystemInfo fs, StatFilesystem(mount.dir()));
+  ASSERT_EQ(fs.kind, FsKind::kHugetlbfs);
+  EXPECT_TRUE(fs.pool_sized);
+  ASSERT_OK_AND_ASSIGN(HugetlbPool pool, ReadHugetlbPool(kHugePageBytes));
+  EXPECT_EQ(fs.total_bytes, pool.total * kHugePageBytes);
+  EXPECT_GE(fs.total_bytes, 8 * kHugePageBytes);
+  EXPECT_EQ(fs.available_bytes, (pool.free - pool.reserved) * kHugePageBytes);
+  // A file's pages leave the pool, and the free bytes say so.
+  testing::ScopedPath file("pool", mount.dir());
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(file.path(), RW()));
+  ASSERT_OK(AllocateFile(fd, 2 * kHugePageBytes));
+  ASSERT_OK_AND_ASSIGN(FilesystemInfo after, StatFilesystem(mount.dir()));
+  EXPECT_EQ(after.available_bytes + 2 * kHugePageBytes, fs.available_bytes);
+}
+
 // Each reader against what it reads, seen another way: bytes this process read, its start
 // time from its own stat line, the bracketed word of shmem_enabled, the buddy allocator's
 // counts. (The arena's "model bytes read" and the sweep's pid identity rest on these.)
