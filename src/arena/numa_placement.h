@@ -20,15 +20,9 @@
 namespace expert_arena::arena {
 
 using pages::PagePlacement;
+using pages::ResolvePlacement;
 
-// The placement `placement`/`node` means where this process may allocate from `allowed` (its
-// cpuset's mems with memory) of `present` (every node with memory). kInvalidArgument for
-// node:N outside `allowed`, naming what is allowed; kUnsupported for replicate. One allowed
-// node: first touch whatever was asked (the only node there is).
-Result<PagePlacement> ResolvePlacement(NumaPlacement placement, int node,
-                                       const std::vector<int>& allowed,
-                                       const std::vector<int>& present);
-// ResolvePlacement on this host.
+// pages::ResolvePlacement of the options on this host.
 Result<PagePlacement> ResolvePlacement(const ArenaOptions& options);
 
 // `path` of node `node`'s replica: "/dev/shm/m.arena" -> "/dev/shm/m.node1.arena", a path

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "arena/numa_placement.h"
+#include "pages/page_placement.h"
 #include "platform/numa.h"
 
 namespace expert_arena::stream {
@@ -20,7 +20,7 @@ Result<SegmentPlacement> ResolveSegmentPlacement(NumaPlacement numa, int node,
           "node), local, interleave or node:N");
     case NumaPlacement::kNode: {
       if (node < 0) return InvalidArgument("stream numa node:N without a node number");
-      auto p = arena::ResolvePlacement(numa, node, allowed, present);
+      auto p = pages::ResolvePlacement(numa, node, allowed, present);
       if (!p.ok()) return p.status().WithContext("stream producer");
       out.pages = std::move(p).value();
       out.node = node;
@@ -28,7 +28,7 @@ Result<SegmentPlacement> ResolveSegmentPlacement(NumaPlacement numa, int node,
       return out;
     }
     case NumaPlacement::kInterleave: {
-      auto p = arena::ResolvePlacement(numa, node, allowed, present);
+      auto p = pages::ResolvePlacement(numa, node, allowed, present);
       if (!p.ok()) return p.status().WithContext("stream producer");
       out.pages = std::move(p).value();
       out.node = only;
