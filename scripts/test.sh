@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds expert-arena and runs its tests, from a fresh machine: installs what is missing
-# (Debian packages), configures with both GPU backends (compiled and linked even without a
-# GPU), builds, and runs the unit and multi-process tests, then builds the library and the
-# tools as users do (Release, -O3; warnings are errors here), then a bounded libFuzzer run of
-# every fuzz target (tests/fuzz/run_fuzz.sh), the AddressSanitizer build's tests, the
-# ThreadSanitizer build's threaded and multi-process tests, and a bounded soak. Exit status 0
-# only when everything passed.
+# (Debian packages; .venv's and .venv-vllm's PyPI packages in the background while it builds),
+# configures with both GPU backends (compiled and linked even without a GPU), builds at -O3 as
+# users' Release builds do (warnings are errors here), and runs the unit and multi-process
+# tests, the Python tests on both torches, the kernel profiles and the real kernels under QEMU,
+# vLLM, then a bounded libFuzzer run of every fuzz target (tests/fuzz/run_fuzz.sh), the
+# AddressSanitizer build's tests, the ThreadSanitizer build's threaded and multi-process tests
+# (built without precompiled headers: a missing include fails there), and a bounded soak. Exit
+# status 0 only when everything passed.
 #
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    the default build's tests only
@@ -27,16 +29,45 @@ step() {
   step_start=$SECONDS
   if [[ -n "$step_name" ]]; then echo "== $step_name"; fi
 }
+deps_pid=""
+deps_log=""
+stop_test_deps() {  # the background install-deps --for-tests, if it still runs
+  if [[ -n $deps_pid ]]; then
+    pkill -TERM -P "$deps_pid" 2>/dev/null || true
+    kill "$deps_pid" 2>/dev/null || true
+    deps_pid=""
+  fi
+  [[ -z $deps_log ]] || rm -f "$deps_log"
+}
 on_exit() {
   local rc=$?
+  stop_test_deps
   if ((rc != 0)) && [[ -n "$step_name" ]]; then
     echo "== $step_name: FAILED (exit $rc) after $((SECONDS - step_start)) s (total $SECONDS s)"
   fi
 }
 trap on_exit EXIT
 
-step "install-deps (Debian packages, .venv)"
-bash scripts/install-deps.sh
+step "install-deps: what the build needs (Debian packages, .venv's CUDA runtime wheels)"
+bash scripts/install-deps.sh --for-build
+# What only the tests need (.venv's torch 2.x and transformers, .venv-vllm: gigabytes from
+# PyPI) installs in the background while the build compiles; the first step that needs it
+# waits for it (wait_for_test_deps).
+deps_log=$(mktemp -t expert-arena-deps.XXXXXX)
+deps_started=$(date +%s)
+bash scripts/install-deps.sh --for-tests >"$deps_log" 2>&1 &
+deps_pid=$!
+wait_for_test_deps() {
+  [[ -n ${deps_pid:-} ]] || return 0
+  local rc=0
+  wait "$deps_pid" || rc=$?
+  deps_pid=""
+  sed 's/^/  /' "$deps_log"
+  echo "== install-deps --for-tests finished $(($(stat -c %Y "$deps_log") - deps_started)) s" \
+       "after it started, in the background (exit $rc)"
+  rm -f "$deps_log"
+  ((rc == 0)) || exit "$rc"
+}
 
 # Both GPU backends must compile and link on every CI run (no GPU needed): in CI a missing
 # toolkit fails the configure instead of silently dropping a backend.
@@ -50,7 +81,10 @@ fi
 
 jobs=${EXPERT_ARENA_JOBS:-2}
 
-step "default build (${gpu_flags[*]:-no GPU backends})"
+# -O3 (the default preset): g++ at -O3 inlines deeper and warns where -O2 does not (g++ 12
+# reports false positives inside std::string and std::vector; docs/building.md), so the build
+# the tests run on is also the check that a user's Release build compiles without a warning.
+step "default build, -O3 (${gpu_flags[*]:-no GPU backends})"
 cmake --preset default "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON | { grep "GPU backends" || true; }
 cmake --build --preset default -j"$jobs"
 build/bin/expert-arena --version
@@ -63,9 +97,9 @@ step "Python package tests, Debian's torch $(/usr/bin/python3 -c 'import torch; 
 PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
 
 step "kernel profiles: older kernels and container runtimes emulated with seccomp"
-# linux-4.18, linux-5.15, linux-6.1, docker, podman (tools/kernel-profile) x /dev/shm, tmpfs
-# huge=always, hugetlbfs: engines, arena protocol, stream process and Python tests, asserting
-# the start line (docs/kernels.md). About 2-2.5 minutes on 2 cores.
+# linux-4.18, linux-5.15, docker, podman (tools/kernel-profile; 5.10 and 6.1 boot for real in
+# the next step) x /dev/shm, tmpfs huge=always, hugetlbfs: engines, arena protocol, stream
+# process and Python tests, asserting the start line (docs/kernels.md).
 tests/kernel/kernel_profiles.sh build
 
 step "NUMA placement on Debian's real kernels under QEMU (two emulated nodes)"
@@ -73,6 +107,8 @@ step "NUMA placement on Debian's real kernels under QEMU (two emulated nodes)"
 # in a guest booted with the built expert-arena (docs/numa.md). The kernels are fetched once
 # into ~/.cache/expert-arena/kernels. 83 s for the three kernels on 2 cores (once cached).
 EA_QEMU_KERNELS=${EA_QEMU_KERNELS:-all} tests/kernel/qemu_numa.sh build
+step "waiting for install-deps --for-tests (torch 2.x, transformers, vLLM's CPU build)"
+wait_for_test_deps
 venv_torch=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
 step "as an unprivileged user: the arena protocol, streams across processes, the Python tests on .venv's torch $venv_torch"
 # Engines run as ordinary users in the field (docs/deployment.md), and on torch 2.x from PyPI:
@@ -139,14 +175,6 @@ elif [[ "${CI:-}" == "true" ]]; then
 else
   echo "== vLLM: skipped (.venv-vllm has no vLLM; scripts/install-deps.sh installs it)"
 fi
-
-step "Release build (-O3): the shared library and the tools"
-# g++ at -O3 inlines deeper and warns where -O2 does not (g++ 12 reports false positives inside
-# std::string and std::vector; docs/building.md). The tests ran on the default build above;
-# building only what users build keeps this step to a few minutes on 2 cores.
-cmake --preset release "${gpu_flags[@]}" -DEXPERT_ARENA_BUILD_TESTS=OFF \
-  -DEXPERT_ARENA_BUILD_BENCH=OFF >/dev/null
-cmake --build --preset release -j"$jobs" --target expert_arena expert-arena moe-engine
 
 step "fuzzing (libFuzzer, ${EA_FUZZ_SECONDS:-20} s per target)"
 # Bounded: each target starts from its seed corpus; any crash fails the run and names the input.
