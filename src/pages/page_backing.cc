@@ -430,6 +430,13 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
       EA_RETURN_IF_ERROR(allocated);
       EA_RETURN_IF_ERROR(restored);
     }
+  } else if (source == PageSource::kHugetlbfs) {
+    // No policy to apply: sized only. The shared mapping below reserves every page of the file
+    // from the pool and the mount's size= (an mmap that fails with ENOMEM, which is kNoSpace,
+    // when either is short: never a SIGBUS later), and the populate that follows makes and
+    // zeroes the pages on every populating thread, where fallocate zeroes them all on this one
+    // under the inode's lock (0.22 s of a 0.41 s warm 2 GiB load, 2026-12-04).
+    EA_RETURN_IF_ERROR(platform::ExtendFile(fd, bytes));
   } else {
     // On tmpfs with a policy: sized only, the pages are made once the policy is set below.
     EA_RETURN_IF_ERROR(allocate_in_pieces || bind_tmpfs ? platform::ExtendFile(fd, bytes)

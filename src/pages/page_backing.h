@@ -181,8 +181,9 @@ struct BackedFile {
 
 // Allocates the empty file behind `fd` to `bytes`, maps it writable (`alignment`: 2 MiB, or
 // the hugetlbfs page size), and makes its pages 2 MiB per DecideHugePages. Every byte is
-// allocated when it returns: a filesystem too small is posix_fallocate's kNoSpace naming the
-// sizes, never a SIGBUS later. On 4 KiB tmpfs with room for the file, the file is only sized
+// allocated (on hugetlbfs without a placement: reserved by the mapping) when it returns: a
+// filesystem or pool too small is kNoSpace from posix_fallocate or mmap, never a SIGBUS later.
+// On 4 KiB tmpfs with room for the file, the file is only sized
 // first and each collapse worker allocates one page per 2 MiB (CollapseParallel): allocating
 // the whole file first would make 4 KiB pages that the collapse then copies (25x the time,
 // bench/collapse_bench). `available_bytes`: the filesystem's free space (statfs). The caller
