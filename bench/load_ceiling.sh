@@ -2,7 +2,8 @@
 # Warm loads against the minimal loader (the ceiling of item "loads at the ceiling" in
 # docs/scale.md), per backing: plain /dev/shm, a tmpfs mounted huge=always, and hugetlbfs
 # (vm.nr_hugepages raised for the run and restored). The minimal loader fallocates, maps
-# 2 MiB-aligned, populates and copies on two threads (bench/load_bench.cc MinimalLoad); best
+# 2 MiB-aligned, populates and copies on two threads (bench/load_bench.cc MinimalLoad; on plain
+# /dev/shm also once collapsing to 2 MiB pages as the arena does, the ceiling there); best
 # of three of each, alternating, from a warm page cache. Needs root (mounts); everything it
 # creates is removed at exit. Holds the machine-wide benchmark lock.
 #
