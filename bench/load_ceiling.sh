@@ -3,8 +3,9 @@
 # docs/scale.md), per backing: plain /dev/shm, a tmpfs mounted huge=always, and hugetlbfs
 # (vm.nr_hugepages raised for the run and restored). The minimal loader fallocates, maps
 # 2 MiB-aligned, populates and copies on two threads (bench/load_bench.cc MinimalLoad; on plain
-# /dev/shm also once collapsing to 2 MiB pages as the arena does, the ceiling there); best
-# of three of each, alternating, from a warm page cache. Needs root (mounts); everything it
+# /dev/shm also once collapsing to 2 MiB pages as the arena does, the ceiling there), and once
+# more checksumming what it copies (XXH3, as the arena does); best of three of each,
+# alternating, from a warm page cache. Needs root (mounts); everything it
 # creates is removed at exit. Holds the machine-wide benchmark lock.
 #
 #   sudo bench/load_ceiling.sh [GiB (default 2)] [--build-dir build]

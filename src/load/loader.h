@@ -52,8 +52,9 @@ struct LoadRequest {
   unsigned threads = 0;
   bool direct_io = true;  // O_DIRECT where the source and alignment allow it
   // Pieces in the page cache are copied from a read-only mapping of the source in blocks of
-  // hot_block_bytes (0: 128 KiB), each hashed right after it is copied, while it is in L1/L2
-  // (readers.h). false: they are read with the reader and hashed afterwards.
+  // hot_block_bytes (0: 128 KiB; 16 KiB for pieces of 1 MiB and more, which are streamed),
+  // each hashed right after it is copied, while it is in L1/L2 (readers.h). false: they are
+  // read with the reader and hashed afterwards.
   bool hot_copy = true;
   uint64_t hot_block_bytes = 0;
   // When set, the data region's pages are still being made (allocated, put on 2 MiB pages,

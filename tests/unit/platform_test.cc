@@ -324,7 +324,11 @@ TEST(CopyNonTemporal, CopiesEveryAlignmentAndSize) {
   for (std::byte& b : from) b = static_cast<std::byte>(rng());
   for (int i = 0; i < 300; ++i) {
     size_t src = rng() % 200, dst = rng() % 200;
-    size_t n = i < 100 ? static_cast<size_t>(i) : rng() % ((1 << 20) - 400);
+    // Every size to 100, then around the 16 KiB groups of four pages, then any.
+    const size_t around_groups[] = {16383, 16384, 16385, 16384 + 128, 49152 + 4096 + 64 + 3};
+    size_t n = i < 100   ? static_cast<size_t>(i)
+               : i < 105 ? around_groups[i - 100]
+                         : rng() % ((1 << 20) - 400);
     std::memset(to.data(), 0x5a, to.size());
     platform::CopyNonTemporal(to.data() + dst, from.data() + src, n);
     ASSERT_EQ(std::memcmp(to.data() + dst, from.data() + src, n), 0) << n;
