@@ -26,6 +26,7 @@ struct CudaApi {
   static constexpr GpuBackend kBackend = GpuBackend::kCuda;
   static constexpr const char* kName = "cuda";
   static constexpr unsigned kHostRegisterPortable = cudaHostRegisterPortable;
+  static constexpr unsigned kHostRegisterMapped = cudaHostRegisterMapped;
   static constexpr unsigned kHostRegisterReadOnly = cudaHostRegisterReadOnly;
 
   static constexpr const char* kSetDeviceCall = "cudaSetDevice";

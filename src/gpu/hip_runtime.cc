@@ -30,6 +30,7 @@ struct HipApi {
   static constexpr GpuBackend kBackend = GpuBackend::kHip;
   static constexpr const char* kName = "hip";
   static constexpr unsigned kHostRegisterPortable = hipHostRegisterPortable;
+  static constexpr unsigned kHostRegisterMapped = hipHostRegisterMapped;
 #if defined(hipHostRegisterReadOnly)
   static constexpr unsigned kHostRegisterReadOnly = hipHostRegisterReadOnly;
 #else

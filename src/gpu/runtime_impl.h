@@ -13,7 +13,8 @@
 //   GetDevice, SetDevice, GetDeviceCount, GetDeviceProperties (DeviceProp), DriverGetVersion
 //   DeviceLine(prop, memory, driver)             Describe's text
 //   CanRegisterReadOnly(device)
-//   kHostRegisterPortable, kHostRegisterReadOnly (0 when the runtime has no such flag)
+//   kHostRegisterPortable, kHostRegisterMapped, kHostRegisterReadOnly (0 when the runtime has
+//   no such flag)
 //   HostRegister, HostUnregister, Malloc, Free, MallocHost, FreeHost
 //   MemcpyHostToDeviceAsync, MemcpyDeviceToHost, EventCreateDisableTiming, EventRecord,
 //   EventSynchronize, EventQuery, EventDestroy, StreamCreateNonBlocking, StreamSynchronize,
@@ -83,8 +84,10 @@ class RuntimeImpl final : public Runtime {
   Status HostRegister(int device, void* data, size_t bytes, bool read_only) const override {
     EA_GPU_ON_DEVICE(device);
     // Portable: the pages count as pinned for every device of the process, not only the one
-    // that registered them (an engine may copy to several GPUs).
-    unsigned flags = Api::kHostRegisterPortable;
+    // that registered them (an engine may copy to several GPUs). Mapped: kernels may read them
+    // in place, through the pointer cudaHostGetDevicePointer gives, as vLLM's UVA weight
+    // offloading does (get_accelerator_view_from_cpu_tensor).
+    unsigned flags = Api::kHostRegisterPortable | Api::kHostRegisterMapped;
     if (read_only) flags |= Api::kHostRegisterReadOnly;
     EA_GPU_RETURN_IF_ERROR(Api::HostRegister(data, bytes, flags),
                            read_only ? std::string(Api::kHostRegisterCall) + "(ReadOnly)"

@@ -66,6 +66,7 @@ struct FakeApi {
   static constexpr GpuBackend kBackend = GpuBackend::kCuda;
   static constexpr const char* kName = "fake";
   static constexpr unsigned kHostRegisterPortable = 0x1;  // CUDA's values
+  static constexpr unsigned kHostRegisterMapped = 0x2;
   static constexpr unsigned kHostRegisterReadOnly = 0x8;
 
   static constexpr const char* kSetDeviceCall = "fakeSetDevice";
@@ -376,13 +377,15 @@ TEST_F(RuntimeImplTest, CurrentDeviceIsNotSetAgain) {
   EXPECT_TRUE(fake_.live_streams.empty());
 }
 
-TEST_F(RuntimeImplTest, HostRegisterPassesPortableAndReadOnlyFlags) {
+TEST_F(RuntimeImplTest, HostRegisterPassesPortableMappedAndReadOnlyFlags) {
   std::byte host[64];
   EXPECT_OK(runtime_.HostRegister(0, host, sizeof host, false));
-  EXPECT_EQ(fake_.host_register_flags, FakeApi::kHostRegisterPortable);
-  EXPECT_OK(runtime_.HostRegister(0, host, sizeof host, true));
   EXPECT_EQ(fake_.host_register_flags,
-            FakeApi::kHostRegisterPortable | FakeApi::kHostRegisterReadOnly);
+            FakeApi::kHostRegisterPortable | FakeApi::kHostRegisterMapped);
+  EXPECT_OK(runtime_.HostRegister(0, host, sizeof host, true));
+  EXPECT_EQ(fake_.host_register_flags, FakeApi::kHostRegisterPortable |
+                                           FakeApi::kHostRegisterMapped |
+                                           FakeApi::kHostRegisterReadOnly);
 }
 
 TEST_F(RuntimeImplTest, EventRecordReadyWaitDestroy) {
