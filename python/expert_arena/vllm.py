@@ -28,7 +28,12 @@ naming it: the engine never keeps a private copy silently.
 
 GPU engines: the arena is the host copy, registered with the GPU, that every engine's
 parameters are copied from at start (one host copy for N engines instead of N checkpoint
-reads and N post-processings).
+reads and N post-processings). With `--cpu-offload-gb` the parameters vLLM's UVA offloader
+chooses (the same ones, by its rules: module order, the byte budget, `--cpu-offload-params`)
+stay in the arena: the GPU reads them in place through the registered pages, where each engine
+would otherwise pin a private host copy of them. The prefetch offloader
+(`--offload-group-size`) and UVA turned off (`VLLM_WEIGHT_OFFLOADING_DISABLE_UVA`) keep private
+copies by design and are refused.
 """
 
 from __future__ import annotations
@@ -179,6 +184,71 @@ def _checkpoint_files(load_config, model_config):
     return sorted(set(weights) | set(glob.glob(os.path.join(folder, "*.json"))))
 
 
+class OffloadPlan:
+    """The parameters vLLM's UVA offloader (--cpu-offload-gb) would put on the host, chosen by
+    its rules (vLLM 0.32, UVAOffloader._maybe_offload_to_cpu: the modules in the order
+    make_layers hands them over, each one's parameters in order, until the byte budget is
+    spent; only names matching --cpu-offload-params when given) without moving anything:
+    on the meta device there is nothing to move, and the arena holds the bytes. Each chosen
+    module gets `_expert_arena_host`, the names of its chosen parameters."""
+
+    def __init__(self, max_bytes, params):
+        self.max_bytes = max_bytes
+        self.params = set(params or ())
+        self.bytes = 0
+
+    def wrap_modules(self, modules_generator, prefix=""):
+        modules = list(modules_generator)
+        head = prefix + "." if prefix else ""
+        for module in modules:
+            chosen = []
+            for name, p in module.named_parameters():
+                if self.bytes >= self.max_bytes:
+                    break
+                if self.params and not any(".%s." % x in ".%s%s." % (head, name)
+                                           for x in self.params):
+                    continue
+                chosen.append(name)
+                self.bytes += p.numel() * p.element_size()
+            if chosen:
+                module._expert_arena_host = list(getattr(module, "_expert_arena_host", ())) + \
+                    chosen
+        return modules
+
+
+def host_names(model):
+    """Full names of the parameters an OffloadPlan chose in `model`."""
+    out = set()
+    for prefix, module in model.named_modules():
+        for name in getattr(module, "_expert_arena_host", ()):
+            out.add(prefix + "." + name if prefix else name)
+    return out
+
+
+def check_offloader(offloader, on_cpu):
+    """The engine's weight offloader, as the loader can honour it: None when it offloads
+    nothing here (none, or a CPU engine, whose parameters are all on the host already), the
+    UVAOffloader otherwise; ValueError for the offloaders that keep a private host copy."""
+    from vllm.model_executor.offloader import PrefetchOffloader, UVAOffloader
+    if isinstance(offloader, PrefetchOffloader):
+        raise ValueError(
+            "%s: the prefetch weight offloader (--offload-group-size) copies each offloaded "
+            "layer into private pinned memory of every engine; the arena cannot stand in for "
+            "it. Use --cpu-offload-gb (vLLM's UVA offloader: the GPU reads the offloaded "
+            "parameters in place from the arena) or no offloading with --load-format %s"
+            % (LOAD_FORMAT, LOAD_FORMAT))
+    if not isinstance(offloader, UVAOffloader) or on_cpu:
+        return None
+    if not offloader.uva_offloading:
+        raise ValueError(
+            "%s: --cpu-offload-gb without UVA (VLLM_WEIGHT_OFFLOADING_DISABLE_UVA=1, or no "
+            "pinned memory on this platform) copies the offloaded parameters to the GPU at "
+            "every forward from a private host copy; unset VLLM_WEIGHT_OFFLOADING_DISABLE_UVA "
+            "so that the GPU reads them from the arena, or load without --load-format %s"
+            % (LOAD_FORMAT, LOAD_FORMAT))
+    return offloader
+
+
 class ReplacedStorageError(RuntimeError):
     """A parameter or buffer no longer lies in the arena: a backend replaced its storage."""
 
@@ -231,6 +301,8 @@ def _loader_class():
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import (initialize_model,
                                                         process_weights_after_loading)
+    from vllm.model_executor.offloader import (BaseOffloader, get_offloader,
+                                               set_offloader)
     from vllm.model_executor.utils import weights_already_processed
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -240,6 +312,10 @@ def _loader_class():
 
     # Under "vllm." so that vLLM's own handlers and format (VLLM_LOGGING_LEVEL) apply.
     logger = init_logger("vllm.expert_arena")
+
+    class MetaOffloadPlan(OffloadPlan, BaseOffloader):
+        """An OffloadPlan in the offloader's place while the model is built on the meta
+        device (the real one would copy meta tensors to the host and fail)."""
 
     class ExpertArenaModelLoader(BaseModelLoader):
         """Loads through one shared arena per (checkpoint, vLLM, dtype, quantization, rank)
@@ -281,6 +357,7 @@ def _loader_class():
                     "hip" if current_platform.is_rocm() else "cuda",
                     device.index if device.index is not None
                     else torch.accelerator.current_device_index())
+            offloader = check_offloader(get_offloader(), on_cpu)
             built = {}
 
             def declare():
@@ -303,15 +380,26 @@ def _loader_class():
             if model is None:
                 # vLLM registers each attention layer by name once per process: only an engine
                 # that did not build makes the model here.
-                with set_default_torch_dtype(model_config.dtype):
-                    with torch.device("meta"):
-                        model = initialize_model(vllm_config=vllm_config,
-                                                 model_config=model_config, prefix=prefix)
-                self._bind(model, model_config, arena, device)
+                engine_offloader = get_offloader()
+                plan = MetaOffloadPlan(
+                    offloader.cpu_offload_max_bytes if offloader is not None else 0,
+                    offloader.cpu_offload_params if offloader is not None else ())
+                set_offloader(plan)
+                try:
+                    with set_default_torch_dtype(model_config.dtype):
+                        with torch.device("meta"):
+                            model = initialize_model(vllm_config=vllm_config,
+                                                     model_config=model_config, prefix=prefix)
+                finally:
+                    set_offloader(engine_offloader)
+                self._bind(model, model_config, arena, device, host_names(model))
             elif on_cpu:
                 # The builder's private tensors give way to the views it published.
                 self._bind(model, model_config, arena, device)
-            # (A GPU engine that built keeps the device tensors it published from.)
+            elif offloader is not None:
+                # A GPU engine that built keeps the device tensors it published from; what its
+                # offloader pinned on the host gives way to the arena's registered pages.
+                self._host_to_arena(model, arena)
             model.expert_arena = arena
             _release_freed_memory()
             logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
@@ -343,10 +431,32 @@ def _loader_class():
                     % (LOAD_FORMAT, ", ".join(unsupported), LOAD_FORMAT))
             return model
 
-        def _bind(self, model, model_config, arena, device):
+        def _host_to_arena(self, model, arena):
+            """The builder's parameters vLLM's UVA offloader put in pinned host memory become
+            device views of the arena's registered pages (the pinned copies are freed)."""
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+            count = size = 0
+            for name, t, is_param, arena_name in _module_tensors(model):
+                if is_param and getattr(t, "_vllm_is_uva_offloaded", False):
+                    t.data = get_accelerator_view_from_cpu_tensor(arena.torch(arena_name))
+                    count += 1
+                    size += t.numel() * t.element_size()
+            self._log_host(count, size)
+
+        @staticmethod
+        def _log_host(count, size):
+            if count:
+                logger.info("%s: %d parameters (%.2f GiB) offloaded by --cpu-offload-gb are "
+                            "read by the GPU in place from the arena's registered pages (no "
+                            "pinned copy of them in this engine)",
+                            LOAD_FORMAT, count, size / 2**30)
+
+        def _bind(self, model, model_config, arena, device, host=frozenset()):
             """Makes every parameter and buffer of `model` (built on the meta device, or the
             builder's own) the arena's tensor of the same name: its read-only view on the
-            CPU, a copy on a GPU; then lets vLLM rebuild its kernels' state on them."""
+            CPU, a copy on a GPU (a device view of the registered pages for the parameters in
+            `host`, which --cpu-offload-gb keeps on the host); then lets vLLM rebuild its
+            kernels' state on them."""
             entries = _module_tensors(model)
             names = set(arena.names())
             missing = sorted({a for _, _, _, a in entries if a not in names})
@@ -358,11 +468,16 @@ def _loader_class():
                     "remove the file)" % (LOAD_FORMAT, arena.report["path"], missing[:8],
                                           unexpected[:8]))
             views, params = {}, {}
+            on_host = {a for name, _, is_param, a in entries if is_param and name in host}
+            if device.type != "cpu" and on_host:
+                from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
             for name, t, is_param, arena_name in entries:
                 view = views.get(arena_name)
                 if view is None:
                     view = arena.torch(arena_name)
-                    if device.type != "cpu":
+                    if device.type != "cpu" and arena_name in on_host:
+                        view = get_accelerator_view_from_cpu_tensor(view)
+                    elif device.type != "cpu":
                         view = view.to(device, non_blocking=True)
                     elif not is_param and view.numel() <= 1:
                         # vLLM's attention layers write their default KV-cache scales in
@@ -377,11 +492,15 @@ def _loader_class():
                     param = params.get(arena_name)
                     if param is None:
                         param = params[arena_name] = nn.Parameter(view, requires_grad=False)
+                        if device.type != "cpu" and arena_name in on_host:
+                            param._vllm_is_uva_offloaded = True  # as vLLM's offloader marks
                     owner._parameters[leaf] = param
                 else:
                     owner._buffers[leaf] = view
             if device.type != "cpu":
                 torch.accelerator.synchronize()
+                self._log_host(len(on_host), sum(views[a].numel() * views[a].element_size()
+                                                 for a in on_host))
             with set_default_torch_dtype(model_config.dtype), weights_already_processed(), \
                     _gemm_on_shared_weights():
                 process_weights_after_loading(model, model_config, device)

@@ -74,10 +74,11 @@ def _env(tp=1):
     return env
 
 
-def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1):
+def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1, offload_gb=0):
     err = tempfile.TemporaryFile(mode="w+")
     args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
     args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
+    args += ["--cpu-offload-gb", str(offload_gb)] if offload_gb else []
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                          text=True, env=_env(tp), process_group=0)  # killpg reaches its workers
     p.err_file = err
@@ -276,6 +277,62 @@ def test_each_tensor_parallel_rank_has_its_own_arena(checkpoints, arena_dir):
     assert sorted(r["role"] for r in restart["ranks"]) == ["attached", "attached"], restart
     assert sorted(r["path"] for r in restart["ranks"]) == paths
     assert restart["tokens"] == built["tokens"]
+
+
+def test_engines_with_cpu_offload_gb_share_the_arena_of_engines_without_it(checkpoints,
+                                                                         arena_dir):
+    """--cpu-offload-gb changes where a GPU engine keeps some parameters, not their bytes: one
+    arena for engines with and without it. An attaching engine with it used to fail building
+    its model on the meta device (vLLM's offloader: "Cannot copy out of meta tensor")."""
+    for kind, builder_gb, attacher_gb in (("qwen3_moe", 0, 1), ("mixtral", 1, 1)):
+        model, reference = checkpoints(kind)
+        built = _run(model, "expert_arena", arena_dir, offload_gb=builder_gb)
+        attached = _run(model, "expert_arena", arena_dir, offload_gb=attacher_gb)
+        assert (built["role"], attached["role"]) == ("loaded", "attached"), (built, attached)
+        assert attached["path"] == built["path"] and attached["bytes_read"] < 64 * 1024
+        for r in (built, attached):
+            assert r["tokens"] == reference and r["in_arena"], (kind, r)
+
+
+def test_the_offload_plan_chooses_by_vllms_uva_rules():
+    """What vLLM 0.32's UVAOffloader._maybe_offload_to_cpu would offload, on meta modules: the
+    modules in order, each one's parameters in order, while the budget is not yet spent (the
+    last one chosen may pass it); with --cpu-offload-params only whole name segments match."""
+    from expert_arena.vllm import OffloadPlan, host_names
+    with torch.device("meta"):
+        model = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)) for _ in range(3))
+    # float32 Linear(8, 8): weight 256 bytes, bias 32.
+    plan = OffloadPlan(600, None)
+    plan.wrap_modules((m for m in model), prefix="layers")
+    assert host_names(model) == {"0.0.weight", "0.0.bias", "0.1.weight", "0.1.bias",
+                                 "1.0.weight"}
+    assert plan.bytes == 256 + 32 + 256 + 32 + 256
+    with torch.device("meta"):
+        model = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)) for _ in range(3))
+    plan = OffloadPlan(10**9, {"bias", "1.weight"})
+    plan.wrap_modules((m for m in model), prefix="layers")
+    assert host_names(model) == {"%d.%s" % (i, n) for i in range(3)
+                                 for n in ("0.bias", "1.weight", "1.bias")}
+    nothing = torch.nn.ModuleList([torch.nn.Linear(2, 2, device="meta")])
+    OffloadPlan(0, None).wrap_modules(iter(nothing))
+    assert host_names(nothing) == set()
+
+
+def test_offloaders_that_keep_private_copies_are_refused(monkeypatch):
+    from vllm.model_executor.offloader import NoopOffloader, PrefetchOffloader, UVAOffloader
+    from expert_arena.vllm import check_offloader
+    uva = UVAOffloader(2**30)
+    assert check_offloader(uva, on_cpu=False) is uva
+    assert check_offloader(uva, on_cpu=True) is None  # a CPU engine's weights are all host
+    assert check_offloader(NoopOffloader(), on_cpu=False) is None
+    # (PrefetchOffloader's constructor makes a CUDA stream: the class alone is what is checked.)
+    with pytest.raises(ValueError, match=r"prefetch weight offloader \(--offload-group-size\)"):
+        check_offloader(PrefetchOffloader.__new__(PrefetchOffloader), on_cpu=True)
+    monkeypatch.setenv("VLLM_WEIGHT_OFFLOADING_DISABLE_UVA", "1")
+    with pytest.raises(ValueError, match="without UVA"):
+        check_offloader(UVAOffloader(2**30), on_cpu=False)
 
 
 def test_a_parameter_whose_storage_is_replaced_after_binding_is_refused(shm_path):

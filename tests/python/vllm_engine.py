@@ -2,6 +2,7 @@
 and prints one JSON line; with --hold it then waits, alive, until its stdin closes.
 
     python vllm_engine.py MODEL_DIR LOAD_FORMAT ARENA_DIR DTYPE [--hold] [--tp N]
+                          [--cpu-offload-gb GIB]
 
 With one rank the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so its model's memory is this pid's; with --tp N its ranks are vLLM's worker
@@ -30,13 +31,16 @@ def inspect(model):
 def main():
     model_dir, load_format, arena_dir, dtype = sys.argv[1:5]
     tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
+    offload = float(sys.argv[sys.argv.index("--cpu-offload-gb") + 1]) \
+        if "--cpu-offload-gb" in sys.argv else 0
     started = time.monotonic()
     from vllm import LLM, SamplingParams
     extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
         if load_format == "expert_arena" else {}
     llm = LLM(model=model_dir, load_format=load_format, dtype=dtype, enforce_eager=True,
               max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
-              distributed_executor_backend="uni" if tp == 1 else "mp", **extra)
+              distributed_executor_backend="uni" if tp == 1 else "mp", cpu_offload_gb=offload,
+              **extra)
     ready = time.monotonic() - started
     out = llm.generate([{"prompt_token_ids": [5, 9, 2, 7, 11]}],
                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
