@@ -74,13 +74,18 @@ def _env(tp=1):
     return env
 
 
-def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1, offload_gb=0):
+def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1, offload_gb=0,
+           compile=False, cache_root=None):
     err = tempfile.TemporaryFile(mode="w+")
     args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
     args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
     args += ["--cpu-offload-gb", str(offload_gb)] if offload_gb else []
+    args += ["--compile"] if compile else []
+    env = _env(tp)
+    if cache_root is not None:
+        env["VLLM_CACHE_ROOT"] = cache_root  # torch.compile's artifacts: removed by the test
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                         text=True, env=_env(tp), process_group=0)  # killpg reaches its workers
+                         text=True, env=env, process_group=0)  # killpg reaches its workers
     p.err_file = err
     # A thread reads the engine's stdout (vLLM's log, then the RESULT line) to its end, so
     # that the pipe never fills and no line waits in a buffer that select() cannot see.
@@ -292,6 +297,23 @@ def test_engines_with_cpu_offload_gb_share_the_arena_of_engines_without_it(check
         assert attached["path"] == built["path"] and attached["bytes_read"] < 64 * 1024
         for r in (built, attached):
             assert r["tokens"] == reference and r["in_arena"], (kind, r)
+
+
+def test_compiled_engines_run_on_the_arena(checkpoints, arena_dir):
+    """Without enforce_eager (vLLM's default) the CPU engine runs the model through
+    torch.compile: the compiled graphs take the arena's views as they are, and builder and
+    attacher give the tokens of a plain compiled engine."""
+    model, _ = checkpoints("qwen3_moe")
+    cache = tempfile.mkdtemp(prefix="ea-pytest-vllm-cache-")
+    try:
+        reference = _run(model, "auto", arena_dir, compile=True, cache_root=cache)
+        built = _run(model, "expert_arena", arena_dir, compile=True, cache_root=cache)
+        attached = _run(model, "expert_arena", arena_dir, compile=True, cache_root=cache)
+    finally:
+        subprocess.run(["rm", "-rf", cache], check=False)
+    assert (built["role"], attached["role"]) == ("loaded", "attached"), (built, attached)
+    for r in (built, attached):
+        assert r["tokens"] == reference["tokens"] and r["in_arena"], (r, reference)
 
 
 def test_the_offload_plan_chooses_by_vllms_uva_rules():

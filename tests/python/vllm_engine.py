@@ -2,7 +2,7 @@
 and prints one JSON line; with --hold it then waits, alive, until its stdin closes.
 
     python vllm_engine.py MODEL_DIR LOAD_FORMAT ARENA_DIR DTYPE [--hold] [--tp N]
-                          [--cpu-offload-gb GIB]
+                          [--cpu-offload-gb GIB] [--compile]
 
 With one rank the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so its model's memory is this pid's; with --tp N its ranks are vLLM's worker
@@ -37,7 +37,8 @@ def main():
     from vllm import LLM, SamplingParams
     extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
         if load_format == "expert_arena" else {}
-    llm = LLM(model=model_dir, load_format=load_format, dtype=dtype, enforce_eager=True,
+    llm = LLM(model=model_dir, load_format=load_format, dtype=dtype,
+              enforce_eager="--compile" not in sys.argv,
               max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=tp,
               distributed_executor_backend="uni" if tp == 1 else "mp", cpu_offload_gb=offload,
               **extra)
