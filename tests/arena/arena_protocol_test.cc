@@ -170,8 +170,14 @@ TEST_F(ArenaProtocolTest, ReplacementUnlinksAndNeverTruncatesUnderALocklessMappi
   OldEngineMapping v1;
   map_old(v1);
   const uint32_t old_version = 1;
-  ASSERT_EQ(pwrite(v1.fd, &old_version, sizeof old_version, offsetof(format::HeaderFixed, version)),
-            static_cast<ssize_t>(sizeof old_version));
+  {
+    // Through a writable shared mapping: hugetlbfs has no write(2).
+    void* w = mmap(nullptr, v1.size, PROT_READ | PROT_WRITE, MAP_SHARED, v1.fd, 0);
+    ASSERT_NE(w, MAP_FAILED) << std::strerror(errno);
+    std::memcpy(static_cast<char*>(w) + offsetof(format::HeaderFixed, version), &old_version,
+                sizeof old_version);
+    munmap(w, v1.size);
+  }
   const std::string model_sum = FileSum(model_.path());
   ASSERT_EQ(HexSum(v1.data()), model_sum);
   {
