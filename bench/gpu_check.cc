@@ -295,10 +295,26 @@ Status CheckCorrectness(const Config& c, const GpuDevice& device, std::string* l
       return Corrupt("device copy of " + std::string(view.name) + " differs from the host " +
                      "bytes at offset " + std::to_string(i));
     }
+    // Read in place: the registered pages through their device address (what vLLM's UVA
+    // weight offloading hands its kernels), copied on the device and read back.
+    EA_ASSIGN_OR_RETURN(void* mapped,
+                        rt->HostDevicePointer(device.index, const_cast<std::byte*>(
+                                                                view.bytes.data())));
+    EA_ASSIGN_OR_RETURN(DeviceBuffer second, DeviceBuffer::Allocate(device, view.bytes.size()));
+    EA_RETURN_IF_ERROR(
+        rt->CopyOnDeviceSync(device.index, second.data(), mapped, view.bytes.size()));
+    std::vector<std::byte> in_place(view.bytes.size());
+    EA_RETURN_IF_ERROR(CopyToHost(device, second.data(), in_place));
+    if (std::memcmp(in_place.data(), view.bytes.data(), in_place.size()) != 0) {
+      return Corrupt("the device's reads of the registered pages through their device address " +
+                     std::string("differ from the host bytes"));
+    }
     *line = "correctness: a " + FormatBytes(view.bytes.size()) + " tensor of a registered " +
             (shared ? "shared" : "private") + " arena (" +
             FormatBytes(arena.report().gpu_registered_bytes) + " registered), copied to " +
-            device.ToString() + " with CopyToDeviceAsync and read back, equals the host bytes: ok";
+            device.ToString() + " with CopyToDeviceAsync and read back, equals the host bytes: " +
+            "ok; read in place through its device address (" +
+            (mapped == view.bytes.data() ? "the host's" : "another") + "): ok";
     return Status::Ok();
   }();
   cleanup();

@@ -4,7 +4,9 @@
 # registration seconds per GiB on a 4 KiB-page vs a 2 MiB-page backing of the same size
 # (serial vs parallel chunks), host-to-device GB/s from the registered arena vs from
 # cudaMallocHost memory vs from pageable memory (target: registered >= 0.95 x cudaMallocHost),
-# and a correctness check (a tensor copied to the device equals the host bytes); then a Python
+# and a correctness check (a tensor copied to the device equals the host bytes, and so do the
+# registered pages read in place through their device address, as vLLM's --cpu-offload-gb
+# reads them with the expert_arena loader); then a Python
 # step (bench/gpu_check_python.py): arena.torch(name).to("cuda", non_blocking=True) from an
 # arena opened with gpu="cuda" is a DMA copy from memory torch sees as pinned, timed against
 # a copy from pageable memory (skipped, saying why, without torch+CUDA or the package).

@@ -39,6 +39,7 @@ struct CudaApi {
   static constexpr const char* kFreeHostCall = "cudaFreeHost";
   static constexpr const char* kMemcpyAsyncCall = "cudaMemcpyAsync";
   static constexpr const char* kMemcpyCall = "cudaMemcpy";
+  static constexpr const char* kHostGetDevicePointerCall = "cudaHostGetDevicePointer";
   static constexpr const char* kEventCreateWithFlagsCall = "cudaEventCreateWithFlags";
   static constexpr const char* kEventRecordCall = "cudaEventRecord";
   static constexpr const char* kEventSynchronizeCall = "cudaEventSynchronize";
@@ -106,6 +107,12 @@ struct CudaApi {
   }
   static Error MemcpyDeviceToHost(void* dst, const void* src, size_t bytes) {
     return cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
+  }
+  static Error MemcpyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+    return cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+  }
+  static Error HostGetDevicePointer(void** mapped, void* host) {
+    return cudaHostGetDevicePointer(mapped, host, 0);
   }
 
   static Error EventCreateDisableTiming(void** event) {

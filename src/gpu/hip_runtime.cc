@@ -47,6 +47,7 @@ struct HipApi {
   static constexpr const char* kFreeHostCall = "hipHostFree";
   static constexpr const char* kMemcpyAsyncCall = "hipMemcpyAsync";
   static constexpr const char* kMemcpyCall = "hipMemcpy";
+  static constexpr const char* kHostGetDevicePointerCall = "hipHostGetDevicePointer";
   static constexpr const char* kEventCreateWithFlagsCall = "hipEventCreateWithFlags";
   static constexpr const char* kEventRecordCall = "hipEventRecord";
   static constexpr const char* kEventSynchronizeCall = "hipEventSynchronize";
@@ -103,6 +104,12 @@ struct HipApi {
   }
   static Error MemcpyDeviceToHost(void* dst, const void* src, size_t bytes) {
     return hipMemcpy(dst, src, bytes, hipMemcpyDeviceToHost);
+  }
+  static Error MemcpyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+    return hipMemcpy(dst, src, bytes, hipMemcpyDeviceToDevice);
+  }
+  static Error HostGetDevicePointer(void** mapped, void* host) {
+    return hipHostGetDevicePointer(mapped, host, 0);
   }
 
   static Error EventCreateDisableTiming(void** event) {

@@ -57,6 +57,18 @@ class Runtime {
                                    void* stream) const = 0;
   virtual Status CopyToHostSync(int device, void* dst, const void* src, size_t bytes) const = 0;
 
+  // The device's address of registered host memory (cudaHostGetDevicePointer): where the GPU
+  // reads it in place, as vLLM's UVA weight offloading does. Unsupported where a runtime has
+  // no such mapping.
+  virtual Result<void*> HostDevicePointer(int /*device*/, void* /*host*/) const {
+    return Unsupported(std::string(name()) + ": no device pointers for host memory");
+  }
+  // A copy between two device addresses (a mapped host range is one), synchronous.
+  virtual Status CopyOnDeviceSync(int /*device*/, void* /*dst*/, const void* /*src*/,
+                                  size_t /*bytes*/) const {
+    return Unsupported(std::string(name()) + ": no device-to-device copy");
+  }
+
   // Events (disable-timing events: cheapest to record and query).
   virtual Result<void*> EventRecord(int device, void* stream) const = 0;
   virtual Status EventWait(int device, void* event) const = 0;

@@ -16,7 +16,8 @@
 //   kHostRegisterPortable, kHostRegisterMapped, kHostRegisterReadOnly (0 when the runtime has
 //   no such flag)
 //   HostRegister, HostUnregister, Malloc, Free, MallocHost, FreeHost
-//   MemcpyHostToDeviceAsync, MemcpyDeviceToHost, EventCreateDisableTiming, EventRecord,
+//   HostGetDevicePointer, MemcpyHostToDeviceAsync, MemcpyDeviceToHost, MemcpyDeviceToDevice,
+//   EventCreateDisableTiming, EventRecord,
 //   EventSynchronize, EventQuery, EventDestroy, StreamCreateNonBlocking, StreamSynchronize,
 //   StreamDestroy                                thin wrappers; events and streams as void*
 #pragma once
@@ -143,6 +144,22 @@ class RuntimeImpl final : public Runtime {
     EA_GPU_RETURN_IF_ERROR(
         Api::MemcpyDeviceToHost(dst, src, bytes),
         std::string(Api::kMemcpyCall) + "(device to host, " + std::to_string(bytes) + " B)");
+    return Status::Ok();
+  }
+
+  Result<void*> HostDevicePointer(int device, void* host) const override {
+    EA_GPU_ON_DEVICE(device);
+    void* mapped = nullptr;
+    EA_GPU_RETURN_IF_ERROR(Api::HostGetDevicePointer(&mapped, host),
+                           Api::kHostGetDevicePointerCall);
+    return mapped;
+  }
+
+  Status CopyOnDeviceSync(int device, void* dst, const void* src, size_t bytes) const override {
+    EA_GPU_ON_DEVICE(device);
+    EA_GPU_RETURN_IF_ERROR(
+        Api::MemcpyDeviceToDevice(dst, src, bytes),
+        std::string(Api::kMemcpyCall) + "(device to device, " + std::to_string(bytes) + " B)");
     return Status::Ok();
   }
 

@@ -79,6 +79,7 @@ struct FakeApi {
   static constexpr const char* kFreeHostCall = "fakeFreeHost";
   static constexpr const char* kMemcpyAsyncCall = "fakeMemcpyAsync";
   static constexpr const char* kMemcpyCall = "fakeMemcpy";
+  static constexpr const char* kHostGetDevicePointerCall = "fakeHostGetDevicePointer";
   static constexpr const char* kEventCreateWithFlagsCall = "fakeEventCreateWithFlags";
   static constexpr const char* kEventRecordCall = "fakeEventRecord";
   static constexpr const char* kEventSynchronizeCall = "fakeEventSynchronize";
@@ -177,6 +178,12 @@ struct FakeApi {
     return Run(kMemcpyAsyncCall);
   }
   static Error MemcpyDeviceToHost(void*, const void*, size_t) { return Run(kMemcpyCall); }
+  static Error MemcpyDeviceToDevice(void*, const void*, size_t) { return Run(kMemcpyCall); }
+  static Error HostGetDevicePointer(void** mapped, void* host) {
+    Error e = Run(kHostGetDevicePointerCall);
+    if (e == kSuccess) *mapped = host;  // as on a device that uses the host's addresses
+    return e;
+  }
 
   static Error EventCreateDisableTiming(void** event) {
     Error e = Create(kEventCreateWithFlagsCall, event);
@@ -284,6 +291,10 @@ TEST_F(RuntimeImplTest, FailuresNameTheCallAndRestoreState) {
        [&](const Runtime& r) { return r.CopyToDeviceAsync(1, device_ptr, host, 1000, stream); }},
       {"fakeMemcpy", "fakeMemcpy(device to host, 1000 B)",
        [&](const Runtime& r) { return r.CopyToHostSync(1, host, device_ptr, 1000); }},
+      {"fakeMemcpy", "fakeMemcpy(device to device, 1000 B)",
+       [&](const Runtime& r) { return r.CopyOnDeviceSync(1, device_ptr, device_ptr, 1000); }},
+      {"fakeHostGetDevicePointer", "fakeHostGetDevicePointer",
+       [&](const Runtime& r) { return r.HostDevicePointer(1, host).status(); }},
       {"fakeEventCreateWithFlags", "fakeEventCreateWithFlags",
        [&](const Runtime& r) { return r.EventRecord(1, stream).status(); }},
       {"fakeEventRecord", "fakeEventRecord",
