@@ -1,11 +1,13 @@
 #include "stream_test_util.h"
 
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
@@ -142,8 +144,15 @@ void WriteLogicalName(const std::string& path, const std::string& name) {
   std::memcpy(field, name.data(), std::min(name.size(), sizeof field));
   auto fd = platform::OpenFile(path, {.write = true, .no_follow = true});
   ASSERT_OK(fd.status());
-  ASSERT_OK(platform::WriteFull(*fd, offsetof(stream::SegmentHeader, logical_name),
-                                std::as_bytes(std::span(field))));
+  // Through a shared mapping of the whole file: hugetlbfs has no write(2).
+  struct stat st;
+  ASSERT_EQ(fstat(fd->get(), &st), 0);
+  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED,
+                    fd->get(), 0);
+  ASSERT_NE(base, MAP_FAILED) << std::strerror(errno);
+  std::memcpy(static_cast<char*>(base) + offsetof(stream::SegmentHeader, logical_name), field,
+              sizeof field);
+  munmap(base, static_cast<size_t>(st.st_size));
 }
 
 // args: shm spill logical ready-file — creates a producer, puts one tensor, then sleeps until
