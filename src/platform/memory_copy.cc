@@ -78,8 +78,9 @@ __attribute__((target("avx2"))) void StreamFourPagesAvx2(std::byte* to, const st
     for (size_t at = 0; at < kPage; at += kStep) {
       __m256i v[16];
       for (int p = 0; p < 4; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(s + p * kPage + at + kStep), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(s + p * kPage + at + kStep + 64), _MM_HINT_T0);
+        // prefetcht0 (_mm_prefetch's hint is not a constant to GCC without optimization).
+        __builtin_prefetch(s + p * kPage + at + kStep, 0, 3);
+        __builtin_prefetch(s + p * kPage + at + kStep + 64, 0, 3);
         for (int k = 0; k < 4; ++k) {
           v[p * 4 + k] =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + p * kPage + at + k * 32));
