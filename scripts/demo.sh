@@ -44,7 +44,7 @@ python_module() { compgen -G 'build/python/expert_arena/_core*.so' >/dev/null; }
 if [[ ! -x build/bin/expert-arena || ! -x build/bin/moe-engine || ! -e build/lib/libexpert_arena.so ]] ||
    { [[ -d build/python/CMakeFiles/expert_arena_python.dir ]] && ! python_module; }
 then
-  bash scripts/install-deps.sh
+  bash scripts/install-deps.sh --for-demo   # Debian's build packages only: no torch, no vLLM
   [[ -f build/CMakeCache.txt ]] || cmake --preset default -DEXPERT_ARENA_WERROR=OFF >/dev/null
   targets=(expert-arena moe-engine expert_arena)
   [[ -d build/python/CMakeFiles/expert_arena_python.dir ]] && targets+=(expert_arena_python)

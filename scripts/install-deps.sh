@@ -13,16 +13,22 @@
 #   scripts/install-deps.sh --for-tests  the rest: .venv's torch 2.x, transformers, ... and
 #                                        .venv-vllm (scripts/test.sh runs this part in the
 #                                        background while it builds)
+#   scripts/install-deps.sh --for-demo   only the Debian packages that building the library,
+#                                        the CLI and moe-engine need (scripts/demo.sh): no
+#                                        .venv, no vLLM, no QEMU, clang or Prometheus
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 for_build=1
 for_tests=1
+for_demo=0
 case "${1:-}" in
   "") ;;
   --for-build) for_tests=0 ;;
   --for-tests) for_build=0 ;;
-  *) echo "install-deps: unknown argument '$1' (--for-build, --for-tests or none)" >&2; exit 2 ;;
+  --for-demo) for_demo=1 for_build=0 for_tests=0 ;;
+  *) echo "install-deps: unknown argument '$1' (--for-build, --for-tests, --for-demo or none)" >&2
+     exit 2 ;;
 esac
 
 required=(
@@ -39,21 +45,28 @@ required=(
   systemd python3-yaml  # deploy/'s examples: systemd-analyze verify, the Kubernetes manifests
   prometheus prometheus-node-exporter  # tests/metrics: promtool, node_exporter, the server
 )
+# What configuring the default preset and building the library, the CLI and moe-engine need
+# (the tests' directory is configured too, hence GoogleTest): scripts/demo.sh's first run.
+demo_required=(
+  build-essential cmake ninja-build pkg-config
+  liburing-dev libspdlog-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev
+  nlohmann-json3-dev libxxhash-dev libsimdjson-dev libssl-dev
+)
 # HIP host code compiles against Debian's ROCm packages; the CUDA toolkit lives at
 # /usr/local/cuda and is not a Debian package here.
 optional=(libamdhip64-dev hipcc
   gnuplot-nox)  # bench/*.sh plots (the benchmarks write their tables without it)
 
-install_debian_packages() {
+install_debian_packages() {  # the packages named as arguments
   missing=()
-  for pkg in "${required[@]}" "${optional[@]}"; do
+  for pkg in "$@"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
       missing+=("$pkg")
   done
   # node and npm install the llama.cpp peer (scripts/llamacpp-peer.sh) for tests/llamacpp and
   # bench/llamacpp_side_by_side.sh; a node already on PATH (e.g. NodeSource's, which bundles
   # npm) is kept.
-  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  if ((!for_demo)) && { ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; }; then
     missing+=(nodejs npm)
   fi
 
@@ -68,7 +81,11 @@ install_debian_packages() {
     $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
   fi
 }
-((!for_build)) || install_debian_packages
+((!for_build)) || install_debian_packages "${required[@]}" "${optional[@]}"
+if ((for_demo)); then
+  install_debian_packages "${demo_required[@]}"
+  exit 0
+fi
 
 # ---- .venv: PyPI's packages, beside Debian's python3-torch 1.13 (the suite runs on both) ----
 # torch>=2: the newest that installs (2.15 on 2026-12-02, CUDA 13 build; ~4 GB with its CUDA
