@@ -15,10 +15,10 @@ index entry (JSON, written to a temporary name and renamed) named by a hash of t
 tokens: the decode engine finds what a prefill engine computed for the same tokens without any
 channel of its own. The decode engine (kv_consumer or kv_both) answers vLLM's
 get_num_new_matched_tokens from the index, opens the layers' tensors zero-copy, copies the
-blocks into its own KV cache (index_copy_), releases each layer's tensor once copied and
-removes the entry; a tensor it cannot open (its producer was killed and swept, the block was
-aborted or expired) is reported to vLLM (get_block_ids_with_load_errors), which recomputes
-those tokens.
+blocks into its own KV cache (a copy_ per run of blocks), releases each layer's tensor once
+copied and removes the entry; a tensor it cannot open (its producer was killed and swept, the
+block was aborted or expired) is reported to vLLM (get_block_ids_with_load_errors), which
+recomputes those tokens.
 
 What is compared before any byte is copied: the model, its dtype and the KV cache's dtype,
 block size, tensor-parallel size and rank, KV heads and head size (the scheduler, from the
@@ -247,6 +247,18 @@ class ExpertArenaConnectorMetadata(KVConnectorMetadata):
     saves: list = dataclasses.field(default_factory=list)
     loads: list = dataclasses.field(default_factory=list)
     aborted: list = dataclasses.field(default_factory=list)  # request ids
+
+
+def scatter_blocks(cache, dim: int, block_ids, src) -> None:
+    """cache's blocks block_ids[i] (along `dim`) = src's block i: one copy_ per run of
+    consecutive blocks (index_copy_ of bf16 ran at half the speed of copy_ here)."""
+    i, n = 0, len(block_ids)
+    while i < n:
+        j = i + 1
+        while j < n and block_ids[j] == block_ids[j - 1] + 1:
+            j += 1
+        cache.narrow(dim, block_ids[i], j - i).copy_(src.narrow(dim, i, j - i))
+        i = j
 
 
 def _tp_rank() -> int:
@@ -498,13 +510,12 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._failed(load, path)
             return
         _unlink(path)  # read once: the blocks go back to the producer as each layer is copied
-        index = torch.tensor(load.block_ids, dtype=torch.long)
         nbytes = 0
         for name, view in zip(names, views):
             cache, dim = self._caches[name]
             with view:
                 src = view.torch().narrow(dim, load.first, len(load.block_ids))
-                cache.index_copy_(dim, index.to(cache.device), src.to(cache.device))
+                scatter_blocks(cache, dim, load.block_ids, src.to(cache.device))
                 nbytes += src.numel() * src.element_size()
                 del src  # the share goes back when the view's last tensor does
         _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)

@@ -227,3 +227,29 @@ def test_aborted_requests_leave_no_block_and_no_file(model, dirs):
         code = _finish(p)
     assert code == 0, _log(p)[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tmp_path):
+    from expert_arena import vllm_kv
+    a = list(range(100, 200))
+    # Equal prefixes, equal digests; a prompt that differs in one token differs from there on.
+    b = a[:40] + [7] + a[41:]
+    da, db = vllm_kv.prompt_digests(a), vllm_kv.prompt_digests(b)
+    assert len(da) == 100 // vllm_kv.HASH_TOKENS
+    assert da[:2] == db[:2] and all(x != y for x, y in zip(da[2:], db[2:]))
+    assert vllm_kv.prompt_digests(a[:64]) == da[:4]
+
+    # What the decode engine reads from the shared directory is checked, never trusted.
+    cases = {"not-json.json": b"{\"version\": 1, ",
+             "old.json": json.dumps({"version": 0}).encode(),
+             "no-layers.json": json.dumps({"version": 1, "tokens": 32, "identity": {},
+                                           "layers": {}}).encode(),
+             "big.json": b" " * ((1 << 20) + 1)}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=str(tmp_path / name)):
+            vllm_kv._read_entry(str(tmp_path / name))
+    os.symlink(tmp_path / "old.json", tmp_path / "link.json")
+    with pytest.raises(OSError):  # O_NOFOLLOW: another user's link is not followed
+        vllm_kv._read_entry(str(tmp_path / "link.json"))
+    assert vllm_kv._read_entry(str(tmp_path / "absent.json")) is None
