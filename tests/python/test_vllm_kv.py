@@ -229,6 +229,23 @@ def test_aborted_requests_leave_no_block_and_no_file(model, dirs):
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+def test_blocks_no_decode_engine_loads_expire(model, dirs):
+    stream, spill = dirs
+    # ttl_seconds=0: what a step published has expired by the next step. Two tokens each: the
+    # prefill step saves, the decode step after it finds the KV of the step before expired.
+    p = _start(model=model, role="kv_producer", directory=stream, spill_directory=spill,
+               prompts=PROMPTS, max_tokens=2, ttl_seconds=0, hold=True)
+    try:
+        result = _answer(p)
+        counters = result["counters"]
+        assert counters["saved_requests"] == len([q for q in PROMPTS if _loadable(q)])
+        assert counters["expired_requests"] == counters["saved_requests"], counters
+        assert result["pending"] == [] and _entries(stream) == []
+    finally:
+        code = _finish(p)
+    assert code == 0, _log(p)[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
 def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tmp_path):
     from expert_arena import vllm_kv
     a = list(range(100, 200))
