@@ -168,7 +168,7 @@ if [[ -n "$vllm_version" ]]; then
   .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
     --no-deps .
   EXPERT_ARENA_REQUIRE_VLLM=1 PYTHONPATH=build/python .venv-vllm/bin/python -m pytest -q \
-    -p no:cacheprovider tests/python/test_vllm.py
+    -p no:cacheprovider tests/python/test_vllm.py tests/python/test_vllm_kv.py
 elif [[ "${CI:-}" == "true" ]]; then
   echo "test.sh: CI: .venv-vllm has no vLLM (scripts/install-deps.sh installs it)" >&2
   exit 1

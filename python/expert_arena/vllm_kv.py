@@ -1,0 +1,702 @@
+"""vLLM KV-transfer connector over the package's stream segments: disaggregated prefill and
+decode on one host (docs/engines.md, "Disaggregated prefill and decode").
+
+    kv_transfer_config = {"kv_connector": "ExpertArenaConnector",
+                          "kv_connector_module_path": "expert_arena.vllm_kv",
+                          "kv_role": "kv_producer",      # the prefill engine; the decode
+                                                         # engine: "kv_consumer"
+                          "kv_connector_extra_config": {"directory": "/dev/shm"}}
+
+The prefill engine (kv_producer or kv_both) puts each prompt's full KV blocks, one tensor per
+request and layer (key "<request id>/<layer name>": exact keys, never a prefix), into its
+StreamProducer's segments as vLLM saves each layer (an index_select straight into the
+reserved space: one copy), and when every layer of the request is published, writes a small
+index entry (JSON, written to a temporary name and renamed) named by a hash of the prompt's
+tokens: the decode engine finds what a prefill engine computed for the same tokens without any
+channel of its own. The decode engine (kv_consumer or kv_both) answers vLLM's
+get_num_new_matched_tokens from the index, opens the layers' tensors zero-copy, copies the
+blocks into its own KV cache (a copy_ per run of blocks), releases each layer's tensor once
+copied and removes the entry; a tensor it cannot open (its producer was killed and swept, the
+block was aborted or expired) is reported to vLLM (get_block_ids_with_load_errors), which
+recomputes those tokens.
+
+What is compared before any byte is copied: the model, its dtype and the KV cache's dtype,
+block size, tensor-parallel size and rank, KV heads and head size (the scheduler, from the
+entry), and every layer's name, dtype and per-block shape and the block dimension (the worker,
+from the KV cache tensors vLLM registered, never an assumed layout). A mismatch is refused
+with a warning naming both sides, and those tokens are computed.
+
+Lifetimes: a block is read once (readers=1) and freed by the decode engine's release; an
+aborted or failed request's blocks are aborted by the prefill engine at its next step (after
+the writes of the steps before, which ran already), with their entry; blocks nobody loaded
+expire after `ttl_seconds`; the producer's close (engine exit) removes its entries and its
+segments; a killed producer's segments are swept by the next producer or consumer to start,
+and its entries are removed by the consumer that fails to load them or by the next producer.
+
+Options (kv_connector_extra_config): directory (segments and index, default /dev/shm),
+spill_directory (default /var/tmp), name (logical name shared by the engines that exchange KV,
+default "kv"), segment_bytes (default 64 MiB), max_segments (default 16), ttl_seconds
+(default 600).
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+import expert_arena
+
+logger = logging.getLogger("expert_arena.vllm_kv")
+
+# Prompts are hashed in chunks of this many tokens, whatever the engines' block size (a
+# multiple of it): the decode engine finds an entry of a producer with another block size and
+# refuses it by name, instead of missing it silently.
+HASH_TOKENS = 16
+ENTRY_VERSION = 1
+_ENTRY_LIMIT = 1 << 20  # bytes: an index entry is a few KiB; a bigger file is not one
+
+_OPTIONS = {
+    "directory": "directory of the stream segments and of the index (default /dev/shm)",
+    "spill_directory": "where a full producer spills (default /var/tmp)",
+    "name": "logical name the prefill and decode engines share (default \"kv\")",
+    "segment_bytes": "bytes of one stream segment (default 64 MiB)",
+    "max_segments": "segments the producer may grow to (default 16)",
+    "ttl_seconds": "seconds a prompt's KV waits for a decode engine (default 600)",
+}
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+
+# What this process's connectors did: the decode engine's test and an operator read them.
+_COUNTERS_LOCK = threading.Lock()
+_COUNTERS = {
+    "lookups": 0, "matched_tokens": 0, "refused": 0,
+    "saved_requests": 0, "saved_blocks": 0, "saved_bytes": 0,
+    "loaded_requests": 0, "loaded_blocks": 0, "loaded_bytes": 0,
+    "load_error_blocks": 0, "aborted_requests": 0, "expired_requests": 0,
+}
+
+
+def counters() -> dict:
+    """This process's connector counters (both roles: in a single-process engine the scheduler
+    and the worker share them)."""
+    with _COUNTERS_LOCK:
+        return dict(_COUNTERS)
+
+
+def _count(**delta):
+    with _COUNTERS_LOCK:
+        for k, v in delta.items():
+            _COUNTERS[k] += v
+
+
+class _Options:
+    def __init__(self, extra: dict):
+        unknown = sorted(set(extra) - set(_OPTIONS))
+        if unknown:
+            raise ValueError("expert_arena.vllm_kv: unknown kv_connector_extra_config key(s) %s; "
+                             "the options are: %s" % (", ".join(map(repr, unknown)), "; ".join(
+                                 "%s: %s" % kv for kv in _OPTIONS.items())))
+        self.directory = os.fspath(extra.get("directory", "/dev/shm"))
+        self.spill_directory = os.fspath(extra.get("spill_directory", "/var/tmp"))
+        self.name = str(extra.get("name", "kv"))
+        if not _NAME.match(self.name):
+            raise ValueError("expert_arena.vllm_kv: name %r must be 1-32 characters of "
+                             "[A-Za-z0-9_.-]" % self.name)
+        self.segment_bytes = int(extra.get("segment_bytes", 64 << 20))
+        self.max_segments = int(extra.get("max_segments", 16))
+        self.ttl_seconds = float(extra.get("ttl_seconds", 600))
+        if not os.path.isdir(self.directory):
+            raise ValueError("expert_arena.vllm_kv: directory %r is not a directory"
+                             % self.directory)
+
+    def entry_path(self, digest: str, rank: int) -> str:
+        return os.path.join(self.directory, "ea-kv-%s-%s-r%d.json" % (self.name, digest, rank))
+
+    def entry_prefix(self) -> str:
+        return "ea-kv-%s-" % self.name
+
+
+def prompt_digests(token_ids) -> list:
+    """Hex digests of the prompt's prefixes of HASH_TOKENS, 2*HASH_TOKENS, ... tokens (a
+    running SHA-256 of the tokens as int32): equal prefixes have equal digests in every
+    process, unlike vLLM's own block hashes, whose seed is random per process."""
+    h = hashlib.sha256(b"expert_arena.vllm_kv/1")
+    out = []
+    tokens = list(token_ids)
+    for start in range(0, len(tokens) - HASH_TOKENS + 1, HASH_TOKENS):
+        h.update(array.array("q", tokens[start:start + HASH_TOKENS]).tobytes())
+        out.append(h.copy().hexdigest()[:40])
+    return out
+
+
+def _identity(vllm_config, kv_cache_config) -> dict:
+    """What both engines must agree on for one's KV to be the other's (the scheduler's view;
+    the worker checks the tensors themselves)."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    out = {
+        "model": str(model.model),
+        "dtype": str(model.dtype),
+        "cache_dtype": str(cache.cache_dtype),
+        "block_size": int(cache.block_size),
+        "tensor_parallel_size": int(parallel.tensor_parallel_size),
+        "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
+    }
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    specs = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        specs.append({"type": type(spec).__name__,
+                      "layers": len(g.layer_names),
+                      "num_kv_heads": getattr(spec, "num_kv_heads", None),
+                      "head_size": getattr(spec, "head_size", None),
+                      "dtype": str(getattr(spec, "dtype", ""))})
+    out["groups"] = specs
+    return out
+
+
+def _differences(mine: dict, theirs: dict) -> list:
+    keys = sorted(set(mine) | set(theirs))
+    return ["%s: %r here, %r in the producer" % (k, mine.get(k), theirs.get(k))
+            for k in keys if mine.get(k) != theirs.get(k)]
+
+
+def _read_entry(path: str):
+    """The parsed entry at `path`, None when there is none, or raises ValueError naming what
+    is wrong with it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        data = os.read(fd, _ENTRY_LIMIT + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _ENTRY_LIMIT:
+        raise ValueError("index entry %s is larger than %d bytes" % (path, _ENTRY_LIMIT))
+    try:
+        entry = json.loads(data)
+    except ValueError as e:
+        raise ValueError("index entry %s is not JSON: %s" % (path, e)) from None
+    if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION:
+        raise ValueError("index entry %s is not a version %d entry" % (path, ENTRY_VERSION))
+    tokens, layers, identity = entry.get("tokens"), entry.get("layers"), entry.get("identity")
+    if type(tokens) is not int or tokens <= 0 or not isinstance(layers, dict) or not layers \
+            or not isinstance(identity, dict) \
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in layers.items()):
+        raise ValueError("index entry %s lacks tokens, layers or identity" % path)
+    return entry
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_entry(path: str, entry: dict) -> None:
+    """Written whole under a temporary name, then renamed: a reader sees all of it or none."""
+    tmp = "%s.tmp-%d-%d" % (path, os.getpid(), threading.get_ident())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(entry, separators=(",", ":")).encode())
+    finally:
+        os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+@dataclasses.dataclass
+class _Save:
+    req_id: str
+    block_ids: list
+    tokens: int
+    digest: str
+
+
+@dataclasses.dataclass
+class _Load:
+    req_id: str
+    block_ids: list  # the engine's blocks that receive the entry's blocks first..first+count
+    first: int
+    entry_paths: list  # one per tensor-parallel rank
+
+
+@dataclasses.dataclass
+class ExpertArenaConnectorMetadata(KVConnectorMetadata):
+    saves: list = dataclasses.field(default_factory=list)
+    loads: list = dataclasses.field(default_factory=list)
+    aborted: list = dataclasses.field(default_factory=list)  # request ids
+
+
+def scatter_blocks(cache, dim: int, block_ids, src) -> None:
+    """cache's blocks block_ids[i] (along `dim`) = src's block i: one copy_ per run of
+    consecutive blocks (index_copy_ of bf16 ran at half the speed of copy_ here)."""
+    i, n = 0, len(block_ids)
+    while i < n:
+        j = i + 1
+        while j < n and block_ids[j] == block_ids[j - 1] + 1:
+            j += 1
+        cache.narrow(dim, block_ids[i], j - i).copy_(src.narrow(dim, i, j - i))
+        i = j
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no parallel state (a scheduler process): rank 0
+        return 0
+
+
+def _aborted_status(request) -> bool:
+    status = getattr(request, "status", None)
+    name = getattr(status, "name", str(status))
+    return name in ("FINISHED_ABORTED", "FINISHED_ERROR")
+
+
+class ExpertArenaConnector(KVConnectorBase_V1):
+    """A KVConnectorBase_V1 over the package's stream segments (module docstring)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        self._options = _Options(dict(config.kv_connector_extra_config or {}))
+        self._saves_kv = bool(config.is_kv_producer)
+        self._loads_kv = bool(config.is_kv_consumer)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        if self._block_size % HASH_TOKENS:
+            raise ValueError("expert_arena.vllm_kv: the block size (%d) must be a multiple of "
+                             "%d tokens" % (self._block_size, HASH_TOKENS))
+        self._identity = _identity(vllm_config, kv_cache_config)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._need_load: dict = {}       # req id -> (entry paths, first block, count)
+            self._saving: dict = {}          # req id -> [request, block ids]
+            self._saved: set = set()         # req ids whose save was asked for
+            self._aborted: list = []
+            self._refused: set = set()       # entries already refused (one warning each)
+        else:
+            self._rank = _tp_rank()
+            self._caches: dict = {}          # layer name -> (tensor, block dim)
+            self._layout_problem = None
+            self._producer = None
+            self._consumer = None
+            self._pending: dict = {}         # req id -> {"save": _Save, "layers": {name: desc}}
+            self._published: dict = {}       # req id -> (keys, entry path, time)
+            self._load_errors: set = set()
+            self._closed = False
+            # Segments of producers that were killed: swept before this engine adds its own.
+            try:
+                expert_arena.sweep(self._options.directory)
+            except OSError as e:
+                logger.warning("expert_arena.vllm_kv: sweeping %s: %s", self._options.directory, e)
+            if self._saves_kv:
+                self._producer = expert_arena.StreamProducer(
+                    self._options.directory, logical_name="kv-" + self._options.name,
+                    segment_bytes=self._options.segment_bytes,
+                    max_segments=self._options.max_segments,
+                    spill_directory=self._options.spill_directory, quiet=True)
+                self._remove_orphan_entries()
+            if self._loads_kv:
+                self._consumer = expert_arena.StreamConsumer(
+                    self._options.directory, spill_directory=self._options.spill_directory,
+                    quiet=True)
+            atexit.register(self.shutdown)
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if not self._loads_kv or not self._plain_text(request):
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        # vLLM computes at least the prompt's last token itself (it needs its logits).
+        limit = (len(tokens) - 1) // self._block_size * self._block_size
+        if limit <= num_computed_tokens:
+            return 0, False
+        _count(lookups=1)
+        digests = prompt_digests(tokens[:limit])
+        for length in range(limit, num_computed_tokens, -self._block_size):
+            digest = digests[length // HASH_TOKENS - 1]
+            paths = [self._options.entry_path(digest, r) for r in range(self._tp_size)]
+            entry = self._usable_entry(paths[0], length)
+            if entry is None:
+                continue
+            if not all(os.path.exists(p) for p in paths[1:]):
+                continue
+            with self._lock:
+                self._need_load[request.request_id] = (
+                    paths, num_computed_tokens // self._block_size,
+                    (length - num_computed_tokens) // self._block_size)
+            return length - num_computed_tokens, False
+        return 0, False
+
+    def _plain_text(self, request) -> bool:
+        # The tokens alone do not identify a prompt with images or a LoRA adapter.
+        return not getattr(request, "mm_features", None) and \
+            getattr(request, "lora_request", None) is None
+
+    def _usable_entry(self, path: str, length: int):
+        try:
+            entry = _read_entry(path)
+        except (OSError, ValueError) as e:
+            self._refuse_once(path, "expert_arena.vllm_kv: %s; computing the prompt" % e)
+            return None
+        if entry is None:
+            return None
+        differences = _differences(self._identity, entry["identity"])
+        if entry["tokens"] < length:
+            differences.append("the entry holds %d tokens, not %d" % (entry["tokens"], length))
+        if differences:
+            self._refuse_once(path, "expert_arena.vllm_kv: refusing the KV of %s (producer %s): "
+                              "%s; computing the prompt" % (path, entry.get("producer"),
+                                                            "; ".join(differences)))
+            return None
+        return entry
+
+    def _refuse_once(self, path, message):
+        _count(refused=1)
+        with self._lock:
+            if path in self._refused:
+                return
+            self._refused.add(path)
+        logger.warning("%s", message)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        with self._lock:
+            if num_external_tokens == 0:
+                self._need_load.pop(request.request_id, None)
+            if self._saves_kv and self._plain_text(request) \
+                    and request.request_id not in self._saved:
+                self._saving[request.request_id] = [request, None]
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = ExpertArenaConnectorMetadata()
+        with self._lock:
+            for new in scheduler_output.scheduled_new_reqs:
+                block_ids = list(new.block_ids[0])
+                load = self._need_load.pop(new.req_id, None)
+                if load is not None:
+                    paths, first, count = load
+                    meta.loads.append(_Load(new.req_id, block_ids[first:first + count], first,
+                                            paths))
+                    _count(matched_tokens=count * self._block_size)
+                if new.req_id in self._saving:
+                    self._saving[new.req_id][1] = block_ids
+            cached = scheduler_output.scheduled_cached_reqs
+            resumed = getattr(cached, "resumed_req_ids", set())
+            for i, req_id in enumerate(cached.req_ids):
+                state = self._saving.get(req_id)
+                new_ids = cached.new_block_ids[i]
+                if state is None or new_ids is None:
+                    continue
+                if req_id in resumed or state[1] is None:
+                    state[1] = list(new_ids[0])
+                else:
+                    state[1].extend(new_ids[0])
+            for req_id, state in list(self._saving.items()):
+                request, block_ids = state
+                scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
+                if scheduled is None or block_ids is None:
+                    continue
+                prompt = list(request.prompt_token_ids or [])
+                if request.num_computed_tokens + scheduled < len(prompt):
+                    continue  # a chunk of a longer prefill: saved with its last chunk
+                del self._saving[req_id]
+                self._saved.add(req_id)
+                # The blocks a decode engine of this prompt loads: it computes the last token.
+                full = (len(prompt) - 1) // self._block_size
+                if full <= 0:
+                    continue
+                digest = prompt_digests(prompt[:full * self._block_size])[-1]
+                meta.saves.append(_Save(req_id, block_ids[:full], full * self._block_size,
+                                        digest))
+            meta.aborted, self._aborted = self._aborted, []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        with self._lock:
+            self._need_load.pop(request.request_id, None)
+            self._saving.pop(request.request_id, None)
+            if request.request_id in self._saved:
+                self._saved.discard(request.request_id)
+                if _aborted_status(request):
+                    self._aborted.append(request.request_id)
+        # The saves ran inside the forward passes that computed the blocks: nothing of this
+        # request's is read after it returns, so vLLM may free its blocks now.
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict):
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        if num_blocks is None:
+            num_blocks = self._vllm_config.cache_config.num_gpu_blocks
+        caches = {}
+        for name, tensor in kv_caches.items():
+            if not isinstance(tensor, torch.Tensor):
+                self._layout_problem = "layer %s's KV cache is a %s, not one tensor" % (
+                    name, type(tensor).__name__)
+                break
+            dims = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
+            if len(dims) != 1:
+                self._layout_problem = (
+                    "layer %s's KV cache of shape %s has %s dimension of the %d blocks" % (
+                        name, list(tensor.shape), "no" if not dims else "more than one",
+                        num_blocks))
+                break
+            caches[name] = (tensor, dims[0])
+        if self._layout_problem is not None:
+            logger.warning("expert_arena.vllm_kv: %s: this engine neither saves nor loads KV",
+                           self._layout_problem)
+            caches = {}
+        self._caches = caches
+
+    def _layer_layout(self, tensor, dim):
+        shape = list(tensor.shape)
+        del shape[dim]
+        return shape
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._producer is not None:
+            self._abort(meta.aborted)
+            self._expire()
+        if self._consumer is None:
+            return
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: _Load) -> None:
+        path = load.entry_paths[self._rank] if self._rank < len(load.entry_paths) else None
+        try:
+            entry = _read_entry(path) if path else None
+            if entry is None:
+                raise ValueError("index entry %s is gone" % path)
+            plan = self._load_plan(entry, load)
+        except (OSError, ValueError) as e:
+            logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
+                           load.req_id, e, len(load.block_ids))
+            self._failed(load, path)
+            return
+        names = list(plan)
+        try:
+            views = self._consumer.open_many([plan[n][0] for n in names])
+        except (OSError, ValueError, RuntimeError) as e:
+            logger.warning("expert_arena.vllm_kv: request %s: the producer's KV cannot be "
+                           "opened (%s); recomputing %d blocks", load.req_id, e,
+                           len(load.block_ids))
+            self._failed(load, path)
+            return
+        _unlink(path)  # read once: the blocks go back to the producer as each layer is copied
+        nbytes = 0
+        for name, view in zip(names, views):
+            cache, dim = self._caches[name]
+            with view:
+                src = view.torch().narrow(dim, load.first, len(load.block_ids))
+                scatter_blocks(cache, dim, load.block_ids, src.to(cache.device))
+                nbytes += src.numel() * src.element_size()
+                del src  # the share goes back when the view's last tensor does
+        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
+
+    def _load_plan(self, entry, load: _Load) -> dict:
+        """{layer: (descriptor bytes,)} after checking every layer against this engine's KV
+        cache: a mismatch raises ValueError before any byte is copied."""
+        if self._layout_problem is not None:
+            raise ValueError(self._layout_problem)
+        layers = entry["layers"]
+        if set(layers) != set(self._caches):
+            raise ValueError("the producer's layers (%d) are not this engine's (%d): %s" % (
+                len(layers), len(self._caches),
+                sorted(set(layers) ^ set(self._caches))[:4]))
+        need = load.first + len(load.block_ids)
+        plan = {}
+        for name, hexed in layers.items():
+            try:
+                descriptor = bytes.fromhex(hexed)
+            except ValueError:
+                raise ValueError("layer %s's descriptor is not hex" % name) from None
+            fields = expert_arena.decode_descriptor(descriptor)
+            cache, dim = self._caches[name]
+            theirs = list(fields["shape"])
+            mine = self._layer_layout(cache, dim)
+            dtype = expert_arena._stream_name(cache.dtype)
+            if fields["dtype"] != dtype or len(theirs) != len(mine) + 1 \
+                    or theirs[:dim] + theirs[dim + 1:] != mine:
+                raise ValueError("layer %s: the producer's KV is %s %s, this engine's blocks are "
+                                 "%s %s along dimension %d" % (name, fields["dtype"], theirs,
+                                                               dtype, mine, dim))
+            if theirs[dim] < need:
+                raise ValueError("layer %s: the producer saved %d blocks, %d are needed" % (
+                    name, theirs[dim], need))
+            plan[name] = (descriptor,)
+        return plan
+
+    def _failed(self, load: _Load, path) -> None:
+        with self._lock:
+            self._load_errors.update(load.block_ids)
+        _count(load_error_blocks=len(load.block_ids))
+        if path:
+            _unlink(path)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # start_load_kv copied every layer already (a CPU copy has nothing to overlap with).
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        if self._producer is None or not self._has_meta():
+            return
+        meta = self._get_connector_metadata()
+        layer = self._caches.get(layer_name)
+        if layer is None:
+            return
+        cache, dim = layer
+        for save in meta.saves:
+            state = self._pending.setdefault(save.req_id, {"save": save, "layers": {},
+                                                           "failed": None})
+            if state["failed"] is not None or layer_name in state["layers"]:
+                continue
+            key = "%s/%s" % (save.req_id, layer_name)
+            shape = list(cache.shape)
+            shape[dim] = len(save.block_ids)
+            try:
+                reservation = self._producer.reserve(key, tuple(shape), cache.dtype)
+                with reservation:
+                    index = torch.tensor(save.block_ids, dtype=torch.long, device=cache.device)
+                    torch.index_select(cache, dim, index, out=reservation.torch())
+                    state["layers"][layer_name] = reservation.publish()
+            except (OSError, ValueError, RuntimeError, TypeError) as e:
+                state["failed"] = "layer %s: %s" % (layer_name, e)
+
+    def _has_meta(self) -> bool:
+        return self._connector_metadata is not None
+
+    def wait_for_save(self):
+        if self._producer is None or not self._pending:
+            return
+        for req_id, state in list(self._pending.items()):
+            save = state["save"]
+            keys = ["%s/%s" % (req_id, n) for n in state["layers"]]
+            if state["failed"] is None and set(state["layers"]) != set(self._caches):
+                state["failed"] = "%d of %d layers were saved" % (len(state["layers"]),
+                                                                   len(self._caches))
+            path = self._options.entry_path(save.digest, self._rank)
+            del self._pending[req_id]
+            # A prompt published already (by this engine or another) is not published twice.
+            if state["failed"] is not None or os.path.exists(path):
+                if state["failed"] is not None:
+                    logger.warning("expert_arena.vllm_kv: request %s's KV is not published: %s",
+                                   req_id, state["failed"])
+                for k in keys:
+                    self._producer.abort(k)
+                continue
+            entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
+                     "identity": self._identity, "tokens": save.tokens, "created": time.time(),
+                     "layers": {n: d.hex() for n, d in state["layers"].items()}}
+            try:
+                _write_entry(path, entry)
+            except OSError as e:
+                logger.warning("expert_arena.vllm_kv: request %s: writing %s: %s", req_id, path, e)
+                for k in keys:
+                    self._producer.abort(k)
+                continue
+            with self._lock:
+                self._published[req_id] = (keys, path, time.monotonic())
+            nbytes = sum(expert_arena.decode_descriptor(d)["length"]
+                         for d in state["layers"].values())
+            _count(saved_requests=1, saved_blocks=len(save.block_ids), saved_bytes=nbytes)
+
+    def _abort(self, req_ids) -> None:
+        for req_id in req_ids:
+            with self._lock:
+                published = self._published.pop(req_id, None)
+            if published is None:
+                continue
+            keys, path, _ = published
+            _unlink(path)
+            for k in keys:
+                self._producer.abort(k)
+            _count(aborted_requests=1)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [r for r, (_, _, t) in self._published.items()
+                   if now - t > self._options.ttl_seconds]
+        for req_id in old:
+            with self._lock:
+                keys, path, _ = self._published.pop(req_id)
+            _unlink(path)
+            for k in keys:
+                self._producer.abort(k)
+            _count(expired_requests=1)
+
+    def _remove_orphan_entries(self) -> None:
+        """Entries whose segments are all gone (their producer was killed, then swept)."""
+        prefix = self._options.entry_prefix()
+        for name in os.listdir(self._options.directory):
+            if not name.startswith(prefix) or not name.endswith(".json"):
+                continue
+            path = os.path.join(self._options.directory, name)
+            try:
+                entry = _read_entry(path)
+                segments = set()
+                for hexed in (entry or {}).get("layers", {}).values():
+                    fields = expert_arena.decode_descriptor(bytes.fromhex(hexed))
+                    where = self._options.spill_directory if fields.get("spilled") \
+                        else self._options.directory
+                    segments.add(os.path.join(where, fields["segment"]))
+            except (OSError, ValueError) as e:
+                logger.warning("expert_arena.vllm_kv: removing index entry %s: %s", path, e)
+                _unlink(path)
+                continue
+            if entry is not None and not any(os.path.exists(s) for s in segments):
+                _unlink(path)
+
+    def get_finished(self, finished_req_ids):
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stream_stats(self) -> dict:
+        """The producer's stream stats and pending blocks (worker side)."""
+        if self._producer is None or self._producer.closed:
+            return {}
+        return {"stats": self._producer.stats(), "pending": self._producer.pending()}
+
+    def shutdown(self):
+        if self._role == KVConnectorRole.SCHEDULER or self._closed:
+            return
+        self._closed = True
+        if self._producer is not None:
+            with self._lock:
+                published, self._published = self._published, {}
+            for keys, path, _ in published.values():
+                _unlink(path)
+            self._producer.close()
+        if self._consumer is not None:
+            self._consumer.close()

@@ -1,0 +1,272 @@
+"""The vLLM KV-transfer connector expert_arena.vllm_kv: a prefill engine and decode engines of
+vLLM's CPU build, each its own process (tests/python/vllm_kv_engine.py), on a tiny random
+Qwen3-MoE checkpoint; a plain engine's greedy tokens are the reference. Run with the
+interpreter that has vLLM (scripts/test.sh: .venv-vllm); elsewhere the module skips, unless
+EXPERT_ARENA_REQUIRE_VLLM=1 (CI) makes a missing vLLM fail."""
+
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from conftest import child_env
+from conftest import test_dir as stream_root
+
+if os.environ.get("EXPERT_ARENA_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (it must be there)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed for this interpreter "
+                        "(scripts/install-deps.sh makes .venv-vllm)")
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINE = os.path.join(HERE, "vllm_kv_engine.py")
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+
+# Several lengths: under one block (nothing to transfer), just over one, a multiple of the
+# block size (its last block is computed by the decode engine, which needs the last token's
+# logits), and longer ones.
+_rng = random.Random(41)
+PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 64, 96, 150)]
+# Saved by the prefill engine too, loaded only after it was killed.
+LATE_PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (50, 120)]
+
+
+def _loadable(prompt):
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def _tiny_qwen3_moe(out):
+    """A random Qwen3-MoE checkpoint (hidden 128, 8 experts, 2 layers) of transformers' own
+    class and a WordLevel tokenizer made here: nothing comes from the network."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+        moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, head_dim=32,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tok = Tokenizer(models.WordLevel(vocab={"t%d" % i: i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1",
+                                         bos_token="t2").save_pretrained(out)
+    return out
+
+
+def _env():
+    env = child_env()
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache per engine
+               VLLM_CPU_OMP_THREADS_BIND="nobind",  # engines at once share the cores
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine is this one process
+    return env
+
+
+def _start(**request):
+    err = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen([sys.executable, ENGINE, json.dumps(request)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
+                         process_group=0)
+    p.err_file = err
+    p.answers = queue.Queue()
+    threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
+    return p
+
+
+def _read_answers(stdout, answers):
+    for line in stdout:
+        if line.startswith("RESULT "):
+            answers.put(json.loads(line[len("RESULT "):]))
+    answers.put(None)
+
+
+def _log(p):
+    p.err_file.seek(0)
+    return p.err_file.read()
+
+
+def _answer(p, timeout=300):
+    try:
+        answer = p.answers.get(timeout=timeout)
+    except queue.Empty:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout,
+                                                                          _log(p)[-6000:]))
+    if answer is None:
+        raise AssertionError("the engine exited (%s) without an answer:\n%s"
+                             % (p.wait(), _log(p)[-6000:]))
+    return answer
+
+
+def _finish(p, timeout=120):
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
+    return p.wait(timeout=timeout)
+
+
+def _run(**request):
+    p = _start(**request)
+    try:
+        return _answer(p), _log(p)
+    finally:
+        assert _finish(p) == 0, _log(p)[-6000:]
+
+
+@pytest.fixture(scope="module")
+def model():
+    d = tempfile.mkdtemp(prefix="ea-pytest-vllm-kv-")
+    yield _tiny_qwen3_moe(os.path.join(d, "qwen3_moe"))
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def dirs():
+    """The stream directory (segments and the index, on the test tmpfs) and the spill
+    directory; each must be empty when the engines are gone."""
+    stream = tempfile.mkdtemp(prefix="ea-pytest-kv-", dir=stream_root())
+    spill = tempfile.mkdtemp(prefix="ea-pytest-kv-spill-")
+    yield stream, spill
+    shutil.rmtree(stream, ignore_errors=True)
+    shutil.rmtree(spill, ignore_errors=True)
+
+
+def _entries(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("ea-kv-"))
+
+
+def _segments(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("ea-stream-"))
+
+
+def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
+    stream, spill = dirs
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
+    every = PROMPTS + LATE_PROMPTS
+    plain = _start(role="plain", prompts=every, **common)
+    prefill = _start(role="kv_producer", prompts=every, hold=True, **common)
+    try:
+        reference = _answer(plain)
+        assert _finish(plain) == 0, _log(plain)[-6000:]
+        produced = _answer(prefill)
+        # The prefill engine's own tokens are plain vLLM's: saving reads the cache only.
+        assert produced["tokens"] == reference["tokens"]
+        saved = [p for p in every if _loadable(p)]
+        assert produced["counters"]["saved_requests"] == len(saved), produced["counters"]
+        assert produced["counters"]["saved_blocks"] == sum(_loadable(p) // BLOCK for p in saved)
+        assert len(_entries(stream)) == len(saved), os.listdir(stream)
+        assert _segments(stream)
+
+        # A decode engine of another block size finds the entries and refuses them by name,
+        # before copying anything; it leaves them to the engines they fit.
+        other, log = _run(role="kv_consumer", prompts=PROMPTS, block_size=64, **common)
+        assert other["counters"]["refused"] > 0 and other["counters"]["loaded_blocks"] == 0
+        assert "refusing the KV" in log and "block_size: 64 here, 32 in the producer" in log, \
+            log[-6000:]
+        assert len(_entries(stream)) == len(saved)
+
+        # The decode engine: plain vLLM's tokens, every full block but the last token's from
+        # the prefill engine (vLLM counts them as cached: computed elsewhere).
+        decoded, _ = _run(role="kv_consumer", prompts=PROMPTS, **common)
+        assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
+        assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
+        counters = decoded["counters"]
+        assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in PROMPTS)
+        assert counters["loaded_requests"] == len([p for p in PROMPTS if _loadable(p)])
+        assert counters["load_error_blocks"] == 0, counters
+        # Read once: the entries of the loaded prompts are gone, the late ones wait.
+        assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
+    finally:
+        if prefill.poll() is None:
+            # Killed holding the late prompts' blocks: its segments stay until a sweep.
+            os.killpg(prefill.pid, signal.SIGKILL)
+        prefill.wait()
+    assert _segments(stream) and _entries(stream)
+
+    # The next engine sweeps the killed engine's segments; the entries it finds name blocks
+    # that are gone: reported to vLLM as load errors, which recomputes them, and removed.
+    late, log = _run(role="kv_consumer", prompts=LATE_PROMPTS, **common)
+    assert late["tokens"] == reference["tokens"][len(PROMPTS):]
+    assert late["counters"]["loaded_blocks"] == 0
+    assert late["counters"]["load_error_blocks"] == \
+        sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
+    assert "recomputing" in log, log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_aborted_requests_leave_no_block_and_no_file(model, dirs):
+    stream, spill = dirs
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 120))]
+               for _ in range(24)]
+    # Aborted before they are scheduled, after their prefill, or a few tokens later.
+    abort_at = [rng.randrange(0, 5) for _ in prompts]
+    p = _start(model=model, role="kv_producer", directory=stream, spill_directory=spill,
+               prompts=prompts, abort_at=abort_at, max_tokens=64, hold=True)
+    try:
+        result = _answer(p)
+        counters = result["counters"]
+        assert counters["saved_requests"] > 0, counters
+        assert counters["aborted_requests"] == counters["saved_requests"], counters
+        # Alive, the engine holds no block of them, and no entry names one.
+        assert result["pending"] == [], result["pending"]
+        assert _entries(stream) == []
+    finally:
+        code = _finish(p)
+    assert code == 0, _log(p)[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_blocks_no_decode_engine_loads_expire(model, dirs):
+    stream, spill = dirs
+    # ttl_seconds=0: what a step published has expired by the next step. Two tokens each: the
+    # prefill step saves, the decode step after it finds the KV of the step before expired.
+    p = _start(model=model, role="kv_producer", directory=stream, spill_directory=spill,
+               prompts=PROMPTS, max_tokens=2, ttl_seconds=0, hold=True)
+    try:
+        result = _answer(p)
+        counters = result["counters"]
+        assert counters["saved_requests"] == len([q for q in PROMPTS if _loadable(q)])
+        assert counters["expired_requests"] == counters["saved_requests"], counters
+        assert result["pending"] == [] and _entries(stream) == []
+    finally:
+        code = _finish(p)
+    assert code == 0, _log(p)[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tmp_path):
+    from expert_arena import vllm_kv
+    a = list(range(100, 200))
+    # Equal prefixes, equal digests; a prompt that differs in one token differs from there on.
+    b = a[:40] + [7] + a[41:]
+    da, db = vllm_kv.prompt_digests(a), vllm_kv.prompt_digests(b)
+    assert len(da) == 100 // vllm_kv.HASH_TOKENS
+    assert da[:2] == db[:2] and all(x != y for x, y in zip(da[2:], db[2:]))
+    assert vllm_kv.prompt_digests(a[:64]) == da[:4]
+
+    # What the decode engine reads from the shared directory is checked, never trusted.
+    cases = {"not-json.json": b"{\"version\": 1, ",
+             "old.json": json.dumps({"version": 0}).encode(),
+             "no-layers.json": json.dumps({"version": 1, "tokens": 32, "identity": {},
+                                           "layers": {}}).encode(),
+             "big.json": b" " * ((1 << 20) + 1)}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=str(tmp_path / name)):
+            vllm_kv._read_entry(str(tmp_path / name))
+    os.symlink(tmp_path / "old.json", tmp_path / "link.json")
+    with pytest.raises(OSError):  # O_NOFOLLOW: another user's link is not followed
+        vllm_kv._read_entry(str(tmp_path / "link.json"))
+    assert vllm_kv._read_entry(str(tmp_path / "absent.json")) is None

@@ -1,0 +1,100 @@
+"""One vLLM engine (CPU, offline, this one process) for test_vllm_kv.py, with or without the
+expert_arena.vllm_kv connector. Reads a JSON request on its first argument, prints one JSON
+line (RESULT ...) and, with "hold", waits alive until its stdin closes.
+
+    python vllm_kv_engine.py '{"model": DIR, "role": "plain"|"kv_producer"|"kv_consumer",
+                               "directory": D, "spill_directory": S, "prompts": [[ids]...],
+                               "block_size": 32, "max_tokens": 8, "hold": false, "ttl_seconds": 600,
+                               "abort_at": null | [steps per prompt]}'
+
+Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
+prompt i after abort_at[i] engine steps, then runs one short prompt to the end (the step that
+tells the connector's worker about the aborts)."""
+
+import json
+import os
+import sys
+
+
+def _engine(args):
+    from vllm import LLM
+    extra = {}
+    if args["role"] != "plain":
+        extra["kv_transfer_config"] = {
+            "kv_connector": "ExpertArenaConnector",
+            "kv_connector_module_path": "expert_arena.vllm_kv",
+            "kv_role": args["role"],
+            # A block that cannot be loaded is computed (vLLM's default fails the request).
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"directory": args["directory"],
+                                          "spill_directory": args["spill_directory"],
+                                          "name": "pytest",
+                                          "ttl_seconds": args.get("ttl_seconds", 600)},
+        }
+    return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
+               max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
+               distributed_executor_backend="uni", **extra)
+
+
+def _connector():
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _generate(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs]}
+
+
+def _abort_run(llm, prompts, abort_at, max_tokens):
+    from vllm import SamplingParams
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    live = {}
+    for i, p in enumerate(prompts):
+        engine.add_request("abort-%d" % i, {"prompt_token_ids": p}, params)
+        live["abort-%d" % i] = abort_at[i]
+    steps = 0
+    while live:
+        for req_id in [r for r, at in live.items() if at <= steps]:
+            engine.abort_request([req_id])
+            del live[req_id]
+        if live:
+            engine.step()
+            steps += 1
+    # The aborts reach the connector's worker with the next step's metadata.
+    engine.add_request("drive", {"prompt_token_ids": [3, 4, 5]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"steps": steps}
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    llm = _engine(args)
+    if args.get("abort_at") is not None:
+        result = _abort_run(llm, args["prompts"], args["abort_at"], args["max_tokens"])
+    else:
+        result = _generate(llm, args["prompts"], args["max_tokens"])
+    from expert_arena import vllm_kv
+    result["counters"] = vllm_kv.counters()
+    connector = _connector()
+    if connector is not None:
+        stream = connector.stream_stats()
+        result["pending"] = stream.get("pending", [])
+        result["segments"] = stream.get("stats", {}).get("segments", 0)
+    result["pid"] = os.getpid()
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.get("hold"):
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main()
