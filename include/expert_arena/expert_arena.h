@@ -152,9 +152,11 @@ EXPERT_ARENA_EXPORT int ea_arena_open(const ea_open_params* params, ea_arena** o
  * Tensors the engine made itself (fused, repacked), published once under the same protocol:
  * the engine that wins the shared file declares and fills them; every other engine attaches. */
 
-/* One tensor the engine declares. */
+/* One tensor the engine declares. The declared array's stride is tensors[0].size (every
+ * element's size must equal it): a program built against a later version of this header, or
+ * one whose elements are larger structs that begin with an ea_engine_tensor, is read right. */
 typedef struct ea_engine_tensor {
-  size_t size;           /* the caller's sizeof(ea_engine_tensor) */
+  size_t size;           /* the caller's sizeof of each element (at least this struct's) */
   const char* name;      /* unique, printable */
   const char* dtype;     /* the engine's name: "F32", "BF16", ... (1-32 printable bytes) */
   const uint64_t* shape; /* ndim values (at most 8) */
@@ -163,7 +165,8 @@ typedef struct ea_engine_tensor {
   uint64_t alignment; /* of its offset, a power of two up to 2 MiB; 0: the params' */
 } ea_engine_tensor;
 
-/* A declared tensor's place in the mapping, writable during fill only. */
+/* A declared tensor's place in the mapping, writable during fill only. The array fill gets
+ * has the library's stride, tensors[0].size: index it by that size, not this header's sizeof. */
 typedef struct ea_writable_tensor {
   size_t size; /* sizeof(ea_writable_tensor) of the library */
   const char* name;

@@ -90,6 +90,9 @@ std::string ArenaReport::StartLine() const {
   // Sizes and times in the unit that shows them (MiB and ms for a small arena, never "0.00
   // GiB in 0.00 s").
   const std::string size = FormatBytes(tensor_bytes);
+  // The arena's path may hold any byte (Linux paths are not text): escaped for the log.
+  const std::string path = EscapeForDisplay(this->path);
+  const std::string from_peer = EscapeForDisplay(this->from_peer);
   char buf[512];
   std::string line = "expert-arena: ";
   switch (role) {

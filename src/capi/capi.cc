@@ -270,13 +270,27 @@ int ea_arena_open_engine(const ea_open_params* params_in, const ea_engine_params
                                " tensors and a NULL array");
       }
       std::vector<EngineTensor> out;
+      if (count == 0) return out;
+      // The array has the caller's stride, tensors[0].size: a caller built against a later
+      // header has a larger struct; fields of this version are read, the rest ignored.
+      const size_t stride = tensors[0].size;
+      if (stride < kMinEngineTensorSize) {
+        return InvalidArgument("declared tensor 0: size " + std::to_string(stride) +
+                               " is smaller than any version of ea_engine_tensor");
+      }
       out.reserve(count);
       for (size_t i = 0; i < count; ++i) {
-        const ea_engine_tensor& t = tensors[i];
-        if (t.size < kMinEngineTensorSize || t.name == nullptr || t.dtype == nullptr ||
-            (t.ndim > 0 && t.shape == nullptr)) {
+        ea_engine_tensor t{};
+        std::memcpy(static_cast<void*>(&t), reinterpret_cast<const char*>(tensors) + i * stride,
+                    std::min(stride, sizeof t));
+        if (t.size != stride) {
+          return InvalidArgument("declared tensor " + std::to_string(i) + ": size " +
+                                 std::to_string(t.size) + " differs from tensors[0].size " +
+                                 std::to_string(stride));
+        }
+        if (t.name == nullptr || t.dtype == nullptr || (t.ndim > 0 && t.shape == nullptr)) {
           return InvalidArgument("declared tensor " + std::to_string(i) +
-                                 ": size unset, or a NULL name, dtype or shape");
+                                 ": a NULL name, dtype or shape");
         }
         if (t.ndim > 64) {
           return InvalidArgument("declared tensor " + std::to_string(i) + ": " +

@@ -22,6 +22,16 @@ std::string EscapeForMessage(std::string_view text);
 // a peer chose, whatever its length.
 std::string QuoteForMessage(std::string_view text, size_t max_bytes = 128);
 
+// `text` for a terminal, a log line or a JSON string, where it is shown without quotes:
+// valid UTF-8 as it is, except control characters (below 0x20, 0x7f, and the C1 controls
+// U+0080..U+009F, which some terminals obey as escape sequences) and every byte that is not
+// part of valid UTF-8 (a Linux path or a name read from a file may hold any byte), each
+// byte of them written `\xNN` (lowercase hex). The result is valid UTF-8 without a control
+// character, so text and JSON outputs show the same string (and nlohmann's dump, which
+// throws on invalid UTF-8, never sees one). It is a view for people, not an encoding: a text
+// that holds the four characters `\xff` itself shows the same as one holding the byte 0xff.
+std::string EscapeForDisplay(std::string_view text);
+
 // "" when `text` holds no control byte (below 0x20, or 0x7f), else where the first one is:
 // "the control byte 0x1b at byte 3 of 8". Never quotes `text`.
 std::string ControlByteProblem(std::string_view text);

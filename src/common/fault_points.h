@@ -16,6 +16,9 @@ extern "C" {
 [[gnu::weak]] void expert_arena_fault_before_page_piece(size_t piece);
 // Each time this process plans a model for a shared arena.
 [[gnu::weak]] void expert_arena_fault_plan_made();
+// Before each io_uring submit (platform/io_ring.cc): a negative errno fails that submit as the
+// kernel would, before the kernel takes any of the queued requests; 0 lets it run.
+[[gnu::weak]] int expert_arena_fault_ring_submit();
 }
 
 namespace expert_arena::fault_points {
@@ -31,6 +34,9 @@ inline void BeforePagePiece(size_t piece) {
 }
 inline void PlanMade() {
   if (expert_arena_fault_plan_made != nullptr) expert_arena_fault_plan_made();
+}
+inline int RingSubmit() {
+  return expert_arena_fault_ring_submit != nullptr ? expert_arena_fault_ring_submit() : 0;
 }
 
 }  // namespace expert_arena::fault_points

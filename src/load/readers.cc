@@ -317,12 +317,36 @@ class BouncePool {
   std::vector<std::byte*> free_;
 };
 
-void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
+// The completion of the cancel request that DrainRing queues (piece indexes are below it).
+constexpr uint64_t kCancelTag = ~uint64_t{0};
+
+// Returns only when the kernel holds nothing of `ring` that writes into the arena or into a
+// bounce buffer: the caller unmaps both (and may unlink the arena) as soon as the readers
+// return. `in_flight` reads were queued and not completed; those the kernel took are
+// cancelled where they can be and waited for, and what it did not take (a failed submit) is
+// submitted with the cancel (then cancelled or completed like the others) or, if that submit
+// fails too, stays queued and dies with the ring, never read.
+void DrainRing(platform::IoRing& ring, unsigned in_flight) {
+  if (in_flight == 0) return;
+  unsigned expected = in_flight;
+  if (ring.QueueCancelAll(kCancelTag)) ++expected;
+  (void)ring.Submit();  // its failure leaves the queue in Queued(): nothing to wait for
+  expected -= std::min(expected, ring.Queued());
+  while (expected > 0) {
+    // A wait that fails (the ring is unusable, never a transient error: WaitOne retries
+    // those) cannot be recovered from; the kernel completes the reads with the ring.
+    if (!ring.WaitOne().ok()) return;
+    --expected;
+  }
+}
+
+// The reads of one thread until the job is done or failed; `in_flight`: what is left in the
+// kernel when it returns early (an error), for DrainRing.
+void RunRing(ReadJob& job, platform::IoRing& ring, unsigned queue_depth, BouncePool& bounces,
+             unsigned& in_flight) {
   const ReadPlan& plan = *job.plan;
-  BouncePool bounces(job.bounce_buffer_bytes, kBouncedInFlight);
   std::vector<std::pair<size_t, std::byte*>> bounced;  // in flight: piece -> buffer
   std::vector<std::byte> batch_buffer;                 // for ReadBatch
-  unsigned in_flight = 0;
   bool exhausted = false;
   size_t run_next = ReadJob::kNone;
   for (;;) {
@@ -386,7 +410,7 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
     }
     if (queued) {
       Status s = ring.Submit();
-      if (!s.ok()) return job.Fail(s);  // nothing of this batch reached the kernel
+      if (!s.ok()) return job.Fail(s);  // earlier batches are in flight: the caller drains
     }
     if (in_flight == 0) return;
     auto completion = ring.WaitOne();
@@ -407,6 +431,14 @@ void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
     // On failure keep draining: the kernel still writes into the arena for what is in flight.
     if (!s.ok()) job.Fail(s);
   }
+}
+
+void UringWorker(ReadJob& job, platform::IoRing& ring, unsigned queue_depth) {
+  // Declared before the reads: the bounce buffers outlive every read into them.
+  BouncePool bounces(job.bounce_buffer_bytes, kBouncedInFlight);
+  unsigned in_flight = 0;
+  RunRing(job, ring, queue_depth, bounces, in_flight);
+  DrainRing(ring, in_flight);
 }
 
 void PreadWorker(ReadJob& job) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "common/fault_points.h"
 #include "platform/kernel_features.h"
 
 namespace expert_arena::platform {
@@ -62,12 +63,28 @@ bool IoRing::QueueRead(int fd, void* buffer, uint32_t bytes, uint64_t offset, ui
 }
 
 Status IoRing::Submit() {
-  for (;;) {
-    int rc = io_uring_submit(ring_.get());
-    if (rc >= 0) return Status::Ok();
-    if (rc == -EINTR || rc == -EAGAIN) continue;
-    return ErrnoStatus(-rc, "io_uring_submit", "");
+  if (const int injected = fault_points::RingSubmit(); injected < 0) {
+    return ErrnoStatus(-injected, "io_uring_submit", "");
   }
+  // The kernel may take part of the queue (it stops at a request it cannot allocate): submit
+  // until it took everything, or a completion would be waited for that can never come.
+  while (io_uring_sq_ready(ring_.get()) > 0) {
+    int rc = io_uring_submit(ring_.get());
+    if (rc == -EINTR || rc == -EAGAIN) continue;
+    if (rc < 0) return ErrnoStatus(-rc, "io_uring_submit", "");
+    if (rc == 0) return ErrnoStatus(EAGAIN, "io_uring_submit", "");
+  }
+  return Status::Ok();
+}
+
+unsigned IoRing::Queued() const { return io_uring_sq_ready(ring_.get()); }
+
+bool IoRing::QueueCancelAll(uint64_t user_data) {
+  io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
+  if (sqe == nullptr) return false;
+  io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY);
+  io_uring_sqe_set_data64(sqe, user_data);
+  return true;
 }
 
 Result<IoCompletion> IoRing::WaitOne() {

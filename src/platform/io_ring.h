@@ -38,8 +38,17 @@ class IoRing {
 
   // Queues a read of `bytes` at `offset` of fd into buffer; false when the queue is full.
   bool QueueRead(int fd, void* buffer, uint32_t bytes, uint64_t offset, uint64_t user_data);
-  // Submits what was queued. Buffered reads of cached pages are copied during this call.
+  // Submits what was queued. Buffered reads of cached pages are copied during this call. On
+  // failure what the kernel did not take stays queued (Queued()); the kernel still holds, and
+  // writes into their buffers, the reads earlier calls submitted.
   Status Submit();
+  // Requests queued and not yet taken by the kernel (a failed or not yet called Submit).
+  unsigned Queued() const;
+  // Queues a request that cancels every request the kernel holds (IORING_ASYNC_CANCEL_ANY,
+  // Linux 5.19; older kernels complete it with -EINVAL and cancel nothing); its completion
+  // carries `user_data`. false when the queue is full. A cancelled read completes with
+  // -ECANCELED; one already under way completes as usual: the caller still waits for them all.
+  bool QueueCancelAll(uint64_t user_data);
   // Waits for one completion and consumes it.
   Result<IoCompletion> WaitOne();
 

@@ -55,65 +55,85 @@ class GgufParser {
 
  private:
   Status Fail(const std::string& message) { return Corrupt(fd_.path() + ": " + message); }
-  Status ReadValue(GgufValueType type, const std::string& what, int depth, GgufValue* out);
+  // Reads and checks one value. With `keep`, and while the budget lasts, it goes to *out and
+  // the result is true; otherwise it is read past (nothing sized by the file is allocated),
+  // *out holds nothing of use and the result is false. A kept array may keep fewer elements
+  // than its count.
+  Result<bool> ReadValue(GgufValueType type, const std::string& what, int depth, GgufValue* out,
+                         bool keep);
+  // Takes `bytes` of the kept-metadata budget; false (and the budget spent: nothing after is
+  // kept, so what is kept is a prefix of the file's metadata) when they do not fit.
+  bool Charge(uint64_t bytes) {
+    if (bytes > budget_) budget_ = 0;
+    if (budget_ == 0) return false;
+    budget_ -= bytes;
+    return true;
+  }
 
   const platform::UniqueFd& fd_;
   HeaderReader in_;
+  uint64_t budget_ = kMetadataBudgetBytes;
 };
 
-Status GgufParser::ReadValue(GgufValueType type, const std::string& what, int depth,
-                             GgufValue* out) {
+Result<bool> GgufParser::ReadValue(GgufValueType type, const std::string& what, int depth,
+                                   GgufValue* out, bool keep) {
   out->type = type;
   switch (type) {
     case GgufValueType::kU8: {
       EA_ASSIGN_OR_RETURN(out->u, in_.Scalar<uint8_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kI8: {
       EA_ASSIGN_OR_RETURN(out->i, in_.Scalar<int8_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kU16: {
       EA_ASSIGN_OR_RETURN(out->u, in_.Scalar<uint16_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kI16: {
       EA_ASSIGN_OR_RETURN(out->i, in_.Scalar<int16_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kU32: {
       EA_ASSIGN_OR_RETURN(out->u, in_.Scalar<uint32_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kI32: {
       EA_ASSIGN_OR_RETURN(out->i, in_.Scalar<int32_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kU64: {
       EA_ASSIGN_OR_RETURN(out->u, in_.Scalar<uint64_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kI64: {
       EA_ASSIGN_OR_RETURN(out->i, in_.Scalar<int64_t>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kF32: {
       EA_ASSIGN_OR_RETURN(out->f, in_.Scalar<float>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kF64: {
       EA_ASSIGN_OR_RETURN(out->f, in_.Scalar<double>(what));
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kBool: {
       EA_ASSIGN_OR_RETURN(uint8_t b, in_.Scalar<uint8_t>(what));
       if (b > 1) return Fail(what + ": bool value " + std::to_string(b) + " is neither 0 nor 1");
       out->u = b;
-      return Status::Ok();
+      return keep;
     }
     case GgufValueType::kString: {
-      EA_ASSIGN_OR_RETURN(out->str, in_.String(kMaxStringBytes, what));
-      return Status::Ok();
+      EA_ASSIGN_OR_RETURN(uint64_t length, in_.StringLength(kMaxStringBytes, what));
+      if (!keep || !Charge(length)) {
+        EA_RETURN_IF_ERROR(in_.Skip(length, what));
+        return false;
+      }
+      out->str.resize(static_cast<size_t>(length));
+      EA_RETURN_IF_ERROR(in_.Read(out->str.data(), length, what));
+      return true;
     }
     case GgufValueType::kArray: {
       if (depth >= kMaxArrayDepth) return Fail(what + ": arrays nested too deep");
@@ -129,23 +149,36 @@ Status GgufParser::ReadValue(GgufValueType type, const std::string& what, int de
                     GgufValueTypeName(out->element_type) + " but only " +
                     std::to_string(in_.remaining()) + " bytes are left in the file");
       }
-      uint64_t keep = std::min(out->count, kMaxKeptArrayElements);
-      out->elements.resize(static_cast<size_t>(keep));
-      for (uint64_t k = 0; k < keep; ++k) {
-        EA_RETURN_IF_ERROR(ReadValue(out->element_type, what, depth + 1, &out->elements[k]));
+      // Elements are kept while they fit (each charged its GgufValue before it is read), up
+      // to kMaxKeptArrayElements; the rest are read past.
+      uint64_t kept = 0;
+      if (keep) {
+        const uint64_t fit = std::min({out->count, kMaxKeptArrayElements,
+                                       budget_ / sizeof(GgufValue)});
+        out->elements.reserve(static_cast<size_t>(fit));
+        while (kept < fit && Charge(sizeof(GgufValue))) {
+          out->elements.emplace_back();
+          EA_ASSIGN_OR_RETURN(bool whole, ReadValue(out->element_type, what, depth + 1,
+                                                    &out->elements.back(), true));
+          ++kept;
+          if (!whole) {
+            out->elements.pop_back();
+            break;
+          }
+        }
       }
-      uint64_t rest = out->count - keep;
-      if (rest == 0) return Status::Ok();
+      uint64_t rest = out->count - kept;
+      if (rest == 0) return keep;
       if (out->element_type != GgufValueType::kString &&
-          out->element_type != GgufValueType::kArray) {
-        return in_.Skip(rest * min_each, what);  // rest * min_each <= remaining: checked above
+          out->element_type != GgufValueType::kArray && out->element_type != GgufValueType::kBool) {
+        EA_RETURN_IF_ERROR(in_.Skip(rest * min_each, what));  // <= remaining: checked above
+        return keep;
       }
-      GgufValue scratch;
+      GgufValue scratch;  // holds no more than a scalar: nothing is kept in it
       for (uint64_t k = 0; k < rest; ++k) {
-        scratch = GgufValue{};
-        EA_RETURN_IF_ERROR(ReadValue(out->element_type, what, depth + 1, &scratch));
+        EA_RETURN_IF_ERROR(ReadValue(out->element_type, what, depth + 1, &scratch, false).status());
       }
-      return Status::Ok();
+      return keep;
     }
   }
   return Fail(what + ": unknown value type");
@@ -179,20 +212,49 @@ Result<GgufFile> GgufParser::Parse() {
                 " tensors, more than the file can hold");
   }
 
+  // Keys kept: a duplicate of a kept key is refused wherever it appears (up to 256 bytes long;
+  // Find would return one of two values); duplicates among entries not kept are never looked
+  // up.
   std::unordered_set<std::string> keys;
-  file.metadata.reserve(static_cast<size_t>(kv_count));
   for (uint64_t k = 0; k < kv_count; ++k) {
     std::string where = "metadata entry " + std::to_string(k);
-    EA_ASSIGN_OR_RETURN(std::string key, in_.String(kMaxKeyBytes, "the key of " + where));
+    EA_ASSIGN_OR_RETURN(uint64_t key_bytes,
+                        in_.StringLength(kMaxKeyBytes, "the key of " + where));
+    // A key is charged twice (the entry and the set of keys) with their nodes' overhead.
+    const bool alignment = key_bytes == std::strlen("general.alignment");
+    const bool keep = Charge(2 * key_bytes + 2 * sizeof(GgufValue)) || alignment;
+    std::string key;
+    if (keep) {
+      key.resize(static_cast<size_t>(key_bytes));
+      EA_RETURN_IF_ERROR(in_.Read(key.data(), key_bytes, "the key of " + where));
+    } else {
+      // Read a prefix only: enough to name the entry in a message.
+      constexpr uint64_t kShownKeyBytes = 256;
+      key.resize(static_cast<size_t>(std::min(key_bytes, kShownKeyBytes)));
+      EA_RETURN_IF_ERROR(in_.Read(key.data(), key.size(), "the key of " + where));
+      EA_RETURN_IF_ERROR(in_.Skip(key_bytes - key.size(), "the key of " + where));
+    }
     // The key is the file's: escaped (and cut short) wherever a message shows it.
     const std::string shown = QuoteForMessage(key);
     EA_ASSIGN_OR_RETURN(uint32_t type, in_.Scalar<uint32_t>("the type of metadata " + shown));
     if (!KnownValueType(type)) {
       return Fail("metadata " + shown + ": unknown value type " + std::to_string(type));
     }
+    // general.alignment places the data: kept whatever the budget (a u32; the check below
+    // refuses any other type).
+    const bool always = alignment && key == "general.alignment";
     GgufValue value;
-    EA_RETURN_IF_ERROR(ReadValue(static_cast<GgufValueType>(type), "metadata " + shown, 0, &value));
-    if (!keys.insert(key).second) return Fail("metadata key " + shown + " appears twice");
+    EA_ASSIGN_OR_RETURN(bool kept, ReadValue(static_cast<GgufValueType>(type),
+                                             "metadata " + shown, 0, &value,
+                                             always || (keep && budget_ > 0)));
+    if (key_bytes == key.size() && keys.contains(key)) {
+      return Fail("metadata key " + shown + " appears twice");
+    }
+    if (!kept && !always) {
+      ++file.metadata_not_kept;
+      continue;
+    }
+    keys.insert(key);
     file.metadata.emplace_back(std::move(key), std::move(value));
   }
   if (const GgufValue* alignment = file.Find("general.alignment")) {

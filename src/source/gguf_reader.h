@@ -42,7 +42,8 @@ enum class GgufValueType : uint32_t {
 const char* GgufValueTypeName(GgufValueType type);
 
 // One metadata value. Scalars use the field of their kind; arrays keep their element type,
-// their count in the file and (up to kMaxKeptArrayElements of) their elements.
+// their count in the file and (up to kMaxKeptArrayElements of, and within the metadata
+// budget) their first elements.
 struct GgufValue {
   GgufValueType type = GgufValueType::kU8;
   uint64_t u = 0;                                   // kU8..kU64 and kBool
@@ -54,6 +55,13 @@ struct GgufValue {
   std::vector<GgufValue> elements;                  // kArray: the first ones kept
 };
 inline constexpr uint64_t kMaxKeptArrayElements = 1u << 16;
+// The memory the kept metadata may take: sizeof(GgufValue) per value kept, plus its string
+// bytes and its key's. A real model's metadata (a tokenizer's three arrays of up to
+// kMaxKeptArrayElements values, a few dozen scalars) takes about 25 MiB; a file's metadata
+// can hold 100 values per KiB (nested u8 arrays), which kept whole would cost 100 times the
+// file's bytes. Past the budget, entries are read and checked as usual but not kept (an array
+// keeps the elements that fitted), and GgufFile::metadata_not_kept counts them.
+inline constexpr uint64_t kMetadataBudgetBytes = 32ull << 20;
 
 struct GgufTensorInfo {
   std::string name;
@@ -72,6 +80,9 @@ struct GgufFile {
   uint64_t alignment = 32;
   uint64_t data_offset = 0;                                 // start of the data section
   std::vector<std::pair<std::string, GgufValue>> metadata;  // in file order
+  // Entries read and checked but not kept: past kMetadataBudgetBytes. general.alignment, which
+  // places the data, is always kept.
+  uint64_t metadata_not_kept = 0;
   std::vector<GgufTensorInfo> tensors;                      // in file order
   uint64_t header_bytes_read = 0;
 

@@ -62,13 +62,18 @@ Status HeaderReader::Read(void* out, uint64_t n, const std::string& what) {
 
 Status HeaderReader::Skip(uint64_t n, const std::string& what) { return Read(nullptr, n, what); }
 
-Result<std::string> HeaderReader::String(uint64_t max_bytes, const std::string& what) {
+Result<uint64_t> HeaderReader::StringLength(uint64_t max_bytes, const std::string& what) {
   EA_ASSIGN_OR_RETURN(uint64_t length, Scalar<uint64_t>("the length of " + what));
   if (length > max_bytes || length > remaining()) {
     return Corrupt(fd_.path() + ": " + what + " claims " + std::to_string(length) +
                    " bytes at offset " + std::to_string(position_) + " (limit " +
                    std::to_string(std::min(max_bytes, remaining())) + ")");
   }
+  return length;
+}
+
+Result<std::string> HeaderReader::String(uint64_t max_bytes, const std::string& what) {
+  EA_ASSIGN_OR_RETURN(uint64_t length, StringLength(max_bytes, what));
   std::string out(static_cast<size_t>(length), '\0');
   EA_RETURN_IF_ERROR(Read(out.data(), length, what));
   return out;

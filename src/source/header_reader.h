@@ -38,6 +38,8 @@ class HeaderReader {
   }
   // A u64 length followed by that many bytes; the length must not exceed max_bytes.
   Result<std::string> String(uint64_t max_bytes, const std::string& what);
+  // The u64 length of such a string, checked the same way; its bytes are next (Read or Skip).
+  Result<uint64_t> StringLength(uint64_t max_bytes, const std::string& what);
 
  private:
   Status Fill(uint64_t n, const std::string& what);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <new>
 #include <numeric>
 
 #include "common/name_map.h"
@@ -143,9 +144,7 @@ Result<ModelPlan> PlanFromCollected(Collected collected, const ModelSpec& spec,
   return plan;
 }
 
-}  // namespace
-
-Result<ModelPlan> PlanModel(const ModelSpec& spec) {
+Result<ModelPlan> PlanModelFiles(const ModelSpec& spec) {
   if (spec.files.empty()) return InvalidArgument("no model file given");
   if (spec.format == ModelFormat::kRaw) return PlanRawFiles(spec);  // asked for, never guessed
   std::vector<std::string> paths;
@@ -207,6 +206,21 @@ Result<ModelPlan> PlanModel(const ModelSpec& spec) {
   plan.table.fingerprint =
       CombineFingerprint(spec, fingerprint_files, plan.table.sources, hashes);
   return plan;
+}
+
+}  // namespace
+
+Result<ModelPlan> PlanModel(const ModelSpec& spec) {
+  // Planning allocates what the model files' headers describe (names, shapes, metadata), all
+  // bounded by the files' sizes and the readers' budgets, which may still be more than the
+  // process can have (an address-space limit, a cgroup): a refusal, not an abort.
+  try {
+    return PlanModelFiles(spec);
+  } catch (const std::bad_alloc&) {
+    std::string files;
+    for (const std::string& f : spec.files) files += (files.empty() ? "" : ", ") + f;
+    return NoSpace("out of memory while reading the headers of " + files);
+  }
 }
 
 Result<std::vector<ModelFile>> ResolveModelFiles(const ModelSpec& spec) {

@@ -85,9 +85,17 @@ static int CheckRefused(const char* file, const char* arena_path, const char* wo
  * "role loaded" or "role attached" and how many times declare and fill ran. */
 static const uint64_t kW13Shape[] = {4, 8, 16};
 static const uint64_t kScaleShape[] = {3};
+/* A tensor as a program built against a later header declares it: the struct grew fields
+ * after those of this version, and size says so. */
+struct GrownTensor {
+  ea_engine_tensor base;
+  uint64_t later_flags;
+  const char* later_note;
+};
 struct EngineState {
-  int declared, filled, fail;
+  int declared, filled, fail, grown;
   ea_engine_tensor tensors[2];
+  struct GrownTensor grown_tensors[2];
 };
 
 static int Declare(void* user, const ea_engine_tensor** tensors, size_t* count) {
@@ -110,6 +118,17 @@ static int Declare(void* user, const ea_engine_tensor** tensors, size_t* count) 
   s->tensors[1].alignment = 64;
   *tensors = s->tensors;
   *count = 2;
+  if (s->grown) {
+    /* The same two tensors in the larger struct; the library must step by base.size. */
+    memset(s->grown_tensors, 0, sizeof s->grown_tensors);
+    for (int i = 0; i < 2; ++i) {
+      s->grown_tensors[i].base = s->tensors[i];
+      s->grown_tensors[i].base.size = sizeof s->grown_tensors[i];
+      s->grown_tensors[i].later_flags = 0xF5F5F5F5F5F5F5F5ull;
+      s->grown_tensors[i].later_note = "a field this library does not know";
+    }
+    *tensors = &s->grown_tensors[0].base;
+  }
   return 0;
 }
 
@@ -120,7 +139,7 @@ static int Fill(void* user, const ea_writable_tensor* tensors, size_t count) {
   return 0;
 }
 
-static int CheckEngine(const char* arena_path, const char* checkpoint, int fail) {
+static int CheckEngine(const char* arena_path, const char* checkpoint, int fail, int grown) {
   ea_open_params p;
   ea_open_params_init(&p);
   p.shared_path = arena_path;
@@ -131,6 +150,7 @@ static int CheckEngine(const char* arena_path, const char* checkpoint, int fail)
   struct EngineState state;
   memset(&state, 0, sizeof state);
   state.fail = fail;
+  state.grown = grown;
   const char* files[] = {checkpoint};
   e.identity = "c-engine 1 bf16 tp0/1";
   e.files = files;
@@ -171,8 +191,10 @@ int main(int argc, char** argv) {
   if (argc == 5 && strcmp(argv[1], "--refused") == 0) {
     return CheckRefused(argv[2], argv[3], argv[4]);
   }
-  if (argc == 4 && (strcmp(argv[1], "--engine") == 0 || strcmp(argv[1], "--engine-fail") == 0)) {
-    return CheckEngine(argv[2], argv[3], strcmp(argv[1], "--engine-fail") == 0);
+  if (argc == 4 && (strcmp(argv[1], "--engine") == 0 || strcmp(argv[1], "--engine-fail") == 0 ||
+                    strcmp(argv[1], "--engine-grown") == 0)) {
+    return CheckEngine(argv[2], argv[3], strcmp(argv[1], "--engine-fail") == 0,
+                       strcmp(argv[1], "--engine-grown") == 0);
   }
   if (argc != 3) {
     fprintf(stderr, "usage: %s MODEL_FILE ARENA_PATH | --refused FILE ARENA_PATH WORDS\n", argv[0]);

@@ -39,6 +39,18 @@ TEST(CApiTest, CProgramBuildsAnEngineArenaAndAnotherAttaches) {
       << second.Output();
 }
 
+// A C engine built against a later header declares its tensors in a larger struct (size set
+// to it): the library steps through the array by that size and reads both tensors right.
+TEST(CApiTest, CProgramWithAGrownTensorStructBuildsAnEngineArena) {
+  ScopedDataFile checkpoint(4096, 7);
+  ScopedPath arena("capi-engine-grown.arena");
+  Child c = SpawnProgram(BinDir() + "/capi_c_program",
+                         {"--engine-grown", arena.path(), checkpoint.path()});
+  EXPECT_EQ(c.Wait(60), 0) << c.Output();
+  EXPECT_NE(c.Output().find("role loaded declared 1 filled 1"), std::string::npos) << c.Output();
+  EXPECT_NE(c.Output().find("all checks passed"), std::string::npos) << c.Output();
+}
+
 // Each file that is not a model, opened by a C program with the default format into a shared
 // arena: refused with a negative errno and a message naming the file and what it is; nothing
 // is left in the arena's directory.

@@ -307,6 +307,44 @@ void ArenaHeaderSeeds() {
             input);
     }
   }
+  // The same table for arena_table_fuzzer.cc: its prefix, then the table bytes from the
+  // source entries to the end of the name index.
+  Check(format::EncodeHeader(table, *layout, format::FileState::kPublished, 42, 43, 44, 45,
+                             region));
+  format::HeaderFixed fixed;
+  std::memcpy(&fixed, region.data(), sizeof fixed);
+  const uint64_t index_end = fixed.name_index_offset + fixed.name_index_slots * sizeof(uint32_t);
+  uint8_t alignment_log2 = 0;
+  while ((uint64_t{1} << alignment_log2) < fixed.alignment) ++alignment_log2;
+  for (uint8_t flags : {0, 1, 2}) {
+    std::vector<std::byte> input(7);
+    input[0] = std::byte{flags};
+    input[1] = std::byte{static_cast<uint8_t>(fixed.source_count)};
+    input[2] = std::byte{static_cast<uint8_t>(fixed.tensor_count)};
+    input[3] = std::byte{alignment_log2};
+    input[4] = std::byte{static_cast<uint8_t>(fixed.data_bytes / format::kHeaderPageBytes - 1)};
+    const auto strings_bytes = static_cast<uint16_t>(fixed.strings_bytes);
+    std::memcpy(input.data() + 5, &strings_bytes, 2);
+    input.insert(input.end(), region.begin() + static_cast<std::ptrdiff_t>(fixed.sources_offset),
+                 region.begin() + static_cast<std::ptrdiff_t>(index_end));
+    Write("arena_table", "two-tensors-flags" + std::to_string(flags), input);
+  }
+  // Two tensors at the same offset (each checksum recomputed by the target): the table a
+  // hostile writer makes so that one name reads another's bytes.
+  format::ArenaTable overlapping = table;
+  overlapping.tensors[1].arena_offset = overlapping.tensors[0].arena_offset;
+  Check(format::EncodeHeader(overlapping, *layout, format::FileState::kPublished, 42, 43, 44, 45,
+                             region));
+  std::vector<std::byte> input(7);
+  input[1] = std::byte{static_cast<uint8_t>(fixed.source_count)};
+  input[2] = std::byte{static_cast<uint8_t>(fixed.tensor_count)};
+  input[3] = std::byte{alignment_log2};
+  input[4] = std::byte{static_cast<uint8_t>(fixed.data_bytes / format::kHeaderPageBytes - 1)};
+  const auto strings_bytes = static_cast<uint16_t>(fixed.strings_bytes);
+  std::memcpy(input.data() + 5, &strings_bytes, 2);
+  input.insert(input.end(), region.begin() + static_cast<std::ptrdiff_t>(fixed.sources_offset),
+               region.begin() + static_cast<std::ptrdiff_t>(index_end));
+  Write("arena_table", "overlapping-offsets", input);
 }
 
 void StreamSeeds() {

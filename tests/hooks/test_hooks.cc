@@ -9,6 +9,7 @@
 #include "arena/test_hooks.h"
 #include "common/fault_points.h"
 #include "pages/page_hooks.h"
+#include "platform/ring_hooks.h"
 
 namespace expert_arena {
 namespace {
@@ -26,6 +27,10 @@ std::function<void(size_t)>& BeforePagePiece() {
   return hook;
 }
 std::atomic<size_t> plans_made{0};
+std::function<int()>& RingSubmit() {
+  static std::function<int()> hook;
+  return hook;
+}
 
 }  // namespace
 
@@ -36,6 +41,12 @@ void SetAfterRemoveOpened(std::function<void()> hook) { AfterRemoveOpened() = st
 size_t PlansMade() { return plans_made.load(); }
 
 }  // namespace arena::test_hooks
+
+namespace platform::test_hooks {
+
+void SetRingSubmit(std::function<int()> hook) { RingSubmit() = std::move(hook); }
+
+}  // namespace platform::test_hooks
 
 namespace pages::test_hooks {
 
@@ -56,5 +67,8 @@ void expert_arena_fault_before_page_piece(size_t piece) {
   if (expert_arena::BeforePagePiece()) expert_arena::BeforePagePiece()(piece);
 }
 void expert_arena_fault_plan_made() { expert_arena::plans_made.fetch_add(1); }
+int expert_arena_fault_ring_submit() {
+  return expert_arena::RingSubmit() ? expert_arena::RingSubmit()() : 0;
+}
 
 }  // extern "C"

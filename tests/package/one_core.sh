@@ -28,8 +28,8 @@ else
   echo "ok: $lib exports no generator, writer or test-hook symbol"
 fi
 weak=$(nm -D "$lib" | awk '$1 == "w" && $2 ~ /^expert_arena_fault_/ { print $2 }' | sort | tr '\n' ' ')
-if [[ $weak != "expert_arena_fault_after_remove_opened expert_arena_fault_before_page_piece expert_arena_fault_before_publish expert_arena_fault_plan_made " ]]; then
-  fail "$lib: the fault-injection points are not four undefined weak references: $weak"
+if [[ $weak != "expert_arena_fault_after_remove_opened expert_arena_fault_before_page_piece expert_arena_fault_before_publish expert_arena_fault_plan_made expert_arena_fault_ring_submit " ]]; then
+  fail "$lib: the fault-injection points are not five undefined weak references: $weak"
 else
   echo "ok: $lib has its fault-injection points as undefined weak references"
 fi

@@ -144,6 +144,35 @@ TEST(GgufReaderTest, LargeArraysAreCountedNotKept) {
   EXPECT_EQ(f.tensors[0].name, "x");
 }
 
+// Metadata past kMetadataBudgetBytes is read and checked but not kept: six u8 arrays of
+// kMaxKeptArrayElements values (each value a GgufValue when kept) fill the budget; the
+// general.alignment (256, not the default 32) after them is still kept and places the data.
+TEST(GgufReaderTest, MetadataPastTheBudgetIsReadNotKept) {
+  ScopedDir dir("gguf-budget");
+  GgufWriter w;
+  const std::vector<GgufValue> bytes(kMaxKeptArrayElements,
+                                     GgufWriter::Scalar(GgufValueType::kU8, 7));
+  for (int i = 0; i < 6; ++i) {
+    w.Add("big." + std::to_string(i), GgufWriter::Array(GgufValueType::kU8, bytes));
+  }
+  w.SetAlignment(256);
+  w.Add("after.the.budget", GgufWriter::String("not kept"));
+  ASSERT_OK(w.AddTensor("x", *FindGgmlType(0), {8}));
+  std::string path = dir.File("m.gguf");
+  ASSERT_OK(w.WriteFile(path, FillPattern));
+  ASSERT_OK_AND_ASSIGN(GgufFile f, ReadGguf(path));
+  ASSERT_NE(f.Find("big.0"), nullptr);
+  EXPECT_EQ(f.Find("big.0")->elements.size(), kMaxKeptArrayElements);
+  EXPECT_EQ(f.Find("big.5"), nullptr);
+  EXPECT_EQ(f.Find("after.the.budget"), nullptr);
+  EXPECT_GE(f.metadata_not_kept, 2u);
+  ASSERT_NE(f.Find("general.alignment"), nullptr);
+  EXPECT_EQ(f.alignment, 256u);
+  EXPECT_EQ(f.data_offset % 256, 0u);
+  ASSERT_EQ(f.tensors.size(), 1u);
+  EXPECT_EQ(f.tensors[0].absolute_offset, f.data_offset);
+}
+
 // Every known ggml type: a tensor of two blocks by three rows lands in the arena byte for
 // byte, at the offset the writer placed it (data section + tensor offset).
 TEST(GgufReaderTest, EveryGgmlTypeRoundTripsIntoAnArena) {

@@ -360,5 +360,22 @@ TEST(EscapeForMessage, WritesEveryByteAPeerChoseAsPrintableAscii) {
   EXPECT_EQ(ControlByteProblem("tab\there"), "the control byte 0x09 at byte 3 of 8");
 }
 
+TEST(EscapeForDisplay, KeepsValidUtf8AndEscapesControlsAndOtherBytes) {
+  EXPECT_EQ(EscapeForDisplay("/models/m.gguf"), "/models/m.gguf");
+  // Valid UTF-8 (2, 3 and 4 bytes) is shown as it is, backslashes and quotes too.
+  EXPECT_EQ(EscapeForDisplay("caf\xc3\xa9 \xe6\xa8\xa1\xe5\x9e\x8b \xf0\x9f\x98\x80 a\\b\""),
+            "caf\xc3\xa9 \xe6\xa8\xa1\xe5\x9e\x8b \xf0\x9f\x98\x80 a\\b\"");
+  // C0 controls, DEL and the C1 controls (the 8-bit CSI U+009B) are escaped byte by byte.
+  EXPECT_EQ(EscapeForDisplay("a\x1b[31m\n\x7f"), "a\\x1b[31m\\x0a\\x7f");
+  EXPECT_EQ(EscapeForDisplay("\xc2\x9b" "2J"), "\\xc2\\x9b2J");
+  // Bytes that are not UTF-8: stray, cut short, overlong, surrogates, above U+10FFFF.
+  EXPECT_EQ(EscapeForDisplay("name\xff"), "name\\xff");
+  EXPECT_EQ(EscapeForDisplay("\x80x\xe6\xa8"), "\\x80x\\xe6\\xa8");
+  EXPECT_EQ(EscapeForDisplay("\xc0\xaf"), "\\xc0\\xaf");
+  EXPECT_EQ(EscapeForDisplay("\xed\xa0\x80"), "\\xed\\xa0\\x80");
+  EXPECT_EQ(EscapeForDisplay("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");
+  EXPECT_EQ(EscapeForDisplay(std::string("n\0l", 3)), "n\\x00l");
+}
+
 }  // namespace
 }  // namespace expert_arena::platform

@@ -25,16 +25,20 @@ int RunInfo(const std::string& path, bool json) {
   if (IsStreamSegment(path)) return RunSegmentInfo(path, json);
   auto info = arena::InspectArenaFile(path, /*scan_pages=*/true, /*name_holders=*/true);
   if (!info.ok()) {
-    std::fprintf(stderr, "expert-arena info: %s\n", info.status().message().c_str());
+    std::fprintf(stderr, "expert-arena info: %s\n",
+                 EscapeForDisplay(info.status().message()).c_str());
     return 1;
   }
   const auto& i = *info;
   uint64_t data_offset = i.summary.layout.header_bytes;
   if (json) {
     nlohmann::json j;
-    j["path"] = i.path;
+    // Every text from the file or the user is shown escaped (common/escape.h): a path may hold
+    // any byte, an edited file any identity, name or dtype, and none may reach the terminal
+    // as a control sequence or make the JSON invalid.
+    j["path"] = EscapeForDisplay(i.path);
     j["state"] = i.state;
-    if (!i.problem.empty()) j["problem"] = i.problem;
+    if (!i.problem.empty()) j["problem"] = EscapeForDisplay(i.problem);
     j["file_bytes"] = i.file_bytes;
     j["owner_uid"] = i.owner_uid;
     char mode[8];
@@ -62,17 +66,18 @@ int RunInfo(const std::string& path, bool json) {
     j["data_bytes"] = i.summary.layout.data_bytes;
     j["loader_pid"] = i.summary.loader_pid;
     j["loader_pid_local"] = platform::PidIsLocal(i.summary.loader_pid_namespace);
-    j["identity"] = i.summary.identity_text;
+    j["identity"] = EscapeForDisplay(i.summary.identity_text);
     j["identity_hash"] = Hex(i.summary.identity_hash);
     j["alignment"] = i.table.alignment;
     j["sources"] = nlohmann::json::array();
     for (const auto& s : i.table.sources) {
-      j["sources"].push_back({{"path", s.path}, {"bytes", s.size}, {"mtime_ns", s.mtime_ns}});
+      j["sources"].push_back(
+          {{"path", EscapeForDisplay(s.path)}, {"bytes", s.size}, {"mtime_ns", s.mtime_ns}});
     }
     j["tensors"] = nlohmann::json::array();
     for (const auto& t : i.table.tensors) {
-      j["tensors"].push_back({{"name", t.name},
-                              {"dtype", t.dtype},
+      j["tensors"].push_back({{"name", EscapeForDisplay(t.name)},
+                              {"dtype", EscapeForDisplay(t.dtype)},
                               {"shape", t.shape},
                               {"file_offset", data_offset + t.arena_offset},
                               {"bytes", t.bytes},
@@ -83,9 +88,9 @@ int RunInfo(const std::string& path, bool json) {
     std::cout << j.dump(1) << std::endl;
     return 0;
   }
-  std::printf("path:      %s\n", i.path.c_str());
+  std::printf("path:      %s\n", EscapeForDisplay(i.path).c_str());
   std::printf("state:     %s%s%s\n", i.state.c_str(), i.problem.empty() ? "" : ": ",
-              i.problem.c_str());
+              EscapeForDisplay(i.problem).c_str());
   std::printf("size:      %s (%llu bytes), owner uid %u, mode %04o, on %s\n",
               FormatBytes(i.file_bytes).c_str(), static_cast<unsigned long long>(i.file_bytes),
               i.owner_uid, i.mode, i.backing.c_str());
@@ -98,7 +103,7 @@ int RunInfo(const std::string& path, bool json) {
     std::printf("format:    version %u, header %s, data %s\n", i.summary.version,
                 FormatBytes(i.summary.layout.header_bytes).c_str(),
                 FormatBytes(i.summary.layout.data_bytes).c_str());
-    std::printf("identity:  %s (%s)\n", i.summary.identity_text.c_str(),
+    std::printf("identity:  %s (%s)\n", EscapeForDisplay(i.summary.identity_text).c_str(),
                 Hex(i.summary.identity_hash).c_str());
     std::printf(
         "loader:    %s\n",
@@ -141,7 +146,8 @@ int RunInfo(const std::string& path, bool json) {
       for (size_t d = 0; d < t.shape.size(); ++d) {
         shape += (d ? "x" : "") + std::to_string(t.shape[d]);
       }
-      std::printf("  %-48s %-6s %-16s %12llu bytes at %llu\n", t.name.c_str(), t.dtype.c_str(),
+      std::printf("  %-48s %-6s %-16s %12llu bytes at %llu\n", EscapeForDisplay(t.name).c_str(),
+                  EscapeForDisplay(t.dtype).c_str(),
                   shape.c_str(), static_cast<unsigned long long>(t.bytes),
                   static_cast<unsigned long long>(data_offset + t.arena_offset));
     }
@@ -153,26 +159,30 @@ int RunVerify(const std::string& path) {
   format::ArenaTable table;
   auto bad = arena::VerifyArenaFile(path, &table);
   if (!bad.ok()) {
-    std::fprintf(stderr, "expert-arena verify: %s\n", bad.status().message().c_str());
+    std::fprintf(stderr, "expert-arena verify: %s\n",
+                 EscapeForDisplay(bad.status().message()).c_str());
     return 1;
   }
   if (*bad >= 0) {
     const auto& t = table.tensors[static_cast<size_t>(*bad)];
     std::fprintf(stderr, "expert-arena verify: %s: tensor %s: checksum mismatch (expected %s)\n",
-                 path.c_str(), t.name.c_str(), Hex(t.checksum).c_str());
+                 EscapeForDisplay(path).c_str(), EscapeForDisplay(t.name).c_str(),
+                 Hex(t.checksum).c_str());
     return 1;
   }
-  std::printf("%s: %zu tensors, every checksum matches\n", path.c_str(), table.tensors.size());
+  std::printf("%s: %zu tensors, every checksum matches\n", EscapeForDisplay(path).c_str(),
+              table.tensors.size());
   return 0;
 }
 
 int RunRemove(const std::string& path) {
   Status s = arena::RemoveArenaFile(path);
   if (!s.ok()) {
-    std::fprintf(stderr, "expert-arena rm: %s\n", s.message().c_str());
+    std::fprintf(stderr, "expert-arena rm: %s\n",
+                 EscapeForDisplay(s.message()).c_str());
     return 1;
   }
-  std::printf("removed %s\n", path.c_str());
+  std::printf("removed %s\n", EscapeForDisplay(path).c_str());
   return 0;
 }
 

@@ -15,6 +15,7 @@
 #include "../kernel_json.h"
 #include "../numa_json.h"
 #include "commands.h"
+#include "common/escape.h"
 #include "expert_arena/arena.h"
 #include "expert_arena/cli.h"
 #include "expert_arena/gpu.h"
@@ -125,14 +126,17 @@ int RunLoad(const LoadArgs& args) {
   options.peer_transport = *transport;
   auto result = Arena::Open(model, options);
   if (!result.ok()) {
-    std::fprintf(stderr, "expert-arena load: %s\n", result.status().message().c_str());
+    std::fprintf(stderr, "expert-arena load: %s\n",
+                 EscapeForDisplay(result.status().message()).c_str());
     return 1;
   }
   const ArenaReport& r = result->report();
   if (args.json) {
     nlohmann::json j;
     j["role"] = ArenaRoleName(r.role);
-    j["arena"] = r.path;
+    // Texts from the user, the model files and the kernel, escaped as every output shows them
+    // (common/escape.h): a path may hold any byte, and JSON takes only UTF-8.
+    j["arena"] = EscapeForDisplay(r.path);
     j["backing"] = r.backing;
     j["data_bytes"] = r.data_bytes;
     j["tensor_bytes"] = r.tensor_bytes;
@@ -146,14 +150,14 @@ int RunLoad(const LoadArgs& args) {
     j["collapse_seconds"] = r.collapse_seconds;
     j["bytes_read"] = r.bytes_read;
     j["reader"] = r.reader;
-    j["reader_note"] = r.reader_note;
-    j["identity"] = r.identity;
+    j["reader_note"] = EscapeForDisplay(r.reader_note);
+    j["identity"] = EscapeForDisplay(r.identity);
     char hash[32];
     std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(r.identity_hash));
     j["identity_hash"] = hash;
-    j["huge_note"] = r.huge_note;
-    j["charge"] = r.charge_note;
-    j["gpu"] = r.gpu_note;
+    j["huge_note"] = EscapeForDisplay(r.huge_note);
+    j["charge"] = EscapeForDisplay(r.charge_note);
+    j["gpu"] = EscapeForDisplay(r.gpu_note);
     j["gpu_registered_bytes"] = r.gpu_registered_bytes;
     // What this build's GPU backends were compiled against (which CUDA: toolkit or wheel).
     nlohmann::json backends = nlohmann::json::object();
@@ -165,9 +169,10 @@ int RunLoad(const LoadArgs& args) {
     j["numa"] = tools::NumaJson(r);
     j["pid"] = getpid();
     if (!args.from_peer.empty()) {
-      j["from_peer"] = r.from_peer;  // empty when the fill failed and the files were read
+      // Empty when the fill failed and the files were read.
+      j["from_peer"] = EscapeForDisplay(r.from_peer);
       j["peer_bytes"] = r.peer_bytes;
-      j["peer_note"] = r.peer_note;
+      j["peer_note"] = EscapeForDisplay(r.peer_note);
       j["peer_transport"] = r.peer_transport;  // "am" or "get"; empty when the files were read
     }
     std::cout << j.dump() << std::endl;

@@ -60,7 +60,8 @@ void AddArena(const std::string& path, Listing& out) {
   if (!info.ok()) {
     out.lines.push_back("arena    ?          " + EscapeForMessage(path) +
                         ": cannot be read: " + info.status().message());
-    out.arenas.push_back({{"path", path}, {"problem", info.status().message()}});
+    out.arenas.push_back({{"path", EscapeForDisplay(path)},
+                          {"problem", EscapeForDisplay(info.status().message())}});
     return;
   }
   const auto& a = *info;
@@ -73,7 +74,7 @@ void AddArena(const std::string& path, Listing& out) {
   std::snprintf(size, sizeof size, "%-10s", FormatBytes(a.file_bytes).c_str());
   out.lines.push_back("arena    " + std::string(size) + " " + EscapeForMessage(path) + ": " +
                       action + (identity.empty() ? "" : "; model " + identity));
-  out.arenas.push_back({{"path", path},
+  out.arenas.push_back({{"path", EscapeForDisplay(path)},
                         {"file_bytes", a.file_bytes},
                         {"state", a.state},
                         {"in_use", a.in_use},
@@ -93,7 +94,8 @@ void AddSegment(const std::string& path, Listing& out) {
     const std::string problem = info.ok() ? info->problem : info.status().message();
     out.lines.push_back("segment  ?          " + EscapeForMessage(path) +
                         ": cannot be read: " + problem);
-    out.segments.push_back({{"path", path}, {"problem", problem}});
+    out.segments.push_back(
+        {{"path", EscapeForDisplay(path)}, {"problem", EscapeForDisplay(problem)}});
     return;
   }
   const auto& g = *info;
@@ -109,7 +111,7 @@ void AddSegment(const std::string& path, Listing& out) {
                       " of stream \"" + name + "\", " + owner + ", " +
                       std::to_string(g.live_blocks) + " live blocks (" + FormatBytes(g.live_bytes) +
                       "), " + std::to_string(g.readers) + " readers");
-  out.segments.push_back({{"path", path},
+  out.segments.push_back({{"path", EscapeForDisplay(path)},
                           {"file_bytes", g.file_bytes},
                           {"kind", kind},
                           {"logical_name", name},

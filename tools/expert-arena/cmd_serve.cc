@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "commands.h"
+#include "common/escape.h"
 #include "common/units.h"
 #include "expert_arena/arena.h"
 #include "metrics/exposition.h"
@@ -228,7 +229,8 @@ int RunServe(const ServeArgs& args) {
   attach.shared_path = args.path;
   auto held = Arena::AttachExisting(args.path, attach);
   if (!held.ok()) {
-    std::fprintf(stderr, "expert-arena serve: %s\n", held.status().message().c_str());
+    std::fprintf(stderr, "expert-arena serve: %s\n",
+                 EscapeForDisplay(held.status().message()).c_str());
     return 1;
   }
   auto program = remote::FindNetProcess();
@@ -243,6 +245,10 @@ int RunServe(const ServeArgs& args) {
     return 1;
   }
   NetChild child = std::move(started).value();
+  // The arena's path (any bytes) and identity (the file's) are shown escaped, the same in
+  // text, JSON and metrics label values (common/escape.h); nothing below uses them otherwise.
+  info.path = EscapeForDisplay(info.path);
+  info.identity = EscapeForDisplay(info.identity);
   // The file exists before serve says it listens.
   ServeMetrics metrics(args.metrics_textfile, info);
   metrics.Write(ServeCounts{}, 0, true, true);

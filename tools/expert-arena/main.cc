@@ -1,6 +1,8 @@
 // expert-arena: load, inspect, verify and remove shared expert arenas (see README.md "The command
 // line"). Exit codes: 0 success, 1 a clear refusal or failed check, 2 bad usage.
 #include <CLI/CLI.hpp>
+#include <cstdio>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -45,6 +47,11 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     app.exit(e);
     return 2;
+  } catch (const std::bad_alloc&) {
+    // The library reports its own allocation failures; this is one of the command's (its
+    // output), under a memory limit: a refusal with a message, not an abort.
+    std::fputs("expert-arena: out of memory\n", stderr);
+    return 1;
   }
   return exit_code;
 }
