@@ -39,7 +39,7 @@ py::object FindView(uintptr_t address, uint64_t length) {
       continue;
     }
     if (address >= it->second.end || length > it->second.end - address) return py::none();
-    return py::make_tuple(it->second.path, it->second.identity_hash, address - it->first);
+    return py::make_tuple(FsStr(it->second.path), it->second.identity_hash, address - it->first);
   }
 }
 
@@ -66,33 +66,34 @@ class PyArena {
 
   size_t Length() const { return Get()->tensor_count(); }
 
-  bool Contains(const std::string& name) const { return Get()->Find(name).has_value(); }
+  bool Contains(py::handle name) const { return Get()->Find(FsBytes(name, "name")).has_value(); }
 
   py::list Names() const {
     const auto& arena = Get();
     py::list names(arena->tensor_count());
     for (size_t i = 0; i < arena->tensor_count(); ++i) {
-      names[i] = py::str(arena->tensor(i).name.data(), arena->tensor(i).name.size());
+      names[i] = FsStr(arena->tensor(i).name);
     }
     return names;
   }
 
-  TensorView Find(const std::string& name) const {
+  TensorView Find(py::handle name_object) const {
+    const std::string name = FsBytes(name_object, "a tensor name");
     const auto& arena = Get();
     auto view = arena->Find(name);
     if (!view) {
       const std::string& path = arena->report().path;
-      throw py::key_error("no tensor " + name + " in the arena" +
-                          (path.empty() ? std::string(" (private)") : " " + path) + " (" +
-                          std::to_string(arena->tensor_count()) + " tensors)");
+      RaiseMessage(PyExc_KeyError, "no tensor " + name + " in the arena" +
+                                       (path.empty() ? std::string(" (private)") : " " + path) +
+                                       " (" + std::to_string(arena->tensor_count()) + " tensors)");
     }
     return *view;
   }
 
   static py::dict Info(const TensorView& v) {
     py::dict d;
-    d["name"] = py::str(v.name.data(), v.name.size());
-    d["dtype"] = py::str(v.dtype.data(), v.dtype.size());
+    d["name"] = FsStr(v.name);
+    d["dtype"] = FsStr(v.dtype);
     d["shape"] = Shape(v.shape);
     d["bytes"] = v.bytes.size();
     d["checksum"] = v.checksum;
@@ -100,7 +101,7 @@ class PyArena {
     return d;
   }
 
-  py::dict InfoOf(const std::string& name) const { return Info(Find(name)); }
+  py::dict InfoOf(py::handle name) const { return Info(Find(name)); }
 
   py::list Tensors() const {
     const auto& arena = Get();
@@ -113,7 +114,7 @@ class PyArena {
   // view points there, so no route from a view (np.asarray, torch.from_numpy, dlpack, the
   // buffer protocol) reaches the shared (read-only, or GPU-registered) mapping. `writable` only
   // sets the array's flag; a write through it copies a page into this process.
-  py::array Buffer(const std::string& name, bool writable) const {
+  py::array Buffer(py::handle name, bool writable) const {
     TensorView v = Find(name);
     std::span<std::byte> data = ViewData();
     const auto offset = static_cast<size_t>(v.bytes.data() - Get()->data().data());
@@ -126,9 +127,10 @@ class PyArena {
   py::array Region(uint64_t offset, uint64_t length, bool writable) const {
     std::span<std::byte> data = ViewData();
     if (offset > data.size() || length > data.size() - offset) {
-      throw py::value_error("bytes [" + std::to_string(offset) + ", +" + std::to_string(length) +
-                            ") lie outside the data region of the arena " + Get()->report().path +
-                            " (" + std::to_string(data.size()) + " bytes)");
+      RaiseMessage(PyExc_ValueError,
+                   "bytes [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                       ") lie outside the data region of the arena " + Get()->report().path +
+                       " (" + std::to_string(data.size()) + " bytes)");
     }
     return ByteArray(std::span<const std::byte>(data.data() + offset, length), Get(), writable);
   }
@@ -163,9 +165,9 @@ class PyArena {
     const ArenaReport& r = Get()->report();
     py::dict d;
     d["role"] = ArenaRoleName(r.role);
-    d["path"] = r.path;
-    d["backing"] = r.backing;
-    d["identity"] = r.identity;
+    d["path"] = FsStr(r.path);
+    d["backing"] = MessageStr(r.backing);
+    d["identity"] = FsStr(r.identity);
     d["identity_hash"] = r.identity_hash;
     d["seconds"] = r.seconds;
     d["load_seconds"] = r.load_seconds;
@@ -180,10 +182,10 @@ class PyArena {
     d["tensors"] = r.tensors;
     d["model_tensors"] = r.model_tensors;
     d["model_tensor_bytes"] = r.model_tensor_bytes;
-    d["reader"] = r.reader;
-    d["reader_note"] = r.reader_note;
-    d["huge_note"] = r.huge_note;
-    d["kernel_note"] = r.kernel_note;
+    d["reader"] = MessageStr(r.reader);
+    d["reader_note"] = MessageStr(r.reader_note);
+    d["huge_note"] = MessageStr(r.huge_note);
+    d["kernel_note"] = MessageStr(r.kernel_note);
     py::list missing;
     for (const KernelFallbackReport& m : r.kernel_missing) {
       py::dict f;
@@ -196,22 +198,23 @@ class PyArena {
       f["bytes"] = m.bytes;
       missing.append(f);
     }
-    d["kernel"] = py::dict(py::arg("release") = r.kernel_release, py::arg("note") = r.kernel_note,
+    d["kernel"] = py::dict(py::arg("release") = MessageStr(r.kernel_release),
+                           py::arg("note") = MessageStr(r.kernel_note),
                            py::arg("missing") = missing);
     py::dict numa_nodes;
     for (const NumaNodeBytes& n : r.numa_nodes) numa_nodes[py::int_(n.node)] = n.bytes;
     d["numa"] = py::dict(py::arg("placement") = r.numa, py::arg("policy") = r.numa_policy,
-                         py::arg("note") = r.numa_note, py::arg("nodes") = numa_nodes);
-    d["charge"] = r.charge_note;
-    d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
+                         py::arg("note") = MessageStr(r.numa_note), py::arg("nodes") = numa_nodes);
+    d["charge"] = MessageStr(r.charge_note);
+    d["gpu"] = r.gpu_note.empty() ? py::str("none") : MessageStr(r.gpu_note);
     d["gpu_registered_bytes"] = r.gpu_registered_bytes;
     d["gpu_seconds"] = r.gpu_seconds;
     d["pinned_bytes"] = r.pinned_bytes;
     d["waited_for_pid"] = r.waited_for_pid;
-    d["start_line"] = start_line_;
+    d["start_line"] = MessageStr(start_line_);
     d["from_peer"] = r.from_peer;
     d["peer_bytes"] = r.peer_bytes;
-    d["peer_note"] = r.peer_note;
+    d["peer_note"] = MessageStr(r.peer_note);
     d["peer_transport"] = r.peer_transport;
     return d;
   }
@@ -245,7 +248,15 @@ ArenaOptions MakeArenaOptions(const std::optional<std::string>& shared_path, con
   return options;
 }
 
-PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> shared_path,
+// Paths and names as str (lone surrogates for bytes that are not UTF-8) or bytes.
+std::vector<std::string> FsBytesList(const py::sequence& items, const char* what) {
+  std::vector<std::string> out;
+  out.reserve(items.size());
+  for (py::handle item : items) out.push_back(FsBytes(item, what));
+  return out;
+}
+
+PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_path_object,
                   std::optional<std::string> select, bool select_all, const std::string& gpu,
                   bool gpu_required, const std::string& huge, double wait_timeout,
                   uint32_t file_mode, bool allow_foreign_owner, uint64_t pin_budget_bytes,
@@ -253,6 +264,9 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   const std::string& format, const std::string& from_peer,
                   const std::string& peer_token, double peer_stall_seconds,
                   const std::string& peer_transport, const std::string& numa) {
+  std::vector<std::string> files = FsBytesList(file_objects, "a model file");
+  std::optional<std::string> shared_path;
+  if (!shared_path_object.is_none()) shared_path = FsBytes(shared_path_object, "shared_path");
   if (files.empty() && from_peer.empty()) {
     throw py::value_error("open(): model_files names no file (or give from_peer)");
   }
@@ -281,8 +295,9 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
   return PyArena(Take(std::move(*arena)));
 }
 
-PyArena AttachArena(const std::string& path, const std::string& gpu, bool gpu_required,
+PyArena AttachArena(const py::object& path_object, const std::string& gpu, bool gpu_required,
                     bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+  const std::string path = FsBytes(path_object, "path");
   ArenaOptions options =
       MakeArenaOptions(path, gpu, gpu_required, "auto", 0, 0600, allow_foreign_owner,
                        pin_budget_bytes, "auto", quiet, false);
@@ -324,9 +339,9 @@ class PyEngineWriter {
     const uint64_t length = static_cast<uint64_t>(buffer.len);
     if (length != t.bytes.size()) {
       PyBuffer_Release(&buffer);
-      throw py::value_error("engine arena tensor " + std::string(t.name) + ": " +
-                            std::to_string(length) + " bytes given, " +
-                            std::to_string(t.bytes.size()) + " declared");
+      RaiseMessage(PyExc_ValueError, "engine arena tensor " + std::string(t.name) + ": " +
+                                         std::to_string(length) + " bytes given, " +
+                                         std::to_string(t.bytes.size()) + " declared");
     }
     {
       py::gil_scoped_release release;
@@ -347,17 +362,18 @@ class PyEngineWriter {
 
 // declare() -> [(name, dtype, shape, bytes, alignment)], fill(writer). Their exceptions are
 // raised again from here, after the library cleaned up (nothing published).
-PyArena OpenEngineArena(const std::string& path, const std::string& identity,
-                        std::vector<std::string> files, uint64_t alignment, py::object declare,
+PyArena OpenEngineArena(const py::object& path_object, const py::object& identity_object,
+                        const py::sequence& file_objects, uint64_t alignment, py::object declare,
                         py::object fill, const std::string& gpu, bool gpu_required,
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
                         bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+  const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
                                           false);
   EngineArenaSpec spec;
-  spec.identity = identity;
-  spec.files = std::move(files);
+  spec.identity = FsBytes(identity_object, "identity");
+  spec.files = FsBytesList(file_objects, "a checkpoint file");
   spec.alignment = alignment;
   std::optional<py::error_already_set> raised;
   spec.declare = [&]() -> Result<std::vector<EngineTensor>> {
@@ -368,7 +384,7 @@ PyArena OpenEngineArena(const std::string& path, const std::string& identity,
         auto entry = item.cast<py::tuple>();
         if (entry.size() != 5) throw py::value_error("declare() entries are (name, dtype, shape, bytes, alignment)");
         EngineTensor t;
-        t.name = entry[0].cast<std::string>();
+        t.name = FsBytes(entry[0], "a tensor name");
         t.dtype = entry[1].cast<std::string>();
         t.shape = entry[2].cast<std::vector<uint64_t>>();
         t.bytes = entry[3].cast<uint64_t>();
@@ -433,7 +449,7 @@ py::tuple TakeLogs() {
   if (sink->empty()) return py::make_tuple(py::list(), 0);
   auto [records, dropped] = sink->Take();
   py::list out;
-  for (auto& [level, text] : records) out.append(py::make_tuple(level, py::str(text)));
+  for (auto& [level, text] : records) out.append(py::make_tuple(level, MessageStr(text)));
   return py::make_tuple(out, dropped);
 }
 
