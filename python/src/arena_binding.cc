@@ -43,6 +43,33 @@ py::object FindView(uintptr_t address, uint64_t length) {
   }
 }
 
+// Bytes of [address, address + length), inside a shared arena's view mapping, that lie on
+// pages a write in this process copied (Arena::PrivateCopies); `changed`: only those whose
+// bytes differ from the arena's. None when the range is not inside such a mapping.
+py::object ViewPrivateBytes(uintptr_t address, uint64_t length, bool changed) {
+  auto& mappings = ViewMappings();
+  while (true) {
+    auto it = mappings.upper_bound(address);
+    if (it == mappings.begin()) return py::none();
+    --it;
+    std::shared_ptr<Arena> arena = it->second.arena.lock();
+    if (!arena) {
+      mappings.erase(it);
+      continue;
+    }
+    if (address >= it->second.end || length > it->second.end - address) return py::none();
+    if (length == 0) return py::int_(0);
+    std::optional<Result<std::vector<ArenaRange>>> ranges;
+    {
+      py::gil_scoped_release release;
+      ranges.emplace(arena->PrivateCopies(changed, address - it->first, length));
+    }
+    uint64_t bytes = 0;
+    for (const ArenaRange& r : Take(std::move(*ranges))) bytes += r.bytes;
+    return py::int_(bytes);
+  }
+}
+
 // The Python Arena's handle. close() drops `arena`; views hold their own shared_ptr.
 class PyArena {
  public:
@@ -145,6 +172,50 @@ class PyArena {
   py::tuple SharedRange() const {
     auto data = Get()->data();
     return py::make_tuple(reinterpret_cast<uintptr_t>(data.data()), data.size());
+  }
+
+  // [(offset, bytes)] of the views' pages that are this process's private copies
+  // (Arena::PrivateCopies); `changed`: only those whose bytes differ from the arena's.
+  py::list PrivateCopies(bool changed) const {
+    std::shared_ptr<Arena> arena = Get();  // held while the GIL is released
+    std::optional<Result<std::vector<ArenaRange>>> ranges;
+    {
+      py::gil_scoped_release release;
+      ranges.emplace(arena->PrivateCopies(changed));
+    }
+    py::list out;
+    for (const ArenaRange& r : Take(std::move(*ranges))) {
+      out.append(py::make_tuple(r.offset, r.bytes));
+    }
+    return out;
+  }
+
+  // [(name, bytes)] of the tensors whose bytes lie on those pages, in arena order, with how
+  // many of their bytes do.
+  py::list PrivateTensors(bool changed) const {
+    std::shared_ptr<Arena> arena = Get();  // held while the GIL is released
+    std::optional<Result<std::vector<ArenaRange>>> result;
+    {
+      py::gil_scoped_release release;
+      result.emplace(arena->PrivateCopies(changed));
+    }
+    std::vector<ArenaRange> ranges = Take(std::move(*result));
+    py::list out;
+    if (ranges.empty()) return out;
+    const std::byte* base = arena->data().data();
+    for (size_t i = 0; i < arena->tensor_count(); ++i) {
+      TensorView v = arena->tensor(i);
+      const auto begin = static_cast<uint64_t>(v.bytes.data() - base);
+      const uint64_t end = begin + v.bytes.size();
+      uint64_t bytes = 0;
+      for (const ArenaRange& r : ranges) {
+        const uint64_t from = std::max(begin, r.offset);
+        const uint64_t to = std::min(end, r.offset + r.bytes);
+        if (from < to) bytes += to - from;
+      }
+      if (bytes > 0) out.append(py::make_tuple(FsStr(v.name), bytes));
+    }
+    return out;
   }
 
   std::span<std::byte> ViewData() const {
@@ -469,6 +540,8 @@ void BindArena(py::module_& m) {
       .def("data_range", &PyArena::DataRange)
       .def("shared_range", &PyArena::SharedRange)
       .def("region", &PyArena::Region, py::arg("offset"), py::arg("length"), py::arg("writable"))
+      .def("private_copies", &PyArena::PrivateCopies, py::arg("changed"))
+      .def("private_tensors", &PyArena::PrivateTensors, py::arg("changed"))
       .def("close", &PyArena::Close)
       .def_property_readonly("closed", &PyArena::closed);
 
@@ -487,6 +560,8 @@ void BindArena(py::module_& m) {
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
+  m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
+        py::arg("changed"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
 }
