@@ -277,6 +277,12 @@ struct EngineArenaSpec {
   std::function<Status(std::span<const WritableTensor>)> fill;
 };
 
+// A part of an arena's data region: [offset, offset + bytes), offsets as Arena::data()'s.
+struct ArenaRange {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
 class EXPERT_ARENA_EXPORT Arena {
  public:
   // Loads the model's selected tensors, or attaches to a shared file another engine loaded.
@@ -320,6 +326,18 @@ class EXPERT_ARENA_EXPORT Arena {
   // its own memory is made writable and returned (a write changes this process's arena only).
   // Fails with the mmap error naming the file.
   Result<std::span<std::byte>> CopyOnWriteData() const;
+
+  // The parts of CopyOnWriteData's mapping that are this process's private copies: pages a
+  // write through a view copied into this process, which it reads from then on instead of the
+  // arena's bytes that every other engine reads. Decided by what the pages are (private
+  // anonymous pages where the file's pages were, from the page tables), not by pointers: a
+  // write keeps every address. `changed_only`: only the pages (of the system's page size)
+  // whose bytes now differ from the arena's; a write of the values already there copies a
+  // page too. Empty before the first CopyOnWriteData() and for a private arena (no shared
+  // bytes to differ from). Reads /proc/self/pagemap (PAGEMAP_SCAN where the kernel has it).
+  // [offset, offset + length) of the data region only, when given (clipped to it).
+  Result<std::vector<ArenaRange>> PrivateCopies(bool changed_only = false, uint64_t offset = 0,
+                                                uint64_t length = UINT64_MAX) const;
 
   struct Impl;
 

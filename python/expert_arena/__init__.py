@@ -58,7 +58,7 @@ __all__ = [
     "Arena", "BusyError", "NoSpaceError", "Reservation", "StreamConsumer",
     "StreamProducer", "StreamTensor",
     "attach", "decode_descriptor", "decode_fp8", "inspect_segment", "load_into", "metrics",
-    "open_engine",
+    "open_engine", "PrivateCopyError", "check_private_copies", "private_bytes",
     "shared_module", "sweep",
     "xxh3_64", "__version__",
 ]
@@ -155,7 +155,7 @@ class Arena(_abc.Mapping):
         if not path:
             raise TypeError("a private (or closed) expert_arena.Arena cannot be pickled: only "
                             "a shared arena is sent, as a reference to its path")
-        return attach, (path,)
+        return _attach_same, (path, self.report["identity_hash"])
 
     def __enter__(self):
         return self
@@ -244,6 +244,21 @@ class Arena(_abc.Mapping):
         path = self.report["path"]
         return "%r of the arena %s" % (name, path) if path else "%r of a private arena" % name
 
+    def private_bytes(self, changed: bool = False) -> int:
+        """Bytes of this process's views that are private copies: pages of the views'
+        copy-on-write mapping that a write in this process copied (out=, an in-place op on a
+        plain tensor over a view), found by what the pages are in the page tables, not by
+        pointers (a write keeps every address). This process reads those bytes, every other
+        engine the arena's. `changed=True` counts only the pages whose bytes now differ from
+        the arena's (a write of the values already there copies a page too). 0 for an
+        untouched arena and for a private one (no shared bytes to differ from)."""
+        return sum(n for _, n in self._core.private_copies(bool(changed)))
+
+    def private_tensors(self, changed: bool = True) -> dict:
+        """{tensor name: bytes} of the tensors whose bytes in this process lie on such pages
+        (by default only the pages whose bytes differ from the arena's), in arena order."""
+        return dict(self._core.private_tensors(bool(changed)))
+
     def data_range(self):
         """(address, bytes) of the data region of the views' copy-on-write mapping: every
         view points inside it."""
@@ -253,6 +268,20 @@ class Arena(_abc.Mapping):
         """(address, bytes) of the data region of the arena's own mapping, the one a GPU
         registration covers (no Python view points there)."""
         return self._core.shared_range()
+
+
+def _attach_same(path, identity_hash):
+    """The receiving side of a pickled Arena: attaches to `path`, and refuses when the file
+    there is no longer the arena the sender had (replaced by another model's since)."""
+    arena = attach(path)
+    if arena.report["identity_hash"] != identity_hash:
+        found = arena.report["identity_hash"]
+        arena.close()
+        raise ValueError(
+            "expert_arena: an Arena sent as a reference to %s cannot be rebuilt: the file now "
+            "holds another arena (identity %016x, the sender's was %016x)"
+            % (path, found, identity_hash))
+    return arena
 
 
 def open(model_files, shared_path=None, select=None, select_all=False, gpu="none",
@@ -481,7 +510,61 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
     _bind_module(torch, module, arena)
     module.expert_arena = arena
     _release_freed_memory()
+    check_private_copies(module, "shared_module(): after binding")
     return module
+
+
+class PrivateCopyError(RuntimeError):
+    """A module bound to a shared arena reads bytes of its own: a write in this process
+    copied pages of the arena's views and changed them."""
+
+
+def check_private_copies(module, when="on demand"):
+    """Raises PrivateCopyError naming every parameter and buffer of `module` (bound to the
+    arena `module.expert_arena` by shared_module() or the vLLM loader) whose bytes in this
+    process differ from the arena's: a write into a bound tensor (out=, an in-place op on a
+    plain tensor over it, vLLM or a kernel writing a weight) keeps its address but copies the
+    page it touched into this process, so the module computes on other values than every
+    engine that shares the arena. Found by what the pages are (private copy-on-write pages in
+    the page tables), then compared with the arena's bytes: a write of the values already
+    there is not reported. Returns the arena's private bytes (0 when none). Cheap when nothing
+    was written (one page-table scan of the arena); callable at any time."""
+    arena = getattr(module, "expert_arena", None)
+    if arena is None or arena.closed:
+        raise ValueError("check_private_copies(): the module has no open arena "
+                         "(module.expert_arena, set by shared_module() and the vLLM loader)")
+    ranges = arena._core.private_copies(True)
+    if not ranges:
+        return arena.private_bytes()
+    base = arena.data_range()[0]
+    ranges = [(base + offset, base + offset + n) for offset, n in ranges]
+    written = []
+    for name, t, _, _ in _module_tensors(module):
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        first = t.data_ptr()
+        last = first + t.numel() * t.element_size()
+        hit = sum(min(last, end) - max(first, start) for start, end in ranges
+                  if start < last and first < end)
+        if hit > 0:
+            written.append("%s (%d bytes)" % (name, hit))
+    by_arena = ["%r (%d bytes)" % kv for kv in arena._core.private_tensors(True)]
+    raise PrivateCopyError(
+        "expert_arena: %s: %s written in this process: %s of the arena %s now lie on private "
+        "copy-on-write pages whose bytes differ from the arena's, so this engine computes on "
+        "other weights than every engine sharing it. Find the in-place write (out=, a *_ op on "
+        "a plain tensor over the parameter) and write into a copy (tensor.clone()) instead."
+        % (when, ", ".join(written[:8]) or "no bound tensor (bytes between them)",
+           ", ".join(by_arena[:8]) or "bytes", arena.report["path"]))
+
+
+def private_bytes(tensor, changed=False) -> int:
+    """Bytes of `tensor` (a CPU view of a shared arena, or a tensor over one: a slice, a
+    parameter bound to it) that lie on pages a write in this process copied: this process
+    reads them, every other engine reads the arena's (Arena.private_bytes() for the whole
+    arena). `changed=True`: only those whose bytes differ from the arena's. ValueError for a
+    tensor that is not over a shared arena's views. Needs torch."""
+    return _load_torch().private_bytes(tensor, changed)
 
 
 def _release_freed_memory():

@@ -16,7 +16,9 @@ through every pickler but torch.save's (ArenaTensor.__reduce_ex__, a copyreg red
 plain tensors, and multiprocessing's ForkingPickler): the pickle holds the arena's path,
 identity, the byte range, dtype, size and strides (or the stream descriptor), and the receiving
 process attaches to the arena (once) and rebuilds the view zero-copy. torch.save gets the
-bytes.
+bytes. A tensor whose bytes lie on pages a write in this process copied (private copy-on-write
+pages, found in the page tables) goes by value: a reference would give the receiver the arena's
+bytes, not the ones written here.
 """
 
 from __future__ import annotations
@@ -363,6 +365,12 @@ def _arena_reference(tensor):
     found = _core.find_view(start, nbytes)
     if found is None:
         return None
+    if _core.view_private_bytes(start, nbytes, True):
+        # A write in this process (out=, an in-place op on a plain tensor over the view, a
+        # slice's) copied some of these pages and changed them: the receiver of a reference
+        # would read the arena's bytes instead. Sent by value (decided by what the pages are
+        # in the page tables, then by their bytes).
+        return None
     path, identity_hash, offset = found
     return (path, identity_hash, offset, nbytes, tensor.dtype, tuple(tensor.size()),
             tuple(tensor.stride()), tensor.storage_offset())
@@ -521,6 +529,24 @@ def register_reductions():
 
 register_reductions()
 copyreg.pickle(torch.Tensor, _reduce_plain)
+
+
+def private_bytes(tensor, changed=False):
+    """Bytes of `tensor` (a CPU view of a shared arena, or a tensor made over one) that lie on
+    pages a write in this process copied: this process reads them, every other engine reads
+    the arena's; `changed`: only those whose bytes differ from the arena's. ValueError for a
+    tensor that is not over a shared arena's views."""
+    if not isinstance(tensor, _Tensor) or tensor.layout != torch.strided or not tensor.is_cpu:
+        raise ValueError("private_bytes(): expected a CPU tensor over a shared arena's views")
+    # The bytes from the first element to the last (torch strides are never negative).
+    span = 0 if tensor.numel() == 0 else tensor.element_size() * (
+        1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride())))
+    from . import _core
+    found = _core.view_private_bytes(tensor.data_ptr(), span, bool(changed))
+    if found is None:
+        raise ValueError("private_bytes(): the tensor is not a view of a shared arena (or the "
+                         "arena is private: no shared bytes to differ from)")
+    return found
 
 
 # ---- Loading into modules -----------------------------------------------------------------

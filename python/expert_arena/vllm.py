@@ -24,7 +24,9 @@ GEMM weights into private oneDNN/sgl-kernel buffers and drops the parameter; the
 them as parameters and computes with torch's linear on the shared bytes instead (the MoE
 experts keep vLLM's prepacked layout, which is published). A parameter whose storage is
 replaced after binding (by a backend's repack, at load or during the warm-up) is refused,
-naming it: the engine never keeps a private copy silently.
+naming it, and so is one written in place (its pages private copies that differ from the
+arena's, found in the page tables at each of the first forwards): the engine never keeps a
+private copy silently.
 
 GPU engines: the arena is the host copy, registered with the GPU, that every engine's
 parameters are copied from at start (one host copy for N engines instead of N checkpoint
@@ -284,9 +286,19 @@ def check_at_first_forwards(model, views, count=3):
         if calls[0] >= count:
             handle.remove()
         check_bound(module, views, "at forward %d" % calls[0])
+        check_private_copies(module, "at forward %d" % calls[0])
 
     handle = model.register_forward_pre_hook(hook)
     return handle
+
+
+def check_private_copies(model, when):
+    """A write into a bound parameter or buffer keeps its address, so check_bound cannot see
+    it, but the page it touched became this engine's private copy: refused when its bytes
+    differ from the arena's, naming the tensors (expert_arena.check_private_copies; a write of
+    the published value, as the attention layers' fill_(1.0) of their scales, passes)."""
+    import expert_arena
+    expert_arena.check_private_copies(model, "%s: %s" % (LOAD_FORMAT, when))
 
 
 def _loader_class():

@@ -39,7 +39,34 @@ py::object FindView(uintptr_t address, uint64_t length) {
       continue;
     }
     if (address >= it->second.end || length > it->second.end - address) return py::none();
-    return py::make_tuple(it->second.path, it->second.identity_hash, address - it->first);
+    return py::make_tuple(FsStr(it->second.path), it->second.identity_hash, address - it->first);
+  }
+}
+
+// Bytes of [address, address + length), inside a shared arena's view mapping, that lie on
+// pages a write in this process copied (Arena::PrivateCopies); `changed`: only those whose
+// bytes differ from the arena's. None when the range is not inside such a mapping.
+py::object ViewPrivateBytes(uintptr_t address, uint64_t length, bool changed) {
+  auto& mappings = ViewMappings();
+  while (true) {
+    auto it = mappings.upper_bound(address);
+    if (it == mappings.begin()) return py::none();
+    --it;
+    std::shared_ptr<Arena> arena = it->second.arena.lock();
+    if (!arena) {
+      mappings.erase(it);
+      continue;
+    }
+    if (address >= it->second.end || length > it->second.end - address) return py::none();
+    if (length == 0) return py::int_(0);
+    std::optional<Result<std::vector<ArenaRange>>> ranges;
+    {
+      py::gil_scoped_release release;
+      ranges.emplace(arena->PrivateCopies(changed, address - it->first, length));
+    }
+    uint64_t bytes = 0;
+    for (const ArenaRange& r : Take(std::move(*ranges))) bytes += r.bytes;
+    return py::int_(bytes);
   }
 }
 
@@ -66,33 +93,34 @@ class PyArena {
 
   size_t Length() const { return Get()->tensor_count(); }
 
-  bool Contains(const std::string& name) const { return Get()->Find(name).has_value(); }
+  bool Contains(py::handle name) const { return Get()->Find(FsBytes(name, "name")).has_value(); }
 
   py::list Names() const {
     const auto& arena = Get();
     py::list names(arena->tensor_count());
     for (size_t i = 0; i < arena->tensor_count(); ++i) {
-      names[i] = py::str(arena->tensor(i).name.data(), arena->tensor(i).name.size());
+      names[i] = FsStr(arena->tensor(i).name);
     }
     return names;
   }
 
-  TensorView Find(const std::string& name) const {
+  TensorView Find(py::handle name_object) const {
+    const std::string name = FsBytes(name_object, "a tensor name");
     const auto& arena = Get();
     auto view = arena->Find(name);
     if (!view) {
       const std::string& path = arena->report().path;
-      throw py::key_error("no tensor " + name + " in the arena" +
-                          (path.empty() ? std::string(" (private)") : " " + path) + " (" +
-                          std::to_string(arena->tensor_count()) + " tensors)");
+      RaiseMessage(PyExc_KeyError, "no tensor " + name + " in the arena" +
+                                       (path.empty() ? std::string(" (private)") : " " + path) +
+                                       " (" + std::to_string(arena->tensor_count()) + " tensors)");
     }
     return *view;
   }
 
   static py::dict Info(const TensorView& v) {
     py::dict d;
-    d["name"] = py::str(v.name.data(), v.name.size());
-    d["dtype"] = py::str(v.dtype.data(), v.dtype.size());
+    d["name"] = FsStr(v.name);
+    d["dtype"] = FsStr(v.dtype);
     d["shape"] = Shape(v.shape);
     d["bytes"] = v.bytes.size();
     d["checksum"] = v.checksum;
@@ -100,7 +128,7 @@ class PyArena {
     return d;
   }
 
-  py::dict InfoOf(const std::string& name) const { return Info(Find(name)); }
+  py::dict InfoOf(py::handle name) const { return Info(Find(name)); }
 
   py::list Tensors() const {
     const auto& arena = Get();
@@ -113,7 +141,7 @@ class PyArena {
   // view points there, so no route from a view (np.asarray, torch.from_numpy, dlpack, the
   // buffer protocol) reaches the shared (read-only, or GPU-registered) mapping. `writable` only
   // sets the array's flag; a write through it copies a page into this process.
-  py::array Buffer(const std::string& name, bool writable) const {
+  py::array Buffer(py::handle name, bool writable) const {
     TensorView v = Find(name);
     std::span<std::byte> data = ViewData();
     const auto offset = static_cast<size_t>(v.bytes.data() - Get()->data().data());
@@ -126,9 +154,10 @@ class PyArena {
   py::array Region(uint64_t offset, uint64_t length, bool writable) const {
     std::span<std::byte> data = ViewData();
     if (offset > data.size() || length > data.size() - offset) {
-      throw py::value_error("bytes [" + std::to_string(offset) + ", +" + std::to_string(length) +
-                            ") lie outside the data region of the arena " + Get()->report().path +
-                            " (" + std::to_string(data.size()) + " bytes)");
+      RaiseMessage(PyExc_ValueError,
+                   "bytes [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                       ") lie outside the data region of the arena " + Get()->report().path +
+                       " (" + std::to_string(data.size()) + " bytes)");
     }
     return ByteArray(std::span<const std::byte>(data.data() + offset, length), Get(), writable);
   }
@@ -143,6 +172,50 @@ class PyArena {
   py::tuple SharedRange() const {
     auto data = Get()->data();
     return py::make_tuple(reinterpret_cast<uintptr_t>(data.data()), data.size());
+  }
+
+  // [(offset, bytes)] of the views' pages that are this process's private copies
+  // (Arena::PrivateCopies); `changed`: only those whose bytes differ from the arena's.
+  py::list PrivateCopies(bool changed) const {
+    std::shared_ptr<Arena> arena = Get();  // held while the GIL is released
+    std::optional<Result<std::vector<ArenaRange>>> ranges;
+    {
+      py::gil_scoped_release release;
+      ranges.emplace(arena->PrivateCopies(changed));
+    }
+    py::list out;
+    for (const ArenaRange& r : Take(std::move(*ranges))) {
+      out.append(py::make_tuple(r.offset, r.bytes));
+    }
+    return out;
+  }
+
+  // [(name, bytes)] of the tensors whose bytes lie on those pages, in arena order, with how
+  // many of their bytes do.
+  py::list PrivateTensors(bool changed) const {
+    std::shared_ptr<Arena> arena = Get();  // held while the GIL is released
+    std::optional<Result<std::vector<ArenaRange>>> result;
+    {
+      py::gil_scoped_release release;
+      result.emplace(arena->PrivateCopies(changed));
+    }
+    std::vector<ArenaRange> ranges = Take(std::move(*result));
+    py::list out;
+    if (ranges.empty()) return out;
+    const std::byte* base = arena->data().data();
+    for (size_t i = 0; i < arena->tensor_count(); ++i) {
+      TensorView v = arena->tensor(i);
+      const auto begin = static_cast<uint64_t>(v.bytes.data() - base);
+      const uint64_t end = begin + v.bytes.size();
+      uint64_t bytes = 0;
+      for (const ArenaRange& r : ranges) {
+        const uint64_t from = std::max(begin, r.offset);
+        const uint64_t to = std::min(end, r.offset + r.bytes);
+        if (from < to) bytes += to - from;
+      }
+      if (bytes > 0) out.append(py::make_tuple(FsStr(v.name), bytes));
+    }
+    return out;
   }
 
   std::span<std::byte> ViewData() const {
@@ -163,9 +236,9 @@ class PyArena {
     const ArenaReport& r = Get()->report();
     py::dict d;
     d["role"] = ArenaRoleName(r.role);
-    d["path"] = r.path;
-    d["backing"] = r.backing;
-    d["identity"] = r.identity;
+    d["path"] = FsStr(r.path);
+    d["backing"] = MessageStr(r.backing);
+    d["identity"] = FsStr(r.identity);
     d["identity_hash"] = r.identity_hash;
     d["seconds"] = r.seconds;
     d["load_seconds"] = r.load_seconds;
@@ -180,10 +253,10 @@ class PyArena {
     d["tensors"] = r.tensors;
     d["model_tensors"] = r.model_tensors;
     d["model_tensor_bytes"] = r.model_tensor_bytes;
-    d["reader"] = r.reader;
-    d["reader_note"] = r.reader_note;
-    d["huge_note"] = r.huge_note;
-    d["kernel_note"] = r.kernel_note;
+    d["reader"] = MessageStr(r.reader);
+    d["reader_note"] = MessageStr(r.reader_note);
+    d["huge_note"] = MessageStr(r.huge_note);
+    d["kernel_note"] = MessageStr(r.kernel_note);
     py::list missing;
     for (const KernelFallbackReport& m : r.kernel_missing) {
       py::dict f;
@@ -196,22 +269,23 @@ class PyArena {
       f["bytes"] = m.bytes;
       missing.append(f);
     }
-    d["kernel"] = py::dict(py::arg("release") = r.kernel_release, py::arg("note") = r.kernel_note,
+    d["kernel"] = py::dict(py::arg("release") = MessageStr(r.kernel_release),
+                           py::arg("note") = MessageStr(r.kernel_note),
                            py::arg("missing") = missing);
     py::dict numa_nodes;
     for (const NumaNodeBytes& n : r.numa_nodes) numa_nodes[py::int_(n.node)] = n.bytes;
     d["numa"] = py::dict(py::arg("placement") = r.numa, py::arg("policy") = r.numa_policy,
-                         py::arg("note") = r.numa_note, py::arg("nodes") = numa_nodes);
-    d["charge"] = r.charge_note;
-    d["gpu"] = r.gpu_note.empty() ? std::string("none") : r.gpu_note;
+                         py::arg("note") = MessageStr(r.numa_note), py::arg("nodes") = numa_nodes);
+    d["charge"] = MessageStr(r.charge_note);
+    d["gpu"] = r.gpu_note.empty() ? py::str("none") : MessageStr(r.gpu_note);
     d["gpu_registered_bytes"] = r.gpu_registered_bytes;
     d["gpu_seconds"] = r.gpu_seconds;
     d["pinned_bytes"] = r.pinned_bytes;
     d["waited_for_pid"] = r.waited_for_pid;
-    d["start_line"] = start_line_;
+    d["start_line"] = MessageStr(start_line_);
     d["from_peer"] = r.from_peer;
     d["peer_bytes"] = r.peer_bytes;
-    d["peer_note"] = r.peer_note;
+    d["peer_note"] = MessageStr(r.peer_note);
     d["peer_transport"] = r.peer_transport;
     return d;
   }
@@ -245,7 +319,15 @@ ArenaOptions MakeArenaOptions(const std::optional<std::string>& shared_path, con
   return options;
 }
 
-PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> shared_path,
+// Paths and names as str (lone surrogates for bytes that are not UTF-8) or bytes.
+std::vector<std::string> FsBytesList(const py::sequence& items, const char* what) {
+  std::vector<std::string> out;
+  out.reserve(items.size());
+  for (py::handle item : items) out.push_back(FsBytes(item, what));
+  return out;
+}
+
+PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_path_object,
                   std::optional<std::string> select, bool select_all, const std::string& gpu,
                   bool gpu_required, const std::string& huge, double wait_timeout,
                   uint32_t file_mode, bool allow_foreign_owner, uint64_t pin_budget_bytes,
@@ -253,6 +335,9 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   const std::string& format, const std::string& from_peer,
                   const std::string& peer_token, double peer_stall_seconds,
                   const std::string& peer_transport, const std::string& numa) {
+  std::vector<std::string> files = FsBytesList(file_objects, "a model file");
+  std::optional<std::string> shared_path;
+  if (!shared_path_object.is_none()) shared_path = FsBytes(shared_path_object, "shared_path");
   if (files.empty() && from_peer.empty()) {
     throw py::value_error("open(): model_files names no file (or give from_peer)");
   }
@@ -281,8 +366,9 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
   return PyArena(Take(std::move(*arena)));
 }
 
-PyArena AttachArena(const std::string& path, const std::string& gpu, bool gpu_required,
+PyArena AttachArena(const py::object& path_object, const std::string& gpu, bool gpu_required,
                     bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+  const std::string path = FsBytes(path_object, "path");
   ArenaOptions options =
       MakeArenaOptions(path, gpu, gpu_required, "auto", 0, 0600, allow_foreign_owner,
                        pin_budget_bytes, "auto", quiet, false);
@@ -324,9 +410,9 @@ class PyEngineWriter {
     const uint64_t length = static_cast<uint64_t>(buffer.len);
     if (length != t.bytes.size()) {
       PyBuffer_Release(&buffer);
-      throw py::value_error("engine arena tensor " + std::string(t.name) + ": " +
-                            std::to_string(length) + " bytes given, " +
-                            std::to_string(t.bytes.size()) + " declared");
+      RaiseMessage(PyExc_ValueError, "engine arena tensor " + std::string(t.name) + ": " +
+                                         std::to_string(length) + " bytes given, " +
+                                         std::to_string(t.bytes.size()) + " declared");
     }
     {
       py::gil_scoped_release release;
@@ -347,17 +433,18 @@ class PyEngineWriter {
 
 // declare() -> [(name, dtype, shape, bytes, alignment)], fill(writer). Their exceptions are
 // raised again from here, after the library cleaned up (nothing published).
-PyArena OpenEngineArena(const std::string& path, const std::string& identity,
-                        std::vector<std::string> files, uint64_t alignment, py::object declare,
+PyArena OpenEngineArena(const py::object& path_object, const py::object& identity_object,
+                        const py::sequence& file_objects, uint64_t alignment, py::object declare,
                         py::object fill, const std::string& gpu, bool gpu_required,
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
                         bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+  const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
                                           false);
   EngineArenaSpec spec;
-  spec.identity = identity;
-  spec.files = std::move(files);
+  spec.identity = FsBytes(identity_object, "identity");
+  spec.files = FsBytesList(file_objects, "a checkpoint file");
   spec.alignment = alignment;
   std::optional<py::error_already_set> raised;
   spec.declare = [&]() -> Result<std::vector<EngineTensor>> {
@@ -368,7 +455,7 @@ PyArena OpenEngineArena(const std::string& path, const std::string& identity,
         auto entry = item.cast<py::tuple>();
         if (entry.size() != 5) throw py::value_error("declare() entries are (name, dtype, shape, bytes, alignment)");
         EngineTensor t;
-        t.name = entry[0].cast<std::string>();
+        t.name = FsBytes(entry[0], "a tensor name");
         t.dtype = entry[1].cast<std::string>();
         t.shape = entry[2].cast<std::vector<uint64_t>>();
         t.bytes = entry[3].cast<uint64_t>();
@@ -433,7 +520,7 @@ py::tuple TakeLogs() {
   if (sink->empty()) return py::make_tuple(py::list(), 0);
   auto [records, dropped] = sink->Take();
   py::list out;
-  for (auto& [level, text] : records) out.append(py::make_tuple(level, py::str(text)));
+  for (auto& [level, text] : records) out.append(py::make_tuple(level, MessageStr(text)));
   return py::make_tuple(out, dropped);
 }
 
@@ -453,6 +540,8 @@ void BindArena(py::module_& m) {
       .def("data_range", &PyArena::DataRange)
       .def("shared_range", &PyArena::SharedRange)
       .def("region", &PyArena::Region, py::arg("offset"), py::arg("length"), py::arg("writable"))
+      .def("private_copies", &PyArena::PrivateCopies, py::arg("changed"))
+      .def("private_tensors", &PyArena::PrivateTensors, py::arg("changed"))
       .def("close", &PyArena::Close)
       .def_property_readonly("closed", &PyArena::closed);
 
@@ -471,6 +560,8 @@ void BindArena(py::module_& m) {
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
+  m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
+        py::arg("changed"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
 }

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -38,6 +39,50 @@ namespace expert_arena::python {
 // expert_arena.BusyError and expert_arena.NoSpaceError (OSError subclasses), made at import.
 inline PyObject* busy_error = nullptr;
 inline PyObject* no_space_error = nullptr;
+
+// A path or a name as a Python str: bytes that are not UTF-8 (a file name is any bytes but '/'
+// and NUL on Linux; a GGUF tensor name is any bytes) become lone surrogates, as os.fsdecode
+// makes them, so that the str handed back (FsBytes) names the same bytes. Never raises.
+inline py::str FsStr(std::string_view bytes) {
+  PyObject* text = PyUnicode_DecodeUTF8(bytes.data(), static_cast<py::ssize_t>(bytes.size()),
+                                        "surrogateescape");
+  if (text == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(text);
+}
+
+// A message (an error, a log line, a start line) as a Python str: bytes that are not UTF-8 as
+// \xNN, so that printing or logging it never fails.
+inline py::str MessageStr(std::string_view bytes) {
+  PyObject* text = PyUnicode_DecodeUTF8(bytes.data(), static_cast<py::ssize_t>(bytes.size()),
+                                        "backslashreplace");
+  if (text == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(text);
+}
+
+// The bytes of a path or a name given as str (lone surrogates back to the bytes they stand
+// for, as os.fsencode does) or as bytes.
+inline std::string FsBytes(py::handle value, const char* what) {
+  if (PyBytes_Check(value.ptr())) {
+    return std::string(PyBytes_AS_STRING(value.ptr()),
+                       static_cast<size_t>(PyBytes_GET_SIZE(value.ptr())));
+  }
+  if (PyUnicode_Check(value.ptr())) {
+    PyObject* bytes = PyUnicode_AsEncodedString(value.ptr(), "utf-8", "surrogateescape");
+    if (bytes == nullptr) throw py::error_already_set();
+    std::string out(PyBytes_AS_STRING(bytes), static_cast<size_t>(PyBytes_GET_SIZE(bytes)));
+    Py_DECREF(bytes);
+    return out;
+  }
+  throw py::type_error(std::string(what) + " must be str or bytes, not " +
+                       Py_TYPE(value.ptr())->tp_name);
+}
+
+// Raises `type` with `message`, whose bytes need not be UTF-8 (py::value_error and friends
+// decode strictly and would raise UnicodeDecodeError instead).
+[[noreturn]] inline void RaiseMessage(PyObject* type, std::string_view message) {
+  PyErr_SetObject(type, MessageStr(message).ptr());
+  throw py::error_already_set();
+}
 
 // Raises the Python exception for `status`, keeping its message; OSError subclasses also get
 // the errno that names the cause.
@@ -82,7 +127,7 @@ inline PyObject* no_space_error = nullptr;
       type = PyExc_RuntimeError;
       break;
   }
-  py::object exc = py::reinterpret_borrow<py::object>(type)(status.message());
+  py::object exc = py::reinterpret_borrow<py::object>(type)(MessageStr(status.message()));
   if (err != 0) exc.attr("errno") = err;
   PyErr_SetObject(type, exc.ptr());
   throw py::error_already_set();

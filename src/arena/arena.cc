@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 
 #include "arena/arena_impl.h"
 #include "arena/numa_placement.h"
@@ -17,6 +18,7 @@
 #include "gpu/runtime.h"
 #include "platform/kernel_features.h"
 #include "platform/numa.h"
+#include "platform/page_scan.h"
 #include "platform/system_info.h"
 #include "source/model_fingerprint.h"
 
@@ -482,6 +484,47 @@ Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
     }
   }
   return std::span<std::byte>(impl.copy_on_write.data() + impl.data_offset, impl.table.data_bytes);
+}
+
+Result<std::vector<ArenaRange>> Arena::PrivateCopies(bool changed_only, uint64_t offset,
+                                                     uint64_t length) const {
+  Impl& impl = *impl_;
+  std::vector<ArenaRange> out;
+  std::span<std::byte> views;
+  {
+    std::lock_guard<std::mutex> lock(impl.copy_on_write_mutex);
+    if (impl.fd.get() < 0 || impl.copy_on_write.data() == nullptr) return out;
+    views = {impl.copy_on_write.data() + impl.data_offset, impl.table.data_bytes};
+  }
+  if (offset >= views.size()) return out;
+  length = std::min(length, views.size() - offset);
+  EA_ASSIGN_OR_RETURN(std::vector<platform::AddressRange> pages,
+                      platform::PrivatePagesIn(views.data() + offset, length));
+  const auto base = reinterpret_cast<uintptr_t>(views.data());
+  const std::span<const std::byte> shared = impl.data();
+  const uint64_t piece = platform::BasePageSize();
+  for (const platform::AddressRange& r : pages) {
+    const uint64_t from = r.start - base;
+    const uint64_t to = r.end - base;
+    if (!changed_only) {
+      out.push_back({from, to - from});
+      continue;
+    }
+    // Page by page (offsets in the data region are page-aligned: it starts on a 2 MiB
+    // boundary), so that a write of one value names its page, not the whole huge page.
+    for (uint64_t at = from; at < to;) {
+      const uint64_t next = std::min(to, (at / piece + 1) * piece);
+      if (std::memcmp(views.data() + at, shared.data() + at, next - at) != 0) {
+        if (!out.empty() && out.back().offset + out.back().bytes == at) {
+          out.back().bytes += next - at;
+        } else {
+          out.push_back({at, next - at});
+        }
+      }
+      at = next;
+    }
+  }
+  return out;
 }
 
 }  // namespace expert_arena

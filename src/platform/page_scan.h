@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "expert_arena/status.h"
 
@@ -23,5 +24,27 @@ Result<uint64_t> ScanHugeBytes(const void* start, uint64_t length);
 
 // The same without consulting the probe: what the probe itself calls.
 Result<uint64_t> ScanHugeBytesUnprobed(const void* start, uint64_t length);
+
+// Addresses [start, end).
+struct AddressRange {
+  uint64_t start = 0;
+  uint64_t end = 0;
+};
+
+// The parts of [start, start + length) held by this process's private anonymous pages, present
+// or swapped out: in a MAP_PRIVATE mapping of a file (an arena's copy-on-write views), the
+// pages a write copied into this process, which no longer are the file's pages every other
+// process reads. Decided by what the pages are, not by addresses: the file's own pages (tmpfs,
+// hugetlbfs, page cache) are "file pages" in the page tables, a copy-on-write copy (a 4 KiB page,
+// or a huge page on hugetlbfs) is anonymous; pages never touched are neither. Adjacent ranges
+// come merged, clipped to the range asked for. PAGEMAP_SCAN's PAGE_IS_FILE (6.7+) where the
+// probe found the ioctl, else /proc/self/pagemap's "file page or shared anonymous" bit (61).
+Result<std::vector<AddressRange>> PrivatePagesIn(const void* start, uint64_t length);
+
+// The same read from /proc/self/pagemap whatever the kernel (the fallback, and the tests').
+Result<std::vector<AddressRange>> PrivatePagesInByPagemap(const void* start, uint64_t length);
+
+// Bytes of [start, start + length) that PrivatePagesIn finds.
+Result<uint64_t> PrivateBytesIn(const void* start, uint64_t length);
 
 }  // namespace expert_arena::platform

@@ -25,12 +25,12 @@ def write_safetensors(path, tensors):
 
 
 def _gguf_string(s):
-    b = s.encode()
+    b = s if isinstance(s, bytes) else s.encode()  # bytes: names that are not UTF-8
     return struct.pack("<Q", len(b)) + b
 
 
 def write_gguf(path, tensors, alignment=32):
-    """tensors: {name: (ggml type id, ne (ggml order), raw bytes)}; GGUF v3."""
+    """tensors: {name (str or bytes): (ggml type id, ne (ggml order), raw bytes)}; GGUF v3."""
     out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1))
     out += _gguf_string("general.architecture") + struct.pack("<I", 8) + _gguf_string("llama")
     offset = 0

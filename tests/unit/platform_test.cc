@@ -304,6 +304,82 @@ TEST(SystemInfoTest, PageScanCountsOnlyHugeEntriesOfTheRange) {
   EXPECT_EQ(from_smaps, half);
 }
 
+// What PrivatePagesIn reports for [start, start + length), as offsets from `base`, by both
+// readers (PAGEMAP_SCAN where the kernel has it, and /proc/self/pagemap).
+std::vector<std::pair<uint64_t, uint64_t>> PrivateOffsets(const std::byte* base,
+                                                          const std::byte* start,
+                                                          uint64_t length) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  Result<std::vector<AddressRange>> scanned = PrivatePagesIn(start, length);
+  Result<std::vector<AddressRange>> read = PrivatePagesInByPagemap(start, length);
+  EXPECT_OK(scanned);
+  EXPECT_OK(read);
+  if (!scanned.ok() || !read.ok()) return out;
+  const auto b = reinterpret_cast<uintptr_t>(base);
+  for (const AddressRange& r : *scanned) out.push_back({r.start - b, r.end - r.start});
+  std::vector<std::pair<uint64_t, uint64_t>> from_pagemap;
+  for (const AddressRange& r : *read) from_pagemap.push_back({r.start - b, r.end - r.start});
+  EXPECT_EQ(out, from_pagemap) << "PAGEMAP_SCAN and pagemap disagree";
+  return out;
+}
+
+// A write through a MAP_PRIVATE mapping of a shared file keeps every address but makes the
+// page this process's own copy: found by what the page is, exactly that page, and nothing for
+// pages only read (they are the file's, shared with every other process).
+TEST(PageScanTest, PrivatePagesAreTheCopiesAWriteMadeInAFileMapping) {
+  testing::ScopedPath path("private");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  const uint64_t bytes = 2 * kHugePageBytes;
+  ASSERT_OK(AllocateFile(fd, bytes));
+  ASSERT_OK_AND_ASSIGN(Mapping shared, Mapping::MapFile(fd, bytes, true, kHugePageBytes));
+  std::memset(shared.data(), 0x5a, bytes);
+  ASSERT_OK_AND_ASSIGN(Mapping views,
+                       Mapping::MapFileCopyOnWrite(fd, bytes, kHugePageBytes, false));
+  ASSERT_OK(AdviseRange(views.data(), bytes, Advice::kPopulateRead, path.path()));
+  EXPECT_TRUE(PrivateOffsets(views.data(), views.data(), bytes).empty());
+  ASSERT_OK_AND_ASSIGN(uint64_t untouched, PrivateBytesIn(views.data(), bytes));
+  EXPECT_EQ(untouched, 0u);
+
+  const uint64_t page = BasePageSize();
+  views.data()[5 * page + 17] = std::byte{1};
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+  EXPECT_EQ(PrivateOffsets(views.data(), views.data(), bytes), (Ranges{{5 * page, page}}));
+  ASSERT_OK_AND_ASSIGN(uint64_t written, PrivateBytesIn(views.data(), bytes));
+  EXPECT_EQ(written, page);
+  // Clipped to the range asked about; a range beside the page has none.
+  EXPECT_EQ(PrivateOffsets(views.data(), views.data() + 5 * page + 100, 10),
+            (Ranges{{5 * page + 100, 10}}));
+  EXPECT_TRUE(PrivateOffsets(views.data(), views.data() + 6 * page, bytes - 6 * page).empty());
+  // The file and its shared mapping never saw the write.
+  EXPECT_EQ(shared.data()[5 * page + 17], std::byte{0x5a});
+  // Anonymous memory is private through and through (what a private arena is made of).
+  ASSERT_OK_AND_ASSIGN(Mapping anonymous, Mapping::MapAnonymous(4 * page, page));
+  std::memset(anonymous.data(), 1, 4 * page);
+  ASSERT_OK_AND_ASSIGN(uint64_t own, PrivateBytesIn(anonymous.data(), 4 * page));
+  EXPECT_EQ(own, 4 * page);
+}
+
+// On hugetlbfs the copy a write makes is a whole private huge page.
+TEST(PageScanTest, PrivateHugetlbPageIsFound) {
+  testing::ScopedMount mount(testing::ScopedMount::Kind::kHugetlbfs, 8 * kHugePageBytes);
+  if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
+  testing::ScopedPath path("hugetlb-private", mount.dir());
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  const uint64_t bytes = 2 * kHugePageBytes;
+  ASSERT_OK(AllocateFile(fd, bytes));
+  ASSERT_OK_AND_ASSIGN(Mapping shared, Mapping::MapFile(fd, bytes, true, kHugePageBytes));
+  std::memset(shared.data(), 0x5a, bytes);
+  ASSERT_OK_AND_ASSIGN(Mapping views,
+                       Mapping::MapFileCopyOnWrite(fd, bytes, kHugePageBytes, true));
+  ASSERT_OK(AdviseRange(views.data(), bytes, Advice::kPopulateRead, path.path()));
+  EXPECT_TRUE(PrivateOffsets(views.data(), views.data(), bytes).empty());
+  views.data()[kHugePageBytes + 3] = std::byte{1};
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+  EXPECT_EQ(PrivateOffsets(views.data(), views.data(), bytes),
+            (Ranges{{kHugePageBytes, kHugePageBytes}}));
+  EXPECT_EQ(shared.data()[kHugePageBytes + 3], std::byte{0x5a});
+}
+
 TEST(FileTest, AllocateBeyondTheFilesystemNamesTheSizes) {
   testing::ScopedMount mount(testing::ScopedMount::Kind::kTmpfsHuge, 8 * kMiB);
   if (!mount.ok()) GTEST_SKIP() << mount.skip_reason();
