@@ -289,7 +289,9 @@ TEST(CliLoadTest, SmallSizesAndTimesPrintInUnitsThatShowThem) {
 }
 
 // rm of an arena that a process holds names it (pid and command, from /proc/locks' lock in the
-// holder's fdinfo), and so do info and ls; once it is gone rm removes the file.
+// holder's fdinfo), and so do info and ls; once it is gone rm removes the file. The holder runs
+// from a directory whose path alone is longer than the command shown: the program is named by
+// its base name, wherever it is installed or built.
 TEST(CliLoadTest, RmAndLsNameWhoHoldsTheArena) {
   ScopedDir dir("cli-holder");
   testing::ScopedArenaDir arenas("cli-holder");
@@ -299,12 +301,17 @@ TEST(CliLoadTest, RmAndLsNameWhoHoldsTheArena) {
                          "--experts", "2", "--hidden", "64", "--ffn", "64"}),
             0);
   const std::string tool = testing::BinDir() + "/expert-arena";
+  const std::string deep = dir.File(std::string(120, 'd'));
+  ASSERT_EQ(::mkdir(deep.c_str(), 0700), 0);
+  const std::string deep_tool = deep + "/expert-arena";
+  ASSERT_EQ(::symlink(tool.c_str(), deep_tool.c_str()), 0);
   testing::Child holder = testing::SpawnProgram(
-      "/bin/sh", {"-c", "exec " + tool + " load --model " + model + " --arena " + arena +
+      "/bin/sh", {"-c", "exec " + deep_tool + " load --model " + model + " --arena " + arena +
                             " --hold --json </dev/null"});
   ASSERT_TRUE(holder.WaitForOutput("\"role\"", 60)) << holder.Output();
-  // The command is cut after 80 bytes (with "..."): the tool's path and subcommand fit.
-  const std::string named = "pid " + std::to_string(holder.pid()) + " (" + tool + " load --model ";
+  // The command is cut after 80 bytes (with "..."): the program and its subcommand come first.
+  const std::string named =
+      "pid " + std::to_string(holder.pid()) + " (expert-arena load --model ";
   std::string out;
   EXPECT_EQ(Shell(tool + " rm " + arena, &out), 1);
   EXPECT_NE(out.find(arena + ": in use by " + named), std::string::npos) << out;
