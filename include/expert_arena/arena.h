@@ -116,7 +116,8 @@ struct ArenaOptions {
   // Checked when the arena is opened: a node this process may not use is an error.
   NumaPlacement numa = NumaPlacement::kAuto;
   int numa_node = -1;  // for NumaPlacement::kNode
-  // How long to wait for another engine that is loading the same file.
+  // How long to wait for another engine that is loading the same file; infinity (or any
+  // value too large for the clock) waits without a limit. Negative or NaN is refused.
   double wait_timeout_seconds = 600.0;
   // Mode of a file this engine creates; 0600 unless the operator asks for group access.
   mode_t file_mode = 0600;

@@ -60,6 +60,17 @@ uint64_t UnixNanos() {
                                    .count());
 }
 
+// `start` + `seconds` (>= 0, checked with the options). Infinity, and any timeout too large
+// for the clock (a double cast to an integer out of its range is undefined, and gave a deadline
+// in the past), mean no limit.
+Clock::time_point WaitDeadline(Clock::time_point start, double seconds) {
+  const double left =
+      std::chrono::duration<double>(Clock::time_point::max() - start).count();
+  if (!(seconds < left / 2)) return Clock::time_point::max();
+  return start + std::chrono::duration_cast<Clock::duration>(
+                     std::chrono::duration<double>(seconds));
+}
+
 // The first bytes of the file, for a summary that trusts nothing.
 format::HeaderSummary PeekHeader(const platform::UniqueFd& fd) {
   std::vector<std::byte> buf(sizeof(format::HeaderFixed));
@@ -675,8 +686,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
   const std::string& path = options.shared_path;
   FillWait wait;
   wait.start = Clock::now();
-  wait.deadline = wait.start + std::chrono::milliseconds(
-                                   static_cast<int64_t>(options.wait_timeout_seconds * 1000));
+  wait.deadline = WaitDeadline(wait.start, options.wait_timeout_seconds);
   auto statfs = platform::StatFilesystem(DirectoryOf(path));
   if (!statfs.ok() && statfs.status().code() == StatusCode::kNotFound) {
     const std::string dir = DirectoryOf(path);

@@ -60,7 +60,9 @@ Status CallbackFailed(int rc) {
 // The options of an ea_open_params (already merged with the defaults); 0 or a Fail().
 int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& options) {
   options.shared_path = p.shared_path != nullptr ? p.shared_path : "";
-  if (p.wait_timeout_seconds < 0) return Fail(-EINVAL, who + ": wait_timeout_seconds is negative");
+  if (!(p.wait_timeout_seconds >= 0)) {
+    return Fail(-EINVAL, who + ": wait_timeout_seconds is negative or not a number");
+  }
   options.wait_timeout_seconds = p.wait_timeout_seconds;
   switch (p.huge_pages) {
     case EA_HUGE_AUTO:

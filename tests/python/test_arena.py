@@ -367,6 +367,28 @@ def test_wait_timeout_is_a_timeout_error_and_open_releases_the_gil(gen_model, sh
         loader.wait(30)
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_an_unlimited_wait_timeout_waits_for_the_loader(gen_model, shm_path, timeout):
+    """wait_timeout=inf (or one too large for the clock) waits without a limit: it once made a
+    deadline in the past (an out-of-range conversion) and timed out within seconds. A loader
+    holds FILL for 4 s; the open waits for it and attaches to what it published."""
+    path = shm_path()
+    model = gen_model("gguf", "f32")
+    loader = subprocess.Popen([tool("python_peer"), "slow-load", "4", path, model],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert loader.stdout.readline().strip() == "publishing"
+        with expert_arena.open(model, shared_path=path, wait_timeout=timeout, quiet=True) as a:
+            assert a.report["role"] == "attached"
+        assert loader.wait(60) == 0, loader.stderr.read()
+    finally:
+        loader.kill()
+        loader.wait(30)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="wait_timeout"):
+            expert_arena.open(model, shared_path=path, wait_timeout=bad, quiet=True)
+
+
 def test_nospace_error_in_strict_streaming(stream_dir):
     with expert_arena.StreamProducer(stream_dir, "strict", segment_bytes=2 << 20, max_segments=1,
                                      strict=True, strict_wait_seconds=0.2, grow_ahead=False,
