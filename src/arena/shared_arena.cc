@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -270,6 +271,28 @@ double FillWait::Seconds() const {
   return said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
 }
 
+Status CheckArenaFileMode(const std::string& path, uint32_t mode, bool allow_world_writable) {
+  char octal[16];
+  std::snprintf(octal, sizeof octal, "%04o", mode & 07777);
+  if ((mode & 07111) != 0) {
+    // Bytes that any engine writes through a mapping must never be run, least of all with
+    // the owner's rights (a setuid file in /dev/shm runs as its owner where it is not nosuid).
+    return PermissionDenied(path + " has mode " + octal +
+                            " (setuid, setgid, sticky or execute bits): refusing to use it as "
+                            "an arena. `chmod 0600 " + path +
+                            "` (or 0660 to share it with a group), or remove it");
+  }
+  if ((mode & 0002) != 0 && !allow_world_writable) {
+    return PermissionDenied(path + " has mode " + octal +
+                            ": any user may write it, and so change the bytes every engine "
+                            "reads; refusing to use it. `chmod o-w " + path +
+                            "` (a group shares it with 0660), or remove it and let the engine "
+                            "create it; or ask for it by name (allow_world_writable, "
+                            "--allow-world-writable)");
+  }
+  return Status::Ok();
+}
+
 Result<ArenaFile> OpenArenaFile(const ArenaOptions& options, bool create, bool absent_ok) {
   const std::string& path = options.shared_path;
   platform::OpenOptions open_options;
@@ -321,6 +344,7 @@ Result<ArenaFile> OpenArenaFile(const ArenaOptions& options, bool create, bool a
                             std::to_string(platform::EffectiveUid()) +
                             "); refusing to share it (allow_foreign_owner opts in)");
   }
+  EA_RETURN_IF_ERROR(CheckArenaFileMode(path, file.st.mode, options.allow_world_writable));
   return file;
 }
 

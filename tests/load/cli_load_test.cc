@@ -261,6 +261,48 @@ TEST(CliLoadTest, AMissingDirectoryIsNamedAsSuch) {
   EXPECT_NE(out.find(missing + ": the directory does not exist"), std::string::npos) << out;
 }
 
+// --mode takes read and write bits only; write for every user needs --allow-world-writable, and
+// so does attaching to an arena file every user may write.
+TEST(CliLoadTest, ModesWithSpecialBitsAreRefusedAndWorldWritableIsAskedForByName) {
+  ScopedDir dir("cli-mode");
+  testing::ScopedArenaDir arenas("cli-mode");
+  const std::string model = dir.File("m.gguf");
+  const std::string arena = arenas.File("mode.arena");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  const std::string load =
+      testing::BinDir() + "/expert-arena load --model " + model + " --arena " + arena;
+  std::string out;
+  for (const char* mode : {"4755", "0777", "2660", "0700"}) {
+    EXPECT_NE(Shell(load + " --mode " + mode, &out), 0) << out;
+    EXPECT_NE(out.find("no setuid, setgid, sticky or execute bit"), std::string::npos) << out;
+  }
+  EXPECT_NE(Shell(load + " --mode 0666", &out), 0) << out;
+  EXPECT_NE(out.find("file_mode 0666 lets every user write the arena"), std::string::npos) << out;
+  EXPECT_TRUE(arenas.entries().empty());
+  const std::vector<std::string> args = {"load", "--model", model, "--arena", arena, "--json"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), more.begin(), more.end());
+    return all;
+  };
+  ASSERT_EQ(ExpertArena(with({"--mode", "0666", "--allow-world-writable"}), &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "loaded") << out;
+  struct stat st {};
+  ASSERT_EQ(::stat(arena.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0666u);
+  EXPECT_NE(Shell(load, &out), 0) << out;
+  EXPECT_NE(out.find(arena + " has mode 0666: any user may write it"), std::string::npos) << out;
+  EXPECT_NE(out.find("chmod o-w " + arena), std::string::npos) << out;
+  ASSERT_EQ(ExpertArena(with({"--allow-world-writable"}), &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "attached") << out;
+  ASSERT_EQ(::chmod(arena.c_str(), 0600), 0);
+  ASSERT_EQ(ExpertArena(args, &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "attached") << out;
+  EXPECT_EQ(ExpertArena({"rm", arena}), 0);
+}
+
 // A small arena's start line prints MiB and ms, never "0.00 GiB" or "0.00 s"; info's page line
 // too.
 TEST(CliLoadTest, SmallSizesAndTimesPrintInUnitsThatShowThem) {
