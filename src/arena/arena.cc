@@ -187,7 +187,10 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
   gpu_options.pin_budget_bytes = options.pin_budget_bytes;
   gpu_options.read_only = !impl.mapping.writable();
   gpu_options.logger = options.logger;
-  auto registration = gpu::RegisterHostRange(impl.mapping.bytes(), gpu_options);
+  // The data only: a device reads tensors, and the header of a shared arena is mapped
+  // read-only (ProtectHeader), which a registration with write intent could not pin.
+  auto registration =
+      gpu::RegisterHostRange(impl.mapping.bytes().subspan(impl.data_offset), gpu_options);
   if (!registration.ok()) {
     if (options.gpu_required) return registration.status();
     impl.report.gpu_note = "not registered: " + registration.status().message();

@@ -134,6 +134,20 @@ uint64_t MappingAlignment(const platform::FilesystemInfo& fs) {
       kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs ? fs.block_bytes : kHugePageBytes);
 }
 
+// GPU mode maps the file writable (the registration pins the data with write intent), but the
+// header and table are written only by the loader, only while it holds FILL: every engine maps
+// them read-only, so a stray write through a pointer into the mapping faults in the process
+// that made it instead of damaging the table every engine reads. The data range stays as it
+// is. On a hugetlbfs of 1 GiB pages the header shares its page with the first data and cannot
+// be protected apart from it.
+Status ProtectHeader(Arena::Impl& impl, const platform::FilesystemInfo& fs) {
+  if (!impl.mapping.writable() || impl.data_offset == 0) return Status::Ok();
+  const uint64_t page =
+      fs.kind == platform::FsKind::kHugetlbfs ? std::max<uint64_t>(fs.block_bytes, 4096) : 4096;
+  if (impl.data_offset % page != 0) return Status::Ok();
+  return impl.mapping.ProtectReadOnly(0, impl.data_offset);
+}
+
 // Maps a published file, populates it, and decodes its table. We hold FILL or USER.
 Result<std::unique_ptr<Arena::Impl>> MapPublished(platform::UniqueFd fd,
                                                   const platform::FileStat& st,
@@ -538,6 +552,7 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
     found.whole.reset();
     EA_ASSIGN_OR_RETURN(impl, MapPublished(std::move(file.fd), file.st, fs, path, writable));
   }
+  EA_RETURN_IF_ERROR(ProtectHeader(*impl, fs));
   EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
   impl->report.role = ArenaRole::kAttached;
   impl->report.wait_seconds = wait.Seconds();
@@ -674,7 +689,8 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
   // Nobody writes a published arena: the loader's mapping becomes read-only like the others
   // (unless it is to be registered with a GPU: see MapWritableForGpu).
-  if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+  EA_RETURN_IF_ERROR(MapWritableForGpu(options) ? ProtectHeader(*impl, fs)
+                                                : impl->mapping.MakeReadOnly());
   // From now on the loader reads its table where every other engine does: in the header it
   // published, and the heap copy goes.
   auto published = format::TableView::Open(header, layout->file_bytes, path);
