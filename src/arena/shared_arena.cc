@@ -223,6 +223,7 @@ Status PopulateWriteInParallel(const platform::Mapping& mapping, uint64_t page_b
 // planning). Records the bytes read to know it.
 bool MatchesFingerprint(ModelWant& want, const FileFindings& found) {
   if (found.size == 0 || !found.view || found.view->fixed().fingerprint == 0) return false;
+  if (found.summary.engine_made) return false;  // its identity was not checked against its table
   if (!WhyNotReusable(found.summary, found.decoded, nullptr, found.size).empty()) return false;
   std::vector<format::SourceRecord> sources;
   sources.reserve(found.view->source_count());
@@ -251,6 +252,11 @@ std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& d
   if (summary.state != format::FileState::kPublished) return "an unfinished load";
   if (!decoded.ok()) return "a damaged arena (" + decoded.message() + ")";
   if (plan != nullptr) {
+    // A model's table was checked against its identity hash when it was decoded; an engine's
+    // cannot be, so an engine-made file is never taken for a model whatever hash it shows.
+    if (summary.engine_made && plan->format != "engine") {
+      return "an engine-made arena (" + summary.identity_text + ")";
+    }
     if (summary.identity_hash != plan->table.identity_hash) {
       return "another model (" + summary.identity_text + ")";
     }

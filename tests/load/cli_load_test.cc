@@ -8,6 +8,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "format/arena_format.h"
 #include "platform/io_ring.h"
 #include "platform/system_info.h"
 #include "source_test_util.h"
@@ -259,6 +260,64 @@ TEST(CliLoadTest, AMissingDirectoryIsNamedAsSuch) {
   EXPECT_EQ(out.find("statfs"), std::string::npos) << out;
   EXPECT_EQ(Shell(testing::BinDir() + "/expert-arena ls " + missing, &out), 1);
   EXPECT_NE(out.find(missing + ": the directory does not exist"), std::string::npos) << out;
+}
+
+// The arena file edited on disk as it was found: the up projection given the gate's offset,
+// every checksum computed again. verify and info refuse it naming the tensors; load does not
+// attach to it (it holds a damaged arena, replaced when no engine maps it).
+TEST(CliLoadTest, AnEditedTableIsRefusedByVerifyAndNeverAttached) {
+  ScopedDir dir("cli-edited");
+  testing::ScopedArenaDir arenas("cli-edited");
+  const std::string model = dir.File("m.gguf");
+  const std::string arena = arenas.File("edited.arena");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  std::string out;
+  ASSERT_EQ(ExpertArena({"load", "--model", model, "--arena", arena, "--json"}, &out), 0) << out;
+  ASSERT_EQ(ExpertArena({"verify", arena}), 0);
+  const auto fixed_bytes = testing::ReadRange(arena, 0, sizeof(format::HeaderFixed));
+  format::HeaderFixed fixed;
+  std::memcpy(&fixed, fixed_bytes.data(), sizeof fixed);
+  const auto header = testing::ReadRange(arena, 0, fixed.header_bytes);
+  format::ArenaTable table;
+  ASSERT_OK(format::DecodeHeader(header, fixed.file_bytes, arena, &table, nullptr));
+  // Rewrites the header region for `table`, checksums and name index computed again.
+  auto store = [&](const format::ArenaTable& edited) {
+    std::vector<std::byte> region(fixed.header_bytes);
+    ASSERT_OK(format::EncodeHeader(edited, {fixed.header_bytes, fixed.data_bytes, fixed.file_bytes},
+                                   format::FileState::kPublished, 0, 0, fixed.created_unix_ns,
+                                   fixed.published_unix_ns, region));
+    int fd = ::open(arena.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, region.data(), region.size(), 0), static_cast<ssize_t>(region.size()));
+    ::close(fd);
+  };
+  format::TensorRecord* gate = nullptr;
+  format::TensorRecord* up = nullptr;
+  for (format::TensorRecord& t : table.tensors) {
+    if (t.name == "blk.0.ffn_gate_exps.weight") gate = &t;
+    if (t.name == "blk.0.ffn_up_exps.weight") up = &t;
+  }
+  ASSERT_TRUE(gate != nullptr && up != nullptr);
+  up->arena_offset = gate->arena_offset;
+  up->checksum = gate->checksum;
+  for (bool identity_recomputed : {false, true}) {
+    SCOPED_TRACE(identity_recomputed ? "identity recomputed" : "identity as stored");
+    if (identity_recomputed) format::ComputeIdentity(table);
+    store(table);
+    ASSERT_EQ(Shell(testing::BinDir() + "/expert-arena verify " + arena, &out), 1) << out;
+    EXPECT_NE(out.find(arena + ": tensors blk.0.ffn_gate_exps.weight"), std::string::npos) << out;
+    EXPECT_NE(out.find("and blk.0.ffn_up_exps.weight (data offset"), std::string::npos) << out;
+    EXPECT_NE(out.find("overlap"), std::string::npos) << out;
+    Shell(testing::BinDir() + "/expert-arena info " + arena, &out);
+    EXPECT_NE(out.find("damaged"), std::string::npos) << out;
+    EXPECT_NE(out.find("overlap"), std::string::npos) << out;
+  }
+  ASSERT_EQ(ExpertArena({"load", "--model", model, "--arena", arena, "--json"}, &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "loaded") << out;
+  EXPECT_EQ(ExpertArena({"verify", arena}), 0);
+  EXPECT_EQ(ExpertArena({"rm", arena}), 0);
 }
 
 // --mode takes read and write bits only; write for every user needs --allow-world-writable, and
