@@ -116,10 +116,17 @@ struct ArenaOptions {
   // Checked when the arena is opened: a node this process may not use is an error.
   NumaPlacement numa = NumaPlacement::kAuto;
   int numa_node = -1;  // for NumaPlacement::kNode
-  // How long to wait for another engine that is loading the same file.
+  // How long to wait for another engine that is loading the same file; infinity (or any
+  // value too large for the clock) waits without a limit. Negative or NaN is refused.
   double wait_timeout_seconds = 600.0;
-  // Mode of a file this engine creates; 0600 unless the operator asks for group access.
+  // Mode of a file this engine creates; 0600 unless the operator asks for group access. Only
+  // read and write bits (0666) are taken: setuid, setgid, sticky and execute bits are refused
+  // (an arena holds data any engine writes through a mapping, never a program). Write for
+  // every user (0002) is refused unless allow_world_writable.
   mode_t file_mode = 0600;
+  // Create an arena file any user may write (file_mode with 0002), and attach to such a file.
+  // Off by default: any process of any user could then change the bytes every engine reads.
+  bool allow_world_writable = false;
   // Attach to a file owned by another user (refused by default).
   bool allow_foreign_owner = false;
   // Register the arena with this device (none by default; ParseGpuDevice reads "cuda:1").

@@ -42,6 +42,7 @@ struct SharedArenaFlags {
   std::string numa = "auto";
   std::string mode = "0600";
   bool allow_foreign_owner = false;
+  bool allow_world_writable = false;
   std::string gpu = "none";
   bool gpu_required = false;
 
@@ -67,6 +68,7 @@ struct SharedArenaFlags {
       options.numa_node = -1;
     }
     options.allow_foreign_owner = allow_foreign_owner;
+    options.allow_world_writable = allow_world_writable;
     // Validated by the parser; a value set by hand that does not parse keeps none.
     auto device = ParseGpuDevice(gpu);
     options.gpu = device.ok() ? *device : GpuDevice{};
@@ -96,7 +98,9 @@ inline CLI::Validator NumaPlacementValidator() {
       "auto|local|interleave|node:N|replicate", "NumaPlacement");
 }
 
-// An octal file mode between 0400 and 0777 that the owner can read and write.
+// An octal file mode that the owner can read and write, with read and write bits only (0666):
+// no setuid, setgid, sticky or execute bit. Write for every user is refused later, unless
+// asked for by name (--allow-world-writable, --arena-allow-world-writable).
 inline CLI::Validator FileModeValidator() {
   return CLI::Validator(
       [](std::string& value) -> std::string {
@@ -105,8 +109,10 @@ inline CLI::Validator FileModeValidator() {
           return "expected an octal mode such as 0600 or 0660, got '" + value + "'";
         }
         unsigned long mode = std::stoul(value, nullptr, 8);
-        if ((mode & 0600) != 0600 || mode > 0777) {
-          return "mode " + value + " must give the owner read and write, and no special bits";
+        if ((mode & 0600) != 0600 || (mode & ~0666ul) != 0) {
+          return "mode " + value +
+                 " must give the owner read and write, and no setuid, setgid, sticky or "
+                 "execute bit (an arena file holds data, never a program)";
         }
         return {};
       },
@@ -149,6 +155,10 @@ inline CLI::Option_group* AddSharedArenaOptions(
   group
       ->add_flag("--arena-allow-foreign-owner", flags.allow_foreign_owner,
                  "Attach to an arena file owned by another user")
+      ->needs(path);
+  group
+      ->add_flag("--arena-allow-world-writable", flags.allow_world_writable,
+                 "Create (--arena-mode 0666) or attach to an arena file every user may write")
       ->needs(path);
   group->add_option("--gpu", flags.gpu, "Register the arena with this device")
       ->check(GpuDeviceValidator());

@@ -78,7 +78,7 @@ typedef struct ea_open_params {
   int huge_pages;              /* enum ea_huge_pages; default EA_HUGE_AUTO */
   const char* gpu;             /* "none", "cuda[:N]", "hip[:N]"; NULL: "none" */
   int gpu_required;            /* nonzero: fail when the registration does not happen */
-  uint32_t file_mode;          /* mode of a created file; default 0600 */
+  uint32_t file_mode;          /* mode of a created file (bits of 0666 only); default 0600 */
   int allow_foreign_owner;     /* nonzero: attach to a file owned by another user */
   int quiet;                   /* nonzero: no start line or notes on stderr */
   /* Added after the first version: a caller whose size ends before it gets the default. */
@@ -98,6 +98,9 @@ typedef struct ea_open_params {
    * "local", "interleave", "node:N" or "replicate"; NULL or "": "auto". Anything else is
    * -EINVAL naming the accepted forms. */
   const char* numa;
+  /* Nonzero: create (file_mode with 0002) or attach to an arena file every user may write.
+   * 0: such a file is refused (-EACCES), as is a file_mode with bits outside 0666 (-EINVAL). */
+  int allow_world_writable;
 } ea_open_params;
 
 typedef struct ea_tensor_view {

@@ -288,7 +288,7 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
          progress=None, format="auto", from_peer=None, peer_token=None, peer_stall_seconds=30.0,
-         peer_transport="auto", numa="auto") -> Arena:
+         peer_transport="auto", numa="auto", allow_world_writable=False) -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
@@ -317,6 +317,10 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     node, the node in its file name, each engine on its GPU's or CPUs' node's). report["numa"] says where the pages are: placement,
     policy (as numa_maps names it), note, and nodes ({node: bytes}, empty on a one-node host).
 
+    `file_mode` takes read and write bits only (0o666 at most; a setuid, setgid, sticky or
+    execute bit is a ValueError); a mode any user may write (0o002), and attaching to such a
+    file, need `allow_world_writable=True`. `wait_timeout=float("inf")` waits without a limit.
+
     Raises FileNotFoundError, PermissionError (a foreign owner, a mode), TimeoutError (another
     engine's load took longer than `wait_timeout`), BusyError (a file of another model in
     use), NoSpaceError (the filesystem is too small), ValueError (a damaged model, a bad
@@ -331,14 +335,15 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                           float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                           int(pin_budget_bytes), reader, bool(quiet), bool(progress),
                           int(alignment), format, from_peer or "", peer_token or "",
-                          float(peer_stall_seconds), peer_transport, numa)
+                          float(peer_stall_seconds), peer_transport, numa,
+                          bool(allow_world_writable))
     finally:
         _emit_logs()
     return Arena(core)
 
 
 def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
-           pin_budget_bytes=0, quiet=False) -> Arena:
+           pin_budget_bytes=0, quiet=False, allow_world_writable=False) -> Arena:
     """Attaches to a published shared arena without knowing the model (never loads).
 
     The start line goes to the "expert_arena" logger at INFO, as open()'s, unless `quiet`.
@@ -348,7 +353,8 @@ def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
     """
     try:
         core = _core.attach(os.fsdecode(os.fspath(path)), gpu, bool(gpu_required),
-                            bool(allow_foreign_owner), int(pin_budget_bytes), bool(quiet))
+                            bool(allow_foreign_owner), int(pin_budget_bytes), bool(quiet),
+                            bool(allow_world_writable))
     finally:
         _emit_logs()
     return Arena(core)
@@ -356,7 +362,8 @@ def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
 
 def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu="none",
                 gpu_required=False, huge="auto", wait_timeout=600.0, file_mode=0o600,
-                allow_foreign_owner=False, pin_budget_bytes=0, quiet=False) -> Arena:
+                allow_foreign_owner=False, pin_budget_bytes=0, quiet=False,
+                allow_world_writable=False) -> Arena:
     """An arena of tensors this engine makes itself (fused, repacked, quantized): attaches when
     one of `identity` over the checkpoint `files` is published at `path` (waiting for an engine
     that is building it), else this engine builds it and publishes it (docs/engine-arenas.md).
@@ -374,7 +381,7 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
         core = _core.open_engine(os.fsdecode(os.fspath(path)), str(identity), _paths(files),
                                  int(alignment), declare, fill, gpu, bool(gpu_required), huge,
                                  float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
-                                 int(pin_budget_bytes), bool(quiet))
+                                 int(pin_budget_bytes), bool(quiet), bool(allow_world_writable))
     finally:
         _emit_logs()
     return Arena(core)

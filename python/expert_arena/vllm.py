@@ -60,6 +60,8 @@ _OPTIONS = {
     "wait_timeout": "seconds to wait for an engine that is building (default 600)",
     "file_mode": "mode of a new arena file, e.g. \"0640\" (default 0600)",
     "allow_foreign_owner": "attach to an arena file owned by another user (default false)",
+    "allow_world_writable": "create (file_mode 0666) or attach to an arena file every user "
+                            "may write (default false)",
     "gpu": "register the host copy with a GPU: auto, none, cuda[:N], hip[:N] (default auto)",
 }
 
@@ -81,6 +83,7 @@ class Settings:
     file_mode: int = 0o600
     allow_foreign_owner: bool = False
     gpu: str = "auto"
+    allow_world_writable: bool = False
 
     @classmethod
     def parse(cls, extra):
@@ -100,13 +103,21 @@ class Settings:
         if not timeout >= 0:
             raise ValueError("%s: wait_timeout must be >= 0 seconds, got %r"
                              % (LOAD_FORMAT, timeout))
+        if mode & ~0o666:
+            raise ValueError("%s: file_mode %s has bits outside 0o666 (setuid, setgid, sticky "
+                             "or execute): an arena file holds data, never a program"
+                             % (LOAD_FORMAT, oct(mode)))
+        world = extra.get("allow_world_writable", False)
+        if not isinstance(world, bool):
+            raise ValueError("%s: allow_world_writable must be true or false, got %r"
+                             % (LOAD_FORMAT, world))
         allow = extra.get("allow_foreign_owner", False)
         if not isinstance(allow, bool):
             raise ValueError("%s: allow_foreign_owner must be true or false, got %r"
                              % (LOAD_FORMAT, allow))
         return cls(arena_dir=os.fspath(extra.get("arena_dir", "/dev/shm")), huge=huge,
                    wait_timeout=timeout, file_mode=int(mode), allow_foreign_owner=allow,
-                   gpu=str(extra.get("gpu", "auto")))
+                   gpu=str(extra.get("gpu", "auto")), allow_world_writable=world)
 
 
 def identity_fields(vllm_config, model_config):
@@ -384,7 +395,8 @@ def _loader_class():
             arena = expert_arena.open_engine(
                 path, identity, declare, fill, files, gpu=gpu, huge=self.settings.huge,
                 wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
-                allow_foreign_owner=self.settings.allow_foreign_owner, quiet=True)
+                allow_foreign_owner=self.settings.allow_foreign_owner,
+                allow_world_writable=self.settings.allow_world_writable, quiet=True)
             model = built.pop("model", None)
             built.clear()
             report = arena.report

@@ -334,7 +334,8 @@ PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_pat
                   const std::string& reader, bool quiet, bool progress, uint64_t alignment,
                   const std::string& format, const std::string& from_peer,
                   const std::string& peer_token, double peer_stall_seconds,
-                  const std::string& peer_transport, const std::string& numa) {
+                  const std::string& peer_transport, const std::string& numa,
+                  bool allow_world_writable) {
   std::vector<std::string> files = FsBytesList(file_objects, "a model file");
   std::optional<std::string> shared_path;
   if (!shared_path_object.is_none()) shared_path = FsBytes(shared_path_object, "shared_path");
@@ -351,6 +352,7 @@ PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_pat
   ArenaOptions options =
       MakeArenaOptions(shared_path, gpu, gpu_required, huge, wait_timeout, file_mode,
                        allow_foreign_owner, pin_budget_bytes, reader, quiet, progress);
+  options.allow_world_writable = allow_world_writable;
   options.from_peer = from_peer;
   options.peer_token = peer_token;
   options.peer_stall_seconds = peer_stall_seconds;
@@ -367,11 +369,13 @@ PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_pat
 }
 
 PyArena AttachArena(const py::object& path_object, const std::string& gpu, bool gpu_required,
-                    bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+                    bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
+                    bool allow_world_writable) {
   const std::string path = FsBytes(path_object, "path");
   ArenaOptions options =
       MakeArenaOptions(path, gpu, gpu_required, "auto", 0, 0600, allow_foreign_owner,
                        pin_budget_bytes, "auto", quiet, false);
+  options.allow_world_writable = allow_world_writable;
   std::optional<Result<Arena>> arena;
   {
     py::gil_scoped_release release;
@@ -437,11 +441,13 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
                         const py::sequence& file_objects, uint64_t alignment, py::object declare,
                         py::object fill, const std::string& gpu, bool gpu_required,
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
-                        bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+                        bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
+                        bool allow_world_writable) {
   const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
                                           false);
+  options.allow_world_writable = allow_world_writable;
   EngineArenaSpec spec;
   spec.identity = FsBytes(identity_object, "identity");
   spec.files = FsBytesList(file_objects, "a checkpoint file");
@@ -551,19 +557,22 @@ void BindArena(py::module_& m) {
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
         py::arg("peer_token") = "", py::arg("peer_stall_seconds") = 30.0,
-        py::arg("peer_transport") = "auto", py::arg("numa") = "auto");
+        py::arg("peer_transport") = "auto", py::arg("numa") = "auto",
+        py::arg("allow_world_writable") = false);
   py::class_<PyEngineWriter>(m, "EngineWriter")
       .def("__len__", &PyEngineWriter::Length)
       .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));
   m.def("open_engine", &OpenEngineArena, py::arg("path"), py::arg("identity"), py::arg("files"),
         py::arg("alignment"), py::arg("declare"), py::arg("fill"), py::arg("gpu"),
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
-        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
+        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
+        py::arg("allow_world_writable") = false);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
         py::arg("changed"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
-        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
+        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
+        py::arg("allow_world_writable") = false);
 }
 
 }  // namespace expert_arena::python

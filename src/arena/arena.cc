@@ -192,7 +192,10 @@ Status RegisterWithGpu(Arena::Impl& impl, const ArenaOptions& options, spdlog::l
   gpu_options.pin_budget_bytes = options.pin_budget_bytes;
   gpu_options.read_only = !impl.mapping.writable();
   gpu_options.logger = options.logger;
-  auto registration = gpu::RegisterHostRange(impl.mapping.bytes(), gpu_options);
+  // The data only: a device reads tensors, and the header of a shared arena is mapped
+  // read-only (ProtectHeader), which a registration with write intent could not pin.
+  auto registration =
+      gpu::RegisterHostRange(impl.mapping.bytes().subspan(impl.data_offset), gpu_options);
   if (!registration.ok()) {
     if (options.gpu_required) return registration.status();
     impl.report.gpu_note = "not registered: " + registration.status().message();
@@ -253,6 +256,21 @@ Status CheckOptions(const ArenaOptions& options) {
   if (!(options.wait_timeout_seconds >= 0)) {
     return InvalidArgument("wait_timeout_seconds must be >= 0, not " +
                            std::to_string(options.wait_timeout_seconds));
+  }
+  if ((options.file_mode & ~static_cast<mode_t>(0666)) != 0) {
+    char mode[16];
+    std::snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(options.file_mode));
+    return InvalidArgument(std::string("file_mode ") + mode +
+                           " has bits outside 0666 (setuid, setgid, sticky or execute): an "
+                           "arena file holds data, never a program; give 0600, 0640 or 0660");
+  }
+  if ((options.file_mode & 0002) != 0 && !options.allow_world_writable) {
+    char mode[16];
+    std::snprintf(mode, sizeof mode, "0%o", static_cast<unsigned>(options.file_mode));
+    return InvalidArgument(std::string("file_mode ") + mode +
+                           " lets every user write the arena, and so change the bytes every "
+                           "engine reads; share it with a group (0660) instead, or ask for it "
+                           "by name (allow_world_writable, --allow-world-writable)");
   }
   if (!(options.peer_stall_seconds > 0)) {
     return InvalidArgument("peer_stall_seconds must be > 0, not " +

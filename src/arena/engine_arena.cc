@@ -218,6 +218,8 @@ Result<source::ModelPlan> PlanEngineArena(const EngineArenaSpec& spec, const Eng
   const uint64_t data = (cursor + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   table.data_bytes = data == 0 ? kHugePageBytes : data;
   table.identity_hash = id.hash;
+  // The fingerprint equal to the identity hash is what marks the table engine-made
+  // (format::EngineMade): its identity is not recomputed from the table when it is read.
   table.fingerprint = id.hash;
   table.identity_text = "engine " + id.text + " (" + std::to_string(table.tensors.size()) +
                         " tensors, " + FormatBytes(table.model_bytes_total) + ")";

@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -58,6 +59,17 @@ uint64_t UnixNanos() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::system_clock::now().time_since_epoch())
                                    .count());
+}
+
+// `start` + `seconds` (>= 0, checked with the options). Infinity, and any timeout too large
+// for the clock (a double cast to an integer out of its range is undefined, and gave a deadline
+// in the past), mean no limit.
+Clock::time_point WaitDeadline(Clock::time_point start, double seconds) {
+  const double left =
+      std::chrono::duration<double>(Clock::time_point::max() - start).count();
+  if (!(seconds < left / 2)) return Clock::time_point::max();
+  return start + std::chrono::duration_cast<Clock::duration>(
+                     std::chrono::duration<double>(seconds));
 }
 
 // The first bytes of the file, for a summary that trusts nothing.
@@ -120,6 +132,20 @@ uint64_t HugePageBytesOf(const platform::FilesystemInfo& fs) {
 uint64_t MappingAlignment(const platform::FilesystemInfo& fs) {
   return std::max<uint64_t>(
       kHugePageBytes, fs.kind == platform::FsKind::kHugetlbfs ? fs.block_bytes : kHugePageBytes);
+}
+
+// GPU mode maps the file writable (the registration pins the data with write intent), but the
+// header and table are written only by the loader, only while it holds FILL: every engine maps
+// them read-only, so a stray write through a pointer into the mapping faults in the process
+// that made it instead of damaging the table every engine reads. The data range stays as it
+// is. On a hugetlbfs of 1 GiB pages the header shares its page with the first data and cannot
+// be protected apart from it.
+Status ProtectHeader(Arena::Impl& impl, const platform::FilesystemInfo& fs) {
+  if (!impl.mapping.writable() || impl.data_offset == 0) return Status::Ok();
+  const uint64_t page =
+      fs.kind == platform::FsKind::kHugetlbfs ? std::max<uint64_t>(fs.block_bytes, 4096) : 4096;
+  if (impl.data_offset % page != 0) return Status::Ok();
+  return impl.mapping.ProtectReadOnly(0, impl.data_offset);
 }
 
 // Maps a published file, populates it, and decodes its table. We hold FILL or USER.
@@ -197,6 +223,7 @@ Status PopulateWriteInParallel(const platform::Mapping& mapping, uint64_t page_b
 // planning). Records the bytes read to know it.
 bool MatchesFingerprint(ModelWant& want, const FileFindings& found) {
   if (found.size == 0 || !found.view || found.view->fixed().fingerprint == 0) return false;
+  if (found.summary.engine_made) return false;  // its identity was not checked against its table
   if (!WhyNotReusable(found.summary, found.decoded, nullptr, found.size).empty()) return false;
   std::vector<format::SourceRecord> sources;
   sources.reserve(found.view->source_count());
@@ -225,6 +252,11 @@ std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& d
   if (summary.state != format::FileState::kPublished) return "an unfinished load";
   if (!decoded.ok()) return "a damaged arena (" + decoded.message() + ")";
   if (plan != nullptr) {
+    // A model's table was checked against its identity hash when it was decoded; an engine's
+    // cannot be, so an engine-made file is never taken for a model whatever hash it shows.
+    if (summary.engine_made && plan->format != "engine") {
+      return "an engine-made arena (" + summary.identity_text + ")";
+    }
     if (summary.identity_hash != plan->table.identity_hash) {
       return "another model (" + summary.identity_text + ")";
     }
@@ -257,6 +289,28 @@ const char* StepName(Step step) {
 
 double FillWait::Seconds() const {
   return said_waiting ? std::chrono::duration<double>(Clock::now() - wait_start).count() : 0;
+}
+
+Status CheckArenaFileMode(const std::string& path, uint32_t mode, bool allow_world_writable) {
+  char octal[16];
+  std::snprintf(octal, sizeof octal, "%04o", mode & 07777);
+  if ((mode & 07111) != 0) {
+    // Bytes that any engine writes through a mapping must never be run, least of all with
+    // the owner's rights (a setuid file in /dev/shm runs as its owner where it is not nosuid).
+    return PermissionDenied(path + " has mode " + octal +
+                            " (setuid, setgid, sticky or execute bits): refusing to use it as "
+                            "an arena. `chmod 0600 " + path +
+                            "` (or 0660 to share it with a group), or remove it");
+  }
+  if ((mode & 0002) != 0 && !allow_world_writable) {
+    return PermissionDenied(path + " has mode " + octal +
+                            ": any user may write it, and so change the bytes every engine "
+                            "reads; refusing to use it. `chmod o-w " + path +
+                            "` (a group shares it with 0660), or remove it and let the engine "
+                            "create it; or ask for it by name (allow_world_writable, "
+                            "--allow-world-writable)");
+  }
+  return Status::Ok();
 }
 
 Result<ArenaFile> OpenArenaFile(const ArenaOptions& options, bool create, bool absent_ok) {
@@ -310,6 +364,7 @@ Result<ArenaFile> OpenArenaFile(const ArenaOptions& options, bool create, bool a
                             std::to_string(platform::EffectiveUid()) +
                             "); refusing to share it (allow_foreign_owner opts in)");
   }
+  EA_RETURN_IF_ERROR(CheckArenaFileMode(path, file.st.mode, options.allow_world_writable));
   return file;
 }
 
@@ -503,6 +558,7 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
     found.whole.reset();
     EA_ASSIGN_OR_RETURN(impl, MapPublished(std::move(file.fd), file.st, fs, path, writable));
   }
+  EA_RETURN_IF_ERROR(ProtectHeader(*impl, fs));
   EA_RETURN_IF_ERROR(platform::UnlockByte(impl->fd, kFillByte));
   impl->report.role = ArenaRole::kAttached;
   impl->report.wait_seconds = wait.Seconds();
@@ -639,7 +695,8 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
   // Nobody writes a published arena: the loader's mapping becomes read-only like the others
   // (unless it is to be registered with a GPU: see MapWritableForGpu).
-  if (!MapWritableForGpu(options)) EA_RETURN_IF_ERROR(impl->mapping.MakeReadOnly());
+  EA_RETURN_IF_ERROR(MapWritableForGpu(options) ? ProtectHeader(*impl, fs)
+                                                : impl->mapping.MakeReadOnly());
   // From now on the loader reads its table where every other engine does: in the header it
   // published, and the heap copy goes.
   auto published = format::TableView::Open(header, layout->file_bytes, path);
@@ -675,8 +732,7 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
   const std::string& path = options.shared_path;
   FillWait wait;
   wait.start = Clock::now();
-  wait.deadline = wait.start + std::chrono::milliseconds(
-                                   static_cast<int64_t>(options.wait_timeout_seconds * 1000));
+  wait.deadline = WaitDeadline(wait.start, options.wait_timeout_seconds);
   auto statfs = platform::StatFilesystem(DirectoryOf(path));
   if (!statfs.ok() && statfs.status().code() == StatusCode::kNotFound) {
     const std::string dir = DirectoryOf(path);

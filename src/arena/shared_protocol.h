@@ -43,6 +43,10 @@ struct ArenaFile {
   bool read_only = false;
 };
 
+// Refuses an arena file whose mode has setuid, setgid, sticky or execute bits, and one any
+// user may write (0002) unless allow_world_writable; the message names the fix.
+Status CheckArenaFileMode(const std::string& path, uint32_t mode, bool allow_world_writable);
+
 // Opens (with `create`: creates) the file at options.shared_path for reading and writing, or
 // for reading only when that is all this user may do; checks that it is a regular file of this
 // user (or allow_foreign_owner). `absent` when there is no file and `absent_ok` (the engine

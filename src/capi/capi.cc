@@ -60,7 +60,9 @@ Status CallbackFailed(int rc) {
 // The options of an ea_open_params (already merged with the defaults); 0 or a Fail().
 int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& options) {
   options.shared_path = p.shared_path != nullptr ? p.shared_path : "";
-  if (p.wait_timeout_seconds < 0) return Fail(-EINVAL, who + ": wait_timeout_seconds is negative");
+  if (!(p.wait_timeout_seconds >= 0)) {
+    return Fail(-EINVAL, who + ": wait_timeout_seconds is negative or not a number");
+  }
   options.wait_timeout_seconds = p.wait_timeout_seconds;
   switch (p.huge_pages) {
     case EA_HUGE_AUTO:
@@ -84,6 +86,7 @@ int MakeOptions(const ea_open_params& p, const std::string& who, ArenaOptions& o
   options.gpu_required = p.gpu_required != 0;
   options.file_mode = static_cast<mode_t>(p.file_mode != 0 ? p.file_mode : 0600);
   options.allow_foreign_owner = p.allow_foreign_owner != 0;
+  options.allow_world_writable = p.allow_world_writable != 0;
   options.progress = false;
   options.from_peer = p.from_peer != nullptr ? p.from_peer : "";
   options.peer_token = p.peer_token != nullptr ? p.peer_token : "";

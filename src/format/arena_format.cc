@@ -3,10 +3,15 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <vector>
 
+#include "common/escape.h"
 #include "common/units.h"
+#include "source/dtypes.h"
 
 namespace expert_arena::format {
 namespace {
@@ -190,10 +195,220 @@ HeaderSummary SummarizeHeader(std::span<const std::byte> bytes) {
   fixed.identity_text[kIdentityTextBytes - 1] = '\0';
   summary.identity_text = fixed.identity_text;
   summary.layout = {fixed.header_bytes, fixed.data_bytes, fixed.file_bytes};
+  summary.engine_made = EngineMade(fixed);
   return summary;
 }
 
+bool EngineMade(const HeaderFixed& fixed) {
+  return fixed.fingerprint != 0 && fixed.fingerprint == fixed.identity_hash;
+}
+
 namespace {
+
+// XXH3 over many small fields, fed in 64 KiB pieces: one update per field would cost more than
+// the hashing on a 90,000-tensor table.
+class BufferedHash {
+ public:
+  BufferedHash() : state_(XXH3_createState()) { XXH3_64bits_reset(state_); }
+  ~BufferedHash() { XXH3_freeState(state_); }
+  BufferedHash(const BufferedHash&) = delete;
+  BufferedHash& operator=(const BufferedHash&) = delete;
+  void Bytes(const void* p, size_t n) {
+    if (used_ + n > sizeof buffer_) Flush();
+    if (n > sizeof buffer_) {
+      XXH3_64bits_update(state_, p, n);
+      return;
+    }
+    std::memcpy(buffer_ + used_, p, n);
+    used_ += n;
+  }
+  void U64(uint64_t v) { Bytes(&v, sizeof v); }
+  void Str(std::string_view s) {
+    U64(s.size());
+    Bytes(s.data(), s.size());
+  }
+  uint64_t Digest() {
+    Flush();
+    return XXH3_64bits_digest(state_);
+  }
+
+ private:
+  void Flush() {
+    XXH3_64bits_update(state_, buffer_, used_);
+    used_ = 0;
+  }
+  XXH3_state_t* state_;
+  size_t used_ = 0;
+  char buffer_[64 * 1024];
+};
+
+}  // namespace
+
+// The same fields, in the same order, as ComputeIdentity (arena_table.cc).
+uint64_t StoredTableIdentity(std::span<const std::byte> region, const HeaderFixed& fixed) {
+  const std::byte* base = region.data();
+  const char* strings = reinterpret_cast<const char*>(base + fixed.strings_offset);
+  auto hash = std::make_unique<BufferedHash>();
+  hash->U64(fixed.source_count);
+  for (uint64_t i = 0; i < fixed.source_count; ++i) {
+    SourceEntry entry{};
+    std::memcpy(&entry, base + fixed.sources_offset + i * sizeof entry, sizeof entry);
+    hash->Str({strings + entry.path_offset, entry.path_bytes});
+    hash->U64(entry.size);
+    hash->U64(static_cast<uint64_t>(entry.mtime_ns));
+  }
+  hash->U64(fixed.alignment);
+  hash->U64(fixed.data_bytes);
+  hash->U64(fixed.tensor_count);
+  for (uint64_t i = 0; i < fixed.tensor_count; ++i) {
+    TensorEntry entry{};
+    std::memcpy(&entry, base + fixed.tensors_offset + i * sizeof entry, sizeof entry);
+    hash->Str({strings + entry.name_offset, entry.name_bytes});
+    hash->Str({strings + entry.dtype_offset, entry.dtype_bytes});
+    const uint32_t dims = std::min(entry.n_dims, kMaxDims);
+    hash->U64(dims);
+    for (uint32_t d = 0; d < dims; ++d) hash->U64(entry.shape[d]);
+    hash->U64(entry.source_index);
+    hash->U64(entry.source_offset);
+    hash->U64(entry.arena_offset);
+    hash->U64(entry.bytes);
+  }
+  return hash->Digest();
+}
+
+namespace {
+
+// Why a model's tensor of `dtype` and `shape` cannot be `bytes` long, or "" when it is: the
+// dtype must be a GGUF type (lowercase ggml name), a safetensors dtype, or the raw format's
+// "u8", and its size for the shape the tensor's bytes.
+// A table holds few distinct dtypes: the last one found is looked up again first.
+struct DtypeCache {
+  std::string_view name;
+  const source::GgmlType* ggml = nullptr;
+  const source::SafetensorsDtype* safetensors = nullptr;
+};
+
+std::string ModelDtypeProblem(std::string_view dtype, std::span<const uint64_t> shape,
+                              uint64_t bytes, DtypeCache& cache) {
+  if (dtype != cache.name || (cache.ggml == nullptr && cache.safetensors == nullptr)) {
+    cache.name = dtype;
+    cache.ggml = source::FindGgmlTypeByName(dtype);
+    cache.safetensors = cache.ggml == nullptr ? source::FindSafetensorsDtype(dtype) : nullptr;
+  }
+  std::optional<uint64_t> expected;
+  std::string why;
+  if (cache.ggml != nullptr) {
+    expected = source::GgmlTensorBytes(*cache.ggml, shape, &why);
+  } else if (cache.safetensors != nullptr) {
+    expected = source::SafetensorsTensorBytes(*cache.safetensors, shape, &why);
+  } else if (dtype == "u8") {  // the raw format: a file's bytes as one tensor
+    if (shape.size() == 1) expected = shape[0];
+  } else {
+    return "dtype " + QuoteForMessage(dtype) + " is not a GGUF, safetensors or raw type";
+  }
+  if (!expected) {
+    return "dtype " + std::string(dtype) + " does not fit its shape" +
+           (why.empty() ? std::string() : " (" + why + ")");
+  }
+  if (*expected != bytes) {
+    return std::to_string(bytes) + " bytes, but " + std::string(dtype) + " of its shape takes " +
+           std::to_string(*expected);
+  }
+  return "";
+}
+
+// What the table says about the data, checked against itself once every entry is known to lie
+// inside the header region and its data inside the data region (ValidateHeader's checks):
+// the checksums only prove that whoever wrote the file computed them. `fixed` is validated.
+Status ValidateTableContents(std::span<const std::byte> region, const HeaderFixed& fixed,
+                             const std::string& path) {
+  const std::byte* base = region.data();
+  const char* strings = reinterpret_cast<const char*>(base + fixed.strings_offset);
+  const bool engine_made = EngineMade(fixed);
+  if (!IsPowerOfTwo(fixed.alignment) || fixed.alignment > kHugePageBytes) {
+    return Corrupt(path + ": tensor alignment " + std::to_string(fixed.alignment) +
+                   " is not a power of two up to 2 MiB");
+  }
+  auto entry_at = [&](uint64_t i) {
+    TensorEntry entry{};
+    std::memcpy(&entry, base + fixed.tensors_offset + i * sizeof entry, sizeof entry);
+    return entry;
+  };
+  auto name_of = [&](const TensorEntry& entry) {
+    return std::string(strings + entry.name_offset, entry.name_bytes);
+  };
+  auto overlap = [&](const TensorEntry& before, const TensorEntry& after) {
+    return Corrupt(path + ": tensors " + name_of(before) + " (data offset " +
+                   std::to_string(before.arena_offset) + ", " + std::to_string(before.bytes) +
+                   " bytes) and " + name_of(after) + " (data offset " +
+                   std::to_string(after.arena_offset) + ") overlap");
+  };
+  DtypeCache dtypes;
+  // Writers give offsets in table order, so the overlap check is one pass against the tensor
+  // before; a table out of that order is sorted by offset below.
+  bool in_order = true;
+  uint64_t last = 0;  // the last tensor with bytes, when `any`
+  bool any = false;
+  for (uint64_t i = 0; i < fixed.tensor_count; ++i) {
+    const TensorEntry entry = entry_at(i);
+    std::string_view dtype(strings + entry.dtype_offset, entry.dtype_bytes);
+    std::string problem;
+    if (engine_made) {
+      if (dtype.empty() || dtype.size() > 32 || !ControlByteProblem(dtype).empty()) {
+        problem = "dtype " + QuoteForMessage(dtype) + " is not 1 to 32 printable bytes";
+      }
+    } else {
+      problem = ModelDtypeProblem(dtype, {entry.shape, entry.n_dims}, entry.bytes, dtypes);
+    }
+    if (!problem.empty()) return Corrupt(path + ": tensor " + name_of(entry) + ": " + problem);
+    // Every writer aligns a tensor to at least TensorAlignment (an engine may ask for more).
+    const uint64_t alignment = TensorAlignment(fixed.alignment, entry.bytes);
+    if (entry.arena_offset % alignment != 0) {
+      return Corrupt(path + ": tensor " + name_of(entry) + " at data offset " +
+                     std::to_string(entry.arena_offset) + " is not aligned to " +
+                     std::to_string(alignment) + " bytes");
+    }
+    if (entry.bytes == 0 || !in_order) continue;
+    if (any) {
+      const TensorEntry before = entry_at(last);
+      if (entry.arena_offset < before.arena_offset) {
+        in_order = false;
+        continue;
+      }
+      // Ranges lie inside the data region (checked): no overflow.
+      if (before.arena_offset + before.bytes > entry.arena_offset) return overlap(before, entry);
+    }
+    last = i;
+    any = true;
+  }
+  if (!in_order) {
+    // Two tensors over the same bytes would hand one tensor's bytes out as the other's.
+    std::vector<std::pair<uint64_t, uint32_t>> ranges;  // (offset, index) of tensors with bytes
+    ranges.reserve(fixed.tensor_count);
+    for (uint64_t i = 0; i < fixed.tensor_count; ++i) {
+      const TensorEntry entry = entry_at(i);
+      if (entry.bytes > 0) ranges.emplace_back(entry.arena_offset, static_cast<uint32_t>(i));
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t k = 1; k < ranges.size(); ++k) {
+      const TensorEntry before = entry_at(ranges[k - 1].second);
+      const TensorEntry after = entry_at(ranges[k].second);
+      if (before.arena_offset + before.bytes > after.arena_offset) return overlap(before, after);
+    }
+  }
+  if (!engine_made) {
+    const uint64_t recomputed = StoredTableIdentity(region, fixed);
+    if (recomputed != fixed.identity_hash) {
+      char hex[64];
+      std::snprintf(hex, sizeof hex, "%016llx, its table hashes to %016llx",
+                    static_cast<unsigned long long>(fixed.identity_hash),
+                    static_cast<unsigned long long>(recomputed));
+      return Corrupt(path + ": identity hash mismatch: the header says " + hex +
+                     " (the table was changed after it was made)");
+    }
+  }
+  return Status::Ok();
+}
 
 // Every check DecodeHeader makes, without building a table: the fixed header against the real
 // size, every array and string inside the header region, both checksums, every entry, and the
@@ -318,6 +533,7 @@ Status ValidateHeader(std::span<const std::byte> region, uint64_t file_size,
       return Corrupt(path + ": name index checksum mismatch (corrupted index)");
     }
   }
+  EA_RETURN_IF_ERROR(ValidateTableContents(region, fixed, path));
   *out = fixed;
   return Status::Ok();
 }

@@ -139,17 +139,33 @@ struct HeaderSummary {
   uint64_t identity_hash = 0;
   std::string identity_text;
   ArenaLayout layout;
+  bool engine_made = false;  // EngineMade() of the fixed header
 };
 // Reads the fixed part only (bytes may be shorter than the struct: a torn or tiny file).
 HeaderSummary SummarizeHeader(std::span<const std::byte> bytes);
 
 // Checks the fixed header against the real file size and decodes it fully: magic, version,
-// sizes, checksums, and every table entry's strings and data range. `path` names the file
-// in messages. On success `table` holds the decoded table.
+// sizes, checksums, and every table entry's strings and data range. Then what the table says
+// is checked against itself (ValidateTableContents in arena_format.cc), because the checksums
+// prove only that whoever wrote the file computed them: the identity hash recomputed from the
+// table (a model's; see EngineMade), every data range aligned and overlapping no other, every
+// dtype a known one whose size for the shape is the tensor's bytes (an engine's: printable).
+// `path` names the file in messages. On success `table` holds the decoded table.
 Status DecodeHeader(std::span<const std::byte> header_region, uint64_t file_size,
                     const std::string& path, ArenaTable* table, HeaderSummary* summary);
 
 uint64_t Checksum(std::span<const std::byte> bytes);
+
+// Whether an engine made the table (arena/engine_arena.cc): its identity hash names the
+// engine's spec (identity text, checkpoint files), not the table, so it cannot be recomputed
+// from the table, and its dtypes are the engine's words. PlanEngineArena records that hash as
+// the fingerprint too; a model's fingerprint hashes its planning inputs and is never its
+// identity. An engine that wants a model must refuse such a file (the identity check that
+// ties a model's table to its hash was not made).
+bool EngineMade(const HeaderFixed& fixed);
+
+// The identity ComputeIdentity gives the table of a validated header region, read in place.
+uint64_t StoredTableIdentity(std::span<const std::byte> header_region, const HeaderFixed& fixed);
 
 // The hash the name index is keyed by.
 uint64_t NameHash(std::string_view name);

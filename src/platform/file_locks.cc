@@ -191,8 +191,14 @@ Result<LockHolderScan> FindLockHolders(uint64_t device, uint64_t inode, uint64_t
 std::string DescribeLockHolder(const LockHolder& holder, size_t max_bytes) {
   std::string out = "pid " + std::to_string(holder.pid);
   if (holder.command.empty()) return out;
-  std::string command = EscapeForMessage(holder.command.substr(0, max_bytes));
-  if (holder.command.size() > max_bytes) command += "...";
+  // The program's base name, not its path: a path under a deep directory (a build tree, a
+  // virtual environment) would fill the bytes shown and cut off what names the program.
+  std::string_view full = holder.command;
+  const size_t program_end = std::min(full.find(' '), full.size());
+  const size_t slash = full.substr(0, program_end).rfind('/');
+  if (slash != std::string_view::npos && slash + 1 < program_end) full.remove_prefix(slash + 1);
+  std::string command = EscapeForMessage(full.substr(0, max_bytes));
+  if (full.size() > max_bytes) command += "...";
   return out + " (" + command + ")";
 }
 

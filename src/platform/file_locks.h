@@ -64,8 +64,9 @@ struct LockHolderScan {
 // /proc.
 Result<LockHolderScan> FindLockHolders(uint64_t device, uint64_t inode, uint64_t offset);
 
-// "pid 42 (moe-engine --model /m.gguf ...)": the pid and at most `max_bytes` of its command,
-// escaped for a message.
+// "pid 42 (moe-engine --model /m.gguf ...)": the pid and at most `max_bytes` of its command
+// with the program named by its base name (/opt/x/bin/moe-engine is moe-engine), escaped for
+// a message.
 std::string DescribeLockHolder(const LockHolder& holder, size_t max_bytes = 80);
 
 }  // namespace expert_arena::platform

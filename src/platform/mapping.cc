@@ -192,6 +192,17 @@ Status Mapping::MakeReadOnly() {
   return Status::Ok();
 }
 
+Status Mapping::ProtectReadOnly(uint64_t offset, uint64_t length) {
+  if (data_ == nullptr || length == 0) return Status::Ok();
+  if (offset > size_ || length > size_ - offset) {
+    return InvalidArgument("mprotect of a range past the end of the mapping");
+  }
+  if (::mprotect(data_ + offset, length, PROT_READ) != 0) {
+    return ErrnoStatus(errno, "mprotect", "mapping");
+  }
+  return Status::Ok();
+}
+
 Status Mapping::MakeWritable() {
   if (data_ == nullptr || writable_) return Status::Ok();
   if (::mprotect(data_, size_, PROT_READ | PROT_WRITE) != 0) {

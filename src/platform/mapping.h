@@ -52,6 +52,10 @@ class Mapping {
   Status MakeReadOnly();
   // mprotect it readable and writable again.
   Status MakeWritable();
+  // mprotect [offset, offset + length) of a mapping read-only, the rest as it is (writable()
+  // still says what the rest is). offset and length are multiples of the mapping's page size
+  // (a hugetlbfs mapping's huge page); EINVAL otherwise.
+  Status ProtectReadOnly(uint64_t offset, uint64_t length);
 
   // The alignment the mapping was placed at (0 when unknown).
   uint64_t alignment() const { return alignment_; }

@@ -264,6 +264,34 @@ TEST(GpuArenaMappingTest, WritableOnlyWhenAGpuIsAsked) {
   EXPECT_EQ(MappingPermissions(priv2.data().data()).substr(0, 3), "r--");
 }
 
+// A GPU-mode engine, the loader as well as one that attaches, maps the header and table
+// read-only and only the data writable: a stray write through a pointer into the mapping faults
+// in that engine instead of damaging the table every engine reads. No device is needed: the
+// mapping is made whether the registration happens or is skipped.
+TEST(GpuArenaMappingTest, TheHeaderIsReadOnlyInAGpuModeEngine) {
+  testing::ScopedDataFile model(5 * kMiB, 10);
+  testing::ScopedPath path("gpu-header");
+  ArenaOptions options;
+  options.shared_path = path.path();
+  options.progress = false;
+  options.gpu = GpuDevice{GpuBackend::kCuda, 0};
+  const ModelSpec spec{.files = {model.path()}, .format = ModelFormat::kRaw};
+  ASSERT_OK_AND_ASSIGN(Arena loaded, Arena::Open(spec, options));
+  ASSERT_EQ(loaded.role(), ArenaRole::kLoaded);
+  ASSERT_OK_AND_ASSIGN(Arena attached, Arena::Open(spec, options));
+  ASSERT_EQ(attached.role(), ArenaRole::kAttached);
+  ASSERT_OK_AND_ASSIGN(Arena by_path, Arena::AttachExisting(path.path(), options));
+  for (const Arena* arena : {&loaded, &attached, &by_path}) {
+    SCOPED_TRACE(ArenaRoleName(arena->role()));
+    const std::byte* data = arena->data().data();
+    const std::byte* header = data - kHugePageBytes;  // the header region's first page
+    EXPECT_EQ(MappingPermissions(data).substr(0, 3), "rw-");
+    EXPECT_EQ(MappingPermissions(data - 1).substr(0, 3), "r--");
+    EXPECT_EQ(MappingPermissions(header).substr(0, 3), "r--");
+    EXPECT_EQ(std::memcmp(header, "EXPARENA", 8), 0);
+  }
+}
+
 // ---- the pin budget -----------------------------------------------------------------------
 
 TEST(GpuPinBudgetTest, ReservesWholeGranulesUpToTheBudget) {
@@ -380,7 +408,8 @@ TEST(GpuDeviceRegistrationTest, ArenaCopyEqualsHostBytes) {
       ASSERT_OK_AND_ASSIGN(
           Arena arena,
           Arena::Open({.files = {model.path()}, .format = ModelFormat::kRaw}, options));
-      EXPECT_GT(arena.report().gpu_registered_bytes, arena.report().data_bytes);
+      // The data region, not the header (mapped read-only).
+      EXPECT_GE(arena.report().gpu_registered_bytes, arena.report().data_bytes);
       EXPECT_EQ(gpu::ProcessRegisteredBytes(), arena.report().gpu_registered_bytes);
       TensorView view = arena.tensor(0);
       ASSERT_OK_AND_ASSIGN(DeviceBuffer buffer, DeviceBuffer::Allocate(device, view.bytes.size()));

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "format/arena_format.h"
 #include "platform/io_ring.h"
 #include "platform/system_info.h"
 #include "source_test_util.h"
@@ -261,6 +262,106 @@ TEST(CliLoadTest, AMissingDirectoryIsNamedAsSuch) {
   EXPECT_NE(out.find(missing + ": the directory does not exist"), std::string::npos) << out;
 }
 
+// The arena file edited on disk as it was found: the up projection given the gate's offset,
+// every checksum computed again. verify and info refuse it naming the tensors; load does not
+// attach to it (it holds a damaged arena, replaced when no engine maps it).
+TEST(CliLoadTest, AnEditedTableIsRefusedByVerifyAndNeverAttached) {
+  ScopedDir dir("cli-edited");
+  testing::ScopedArenaDir arenas("cli-edited");
+  const std::string model = dir.File("m.gguf");
+  const std::string arena = arenas.File("edited.arena");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  std::string out;
+  ASSERT_EQ(ExpertArena({"load", "--model", model, "--arena", arena, "--json"}, &out), 0) << out;
+  ASSERT_EQ(ExpertArena({"verify", arena}), 0);
+  const auto fixed_bytes = testing::ReadRange(arena, 0, sizeof(format::HeaderFixed));
+  format::HeaderFixed fixed;
+  std::memcpy(&fixed, fixed_bytes.data(), sizeof fixed);
+  const auto header = testing::ReadRange(arena, 0, fixed.header_bytes);
+  format::ArenaTable table;
+  ASSERT_OK(format::DecodeHeader(header, fixed.file_bytes, arena, &table, nullptr));
+  // Rewrites the header region for `table`, checksums and name index computed again.
+  auto store = [&](const format::ArenaTable& edited) {
+    std::vector<std::byte> region(fixed.header_bytes);
+    ASSERT_OK(format::EncodeHeader(edited, {fixed.header_bytes, fixed.data_bytes, fixed.file_bytes},
+                                   format::FileState::kPublished, 0, 0, fixed.created_unix_ns,
+                                   fixed.published_unix_ns, region));
+    int fd = ::open(arena.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, region.data(), region.size(), 0), static_cast<ssize_t>(region.size()));
+    ::close(fd);
+  };
+  format::TensorRecord* gate = nullptr;
+  format::TensorRecord* up = nullptr;
+  for (format::TensorRecord& t : table.tensors) {
+    if (t.name == "blk.0.ffn_gate_exps.weight") gate = &t;
+    if (t.name == "blk.0.ffn_up_exps.weight") up = &t;
+  }
+  ASSERT_TRUE(gate != nullptr && up != nullptr);
+  up->arena_offset = gate->arena_offset;
+  up->checksum = gate->checksum;
+  for (bool identity_recomputed : {false, true}) {
+    SCOPED_TRACE(identity_recomputed ? "identity recomputed" : "identity as stored");
+    if (identity_recomputed) format::ComputeIdentity(table);
+    store(table);
+    ASSERT_EQ(Shell(testing::BinDir() + "/expert-arena verify " + arena, &out), 1) << out;
+    EXPECT_NE(out.find(arena + ": tensors blk.0.ffn_gate_exps.weight"), std::string::npos) << out;
+    EXPECT_NE(out.find("and blk.0.ffn_up_exps.weight (data offset"), std::string::npos) << out;
+    EXPECT_NE(out.find("overlap"), std::string::npos) << out;
+    Shell(testing::BinDir() + "/expert-arena info " + arena, &out);
+    EXPECT_NE(out.find("damaged"), std::string::npos) << out;
+    EXPECT_NE(out.find("overlap"), std::string::npos) << out;
+  }
+  ASSERT_EQ(ExpertArena({"load", "--model", model, "--arena", arena, "--json"}, &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "loaded") << out;
+  EXPECT_EQ(ExpertArena({"verify", arena}), 0);
+  EXPECT_EQ(ExpertArena({"rm", arena}), 0);
+}
+
+// --mode takes read and write bits only; write for every user needs --allow-world-writable, and
+// so does attaching to an arena file every user may write.
+TEST(CliLoadTest, ModesWithSpecialBitsAreRefusedAndWorldWritableIsAskedForByName) {
+  ScopedDir dir("cli-mode");
+  testing::ScopedArenaDir arenas("cli-mode");
+  const std::string model = dir.File("m.gguf");
+  const std::string arena = arenas.File("mode.arena");
+  ASSERT_EQ(ExpertArena({"gen-model", "--format", "gguf", "--out", model, "--layers", "1",
+                         "--experts", "2", "--hidden", "64", "--ffn", "64"}),
+            0);
+  const std::string load =
+      testing::BinDir() + "/expert-arena load --model " + model + " --arena " + arena;
+  std::string out;
+  for (const char* mode : {"4755", "0777", "2660", "0700"}) {
+    EXPECT_NE(Shell(load + " --mode " + mode, &out), 0) << out;
+    EXPECT_NE(out.find("no setuid, setgid, sticky or execute bit"), std::string::npos) << out;
+  }
+  EXPECT_NE(Shell(load + " --mode 0666", &out), 0) << out;
+  EXPECT_NE(out.find("file_mode 0666 lets every user write the arena"), std::string::npos) << out;
+  EXPECT_TRUE(arenas.entries().empty());
+  const std::vector<std::string> args = {"load", "--model", model, "--arena", arena, "--json"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), more.begin(), more.end());
+    return all;
+  };
+  ASSERT_EQ(ExpertArena(with({"--mode", "0666", "--allow-world-writable"}), &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "loaded") << out;
+  struct stat st {};
+  ASSERT_EQ(::stat(arena.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0666u);
+  EXPECT_NE(Shell(load, &out), 0) << out;
+  EXPECT_NE(out.find(arena + " has mode 0666: any user may write it"), std::string::npos) << out;
+  EXPECT_NE(out.find("chmod o-w " + arena), std::string::npos) << out;
+  ASSERT_EQ(ExpertArena(with({"--allow-world-writable"}), &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "attached") << out;
+  ASSERT_EQ(::chmod(arena.c_str(), 0600), 0);
+  ASSERT_EQ(ExpertArena(args, &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["role"], "attached") << out;
+  EXPECT_EQ(ExpertArena({"rm", arena}), 0);
+}
+
 // A small arena's start line prints MiB and ms, never "0.00 GiB" or "0.00 s"; info's page line
 // too.
 TEST(CliLoadTest, SmallSizesAndTimesPrintInUnitsThatShowThem) {
@@ -289,7 +390,9 @@ TEST(CliLoadTest, SmallSizesAndTimesPrintInUnitsThatShowThem) {
 }
 
 // rm of an arena that a process holds names it (pid and command, from /proc/locks' lock in the
-// holder's fdinfo), and so do info and ls; once it is gone rm removes the file.
+// holder's fdinfo), and so do info and ls; once it is gone rm removes the file. The holder runs
+// from a directory whose path alone is longer than the command shown: the program is named by
+// its base name, wherever it is installed or built.
 TEST(CliLoadTest, RmAndLsNameWhoHoldsTheArena) {
   ScopedDir dir("cli-holder");
   testing::ScopedArenaDir arenas("cli-holder");
@@ -299,12 +402,17 @@ TEST(CliLoadTest, RmAndLsNameWhoHoldsTheArena) {
                          "--experts", "2", "--hidden", "64", "--ffn", "64"}),
             0);
   const std::string tool = testing::BinDir() + "/expert-arena";
+  const std::string deep = dir.File(std::string(120, 'd'));
+  ASSERT_EQ(::mkdir(deep.c_str(), 0700), 0);
+  const std::string deep_tool = deep + "/expert-arena";
+  ASSERT_EQ(::symlink(tool.c_str(), deep_tool.c_str()), 0);
   testing::Child holder = testing::SpawnProgram(
-      "/bin/sh", {"-c", "exec " + tool + " load --model " + model + " --arena " + arena +
+      "/bin/sh", {"-c", "exec " + deep_tool + " load --model " + model + " --arena " + arena +
                             " --hold --json </dev/null"});
   ASSERT_TRUE(holder.WaitForOutput("\"role\"", 60)) << holder.Output();
-  // The command is cut after 80 bytes (with "..."): the tool's path and subcommand fit.
-  const std::string named = "pid " + std::to_string(holder.pid()) + " (" + tool + " load --model ";
+  // The command is cut after 80 bytes (with "..."): the program and its subcommand come first.
+  const std::string named =
+      "pid " + std::to_string(holder.pid()) + " (expert-arena load --model ";
   std::string out;
   EXPECT_EQ(Shell(tool + " rm " + arena, &out), 1);
   EXPECT_NE(out.find(arena + ": in use by " + named), std::string::npos) << out;

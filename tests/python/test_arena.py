@@ -367,6 +367,66 @@ def test_wait_timeout_is_a_timeout_error_and_open_releases_the_gil(gen_model, sh
         loader.wait(30)
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_an_unlimited_wait_timeout_waits_for_the_loader(gen_model, shm_path, timeout):
+    """wait_timeout=inf (or one too large for the clock) waits without a limit: it once made a
+    deadline in the past (an out-of-range conversion) and timed out within seconds. A loader
+    holds FILL for 4 s; the open waits for it and attaches to what it published."""
+    path = shm_path()
+    model = gen_model("gguf", "f32")
+    loader = subprocess.Popen([tool("python_peer"), "slow-load", "4", path, model],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert loader.stdout.readline().strip() == "publishing"
+        with expert_arena.open(model, shared_path=path, wait_timeout=timeout, quiet=True) as a:
+            assert a.report["role"] == "attached"
+        assert loader.wait(60) == 0, loader.stderr.read()
+    finally:
+        loader.kill()
+        loader.wait(30)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="wait_timeout"):
+            expert_arena.open(model, shared_path=path, wait_timeout=bad, quiet=True)
+
+
+@pytest.mark.parametrize("mode", [0o4777, 0o2660, 0o1600, 0o700, 0o744])
+def test_a_mode_with_bits_outside_0o666_is_refused(gen_model, shm_path, mode):
+    """setuid, setgid, sticky and execute bits on a file any engine writes through a mapping:
+    a root engine once made -rwsrwxrwx in /dev/shm. Refused before any file is made."""
+    path = shm_path()
+    with pytest.raises(ValueError, match="file_mode 0%o has bits outside 0666" % mode):
+        expert_arena.open(gen_model("gguf", "f32"), shared_path=path, file_mode=mode, quiet=True)
+    assert not os.path.exists(path)
+
+
+def test_a_world_writable_arena_only_when_asked_for_by_name(gen_model, shm_path):
+    """A mode that lets every user write the arena (0o666), and attaching to a file that every
+    user may write (chmod after it was made), are refused with the reason and the fix unless
+    allow_world_writable=True."""
+    model = gen_model("gguf", "f32")
+    path = shm_path()
+    with pytest.raises(ValueError, match="lets every user write the arena.*allow_world_writable"):
+        expert_arena.open(model, shared_path=path, file_mode=0o666, quiet=True)
+    assert not os.path.exists(path)
+    with expert_arena.open(model, shared_path=path, file_mode=0o666, allow_world_writable=True,
+                           quiet=True) as a:
+        assert a.report["role"] == "loaded"
+        assert os.stat(path).st_mode & 0o7777 == 0o666
+    os.chmod(path, 0o600)
+    with expert_arena.open(model, shared_path=path, quiet=True) as a:
+        assert a.report["role"] == "attached"
+    os.chmod(path, 0o646)  # made by hand: any user may now change every engine's bytes
+    with pytest.raises(PermissionError, match=r"mode 0646: any user may write it.*chmod o-w"):
+        expert_arena.open(model, shared_path=path, quiet=True)
+    with pytest.raises(PermissionError, match="any user may write it"):
+        expert_arena.attach(path)
+    with expert_arena.attach(path, allow_world_writable=True) as a:
+        assert a.report["role"] == "attached"
+    os.chmod(path, 0o4600)  # a setuid bit is refused whatever is allowed
+    with pytest.raises(PermissionError, match="setuid, setgid, sticky or execute"):
+        expert_arena.attach(path, allow_world_writable=True)
+
+
 def test_nospace_error_in_strict_streaming(stream_dir):
     with expert_arena.StreamProducer(stream_dir, "strict", segment_bytes=2 << 20, max_segments=1,
                                      strict=True, strict_wait_seconds=0.2, grow_ahead=False,

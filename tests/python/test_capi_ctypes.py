@@ -103,6 +103,34 @@ def test_ctypes_reports_a_missing_arena(lib, shm_path):
     assert path.encode() in lib.ea_last_error()
 
 
+def test_ctypes_refuses_a_mode_with_special_bits_and_a_world_writable_file(lib, gen_model,
+                                                                         shm_path):
+    """file_mode with a setuid or execute bit, or write for every user, is -EINVAL naming the
+    mode; attaching to a file every user may write is -EACCES."""
+    model = gen_model("gguf", "f32")
+    path = shm_path()
+    files = (ctypes.c_char_p * 1)(os.fsencode(model))
+    for mode, says in ((0o4777, b"file_mode 04777 has bits outside 0666"),
+                       (0o666, b"file_mode 0666 lets every user write the arena")):
+        params = OpenParams()
+        lib.ea_open_params_init_sized(ctypes.byref(params), ctypes.sizeof(params))
+        params.model_files = files
+        params.model_file_count = 1
+        params.shared_path = os.fsencode(path)
+        params.file_mode = mode
+        params.quiet = 1
+        handle = ctypes.c_void_p()
+        assert lib.ea_arena_open(ctypes.byref(params), ctypes.byref(handle)) == -22
+        assert says in lib.ea_last_error()
+        assert not os.path.exists(path)
+    with expert_arena.open(model, shared_path=path, quiet=True):
+        pass
+    os.chmod(path, 0o666)
+    rc, _ = ctypes_attach(lib, path)
+    assert rc == -13
+    assert b"any user may write it" in lib.ea_last_error()
+
+
 # ---- tensor streaming through the C ABI (expert_arena_stream.h) ----------------------------
 
 DESCRIPTOR_MAX = 4096  # EA_STREAM_DESCRIPTOR_MAX

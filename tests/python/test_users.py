@@ -49,3 +49,35 @@ def test_group_mode_whatever_the_umask_and_a_member_attaches(gen_model, shm_path
         assert r.returncode == 0, r.stderr
         role, got = r.stdout.split()
         assert role == "attached" and int(got) == want
+
+
+ATTACH_WORLD_WRITABLE = """
+import sys, expert_arena
+try:
+    with expert_arena.attach(sys.argv[1], allow_foreign_owner=True):
+        print("attached")
+except PermissionError as e:
+    print("refused:", e)
+with expert_arena.attach(sys.argv[1], allow_foreign_owner=True, allow_world_writable=True) as a:
+    print(a.report["role"])
+"""
+
+
+def test_another_user_does_not_attach_to_a_world_writable_arena_unless_asked(gen_model,
+                                                                             shm_path):
+    """An arena any user may write (chmod 0666 by hand after it was made): any user could
+    change the bytes under every engine, so an engine of another user refuses it, saying why and
+    how to fix it, unless it asks for it by name."""
+    if os.geteuid() != 0:
+        pytest.skip("attaching as another user needs root (setresuid)")
+    path = shm_path("users")
+    with expert_arena.open([gen_model()], shared_path=path, quiet=True):
+        pass
+    os.chmod(path, 0o666)
+    r = subprocess.run([sys.executable, "-c", ATTACH_WORLD_WRITABLE, path], env=child_env(),
+                       user=MEMBER, group=MEMBER, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    refused, attached = r.stdout.splitlines()
+    assert refused.startswith("refused: %s has mode 0666: any user may write it" % path), refused
+    assert "chmod o-w %s" % path in refused
+    assert attached == "attached"

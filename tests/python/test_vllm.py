@@ -450,3 +450,12 @@ def test_the_extra_config_is_checked():
         Settings.parse({"arena_dirr": "/dev/shm"})
     with pytest.raises(ValueError, match="huge is auto, on or off"):
         Settings.parse({"huge": "yes"})
+    # A mode with a setuid, setgid, sticky or execute bit never reaches a file.
+    for mode in ("4777", 0o2660, "0700"):
+        with pytest.raises(ValueError, match="file_mode .* has bits outside 0o666"):
+            Settings.parse({"file_mode": mode})
+    assert Settings.parse({"wait_timeout": "inf"}).wait_timeout == float("inf")
+    assert Settings.parse({"file_mode": "0666", "allow_world_writable": True}) \
+        .allow_world_writable
+    with pytest.raises(ValueError, match="allow_world_writable must be true or false"):
+        Settings.parse({"allow_world_writable": "yes"})

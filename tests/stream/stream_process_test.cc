@@ -441,8 +441,8 @@ TEST(StreamProcess, CliLsListsArenasAndSegmentsWithWhatHoldsThem) {
             std::string::npos)
       << out;
   // Who holds it, by pid and command (/proc/locks and the holder's fdinfo).
-  EXPECT_NE(out.find(held + ": in use by pid " + std::to_string(holder.pid()) + " (" + tool +
-                     " load --model "),
+  EXPECT_NE(out.find(held + ": in use by pid " + std::to_string(holder.pid()) +
+                     " (expert-arena load --model "),
             std::string::npos)
       << out;
   EXPECT_NE(out.find("owner pid " + std::to_string(dead.pid()) + " gone (sweep frees it)"),

@@ -1,6 +1,7 @@
 // The V2 arena format: round trips, multi-page tables, and every way a header can lie.
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "common/units.h"
@@ -10,6 +11,8 @@
 namespace expert_arena::format {
 namespace {
 
+// q8_0 tensors of about `bytes_each` bytes (whole 34-byte blocks of 32 elements: a tensor's
+// bytes are what its dtype and shape take).
 ArenaTable MakeTable(size_t tensors, uint64_t bytes_each) {
   ArenaTable table;
   table.sources.push_back({"/models/m.gguf", 123456789, 42});
@@ -18,8 +21,8 @@ ArenaTable MakeTable(size_t tensors, uint64_t bytes_each) {
     t.name =
         "blk." + std::to_string(i / 128) + ".ffn_up_exps." + std::to_string(i % 128) + ".weight";
     t.dtype = "q8_0";
-    t.shape = {4096, 1536};
-    t.bytes = bytes_each;
+    t.shape = {bytes_each / 34 * 32};
+    t.bytes = bytes_each / 34 * 34;
     t.source_offset = 1000 + i * bytes_each;
     t.checksum = 0x1234 + i;
     table.tensors.push_back(t);
@@ -195,6 +198,124 @@ TEST(TensorNameTest, EmptyAndControlBytesAreRefusedPrintableUtf8IsNot) {
             "the name holds the control byte 0x00 at byte 1 of 3");
   EXPECT_EQ(TensorNameProblem("a\x7f"), "the name holds the control byte 0x7f at byte 1 of 2");
   EXPECT_EQ(TensorNameProblem("tab\there"), "the name holds the control byte 0x09 at byte 3 of 8");
+}
+
+// A table edited by hand, every checksum computed again, as a hostile or careless editor of the
+// file would: the checksums prove nothing, the table is checked against itself.
+class EditedTableTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    table_ = MakeTable(4, 5000);
+    table_.tensors[1].name = "blk.0.ffn_gate_exps.weight";
+    table_.tensors[2].name = "blk.0.ffn_up_exps.weight";
+    table_.identity_text.clear();
+    ComputeIdentity(table_);
+  }
+  // Encodes `table` (checksums computed) and decodes it: the error, or "" when accepted.
+  std::string DecodeError(const ArenaTable& table) {
+    auto layout = ComputeLayout(table, kHugePageBytes);
+    EXPECT_TRUE(layout.ok());
+    std::vector<std::byte> header(layout->header_bytes);
+    EXPECT_OK(EncodeHeader(table, *layout, FileState::kPublished, 77, 88, 1, 2, header));
+    Status decoded = DecodeHeader(header, layout->file_bytes, "/dev/shm/edited.arena", nullptr,
+                                  nullptr);
+    auto view = TableView::Open(header, layout->file_bytes, "/dev/shm/edited.arena");
+    EXPECT_EQ(decoded.ok(), view.ok()) << "attach reads what verify reads";
+    if (decoded.ok()) return "";
+    EXPECT_EQ(decoded.code(), StatusCode::kCorrupt);
+    EXPECT_NE(decoded.message().find("/dev/shm/edited.arena"), std::string::npos);
+    return decoded.message();
+  }
+  ArenaTable table_;
+};
+
+TEST_F(EditedTableTest, TheTableAsMadeIsAccepted) { EXPECT_EQ(DecodeError(table_), ""); }
+
+// The gate and the up projection swap places: every range is still aligned and apart, but each
+// name would give the other's bytes. Only the identity, recomputed from the table, tells.
+TEST_F(EditedTableTest, SwappedOffsetsFailTheStoredIdentity) {
+  std::swap(table_.tensors[1].arena_offset, table_.tensors[2].arena_offset);
+  std::string error = DecodeError(table_);
+  EXPECT_NE(error.find("identity hash mismatch"), std::string::npos) << error;
+  EXPECT_NE(error.find("the table was changed after it was made"), std::string::npos) << error;
+}
+
+// The up projection given the gate's offset (the edit that was found): refused.
+TEST_F(EditedTableTest, TheSameOffsetTwiceIsRefused) {
+  table_.tensors[2].arena_offset = table_.tensors[1].arena_offset;
+  EXPECT_NE(DecodeError(table_), "");
+}
+
+TEST_F(EditedTableTest, OverlappingTensorsAreRefusedEvenWithTheIdentityRecomputed) {
+  table_.tensors[2].arena_offset = table_.tensors[1].arena_offset;
+  ComputeIdentity(table_);
+  std::string error = DecodeError(table_);
+  EXPECT_NE(error.find("tensors blk.0.ffn_gate_exps.weight (data offset " +
+                       std::to_string(table_.tensors[1].arena_offset)),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("and blk.0.ffn_up_exps.weight"), std::string::npos) << error;
+  EXPECT_NE(error.find("overlap"), std::string::npos) << error;
+  // Half way into the one before it.
+  table_.tensors[2].arena_offset = table_.tensors[1].arena_offset + 4096;
+  ComputeIdentity(table_);
+  EXPECT_NE(DecodeError(table_).find("overlap"), std::string::npos);
+  // Out of table order (sorted by offset to be found): the first tensor over the last.
+  ArenaTable reordered = MakeTable(4, 5000);
+  reordered.tensors[0].arena_offset = reordered.tensors[3].arena_offset;
+  ComputeIdentity(reordered);
+  error = DecodeError(reordered);
+  EXPECT_NE(error.find("blk.0.ffn_up_exps.0.weight"), std::string::npos) << error;
+  EXPECT_NE(error.find("blk.0.ffn_up_exps.3.weight"), std::string::npos) << error;
+  EXPECT_NE(error.find("overlap"), std::string::npos) << error;
+}
+
+TEST_F(EditedTableTest, AnOffsetOffTheAlignmentIsRefused) {
+  table_.tensors[3].arena_offset += 64;
+  ComputeIdentity(table_);
+  std::string error = DecodeError(table_);
+  EXPECT_NE(error.find("tensor blk.0.ffn_up_exps.3.weight at data offset"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("not aligned to 4096 bytes"), std::string::npos) << error;
+}
+
+TEST_F(EditedTableTest, AnUnknownDtypeOrOneThatDoesNotMakeTheBytesIsRefused) {
+  ArenaTable unknown = table_;
+  unknown.tensors[0].dtype = "q9_\x1b";
+  ComputeIdentity(unknown);
+  std::string error = DecodeError(unknown);
+  EXPECT_NE(error.find("tensor blk.0.ffn_up_exps.0.weight: dtype \"q9_\\x1b\" is not a GGUF, "
+                       "safetensors or raw type"),
+            std::string::npos)
+      << error;
+  ArenaTable wider = table_;
+  wider.tensors[0].dtype = "f32";  // the same bytes read as 4-byte floats: another shape
+  ComputeIdentity(wider);
+  error = DecodeError(wider);
+  EXPECT_NE(error.find("tensor blk.0.ffn_up_exps.0.weight: 4998 bytes, but f32 of its shape "
+                       "takes 18816"),
+            std::string::npos)
+      << error;
+  ArenaTable safetensors = table_;
+  safetensors.tensors[0].dtype = "U8";
+  safetensors.tensors[0].shape = {4998};
+  ComputeIdentity(safetensors);
+  EXPECT_EQ(DecodeError(safetensors), "");
+}
+
+// An engine-made table (the fingerprint is the identity hash) names dtypes in the engine's
+// words and its identity hashes the engine's spec, not the table: only the structure is
+// checked, overlaps included.
+TEST_F(EditedTableTest, AnEngineMadeTableIsCheckedForOverlapsNotForItsIdentity) {
+  ArenaTable engine = table_;
+  engine.identity_hash = engine.fingerprint = 0x5eed;
+  engine.tensors[0].dtype = "torch.float8_e4m3fn";
+  EXPECT_EQ(DecodeError(engine), "");
+  engine.tensors[2].arena_offset = engine.tensors[1].arena_offset;
+  EXPECT_NE(DecodeError(engine).find("overlap"), std::string::npos);
+  engine.tensors[2].arena_offset = table_.tensors[2].arena_offset;
+  engine.tensors[0].dtype = "";
+  EXPECT_NE(DecodeError(engine).find("is not 1 to 32 printable bytes"), std::string::npos);
 }
 
 TEST_F(CorruptHeaderTest, ShortHeader) {

@@ -46,6 +46,7 @@ struct LoadArgs {
   std::string peer_transport = "auto";
   std::string mode = "0600";
   bool allow_foreign_owner = false;
+  bool allow_world_writable = false;
 };
 
 // Blocks until SIGINT/SIGTERM arrives or stdin closes. Closing counts only for a stdin that
@@ -115,6 +116,7 @@ int RunLoad(const LoadArgs& args) {
   options.reader = *reader;
   options.file_mode = static_cast<mode_t>(std::strtoul(args.mode.c_str(), nullptr, 8));
   options.allow_foreign_owner = args.allow_foreign_owner;
+  options.allow_world_writable = args.allow_world_writable;
   options.progress = !args.json && isatty(STDERR_FILENO);
   options.from_peer = args.from_peer;
   options.peer_token = args.token;
@@ -222,6 +224,9 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
       ->check(FileModeValidator());
   cmd->add_flag("--allow-foreign-owner", args->allow_foreign_owner,
                 "Attach to an arena file owned by another user (a group-mode arena)");
+  cmd->add_flag("--allow-world-writable", args->allow_world_writable,
+                "Create (--mode 0666) or attach to an arena file every user may write; any "
+                "user could then change the bytes every engine reads");
   cmd->add_flag("--hold", args->hold, "Keep it mapped until SIGINT/SIGTERM or stdin closes");
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->add_option("--from-peer", args->from_peer,
