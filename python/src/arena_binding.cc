@@ -252,7 +252,8 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                   const std::string& reader, bool quiet, bool progress, uint64_t alignment,
                   const std::string& format, const std::string& from_peer,
                   const std::string& peer_token, double peer_stall_seconds,
-                  const std::string& peer_transport, const std::string& numa) {
+                  const std::string& peer_transport, const std::string& numa,
+                  bool peer_allow_no_token) {
   if (files.empty() && from_peer.empty()) {
     throw py::value_error("open(): model_files names no file (or give from_peer)");
   }
@@ -268,6 +269,7 @@ PyArena OpenArena(std::vector<std::string> files, std::optional<std::string> sha
                        allow_foreign_owner, pin_budget_bytes, reader, quiet, progress);
   options.from_peer = from_peer;
   options.peer_token = peer_token;
+  options.peer_allow_no_token = peer_allow_no_token;
   options.peer_stall_seconds = peer_stall_seconds;
   options.peer_transport = ParseTransportWord(peer_transport);
   if (Status s = ParseNumaPlacement(numa, &options.numa, &options.numa_node); !s.ok()) {
@@ -462,7 +464,8 @@ void BindArena(py::module_& m) {
         py::arg("pin_budget_bytes"), py::arg("reader"), py::arg("quiet"), py::arg("progress"),
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
         py::arg("peer_token") = "", py::arg("peer_stall_seconds") = 30.0,
-        py::arg("peer_transport") = "auto", py::arg("numa") = "auto");
+        py::arg("peer_transport") = "auto", py::arg("numa") = "auto",
+        py::arg("peer_allow_no_token") = false);
   py::class_<PyEngineWriter>(m, "EngineWriter")
       .def("__len__", &PyEngineWriter::Length)
       .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));

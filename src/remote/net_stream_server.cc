@@ -37,6 +37,7 @@
 
 #include "common/logging.h"
 #include "platform/process.h"
+#include "remote/front_door.h"
 #include "remote/net_control.h"
 #include "stream/stream_remote.h"
 
@@ -297,6 +298,9 @@ class NetStreamServer final : public StreamServer {
 }  // namespace
 
 Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions& options) {
+  EA_RETURN_IF_ERROR(CheckListenToken(options.listen, options.token, options.allow_no_token,
+                                      "stream listen", "listen_allow_no_token",
+                                      *ResolveLogger(options.logger)));
   EA_ASSIGN_OR_RETURN(std::string program, FindNetProcess());
   auto server = std::make_unique<NetStreamServer>(options);
   EA_RETURN_IF_ERROR(server->Start(program));

@@ -861,6 +861,7 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
     remote::StreamServerOptions so;
     so.listen = o.listen;
     so.token = o.listen_token;
+    so.allow_no_token = o.listen_allow_no_token;
     so.lease_seconds = o.remote_lease_seconds;
     so.directory = o.directory;
     so.spill_directory = o.spill_directory;
