@@ -151,12 +151,16 @@ struct ArenaOptions {
   // with them their layout must be the peer's. If the fill fails nothing is published and the
   // model files, when given, are read instead (the start line says so).
   std::string from_peer;
-  // The peer's shared token, when it asks for one.
+  // The peer's shared token. Without one the fill is refused (the model files, when given, are
+  // read instead) unless peer_allow_no_token: with no token nothing proves who answers at
+  // from_peer, and this process's UCX would take a worker address of that stranger's choice.
   std::string peer_token;
   // The longest wait for the peer (connect, answer, next chunk) before the fill is abandoned.
   double peer_stall_seconds = 30.0;
   // How the peer's bytes may cross (see PeerTransport).
   PeerTransport peer_transport = PeerTransport::kAuto;
+  // Fill from a peer without a token (a trusted private network only; docs/cross-host.md).
+  bool peer_allow_no_token = false;
 };
 
 enum class ArenaRole { kLoaded, kAttached, kPrivate };

@@ -168,6 +168,10 @@ struct StreamOptions {
   // When not empty, a remote consumer must present it (ConsumerOptions::remote_token) before
   // any byte is served.
   std::string listen_token;
+  // Listen on an address other than loopback without a listen_token. Refused by default: any
+  // host that reaches the address would be admitted (docs/cross-host.md); with this set, a
+  // warning says so. For a trusted private network.
+  bool listen_allow_no_token = false;
   // A remote consumer's share of a block is held for it while its endpoint lives and for at
   // most this many seconds after the block was served (then spent, as a release would).
   double remote_lease_seconds = 60.0;
@@ -187,6 +191,10 @@ struct ConsumerOptions {
   // bound on one remote open (connection, transfer) when the producer stops answering.
   std::string remote_token;
   double remote_timeout_seconds = 30.0;
+  // Open descriptors of a producer without a token. Refused by default: with no token nothing
+  // proves who answers at the descriptor's address, and this process's UCX would take a worker
+  // address of that stranger's choice (docs/cross-host.md). For a trusted private network.
+  bool remote_allow_no_token = false;
   std::shared_ptr<spdlog::logger> logger;
 };
 

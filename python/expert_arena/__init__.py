@@ -288,7 +288,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
          huge="auto", wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, *,
          gpu_required=False, pin_budget_bytes=0, reader="auto", alignment=4096, quiet=False,
          progress=None, format="auto", from_peer=None, peer_token=None, peer_stall_seconds=30.0,
-         peer_transport="auto", numa="auto", allow_world_writable=False) -> Arena:
+         peer_transport="auto", numa="auto", allow_world_writable=False,
+         peer_allow_no_token=False) -> Arena:
     """Loads a model's expert tensors, or attaches to the shared arena another engine loaded.
 
     Same semantics as `Arena::Open`: with `shared_path` (a file on tmpfs or hugetlbfs) the
@@ -306,7 +307,8 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
     over UCX, checking every tensor's checksum (docs/cross-host.md); `model_files` may then be
     empty (the peer's table is used), and when given, their layout must be the peer's and they
     are read if the fill fails (report["peer_note"] says why; report["peer_transport"] says how
-    the bytes crossed: "am" or "get"). `peer_token` is the peer's shared token;
+    the bytes crossed: "am" or "get"). `peer_token` is the peer's shared token; without one
+    the fill is refused unless `peer_allow_no_token` (nothing would prove who answers);
     `peer_stall_seconds` the longest wait for the peer before the fill is abandoned;
     `peer_transport` "auto", "am" (only ranges the peer checks and sends) or "get".
     docs/options.md lists every option as C++, C, the CLI and Python name it.
@@ -336,7 +338,7 @@ def open(model_files, shared_path=None, select=None, select_all=False, gpu="none
                           int(pin_budget_bytes), reader, bool(quiet), bool(progress),
                           int(alignment), format, from_peer or "", peer_token or "",
                           float(peer_stall_seconds), peer_transport, numa,
-                          bool(allow_world_writable))
+                          bool(allow_world_writable), bool(peer_allow_no_token))
     finally:
         _emit_logs()
     return Arena(core)
@@ -618,7 +620,7 @@ class StreamProducer:
                  huge="auto", copy_threads=0, grow_ahead=True, sweep_at_start=True,
                  quiet=False, lease_check_seconds=1.0, listen=None, listen_token=None,
                  remote_lease_seconds=60.0, non_temporal_copy_from=0,
-                 warning_interval_seconds=10.0, numa="auto"):
+                 warning_interval_seconds=10.0, numa="auto", listen_allow_no_token=False):
         if not lease_check_seconds >= 0:
             raise ValueError("StreamProducer(): lease_check_seconds must be >= 0 (0 checks "
                              "readers' leases at every reserve), got %r" % (lease_check_seconds,))
@@ -629,7 +631,8 @@ class StreamProducer:
             os.fsdecode(os.fspath(spill_directory)), huge, int(copy_threads), bool(grow_ahead),
             bool(sweep_at_start), bool(quiet), float(lease_check_seconds), listen or "",
             listen_token or "", float(remote_lease_seconds), int(non_temporal_copy_from),
-            float(warning_interval_seconds), "auto" if numa is None else numa)
+            float(warning_interval_seconds), "auto" if numa is None else numa,
+            bool(listen_allow_no_token))
         _emit_logs()
 
     def __enter__(self):
@@ -1075,12 +1078,12 @@ class StreamConsumer:
 
     def __init__(self, directory="/dev/shm", *, spill_directory="/var/tmp", gpu="none",
                  pin_budget_bytes=4 << 30, allow_foreign_owner=False, quiet=False,
-                 remote_token=None, remote_timeout_seconds=30.0):
+                 remote_token=None, remote_timeout_seconds=30.0, remote_allow_no_token=False):
         self._where = (os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)))
         self._core = _core.StreamConsumer(
             os.fsdecode(os.fspath(directory)), os.fsdecode(os.fspath(spill_directory)), gpu,
             int(pin_budget_bytes), bool(allow_foreign_owner), bool(quiet), remote_token or "",
-            float(remote_timeout_seconds))
+            float(remote_timeout_seconds), bool(remote_allow_no_token))
         _emit_logs()
 
     def __enter__(self):

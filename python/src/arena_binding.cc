@@ -335,7 +335,7 @@ PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_pat
                   const std::string& format, const std::string& from_peer,
                   const std::string& peer_token, double peer_stall_seconds,
                   const std::string& peer_transport, const std::string& numa,
-                  bool allow_world_writable) {
+                  bool allow_world_writable, bool peer_allow_no_token) {
   std::vector<std::string> files = FsBytesList(file_objects, "a model file");
   std::optional<std::string> shared_path;
   if (!shared_path_object.is_none()) shared_path = FsBytes(shared_path_object, "shared_path");
@@ -355,6 +355,7 @@ PyArena OpenArena(const py::sequence& file_objects, const py::object& shared_pat
   options.allow_world_writable = allow_world_writable;
   options.from_peer = from_peer;
   options.peer_token = peer_token;
+  options.peer_allow_no_token = peer_allow_no_token;
   options.peer_stall_seconds = peer_stall_seconds;
   options.peer_transport = ParseTransportWord(peer_transport);
   if (Status s = ParseNumaPlacement(numa, &options.numa, &options.numa_node); !s.ok()) {
@@ -558,7 +559,7 @@ void BindArena(py::module_& m) {
         py::arg("alignment"), py::arg("format"), py::arg("from_peer") = "",
         py::arg("peer_token") = "", py::arg("peer_stall_seconds") = 30.0,
         py::arg("peer_transport") = "auto", py::arg("numa") = "auto",
-        py::arg("allow_world_writable") = false);
+        py::arg("allow_world_writable") = false, py::arg("peer_allow_no_token") = false);
   py::class_<PyEngineWriter>(m, "EngineWriter")
       .def("__len__", &PyEngineWriter::Length)
       .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));

@@ -110,8 +110,10 @@ class PyProducer {
              bool grow_ahead, bool sweep_at_start, bool quiet, double lease_check_seconds,
              const std::string& listen, const std::string& listen_token,
              double remote_lease_seconds, uint64_t non_temporal_copy_from,
-             double warning_interval_seconds, const std::string& numa) {
+             double warning_interval_seconds, const std::string& numa,
+             bool listen_allow_no_token) {
     StreamOptions options;
+    options.listen_allow_no_token = listen_allow_no_token;
     if (Status s = ParseNumaPlacement(numa, &options.numa, &options.numa_node); !s.ok()) {
       throw py::value_error("StreamProducer(): numa=" + s.message());
     }
@@ -431,8 +433,10 @@ class PyConsumer {
  public:
   PyConsumer(const std::string& directory, const std::string& spill_directory,
              const std::string& gpu, uint64_t pin_budget_bytes, bool allow_foreign_owner,
-             bool quiet, const std::string& remote_token, double remote_timeout_seconds) {
+             bool quiet, const std::string& remote_token, double remote_timeout_seconds,
+             bool remote_allow_no_token) {
     ConsumerOptions options;
+    options.remote_allow_no_token = remote_allow_no_token;
     options.remote_token = remote_token;
     options.remote_timeout_seconds = remote_timeout_seconds;
     options.directory = directory;
@@ -629,7 +633,7 @@ void BindStream(py::module_& m) {
       .def(py::init<const std::string&, const std::string&, uint64_t, uint32_t, bool, double,
                     const std::string&, uint64_t, uint64_t, const std::string&, const std::string&,
                     uint32_t, bool, bool, bool, double, const std::string&, const std::string&,
-                    double, uint64_t, double, const std::string&>(),
+                    double, uint64_t, double, const std::string&, bool>(),
            py::arg("directory"), py::arg("logical_name"), py::arg("segment_bytes"),
            py::arg("max_segments"), py::arg("strict"), py::arg("strict_wait_seconds"),
            py::arg("gpu"), py::arg("pin_budget_bytes"), py::arg("block_alignment"),
@@ -637,7 +641,8 @@ void BindStream(py::module_& m) {
            py::arg("grow_ahead"), py::arg("sweep_at_start"), py::arg("quiet"),
            py::arg("lease_check_seconds"), py::arg("listen"), py::arg("listen_token"),
            py::arg("remote_lease_seconds"), py::arg("non_temporal_copy_from") = 0,
-           py::arg("warning_interval_seconds") = 10.0, py::arg("numa") = "auto")
+           py::arg("warning_interval_seconds") = 10.0, py::arg("numa") = "auto",
+           py::arg("listen_allow_no_token") = false)
       .def("put", &PyProducer::Put, py::arg("key"), py::arg("address"), py::arg("nbytes"),
            py::arg("dtype"), py::arg("shape"), py::arg("readers"))
       .def("put_many", &PyProducer::PutMany, py::arg("items"), py::arg("readers"))
@@ -681,10 +686,11 @@ void BindStream(py::module_& m) {
 
   py::class_<PyConsumer>(m, "StreamConsumer")
       .def(py::init<const std::string&, const std::string&, const std::string&, uint64_t, bool,
-                    bool, const std::string&, double>(),
+                    bool, const std::string&, double, bool>(),
            py::arg("directory"), py::arg("spill_directory"), py::arg("gpu"),
            py::arg("pin_budget_bytes"), py::arg("allow_foreign_owner"), py::arg("quiet"),
-           py::arg("remote_token"), py::arg("remote_timeout_seconds"))
+           py::arg("remote_token"), py::arg("remote_timeout_seconds"),
+           py::arg("remote_allow_no_token") = false)
       .def("open", &PyConsumer::Open)
       .def("open_summary", &PyConsumer::OpenSummary)
       .def("open_many_summary", &PyConsumer::OpenManySummary)

@@ -97,6 +97,7 @@ Result<std::unique_ptr<Arena::Impl>> FillFromPeer(const ModelSpec& model,
   PeerConnectOptions peer_options;
   peer_options.address = options.from_peer;
   peer_options.token = options.peer_token;
+  peer_options.allow_no_token = options.peer_allow_no_token;
   peer_options.stall_seconds = options.peer_stall_seconds;
   peer_options.transport = PeerTransportName(options.peer_transport);
   peer_options.logger = &log;

@@ -52,6 +52,7 @@ class PeerConnection {
 struct PeerConnectOptions {
   std::string address;  // HOST:PORT of the server
   std::string token;
+  bool allow_no_token = false;  // ArenaOptions::peer_allow_no_token
   // The longest wait for anything (connect, offer, a chunk) before the fill is abandoned.
   double stall_seconds = 30;
   std::string transport = "auto";  // "auto", "am" or "get"

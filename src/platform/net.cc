@@ -121,6 +121,20 @@ int RemainingMs(std::chrono::steady_clock::time_point deadline) {
 
 }  // namespace
 
+bool IsLoopback(const SocketAddress& address) {
+  const sockaddr* a = address.get();
+  if (a->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a);
+    return (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a);
+    if (IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr) && in6->sin6_addr.s6_addr[12] == 127;
+  }
+  return false;
+}
+
 std::string InterfaceOf(const SocketAddress& address) {
   ifaddrs* list = nullptr;
   if (getifaddrs(&list) != 0) return "";

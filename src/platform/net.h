@@ -33,6 +33,10 @@ uint16_t AddressPort(const sockaddr* address);
 // Waits up to timeout_ms for `fd` to be readable: true when it is, false on timeout or EINTR.
 Result<bool> WaitReadable(int fd, int timeout_ms);
 
+// Whether `address` is a loopback one (127.0.0.0/8, ::1, ::ffff:127.0.0.0/104): reachable from
+// this host only. A wildcard (0.0.0.0, ::) is not.
+bool IsLoopback(const SocketAddress& address);
+
 // The name of the network interface that holds `address` ("lo", "eth0"), or "" when none does
 // (a wildcard address, or one of another host).
 std::string InterfaceOf(const SocketAddress& address);

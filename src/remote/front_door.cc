@@ -329,7 +329,14 @@ void FrontDoorServer::Advance(Conn& c, const AdmitFn& admit) {
       c.state = Conn::State::kAddress;
       continue;
     }
-    // kAddress: the whole worker address is in.
+    // kAddress: the whole worker address is in. Even an authenticated peer's is checked
+    // before UCX sees it (an abort there would end the network process).
+    if (Status checked = CheckWorkerAddress(c.address, "peer " + c.peer); !checked.ok()) {
+      ++counters_.dropped;
+      log_->info("{} {}: {}; disconnected", name_, address_, checked.message());
+      c.done = true;
+      return;
+    }
     DoorAdmission admission;
     admission.peer = c.peer;
     admission.peer_host = c.host;
@@ -419,6 +426,119 @@ void FrontDoorServer::Wait(int extra_fd, int timeout_ms) {
   (void)platform::PollFds(fds.data(), fds.size(), std::min(timeout_ms, MsUntil(nearest) + 1));
 }
 
+Status CheckWorkerAddress(std::span<const std::byte> address, const std::string& what) {
+  auto bad = [&](const std::string& why) {
+    return Corrupt(what + " sent a UCX worker address that UCX would not take (" + why +
+                   "); not used");
+  };
+  if (address.size() < 2 || address.size() > kMaxWorkerAddressBytes) {
+    return bad(std::to_string(address.size()) + " bytes; 2.." +
+               std::to_string(kMaxWorkerAddressBytes));
+  }
+  // UCX 1.13's header (front_door.h): the version in the low nibble of the first byte.
+  constexpr uint8_t kVersionV1 = 0, kVersionV2 = 1;
+  constexpr uint8_t kFlagDebugInfo = 1, kFlagWorkerUuid = 2, kFlagClientId = 4;
+  constexpr uint8_t kKnownFlags = 0x0f;
+  const auto* b = reinterpret_cast<const uint8_t*>(address.data());
+  const uint8_t version = b[0] & 0x0f;
+  uint8_t flags = 0;
+  size_t at = 0;
+  if (version == kVersionV1) {
+    flags = b[0] >> 4;
+    at = 1;
+  } else if (version == kVersionV2) {
+    flags = b[1];
+    at = 2;
+  } else {
+    return bad("address version " + std::to_string(version) + "; UCX packs 0 or 1");
+  }
+  if ((flags & ~kKnownFlags) != 0) {
+    char text[8];
+    std::snprintf(text, sizeof text, "0x%02x", flags);
+    return bad(std::string("unknown header flags ") + text);
+  }
+  if (flags & kFlagWorkerUuid) at += 8;
+  if (flags & kFlagClientId) at += 8;
+  if ((flags & kFlagDebugInfo) && at < address.size()) at += 1 + b[at];
+  if (at >= address.size()) {
+    return bad("its header runs past its " + std::to_string(address.size()) + " bytes");
+  }
+  if (b[at] == 0xff) return bad("it names no transport");
+  return Status::Ok();
+}
+
+Status RequireDoorToken(std::string_view token, bool allow_no_token, const std::string& what,
+                        const std::string& how, const std::string& opt_in) {
+  if (!token.empty() || allow_no_token) return Status::Ok();
+  return PermissionDenied(
+      what + ": refused: no token given (" + how +
+      "): without one nothing proves who answers on that port, and this process would hand "
+      "its UCX a worker address of that stranger's choice; give the server's token, or set " +
+      opt_in + " to take an unauthenticated peer (a trusted private network only)");
+}
+
+Status CheckListenToken(const std::string& listen, std::string_view token, bool allow_no_token,
+                        const std::string& what, const std::string& opt_in, spdlog::logger& log) {
+  if (!token.empty()) return Status::Ok();
+  EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(listen));
+  if (platform::IsLoopback(address)) return Status::Ok();
+  if (!allow_no_token) {
+    return PermissionDenied(
+        what + " on " + listen +
+        " without a token: refused. Any host that reaches that address would be admitted and "
+        "could read what is served; give a token (--token, $EXPERT_ARENA_TOKEN, listen_token), "
+        "or " + opt_in + " on a trusted private network");
+  }
+  log.warn(
+      "{} on {} without a token ({}): any host that reaches that address is admitted and can "
+      "read what is served",
+      what, listen, opt_in);
+  return Status::Ok();
+}
+
+Result<DoorChallenge> ReadDoorChallenge(const DoorHello& hello, std::span<const std::byte> bytes,
+                                        std::string_view token, const std::string& what) {
+  auto challenge = ParseDoorChallenge(bytes);
+  if (!challenge.ok()) {
+    return Unsupported(what + " is not an expert-arena front door of this version (" +
+                       challenge.status().message() + ")");
+  }
+  if (challenge->status != static_cast<uint32_t>(DoorStatus::kOk)) {
+    return PermissionDenied(what + " refused: " + DoorStatusText(challenge->status));
+  }
+  auto expected = DoorProofOf(token, true, hello.service, hello.nonce, challenge->nonce);
+  if (!SameSecret(expected, challenge->proof)) {
+    return PermissionDenied(what +
+                            ": refused: wrong token: the server's proof does not match this "
+                            "token (give both sides the same token: --token, $EXPERT_ARENA_TOKEN)");
+  }
+  return challenge;
+}
+
+Result<DoorAdmit> ReadDoorAdmit(std::span<const std::byte> bytes, const std::string& what) {
+  auto admit = ParseDoorAdmit(bytes);
+  if (!admit.ok()) return Corrupt(what + ": " + admit.status().message());
+  if (admit->status != static_cast<uint32_t>(DoorStatus::kOk)) {
+    const std::string why = what + " refused: " + DoorStatusText(admit->status);
+    if (admit->status == static_cast<uint32_t>(DoorStatus::kBusy)) return Busy(why);
+    return PermissionDenied(why);
+  }
+  return admit;
+}
+
+Result<DoorEntry> ReadDoorEntry(const DoorAdmit& admit, std::span<const std::byte> address,
+                                const std::string& what) {
+  if (address.size() != admit.address_bytes) {
+    return Corrupt(what + ": a worker address of " + std::to_string(address.size()) +
+                   " bytes where the admit announced " + std::to_string(admit.address_bytes));
+  }
+  EA_RETURN_IF_ERROR(CheckWorkerAddress(address, what));
+  DoorEntry entry;
+  std::memcpy(entry.ticket.data(), admit.ticket, kDoorTicketBytes);
+  entry.worker_address.assign(address.begin(), address.end());
+  return entry;
+}
+
 Result<DoorEntry> FrontDoorConnect(const platform::SocketAddress& address, std::string_view token,
                                    DoorService service, std::span<const std::byte> worker_address,
                                    double timeout_seconds, const std::string& what) {
@@ -449,22 +569,9 @@ Result<DoorEntry> FrontDoorConnect(const platform::SocketAddress& address, std::
   std::byte buffer[sizeof(DoorChallenge)];
   s = platform::RecvAll(fd.get(), buffer, sizeof(DoorChallenge), MsUntil(deadline), what);
   if (!s.ok()) return silent(s);
-  auto challenge = ParseDoorChallenge(buffer);
-  if (!challenge.ok()) {
-    return Unsupported(what + " is not an expert-arena front door of this version (" +
-                       challenge.status().message() + ")");
-  }
-  if (challenge->status != static_cast<uint32_t>(DoorStatus::kOk)) {
-    return PermissionDenied(what + " refused: " + DoorStatusText(challenge->status));
-  }
-  auto expected = DoorProofOf(token, true, hello.service, hello.nonce, challenge->nonce);
-  if (!SameSecret(expected, challenge->proof)) {
-    return PermissionDenied(what +
-                            ": refused: wrong token: the server's proof does not match this "
-                            "token (give both sides the same token: --token, $EXPERT_ARENA_TOKEN)");
-  }
+  EA_ASSIGN_OR_RETURN(DoorChallenge challenge, ReadDoorChallenge(hello, buffer, token, what));
   DoorProof proof{kDoorMagic, static_cast<uint32_t>(worker_address.size()), 0, {}};
-  auto mine = DoorProofOf(token, false, hello.service, hello.nonce, challenge->nonce);
+  auto mine = DoorProofOf(token, false, hello.service, hello.nonce, challenge.nonce);
   std::memcpy(proof.proof, mine.data(), mine.size());
   std::vector<std::byte> message(sizeof proof + worker_address.size());
   std::memcpy(message.data(), &proof, sizeof proof);
@@ -474,20 +581,11 @@ Result<DoorEntry> FrontDoorConnect(const platform::SocketAddress& address, std::
   std::byte admit_bytes[sizeof(DoorAdmit)];
   s = platform::RecvAll(fd.get(), admit_bytes, sizeof admit_bytes, MsUntil(deadline), what);
   if (!s.ok()) return silent(s);
-  auto admit = ParseDoorAdmit(admit_bytes);
-  if (!admit.ok()) return Corrupt(what + ": " + admit.status().message());
-  if (admit->status != static_cast<uint32_t>(DoorStatus::kOk)) {
-    const std::string why = what + " refused: " + DoorStatusText(admit->status);
-    if (admit->status == static_cast<uint32_t>(DoorStatus::kBusy)) return Busy(why);
-    return PermissionDenied(why);
-  }
-  DoorEntry entry;
-  std::memcpy(entry.ticket.data(), admit->ticket, kDoorTicketBytes);
-  entry.worker_address.resize(admit->address_bytes);
-  s = platform::RecvAll(fd.get(), entry.worker_address.data(), entry.worker_address.size(),
-                        MsUntil(deadline), what);
+  EA_ASSIGN_OR_RETURN(DoorAdmit admit, ReadDoorAdmit(admit_bytes, what));
+  std::vector<std::byte> theirs(admit.address_bytes);
+  s = platform::RecvAll(fd.get(), theirs.data(), theirs.size(), MsUntil(deadline), what);
   if (!s.ok()) return silent(s);
-  return entry;
+  return ReadDoorEntry(admit, theirs, what);
 }
 
 }  // namespace expert_arena::remote

@@ -16,7 +16,8 @@
 // never crosses the wire. The client checks the server's proof before it sends its own. Then
 // both sides make UCX endpoints from the worker addresses (UCP_EP_PARAM_FIELD_REMOTE_ADDRESS),
 // and the client's first active message carries the ticket, which names its admission. No
-// token: the same exchange with an empty key (it proves nothing; docs say what that exposes).
+// token: the same exchange with an empty key (it proves nothing; docs say what that exposes),
+// which a client takes only when told to (RequireDoorToken).
 //
 // Bounds: the server reads at most the fixed size of the message it waits for (the worker
 // address only after the proof held, at most kMaxWorkerAddressBytes); a whole handshake has a
@@ -24,7 +25,8 @@
 // too many failed proofs in an interval is refused at accept until the interval passes (logged
 // once per peer per interval). Every socket is closed when its handshake ends.
 //
-// The message parsers are pure functions (tests/fuzz/front_door_fuzzer.cc).
+// The message parsers are pure functions (tests/fuzz/front_door_fuzzer.cc), and so is what a
+// client makes of the server's answers (tests/fuzz/front_door_client_fuzzer.cc).
 //
 // Thread-safety: a FrontDoorServer is used by one thread; FrontDoorConnect is reentrant.
 #pragma once
@@ -198,15 +200,60 @@ class FrontDoorServer {
   DoorCounters counters_;
 };
 
-// The client's side: connects to `address`, proves the token, checks the server's proof,
-// sends `worker_address` and returns the server's with the ticket. Every step is bounded by
-// `timeout_seconds`. Errors: kTimedOut (a silent server), kIoError (unreachable, reset),
-// kPermission (a wrong token on either side, throttled, or refused), kBusy (the server is full),
-// kUnsupported (another protocol version), all naming `what` (e.g. "peer 10.0.0.1:4791").
+// The structural check of a UCX worker address a peer sent, made before UCX sees it: UCX
+// unpacks a worker address without its length and asserts on what it does not expect (a wrong
+// version is `address.c:1051 Assertion '*addr_version == UCP_OBJECT_VERSION_V2'`, which aborts
+// the process). What UCX 1.13 packs (src/ucp/wireup/address.c): a header byte whose low 4 bits
+// are the address version (0: v1, its flags in the high 4 bits; 1: v2, its flags in a second
+// byte); flags above bit 3 unknown; then a worker uuid and a client id (8 bytes each) when
+// their flags say, a worker name (a length byte, then that many bytes) with the debug-info
+// flag, then the device list, which must name at least one device (0xff: none). The check
+// stops at the header: the device list is UCX's own business, and a peer that passes the check
+// has either proved the token or was let in by an explicit opt-in (docs/cross-host.md).
+// Errors: kCorrupt naming `what` and what is wrong.
+Status CheckWorkerAddress(std::span<const std::byte> address, const std::string& what);
+
+// A client refuses to go through the door without a token unless `allow_no_token`: with an
+// empty key the server's proof proves nothing, so whoever answers on that port would hand
+// this process's UCX a worker address of its choice. `how` names the setting that gives a
+// token (`remote_token`, `--token`) and `opt_in` the one that lifts the refusal. kPermission
+// naming `what`; Ok when a token is given or the opt-in is.
+Status RequireDoorToken(std::string_view token, bool allow_no_token, const std::string& what,
+                        const std::string& how, const std::string& opt_in);
+
+// A server (serve, a listening producer) on an address other hosts can reach, without a
+// token, would admit whoever reaches its port: refused (kPermission naming `what` and
+// `opt_in`) unless `allow_no_token`, and then a warning says what is exposed. Loopback
+// addresses are reachable from this host only and pass. kInvalidArgument for an address
+// that does not parse.
+Status CheckListenToken(const std::string& listen, std::string_view token, bool allow_no_token,
+                        const std::string& what, const std::string& opt_in, spdlog::logger& log);
+
+// What a client makes of the server's answers, as pure functions of the bytes received (the
+// steps of FrontDoorConnect; tests/fuzz/front_door_client_fuzzer.cc drives them):
+// - the challenge to `hello`: parsed, a refusal reported, the server's proof checked against
+//   `token` (kPermission when it does not hold);
+// - the admit: parsed, a refusal reported (kBusy, kPermission), else the size of the worker
+//   address that follows;
+// - that address, checked by CheckWorkerAddress.
+// Errors name `what` as FrontDoorConnect's do.
 struct DoorEntry {
   DoorTicket ticket{};
   std::vector<std::byte> worker_address;
 };
+Result<DoorChallenge> ReadDoorChallenge(const DoorHello& hello, std::span<const std::byte> bytes,
+                                        std::string_view token, const std::string& what);
+Result<DoorAdmit> ReadDoorAdmit(std::span<const std::byte> bytes, const std::string& what);
+Result<DoorEntry> ReadDoorEntry(const DoorAdmit& admit, std::span<const std::byte> address,
+                                const std::string& what);
+
+// The client's side: connects to `address`, proves the token, checks the server's proof,
+// sends `worker_address` and returns the server's (checked by CheckWorkerAddress) with the
+// ticket. Every step is bounded by `timeout_seconds`. Errors: kTimedOut (a silent server),
+// kIoError (unreachable, reset), kPermission (a wrong token on either side, throttled, or
+// refused), kBusy (the server is full), kUnsupported (another protocol version), kCorrupt (a
+// malformed admit or worker address), all naming `what` (e.g. "peer 10.0.0.1:4791"). Callers
+// check RequireDoorToken first.
 Result<DoorEntry> FrontDoorConnect(const platform::SocketAddress& address, std::string_view token,
                                    DoorService service, std::span<const std::byte> worker_address,
                                    double timeout_seconds, const std::string& what);

@@ -18,9 +18,15 @@
 // the same instance id, so descriptors handed out before open again. Counters add the dead
 // children's last counts; restarts() counts the restarts.
 //
-// Other threads call Aborted, Holds and counters: each is one request and its answer under
-// `mu_`, bounded by kRequestMs; a child that does not answer in time is killed (and restarted),
-// and the caller gets "nothing held" / the last counts: the engine never waits on it longer.
+// Other threads call Aborted and Holds: each is one request and its answer, bounded by
+// kRequestMs; a child that does not answer in time is killed (and restarted), and the caller
+// gets "nothing held": the engine never waits on it longer. counters() makes no request of its
+// own: it asks the supervisor for fresh counts and waits at most kCountersWaitMs for them, then
+// takes them as last read, so a stopped child costs a Stats() that long, not a request's bound.
+//
+// Locks: `io_mu_` serializes the requests on the control socket (and guards the socket's
+// lifetime: it is closed or replaced only under io_mu_); `mu_` guards the state and is never
+// held across a round trip. Order: io_mu_, then mu_.
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -37,6 +43,7 @@
 
 #include "common/logging.h"
 #include "platform/process.h"
+#include "remote/front_door.h"
 #include "remote/net_control.h"
 #include "stream/stream_remote.h"
 
@@ -46,6 +53,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kRequestMs = 5000;
+constexpr int kCountersWaitMs = 1000;
 constexpr int kReadyMs = 60000;
 constexpr double kStableSeconds = 60;
 
@@ -86,18 +94,18 @@ class NetStreamServer final : public StreamServer {
   uint64_t instance_id() const override { return instance_; }
 
   void Aborted(std::string_view key) override {
-    std::lock_guard lock(mu_);
-    // Told again to a restarted child, so that its opens of the key still say why.
-    aborted_keys_.emplace_back(key);
-    if (aborted_keys_.size() > 4096) aborted_keys_.pop_front();
-    if (up_) (void)RequestLocked("aborted " + std::string(key), /*answer=*/false);
+    {
+      std::lock_guard lock(mu_);
+      // Told again to a restarted child, so that its opens of the key still say why.
+      aborted_keys_.emplace_back(key);
+      if (aborted_keys_.size() > 4096) aborted_keys_.pop_front();
+    }
+    (void)Request("aborted " + std::string(key), /*answer=*/false);
   }
 
   std::vector<RemoteHold> Holds() override {
-    std::lock_guard lock(mu_);
     std::vector<RemoteHold> out;
-    if (!up_) return out;
-    auto answer = RequestLocked("holds", true);
+    auto answer = Request("holds", true);
     if (!answer.ok()) return out;
     std::istringstream in(*answer);
     std::string word;
@@ -108,8 +116,13 @@ class NetStreamServer final : public StreamServer {
   }
 
   DoorCounters counters() override {
-    std::lock_guard lock(mu_);
-    if (up_) RefreshCountersLocked();
+    std::unique_lock lock(mu_);
+    if (up_) {
+      const uint64_t want = ++refresh_wanted_;
+      wake_.notify_all();
+      (void)wake_.wait_for(lock, std::chrono::milliseconds(kCountersWaitMs),
+                           [&] { return refreshed_ >= want || stopping_ || !up_; });
+    }
     return Add(base_, last_);
   }
 
@@ -119,33 +132,46 @@ class NetStreamServer final : public StreamServer {
   }
 
  private:
-  // One request (and its answer when `answer`), under mu_ with the child up. A failure kills
-  // the child: the supervisor restarts it.
-  Result<std::string> RequestLocked(const std::string& message, bool answer) {
-    Status s = SendFrame(control_.get(), message, kRequestMs);
-    Result<std::string> reply = s.ok() && answer ? RecvFrame(control_.get(), kRequestMs)
+  // One request (and its answer when `answer`) to the child when it is up (kIoError
+  // otherwise), under io_mu_ only. A failure kills the child: the supervisor restarts it.
+  Result<std::string> Request(const std::string& message, bool answer) {
+    std::lock_guard io(io_mu_);
+    int fd = -1;
+    pid_t pid = -1;
+    {
+      std::lock_guard lock(mu_);
+      if (!up_) return Status(StatusCode::kIoError, "the network process is not running");
+      fd = control_.get();
+      pid = pid_;
+    }
+    Status s = SendFrame(fd, message, kRequestMs);
+    Result<std::string> reply = s.ok() && answer ? RecvFrame(fd, kRequestMs)
                                 : s.ok()         ? Result<std::string>(std::string())
                                                  : Result<std::string>(s);
     if (!reply.ok()) {
       // A closed channel is the child ending: the supervisor says how. A silent one is killed.
       if (reply.status().code() == StatusCode::kTimedOut) {
         log_->warn("stream server: network process pid {} did not answer \"{}\" ({}); killing it",
-                   pid_, SplitWord(message).first, reply.status().message());
+                   pid, SplitWord(message).first, reply.status().message());
       }
-      (void)platform::SignalProcess(pid_, SIGKILL);
-      up_ = false;
+      std::lock_guard lock(mu_);
+      if (pid_ == pid) {
+        (void)platform::SignalProcess(pid, SIGKILL);
+        up_ = false;
+      }
     }
     return reply;
   }
 
-  void RefreshCountersLocked() {
-    auto answer = RequestLocked("counters", true);
+  void RefreshCounters() {
+    auto answer = Request("counters", true);
     if (!answer.ok()) return;
     std::istringstream in(*answer);
     std::string word;
     DoorCounters c;
     in >> word >> c.admitted >> c.refused >> c.timed_out >> c.dropped >> c.auth_failed;
-    if (word == "counters" && in) last_ = c;
+    std::lock_guard lock(mu_);
+    if (word == "counters" && in && up_) last_ = c;
   }
 
   // Starts a child and waits for its "ready"; on success the child is up_ (under mu_).
@@ -196,6 +222,7 @@ class NetStreamServer final : public StreamServer {
                       "\" instead of ready");
     }
     auto [address, instance] = SplitWord(rest);
+    std::lock_guard io(io_mu_);
     std::lock_guard lock(mu_);
     if (address_.empty()) {
       address_ = std::string(address);
@@ -208,11 +235,13 @@ class NetStreamServer final : public StreamServer {
     return Status::Ok();
   }
 
-  // Waits `seconds` or until stopping; true when stopping.
-  bool WaitOrStop(double seconds) {
+  // Waits `seconds`, until stopping or until counts are asked for; true when stopping.
+  bool WaitOrStop(double seconds, bool or_counts = false) {
     std::unique_lock lock(mu_);
-    return wake_.wait_for(lock, std::chrono::duration<double>(seconds),
-                          [this] { return stopping_; });
+    (void)wake_.wait_for(lock, std::chrono::duration<double>(seconds), [&] {
+      return stopping_ || (or_counts && refresh_wanted_ > refreshed_);
+    });
+    return stopping_;
   }
 
   void Supervise(std::promise<Status>& first) {
@@ -225,15 +254,23 @@ class NetStreamServer final : public StreamServer {
     auto up_since = Clock::now();
     auto last_counts = Clock::now();
     while (true) {
-      if (WaitOrStop(0.05)) break;
+      if (WaitOrStop(0.05, /*or_counts=*/true)) break;
+      std::unique_lock io(io_mu_);
       std::unique_lock lock(mu_);
       std::optional<std::string> how;
       if (pid_ > 0) how = platform::ReapIfExited(pid_);
       if (!how) {
-        if (up_ && Clock::now() - last_counts > std::chrono::seconds(1)) {
-          RefreshCountersLocked();
+        const uint64_t wanted = refresh_wanted_;
+        if (up_ && (wanted > refreshed_ || Clock::now() - last_counts > std::chrono::seconds(1))) {
+          lock.unlock();
+          io.unlock();
+          RefreshCounters();  // a round trip: neither lock held meanwhile but its own
           last_counts = Clock::now();
+          lock.lock();
         }
+        // Answered, or the child did not answer (killed: the counts as last read).
+        refreshed_ = std::max(refreshed_, wanted);
+        wake_.notify_all();
         continue;
       }
       // The child ended: its counts so far stay, and the next one starts after the backoff.
@@ -248,7 +285,9 @@ class NetStreamServer final : public StreamServer {
       log_->warn("stream server: network process pid {} on {} ended ({}); remote opens fail "
                  "until it is restarted (in {} s); local consumers are not affected",
                  dead, address_, *how, backoff);
+      wake_.notify_all();  // counters() waiting for this child: the counts are final
       lock.unlock();
+      io.unlock();
       while (true) {
         if (WaitOrStop(backoff)) return;
         backoff = std::min(backoff * 2, kNetRestartMaxSeconds);
@@ -267,12 +306,14 @@ class NetStreamServer final : public StreamServer {
                  address_);
     }
     // Stopping: EOF tells the child to end (its holds end with it), then it is reaped.
+    std::unique_lock io(io_mu_);
     std::unique_lock lock(mu_);
     up_ = false;
     control_.Reset();
     const pid_t child = pid_;
     pid_ = -1;
     lock.unlock();
+    io.unlock();
     if (child > 0) (void)platform::StopChild(child, 5);
   }
 
@@ -282,8 +323,11 @@ class NetStreamServer final : public StreamServer {
   std::string address_;  // fixed by the first child
   uint64_t instance_ = 0;
   std::thread supervisor_;
-  std::mutex mu_;  // everything below
+  std::mutex io_mu_;  // requests on control_; control_ is closed or replaced under it too
+  std::mutex mu_;     // everything below
   std::condition_variable wake_;
+  uint64_t refresh_wanted_ = 0;  // counters() asked for fresh counts this many times
+  uint64_t refreshed_ = 0;       // the supervisor answered the asks up to this one
   bool stopping_ = false;
   bool up_ = false;
   pid_t pid_ = -1;
@@ -297,6 +341,9 @@ class NetStreamServer final : public StreamServer {
 }  // namespace
 
 Result<std::unique_ptr<StreamServer>> StartStreamServer(const StreamServerOptions& options) {
+  EA_RETURN_IF_ERROR(CheckListenToken(options.listen, options.token, options.allow_no_token,
+                                      "stream listen", "listen_allow_no_token",
+                                      *ResolveLogger(options.logger)));
   EA_ASSIGN_OR_RETURN(std::string program, FindNetProcess());
   auto server = std::make_unique<NetStreamServer>(options);
   EA_RETURN_IF_ERROR(server->Start(program));

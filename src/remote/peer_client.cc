@@ -237,6 +237,9 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
     return InvalidArgument("token of " + std::to_string(options.token.size()) + " bytes; at most " +
                            std::to_string(kMaxTokenBytes));
   }
+  EA_RETURN_IF_ERROR(RequireDoorToken(options.token, options.allow_no_token, "peer " + peer,
+                                      "--token, $EXPERT_ARENA_TOKEN, peer_token",
+                                      "--insecure-no-token (peer_allow_no_token)"));
   EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(peer));
   // A client that only takes am needs no RMA: its worker then answers no get of the server.
   EA_ASSIGN_OR_RETURN(st.ucx, UcxWorker::Create(options.transport != "am"));
@@ -268,7 +271,8 @@ Result<std::unique_ptr<PeerSource>> ConnectUcxPeer(const PeerOptions& options) {
   if (!door.ok()) {
     const StatusCode code = door.status().code();
     if (code == StatusCode::kPermission || code == StatusCode::kBusy ||
-        code == StatusCode::kTimedOut || code == StatusCode::kUnsupported) {
+        code == StatusCode::kTimedOut || code == StatusCode::kUnsupported ||
+        code == StatusCode::kCorrupt) {
       return door.status();
     }
     return Status(StatusCode::kIoError, "cannot reach peer " + peer + " (" +

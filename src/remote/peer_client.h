@@ -39,6 +39,8 @@ namespace expert_arena::remote {
 struct PeerOptions {
   std::string address;  // HOST:PORT of the server
   std::string token;
+  // Go through the front door without a token (RequireDoorToken in front_door.h).
+  bool allow_no_token = false;
   // The longest wait for anything (connect, offer, a chunk) before the fill is abandoned.
   double stall_seconds = 30;
   // "auto": the transport the server offers; "am" or "get": only that one (another is

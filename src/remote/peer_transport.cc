@@ -11,6 +11,7 @@ Result<std::unique_ptr<PeerConnection>> ConnectToPeer(const PeerConnectOptions& 
   remote::PeerOptions peer;
   peer.address = options.address;
   peer.token = options.token;
+  peer.allow_no_token = options.allow_no_token;
   peer.stall_seconds = options.stall_seconds;
   peer.transport = options.transport;
   peer.logger = options.logger;

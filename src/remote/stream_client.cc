@@ -145,6 +145,9 @@ Status Peer::Connect(const StreamPeerOptions& options) {
     return InvalidArgument("stream remote token of " + std::to_string(options.token.size()) +
                            " bytes; at most " + std::to_string(kStreamMaxTokenBytes));
   }
+  EA_RETURN_IF_ERROR(RequireDoorToken(options.token, options.allow_no_token,
+                                      "the stream producer at " + peer,
+                                      "the consumer's remote_token", "remote_allow_no_token"));
   EA_ASSIGN_OR_RETURN(platform::SocketAddress address, platform::ResolveHostPort(peer));
   EA_ASSIGN_OR_RETURN(ucx_, UcxWorker::Create(/*rma=*/false));
   auto set_handler = [&](uint32_t id, ucp_am_recv_callback_t cb) {
@@ -222,7 +225,8 @@ Status Peer::Connect(const StreamPeerOptions& options) {
   if (!entry.ok()) {
     const StatusCode code = entry.status().code();
     if (code == StatusCode::kPermission || code == StatusCode::kBusy ||
-        code == StatusCode::kTimedOut || code == StatusCode::kUnsupported) {
+        code == StatusCode::kTimedOut || code == StatusCode::kUnsupported ||
+        code == StatusCode::kCorrupt) {
       return entry.status();
     }
     return Status(StatusCode::kIoError,

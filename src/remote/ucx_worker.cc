@@ -1,6 +1,8 @@
 #include "remote/ucx_worker.h"
 
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "platform/net.h"
 
@@ -123,9 +125,13 @@ ucs_status_t CreateEndpoint(ucp_worker_h worker, ucp_ep_params_t params, ucp_err
 
 Status UcxWorker::ConnectToAddress(std::span<const std::byte> address, ucp_err_handler_t on_error,
                                    ucp_ep_h* ep, const std::string& what) {
+  // UCX unpacks a worker address without knowing its length: a short one makes it read on,
+  // and what it reads past the end is then zeros of this buffer, not whatever the heap holds.
+  std::vector<std::byte> padded(address.size() + 4096);
+  std::memcpy(padded.data(), address.data(), address.size());
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-  params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  params.address = reinterpret_cast<const ucp_address_t*>(padded.data());
   ucs_status_t s = CreateEndpoint(worker_, params, on_error, ep);
   if (s != UCS_OK) {
     *ep = nullptr;

@@ -497,6 +497,7 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
       remote::StreamPeerOptions po;
       po.address = d.remote;
       po.token = options.remote_token;
+      po.allow_no_token = options.remote_allow_no_token;
       po.timeout_seconds = options.remote_timeout_seconds;
       po.logger = log;
       auto connected = remote::ConnectStreamPeer(po);

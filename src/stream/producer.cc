@@ -718,16 +718,7 @@ StreamStats StreamProducer::Impl::StatsLocked() const {
   s.numa = placement.description;
   if (!numa_refused.empty()) s.numa += "; " + numa_refused;
   s.numa_node = placement.node;
-  if (server) {
-    const remote::DoorCounters c = server->counters();
-    s.remote_admitted = c.admitted;
-    s.remote_refused = c.refused;
-    s.remote_timed_out = c.timed_out;
-    s.remote_dropped = c.dropped;
-    s.remote_auth_failed = c.auth_failed;
-    s.remote_restarts = server->restarts();
-  }
-  return s;
+  return s;  // the remote counts are added by Stats(), outside the lock
 }
 
 // ---- StreamProducer ------------------------------------------------------------------------
@@ -861,6 +852,7 @@ Result<StreamProducer> StreamProducer::Create(const StreamOptions& options) {
     remote::StreamServerOptions so;
     so.listen = o.listen;
     so.token = o.listen_token;
+    so.allow_no_token = o.listen_allow_no_token;
     so.lease_seconds = o.remote_lease_seconds;
     so.directory = o.directory;
     so.spill_directory = o.spill_directory;
@@ -949,9 +941,11 @@ Result<std::string> StreamProducer::Put(std::string_view key, std::span<const st
 
 Result<uint64_t> StreamProducer::Abort(std::string_view key) {
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream abort"));
+  // Transfers in flight end refused. Told before the lock is taken: it is a message to the
+  // network process, and no call of this producer waits on that process.
+  if (impl_->server) impl_->server->Aborted(key);
   Impl::Lock lock(*impl_);
   auto it = impl_->keys.find(std::string(key));  // exact ownership: never a prefix
-  if (impl_->server) impl_->server->Aborted(key);  // transfers in flight end refused
   if (it == impl_->keys.end()) return uint64_t{0};
   std::vector<BlockRef> refs = it->second;
   uint64_t marked = 0;
@@ -989,10 +983,25 @@ Status StreamProducer::CheckProcess() const { return impl_->CheckProcess("stream
 Result<StreamStats> StreamProducer::Stats() {
   // In a forked child the figures would be the parent's, inherited: refused like every call.
   EA_RETURN_IF_ERROR(impl_->CheckProcess("stream stats"));
-  Impl::Lock lock(*impl_);
-  impl_->MaybeCheckLeases();
-  impl_->ReclaimMoved();
-  return impl_->StatsLocked();
+  StreamStats s;
+  {
+    Impl::Lock lock(*impl_);
+    impl_->MaybeCheckLeases();
+    impl_->ReclaimMoved();
+    s = impl_->StatsLocked();
+  }
+  // The network process' counts, asked for without the producer's lock: a stopped or hung
+  // process delays this call by its bounded wait, never a Put or Open of another thread.
+  if (impl_->server) {
+    const remote::DoorCounters c = impl_->server->counters();
+    s.remote_admitted = c.admitted;
+    s.remote_refused = c.refused;
+    s.remote_timed_out = c.timed_out;
+    s.remote_dropped = c.dropped;
+    s.remote_auth_failed = c.auth_failed;
+    s.remote_restarts = impl_->server->restarts();
+  }
+  return s;
 }
 
 Result<std::vector<PendingBlock>> StreamProducer::Pending() {

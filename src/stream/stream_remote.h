@@ -29,6 +29,8 @@ namespace expert_arena::remote {
 struct StreamServerOptions {
   std::string listen;  // "ADDR:PORT" (required; port 0: any free port)
   std::string token;   // checked before anything is served, when not empty
+  // No token on an address other than loopback (StreamOptions::listen_allow_no_token).
+  bool allow_no_token = false;
   double lease_seconds = 60;
   // The producer's directories: the server opens descriptors there like a local consumer, and
   // holds each remote consumer's share through that view.
@@ -104,6 +106,7 @@ class StreamPeer {
 struct StreamPeerOptions {
   std::string address;  // "ADDR:PORT"
   std::string token;
+  bool allow_no_token = false;  // ConsumerOptions::remote_allow_no_token
   double timeout_seconds = 30;
   std::shared_ptr<spdlog::logger> logger;
 };

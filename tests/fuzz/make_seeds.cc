@@ -13,6 +13,7 @@
 
 #include "expert_arena/stream.h"
 #include "format/arena_format.h"
+#include "remote/front_door.h"
 #include "generators/gguf_writer.h"
 #include "generators/safetensors_writer.h"
 #include "source/dtypes.h"
@@ -377,6 +378,11 @@ void StreamSeeds() {
   Write("descriptor", "remote", std::string(1, '\0') + remote.Encode());
   remote.remote = "10.0.0.1:4791; rm -rf /";
   Write("descriptor", "remote-bad-address-fixed", std::string(1, '\1') + remote.Encode());
+  // Signed as a producer with a listen_token signs (the target re-signs every input).
+  remote.remote = "10.0.0.1:4791";
+  Write("descriptor_signed", "remote", std::string(1, '\0') + remote.Encode("t0ken"));
+  Write("descriptor_signed", "local-other-token", std::string(1, '\2') + d.Encode("t0ken"));
+  Write("descriptor_signed", "no-mac-claimed", std::string(1, '\1') + remote.Encode());
 
   // A regular segment of 4 MiB of data, as CreateSegment writes its header.
   stream::SegmentHeader h{};
@@ -419,6 +425,35 @@ void StreamSeeds() {
   Write("segment_header", "too-many-slots", input);
 }
 
+// The client's side of the front door: flags | challenge | admit | the server's worker address.
+void FrontDoorClientSeeds() {
+  auto seed = [](uint8_t flags, uint32_t challenge_status, uint32_t admit_status,
+                 std::vector<uint8_t> address) {
+    std::string out(1, static_cast<char>(flags));
+    remote::DoorChallenge c{remote::kDoorMagic, remote::kDoorVersion, challenge_status, {}, {}};
+    remote::DoorAdmit a{remote::kDoorMagic, admit_status,
+                        static_cast<uint32_t>(admit_status == 0 ? address.size() : 0), {}};
+    out.append(reinterpret_cast<const char*>(&c), sizeof c);
+    out.append(reinterpret_cast<const char*>(&a), sizeof a);
+    out.append(address.begin(), address.end());
+    return out;
+  };
+  // UCX 1.13's packing (front_door.h): v2 with a worker uuid, then a device; v1 likewise.
+  std::vector<uint8_t> v2 = {0x01, 0x02, 1, 2, 3, 4, 5, 6, 7, 8, 0x00, 0x06, 0x01, 0x00};
+  std::vector<uint8_t> v1 = {0x20, 1, 2, 3, 4, 5, 6, 7, 8, 0x00, 0x06, 0x01, 0x00};
+  std::vector<uint8_t> random(200);
+  uint32_t x = 12345;
+  for (uint8_t& b : random) b = static_cast<uint8_t>((x = x * 1103515245 + 12345) >> 16);
+  random[0] = 0x0e;  // a version UCX asserts on (address.c:1051)
+  Write("front_door_client", "v2-proved", seed(2, 0, 0, v2));
+  Write("front_door_client", "v1-proved-token", seed(2 | 4, 0, 0, v1));
+  Write("front_door_client", "random-address-no-token", seed(2 | 8, 0, 0, random));
+  Write("front_door_client", "unproved", seed(0, 0, 0, v2));
+  Write("front_door_client", "busy", seed(2, 0, 2, {}));
+  Write("front_door_client", "wrong-token-challenge", seed(2, 1, 0, v2));
+  Write("front_door_client", "no-transport", seed(2 | 8, 0, 0, {0x01, 0x00, 0xff}));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -432,5 +467,6 @@ int main(int argc, char** argv) {
   ShardedSeeds();
   ArenaHeaderSeeds();
   StreamSeeds();
+  FrontDoorClientSeeds();
   return 0;
 }

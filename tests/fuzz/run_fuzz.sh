@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 
 seconds=${1:-20}
 jobs=${EXPERT_ARENA_JOBS:-2}
-read -r -a targets <<<"${EA_FUZZ_TARGETS:-gguf safetensors safetensors_index safetensors_sharded arena_header arena_table descriptor segment_header front_door}"
+read -r -a targets <<<"${EA_FUZZ_TARGETS:-gguf safetensors safetensors_index safetensors_sharded arena_header arena_table descriptor segment_header front_door front_door_client descriptor_signed}"
 
 # libFuzzer present? Link an empty target (the linker's temporaries go and come back).
 if ! command -v clang++ >/dev/null ||

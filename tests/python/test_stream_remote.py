@@ -2,8 +2,11 @@
 hold the producer's segments fetches the tensor over UCX, as one on another host does (the
 two-host cases are tests/remote/stream_remote_test.cc)."""
 
+import os
+import signal
 import tempfile
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -77,3 +80,59 @@ def test_nothing_listens_by_default(stream_dir):
                                      quiet=True) as p:
         assert p.remote_address == ""
         assert "remote" not in expert_arena.decode_descriptor(p.put("k", np.zeros(4)))
+
+
+def _net_process_of_this_process():
+    """The pid of the expert-arena-net child of this process (the newest, should an earlier
+    test's still be exiting)."""
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == me and name.startswith("expert-arena-ne"):
+            found.append(int(entry))
+    assert found, "no network process under pid %d" % me
+    return max(found)
+
+
+def _state(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def test_stopped_network_process_does_not_hold_up_stats_or_put(stream_dir):
+    """With the network process stopped (SIGSTOP), stats() and a put() in another thread both
+    return, with their values, while that process is still stopped: neither waited for a
+    request to it to time out (5 s, after which it is killed and restarted)."""
+    with _producer(stream_dir, listen_token="t0ken") as p, \
+            expert_arena.StreamConsumer(stream_dir, quiet=True) as c:
+        net = _net_process_of_this_process()
+        before = p.stats()
+        os.kill(net, signal.SIGSTOP)
+        try:
+            put = {}
+
+            def other_thread():
+                put["desc"] = p.put("while-stopped", np.full(4096, 7, dtype=np.int32))
+
+            t = threading.Thread(target=other_thread)
+            t.start()
+            stats = p.stats()
+            t.join(timeout=60)
+            assert not t.is_alive()
+            assert _state(net) == "T", "the stopped network process was killed or restarted"
+        finally:
+            os.kill(net, signal.SIGCONT)
+        assert stats["remote_restarts"] == 0
+        assert stats["live_blocks"] >= before["live_blocks"]
+        with c.open(put["desc"]) as tensor:
+            assert np.array_equal(tensor.numpy(), np.full(4096, 7, dtype=np.int32))

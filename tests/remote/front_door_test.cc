@@ -208,7 +208,8 @@ class FrontDoorTest : public ::testing::Test {
     testing::ScopedPath filled("filled");
     std::string out;
     ASSERT_EQ(Sh("env UCX_TLS=tcp " + Tool() + " load --arena " + filled.path() +
-                     " --from-peer " + server.address + (token.empty() ? "" : " --token " + token),
+                     " --from-peer " + server.address +
+                     (token.empty() ? " --insecure-no-token" : " --token " + token),
                  &out),
               0)
         << out;
@@ -314,7 +315,7 @@ TEST_F(FrontDoorTest, KilledNetworkProcessIsRestartedAndServesAgain) {
   std::string out;
   const auto killed = Clock::now();
   EXPECT_EQ(Sh("env UCX_TLS=tcp " + Tool() + " load --arena " + filled.path() +
-                   " --from-peer " + server.address + " --peer-stall-timeout 2",
+                   " --from-peer " + server.address + " --insecure-no-token --peer-stall-timeout 2",
                &out),
             1)
       << out;
@@ -350,7 +351,8 @@ TEST_F(FrontDoorTest, SilentPeerIsAnErrorAndTheFilesAreReadInstead) {
   testing::ScopedPath filled("silent");
   std::string out;
   const std::string load = "env UCX_TLS=tcp " + Tool() + " load --arena " + filled.path() +
-                           " --from-peer " + address + " --peer-stall-timeout 2";
+                           " --from-peer " + address +
+                           " --insecure-no-token --peer-stall-timeout 2";
   EXPECT_EQ(Sh(load, &out, 60), 1) << out;
   EXPECT_NE(out.find("did not answer"), std::string::npos) << out;
   EXPECT_FALSE(std::filesystem::exists(filled.path()));
@@ -440,7 +442,7 @@ TEST_F(FrontDoorTest, GetWithoutATokenIsRefused) {
   ASSERT_GT(server.port, 0) << server.child.Output();
   testing::ScopedPath refused("refused");
   EXPECT_EQ(Sh("env UCX_TLS=tcp " + Tool() + " load --arena " + refused.path() + " --from-peer " +
-                   server.address,
+                   server.address + " --insecure-no-token",
                &out),
             1);
   EXPECT_NE(out.find("wrong token"), std::string::npos) << out;

@@ -199,12 +199,11 @@ class PeerFillTest : public ::testing::TestWithParam<std::string> {
               out);
   }
 
-  // `serve --transport get` needs a token: the get cases' servers and loads share this one
-  // (an explicit --token wins over it).
-  static std::string Token() { return GetParam() == "get" ? "get-token" : ""; }
-  static std::string TokenEnv() {
-    return GetParam() == "get" ? "EXPERT_ARENA_TOKEN=" + Token() + " " : "";
-  }
+  // Every server and load shares this token (an explicit --token wins over it): `serve
+  // --transport get` needs one, a server on a namespace's address (not loopback) refuses to
+  // start without one, and a fill refuses a peer that proves none.
+  static std::string Token() { return GetParam() == "get" ? "get-token" : "fill-token"; }
+  static std::string TokenEnv() { return "EXPERT_ARENA_TOKEN=" + Token() + " "; }
 
   // SHA-256 of the data region of an arena on `host` (headers differ: loader, times).
   static std::string DataDigest(int host, const std::string& path) {

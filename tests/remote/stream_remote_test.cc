@@ -96,6 +96,7 @@ class StreamLoopbackTest : public ::testing::Test {
   ConsumerOptions Consumer(const std::string& token = "") {
     ConsumerOptions o = there_.Consumer();  // another directory: the segment is not there
     o.remote_token = token;
+    o.remote_allow_no_token = token.empty();  // loopback, no token: asked for by name
     o.remote_timeout_seconds = 20;
     return o;
   }
@@ -590,6 +591,7 @@ TEST_F(StreamLoopbackTest, ForgedOpenNamingAnotherAddressIsRefusedWithoutConnect
   remote::StreamPeerOptions po;
   po.address = producer->remote_address();
   po.timeout_seconds = 10;
+  po.allow_no_token = true;  // the producer has none (loopback)
   auto peer = remote::ConnectStreamPeer(po);
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
   std::vector<std::byte> into(d->length);
@@ -662,6 +664,7 @@ EA_CHILD_ROLE(stopped_reader) {
   o.directory = args[1];
   o.spill_directory = args[1];
   o.remote_timeout_seconds = 120;
+  o.remote_allow_no_token = true;  // the producer has none (loopback)
   auto consumer = StreamConsumer::Create(o);
   if (!consumer.ok()) return 3;
   auto messages = testing::ReadMessages(args[0]);
@@ -950,6 +953,7 @@ EA_CHILD_ROLE(xs_producer) {
   o.segment_bytes = 32ull << 20;
   o.max_segments = 4;
   o.listen = args[0];
+  o.listen_allow_no_token = true;  // the test's own network namespaces
   o.remote_lease_seconds = std::stod(args[2]);
   auto producer = StreamProducer::Create(o);
   if (!producer.ok()) {
@@ -1007,6 +1011,7 @@ EA_CHILD_ROLE(xs_consumer) {
   o.directory = dir;
   o.spill_directory = dir;
   o.remote_timeout_seconds = 60;  // the bound is the producer's death, not this
+  o.remote_allow_no_token = true;  // the test's own network namespaces, no token
   auto consumer = StreamConsumer::Create(o);
   if (!consumer.ok()) return 3;
   auto messages = testing::ReadMessages(args[0] + "/descs");

@@ -42,6 +42,7 @@ struct LoadArgs {
   uint64_t alignment = 4096;
   std::string from_peer;
   std::string token;
+  bool insecure_no_token = false;
   double peer_stall = 30;
   std::string peer_transport = "auto";
   std::string mode = "0600";
@@ -124,6 +125,7 @@ int RunLoad(const LoadArgs& args) {
     const char* token = std::getenv("EXPERT_ARENA_TOKEN");
     if (token != nullptr) options.peer_token = token;
   }
+  options.peer_allow_no_token = args.insecure_no_token;
   options.peer_stall_seconds = args.peer_stall;
   options.peer_transport = *transport;
   auto result = Arena::Open(model, options);
@@ -233,6 +235,9 @@ void RegisterLoad(CLI::App& app, int& exit_code) {
                   "Fill the arena from `expert-arena serve` at HOST:PORT over UCX (checksums "
                   "verified); with --model, falls back to the files if the fill fails");
   cmd->add_option("--token", args->token, "The peer's shared token (default: $EXPERT_ARENA_TOKEN)");
+  cmd->add_flag("--insecure-no-token", args->insecure_no_token,
+                "Fill from a peer without a token (refused otherwise: nothing would prove who "
+                "answers, and UCX here would take its worker address); trusted networks only");
   cmd->add_option("--peer-stall-timeout", args->peer_stall,
                   "Seconds without progress from the peer before the fill is abandoned");
   cmd->add_option("--peer-transport", args->peer_transport,

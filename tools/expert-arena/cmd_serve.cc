@@ -21,6 +21,8 @@
 #include "metrics/exposition.h"
 #include "platform/file.h"
 #include "platform/process.h"
+#include "common/logging.h"
+#include "remote/front_door.h"
 #include "remote/net_control.h"
 #include "remote/peer_server.h"
 
@@ -31,6 +33,7 @@ struct ServeArgs {
   std::string path;
   std::string listen = "127.0.0.1:0";
   std::string token;
+  bool insecure_no_token = false;
   double hello_timeout = 10;
   std::string transport = "am";
   bool json = false;
@@ -218,6 +221,14 @@ int RunServe(const ServeArgs& args) {
     const char* env = std::getenv("EXPERT_ARENA_TOKEN");
     if (env != nullptr) token = env;
   }
+  // Before anything is attached or started: an address other hosts reach needs a token.
+  Status exposed = remote::CheckListenToken(args.listen, token, args.insecure_no_token,
+                                            "expert-arena serve", "--insecure-no-token",
+                                            *ResolveLogger(nullptr));
+  if (!exposed.ok()) {
+    std::fprintf(stderr, "expert-arena serve: %s\n", exposed.message().c_str());
+    return 1;
+  }
   // SIGINT/SIGTERM are taken synchronously between rounds (the network process starts with
   // an empty mask and ignores SIGINT: this process stops it).
   sigset_t set;
@@ -396,6 +407,9 @@ void RegisterServe(CLI::App& app, int& exit_code) {
   cmd->add_option("--token", args->token,
                   "Shared token a peer must present before it is served (default: "
                   "$EXPERT_ARENA_TOKEN)");
+  cmd->add_flag("--insecure-no-token", args->insecure_no_token,
+                "Serve on an address other than loopback without a token (refused otherwise: "
+                "every host that reaches it could read the arena); trusted networks only");
   cmd->add_option("--hello-timeout", args->hello_timeout,
                   "Seconds a connected peer has to prove the token at the front door (and then to "
                   "send its first message)");
