@@ -123,12 +123,12 @@ for rate in $rates; do
     # Not through on(): $! must be the server itself (nsenter and env exec it), so that the
     # TERM below reaches it.
     nsenter --net=/run/netns/${tag}a --mount="$run/a.mnt" -- env UCX_TLS=tcp \
-      "$tool" serve /dev/shm/bench.arena --listen 10.213.250.1:0 --transport "$transport" --json \
+      "$tool" serve /dev/shm/bench.arena --listen 10.213.250.1:0 --token peer-fill-bench --transport "$transport" --json \
       >"$serve_out" 2>/dev/null &
     server=$!
     for i in $(seq 100); do grep -q port "$serve_out" && break; sleep 0.1; done
     port=$(json "j['port']" <"$serve_out")
-    fill=$(on b "$tool" load --arena /dev/shm/bench.arena --from-peer 10.213.250.1:$port --json)
+    fill=$(on b "$tool" load --arena /dev/shm/bench.arena --from-peer 10.213.250.1:$port --token peer-fill-bench --json)
     kill -TERM $server; wait $server || true
     rm -f "$serve_out"
     on b "$tool" verify /dev/shm/bench.arena >/dev/null

@@ -82,6 +82,9 @@ std::string Arg(int argc, char** argv, const char* name, const char* fallback) {
   return fallback;
 }
 
+// The token both roles share: a remote open without one is refused (docs/cross-host.md).
+constexpr const char* kBenchToken = "xstream-bench-token";
+
 int Produce(int argc, char** argv) {
   const std::string fifo = Arg(argc, argv, "--fifo", "");
   const int rounds = std::stoi(Arg(argc, argv, "--rounds", "20"));
@@ -91,6 +94,7 @@ int Produce(int argc, char** argv) {
   o.segment_bytes = 256ull << 20;
   o.max_segments = 4;
   o.listen = Arg(argc, argv, "--listen", "");
+  o.listen_token = kBenchToken;  // both sides share it, as a deployment must
   auto producer = StreamProducer::Create(o);
   if (!producer.ok()) {
     std::fprintf(stderr, "%s\n", producer.status().ToString().c_str());
@@ -147,6 +151,7 @@ int Consume(int argc, char** argv) {
   const std::string fifo = Arg(argc, argv, "--fifo", "");
   ConsumerOptions o;
   o.directory = Arg(argc, argv, "--dir", "/dev/shm");
+  o.remote_token = kBenchToken;
   auto consumer = StreamConsumer::Create(o);
   if (!consumer.ok()) return 1;
   int in = open((fifo + "/descs").c_str(), O_RDONLY);
