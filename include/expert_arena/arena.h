@@ -275,6 +275,14 @@ struct EngineArenaSpec {
   // Then fills every declared tensor in place (no second copy), before the library checksums
   // and publishes them. The views are valid only during the call.
   std::function<Status(std::span<const WritableTensor>)> fill;
+  // Publish only what runs (docs/engine-arenas.md): the arena this engine builds is filled and
+  // checked, then left "built" while the engine binds itself to its views and runs its first
+  // forwards on them; Arena::Confirm publishes it (the waiting engines attach then) and
+  // Arena::Abandon records the failure. An engine that dies before either leaves a build the
+  // next engine does not trust: it rebuilds it once, and after a second failure of the same
+  // identity every engine is refused with the first failure (no crash loop). false: published
+  // as soon as it is filled.
+  bool confirm_after_run = false;
 };
 
 class EXPERT_ARENA_EXPORT Arena {
@@ -320,6 +328,17 @@ class EXPERT_ARENA_EXPORT Arena {
   // its own memory is made writable and returned (a write changes this process's arena only).
   // Fails with the mmap error naming the file.
   Result<std::span<std::byte>> CopyOnWriteData() const;
+
+  // An engine-made arena this engine built with EngineArenaSpec::confirm_after_run, neither
+  // confirmed nor abandoned yet: the other engines wait for it.
+  bool awaiting_confirm() const;
+  // Publishes such an arena once the engine ran on its views; a no-op for any other arena.
+  // Fails with the mapping's error naming the file (the arena then stays unpublished).
+  Status Confirm();
+  // Records that the engine failed on such an arena: `reason` (escaped, cut to 240 bytes) is
+  // what the next engines report; the file is rebuilt once, then refused. A no-op for any other
+  // arena. Close the arena afterwards: while this engine maps it, nobody can rebuild it.
+  Status Abandon(std::string_view reason);
 
   struct Impl;
 

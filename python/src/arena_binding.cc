@@ -57,6 +57,27 @@ class PyArena {
 
   bool closed() const { return arena_ == nullptr; }
 
+  // Publish only what runs (Arena::Confirm / Abandon). Closed: nothing to confirm.
+  bool AwaitingConfirm() const { return arena_ != nullptr && arena_->awaiting_confirm(); }
+  void Confirm() {
+    const auto& arena = Get();
+    Status s = Status::Ok();
+    {
+      py::gil_scoped_release release;
+      s = arena->Confirm();
+    }
+    if (!s.ok()) RaiseStatus(s);
+  }
+  void Abandon(const std::string& reason) {
+    const auto& arena = Get();
+    Status s = Status::Ok();
+    {
+      py::gil_scoped_release release;
+      s = arena->Abandon(reason);
+    }
+    if (!s.ok()) RaiseStatus(s);
+  }
+
   void Close() {
     std::shared_ptr<Arena> arena = std::move(arena_);
     // Unmapping (and unregistering from a GPU) can take a while; views may still hold it.
@@ -351,11 +372,13 @@ PyArena OpenEngineArena(const std::string& path, const std::string& identity,
                         std::vector<std::string> files, uint64_t alignment, py::object declare,
                         py::object fill, const std::string& gpu, bool gpu_required,
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
-                        bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet) {
+                        bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
+                        bool confirm_after_run) {
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
                                           false);
   EngineArenaSpec spec;
+  spec.confirm_after_run = confirm_after_run;
   spec.identity = identity;
   spec.files = std::move(files);
   spec.alignment = alignment;
@@ -454,6 +477,9 @@ void BindArena(py::module_& m) {
       .def("shared_range", &PyArena::SharedRange)
       .def("region", &PyArena::Region, py::arg("offset"), py::arg("length"), py::arg("writable"))
       .def("close", &PyArena::Close)
+      .def("confirm", &PyArena::Confirm)
+      .def("abandon", &PyArena::Abandon, py::arg("reason"))
+      .def_property_readonly("awaiting_confirm", &PyArena::AwaitingConfirm)
       .def_property_readonly("closed", &PyArena::closed);
 
   m.def("open", &OpenArena, py::arg("files"), py::arg("shared_path"), py::arg("select"),
@@ -469,7 +495,8 @@ void BindArena(py::module_& m) {
   m.def("open_engine", &OpenEngineArena, py::arg("path"), py::arg("identity"), py::arg("files"),
         py::arg("alignment"), py::arg("declare"), py::arg("fill"), py::arg("gpu"),
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
-        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));
+        py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
+        py::arg("confirm_after_run") = false);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("attach", &AttachArena, py::arg("path"), py::arg("gpu"), py::arg("gpu_required"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"));

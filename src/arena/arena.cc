@@ -377,6 +377,7 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
   EA_ASSIGN_OR_RETURN(arena::EngineIdentity id, arena::IdentifyEngineArena(spec));
   arena::EngineFiller engine(spec, id);
   arena::ModelWant want{.engine_identity = id.hash, .filler = &engine};
+  if (spec.confirm_after_run) want.deferred.emplace();
   // The engine writes where it pleases: every page first (no pages made alongside).
   ArenaOptions engine_options = options;
   engine_options.pages_alongside_load = false;
@@ -395,6 +396,17 @@ Arena& Arena::operator=(Arena&& other) noexcept = default;
 Arena::~Arena() = default;
 
 ArenaRole Arena::role() const { return impl_->report.role; }
+
+bool Arena::awaiting_confirm() const { return impl_->awaiting_confirm; }
+
+Status Arena::Confirm() {
+  return arena::ConfirmBuild(*impl_).WithContext("publishing " + impl_->report.path);
+}
+
+Status Arena::Abandon(std::string_view reason) {
+  return arena::AbandonBuild(*impl_, reason).WithContext("recording the failed build of " +
+                                                         impl_->report.path);
+}
 const ArenaReport& Arena::report() const { return impl_->report; }
 size_t Arena::tensor_count() const {
   return impl_->view ? impl_->view->tensor_count() : impl_->table.tensors.size();

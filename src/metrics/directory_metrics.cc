@@ -63,7 +63,7 @@ void DeclareFamilies(Exposition& e) {
   e.Declare("expert_arena_reclaimable_bytes", "gauge",
             "Bytes of the directory that `expert-arena sweep` (unfinished arenas of a dead "
             "loader, segments of a dead owner) or `expert-arena rm` (published arenas no process "
-            "maps, damaged ones) would free, run as the files' owner.");
+            "maps, damaged ones, records of failed builds) would free, run as the files' owner.");
   e.Declare("expert_arena_unreadable_files", "gauge",
             "Files with the arena or segment magic that could not be read (permission, damage).");
 }
@@ -125,7 +125,11 @@ void AddArena(Exposition& e, const std::string& path,
   }
   const bool busy = a.in_use || a.loading_now;
   if (a.state == "loading (loader gone)" && !busy) totals.sweep_bytes += a.file_bytes;
-  if ((a.state == "published" || a.state == "damaged") && !busy) totals.rm_bytes += a.file_bytes;
+  // A failed build's record is kept by sweep (it stops a crash loop); rm frees it.
+  const bool failed_build = a.state == "build failed" || a.state == "built, never confirmed";
+  if ((a.state == "published" || a.state == "damaged" || failed_build) && !busy) {
+    totals.rm_bytes += a.file_bytes;
+  }
 }
 
 void AddSegment(Exposition& e, const std::string& path, DirectoryTotals& totals) {

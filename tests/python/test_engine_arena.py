@@ -41,6 +41,8 @@ ENGINE = textwrap.dedent("""
             self.tied = self.router
 
         def forward(self, x):
+            if mode == "fail-forward":
+                raise RuntimeError("the forward failed: NaN in the router")
             e = self.router(x).argmax(-1)
             h = torch.einsum("bh,bih->bi", x.to(self.w13.dtype), self.w13[e])
             g, u = h.chunk(2, -1)
@@ -123,6 +125,26 @@ def test_a_load_that_raises_publishes_nothing(shm_path, tmp_path):
     r = _result(_start(path, "raise", counter), 3)
     assert r["error"] == "RuntimeError" and "unreadable" in r["message"]
     assert not os.path.exists(path)
+    assert _result(_start(path, "run", counter))["role"] == "loaded"
+
+
+def test_a_build_whose_first_forward_fails_is_rebuilt_once_then_refused(shm_path, tmp_path):
+    """Publish only what runs: shared_module() publishes the arena it built after the module's
+    first forward returned. A build whose forward fails is not attached to by the next engine
+    (it builds again), and after a second failure engines are refused, not looped."""
+    path, counter = shm_path("engine-fails"), str(tmp_path / "loads")
+    for builds in (1, 2):
+        p = _start(path, "fail-forward", counter)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and "the forward failed" in err, (out, err)
+        assert _loads(counter) == builds  # built again, never attached
+    r = _result(_start(path, "run", counter), 3)
+    assert r["error"] == "ValueError" and "not building it a third time" in r["message"], r
+    if TORCH2:
+        # torch 2.1+ calls the confirming hook on the exception too: the failure is recorded.
+        assert "the forward failed: NaN in the router" in r["message"], r
+    assert _loads(counter) == 2
+    os.unlink(path)  # what the operator does once the cause is fixed
     assert _result(_start(path, "run", counter))["role"] == "loaded"
 
 
@@ -294,3 +316,4 @@ def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, sh
     restart = _first_line(restarted)
     restarted.communicate(timeout=60)
     assert restart["role"] == "attached" and restart["tokens"] == reference
+
