@@ -152,6 +152,18 @@ struct ArenaOptions {
   PeerTransport peer_transport = PeerTransport::kAuto;
 };
 
+// What the arena costs this process, from /proc/self/smaps of its mappings (Arena::Memory;
+// docs/deployment.md, "Memory per engine"). RSS counts a page once per mapping and per process
+// that maps it, so N engines show N times the arena; Pss shares each page among its mappings,
+// so the engines' Pss sums to the arena's resident size once.
+struct ArenaMemory {
+  uint64_t rss_bytes = 0;      // resident pages of this process's mappings of the arena
+  uint64_t pss_bytes = 0;      // this process's proportional share of them
+  uint64_t shared_bytes = 0;   // of pss_bytes, the arena's own pages (pss minus private_bytes)
+  uint64_t private_bytes = 0;  // pages only this process holds: copies a write made
+  uint64_t mappings = 0;       // 1, or 2 once CopyOnWriteData made the views' mapping
+};
+
 enum class ArenaRole { kLoaded, kAttached, kPrivate };
 EXPERT_ARENA_EXPORT const char* ArenaRoleName(ArenaRole role);
 
@@ -322,12 +334,20 @@ class EXPERT_ARENA_EXPORT Arena {
   // see the arena's pages, uncopied; a write copies the page it touches into this process and
   // never reaches the file, the GPU-registered mapping or another engine. Made on first call
   // (thread-safe), unmapped with the Arena; registered read-only with the arena's GPU, if any
-  // (pinned for writing, every page would be copied; a failure is a warning). On hugetlbfs it
+  // (pinned for writing, every page would be copied; a failure is a warning). Unless the
+  // arena's own mapping is registered with a GPU, the new mapping is populated (the file's
+  // pages, uncopied) and the arena's own data pages leave this process's page tables (they stay
+  // in the file; a read through data() faults them in again), so that RSS counts the arena
+  // once, not once per mapping. On hugetlbfs it
   // is MAP_NORESERVE (else the kernel reserves a huge page per page of the arena): a write takes
   // a free huge page, SIGBUS when the pool has none. A private arena has no file to map again:
   // its own memory is made writable and returned (a write changes this process's arena only).
   // Fails with the mmap error naming the file.
   Result<std::span<std::byte>> CopyOnWriteData() const;
+
+  // This process's memory for the arena now (ArenaMemory), read from /proc/self/smaps; an
+  // error naming the file where it cannot be read.
+  Result<ArenaMemory> Memory() const;
 
   // An engine-made arena this engine built with EngineArenaSpec::confirm_after_run, neither
   // confirmed nor abandoned yet: the other engines wait for it.

@@ -180,6 +180,16 @@ class Arena(_abc.Mapping):
         self._core.close()
         _emit_logs()
 
+    def memory(self) -> dict:
+        """What the arena costs this process now, from /proc/self/smaps of its mappings:
+        rss_bytes (resident pages, counted once per mapping and per process, so N engines
+        show N times the arena), pss_bytes (this process's proportional share: the engines'
+        Pss sums to the arena once), shared_bytes (of it, the arena's own pages),
+        private_bytes (pages only this process holds: copies a write made) and mappings (1, or
+        2 once views exist: the arena's own mapping, whose pages leave the page tables then,
+        and the views' copy-on-write one). docs/deployment.md, "Memory per engine"."""
+        return self._core.memory()
+
     @property
     def awaiting_confirm(self) -> bool:
         """True while this engine built the arena with confirm_after_run and neither

@@ -57,6 +57,25 @@ class PyArena {
 
   bool closed() const { return arena_ == nullptr; }
 
+  // ArenaMemory as a dict, read with the GIL released.
+  py::dict Memory() const {
+    const auto& arena = Get();
+    std::optional<Result<ArenaMemory>> m;
+    {
+      py::gil_scoped_release release;
+      m.emplace(arena->Memory());
+    }
+    if (!m->ok()) RaiseStatus(m->status());
+    const ArenaMemory& v = **m;
+    py::dict d;
+    d["rss_bytes"] = v.rss_bytes;
+    d["pss_bytes"] = v.pss_bytes;
+    d["shared_bytes"] = v.shared_bytes;
+    d["private_bytes"] = v.private_bytes;
+    d["mappings"] = v.mappings;
+    return d;
+  }
+
   // Publish only what runs (Arena::Confirm / Abandon). Closed: nothing to confirm.
   bool AwaitingConfirm() const { return arena_ != nullptr && arena_->awaiting_confirm(); }
   void Confirm() {
@@ -477,6 +496,7 @@ void BindArena(py::module_& m) {
       .def("shared_range", &PyArena::SharedRange)
       .def("region", &PyArena::Region, py::arg("offset"), py::arg("length"), py::arg("writable"))
       .def("close", &PyArena::Close)
+      .def("memory", &PyArena::Memory)
       .def("confirm", &PyArena::Confirm)
       .def("abandon", &PyArena::Abandon, py::arg("reason"))
       .def_property_readonly("awaiting_confirm", &PyArena::AwaitingConfirm)

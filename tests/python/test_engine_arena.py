@@ -317,3 +317,70 @@ def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, sh
     restarted.communicate(timeout=60)
     assert restart["role"] == "attached" and restart["tokens"] == reference
 
+
+MEMORY_ENGINE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import expert_arena
+
+    path = sys.argv[1]
+    data = np.arange(2 << 20, dtype=np.float32)  # 8 MiB
+
+    def fill(writer):
+        writer.write(0, data)
+
+    arena = expert_arena.open_engine(path, "memory-test 1", lambda: [("w", "F32", [data.size],
+                                     data.nbytes, 0)], fill, quiet=True)
+    t = arena.torch("w")
+    assert float(t[-1]) == data[-1] and float(t.sum()) > 0  # every page read
+    print(json.dumps({"role": arena.report["role"]}), flush=True)
+    for command in iter(sys.stdin.readline, ""):
+        if command.strip() == "write":
+            # A write through a plain tensor over the views: one page copied into this process.
+            t.as_subclass(torch.Tensor)[0] += 1
+        print(json.dumps(arena.memory()), flush=True)
+""")
+
+
+def test_memory_gives_each_engine_its_pss_based_shared_and_private_bytes(shm_path):
+    """Operators see the truth: an engine's arena.memory() is Pss-based (two engines' shares
+    sum to the file once), its RSS counts the arena once although the views have a mapping of
+    their own (on 650f833 the arena's own mapping stayed populated: RSS twice the arena), and a
+    write shows as private bytes of that engine only."""
+    path = shm_path("engine-memory")
+    engines = []
+
+    def ask(p, command="memory"):
+        p.stdin.write(command + "\n")
+        p.stdin.flush()
+        return json.loads(p.stdout.readline())
+
+    try:
+        roles = []
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", MEMORY_ENGINE, path],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=child_env())
+            engines.append(p)
+            roles.append(json.loads(p.stdout.readline())["role"])
+        assert sorted(roles) == ["attached", "loaded"], roles
+        file_bytes = os.path.getsize(path)
+        data_bytes = 8 << 20
+        first = [ask(p) for p in engines]  # both alive
+        for m in first:
+            assert m["mappings"] == 2 and m["private_bytes"] == 0, m
+            # Every page of the views is resident, and counted once.
+            assert data_bytes <= m["rss_bytes"] <= file_bytes, (m, file_bytes)
+            assert m["shared_bytes"] == m["pss_bytes"], m
+        pss = sum(m["pss_bytes"] for m in first)
+        assert data_bytes <= pss <= file_bytes, (pss, file_bytes)
+        assert pss < sum(m["rss_bytes"] for m in first)
+        after = ask(engines[1], "write")
+        assert after["private_bytes"] >= 4096, after
+        assert after["shared_bytes"] < first[1]["shared_bytes"], after
+        assert ask(engines[0])["private_bytes"] == 0
+    finally:
+        for p in engines:
+            p.stdin.close()
+            p.wait(timeout=60)
