@@ -163,6 +163,18 @@ struct ArenaOptions {
   bool peer_allow_no_token = false;
 };
 
+// What the arena costs this process, from /proc/self/smaps of its mappings (Arena::Memory;
+// docs/deployment.md, "Memory per engine"). RSS counts a page once per mapping and per process
+// that maps it, so N engines show N times the arena; Pss shares each page among its mappings,
+// so the engines' Pss sums to the arena's resident size once.
+struct ArenaMemory {
+  uint64_t rss_bytes = 0;      // resident pages of this process's mappings of the arena
+  uint64_t pss_bytes = 0;      // this process's proportional share of them
+  uint64_t shared_bytes = 0;   // of pss_bytes, the arena's own pages (pss minus private_bytes)
+  uint64_t private_bytes = 0;  // pages only this process holds: copies a write made
+  uint64_t mappings = 0;       // 1, or 2 once CopyOnWriteData made the views' mapping
+};
+
 enum class ArenaRole { kLoaded, kAttached, kPrivate };
 EXPERT_ARENA_EXPORT const char* ArenaRoleName(ArenaRole role);
 
@@ -286,6 +298,14 @@ struct EngineArenaSpec {
   // Then fills every declared tensor in place (no second copy), before the library checksums
   // and publishes them. The views are valid only during the call.
   std::function<Status(std::span<const WritableTensor>)> fill;
+  // Publish only what runs (docs/engine-arenas.md): the arena this engine builds is filled and
+  // checked, then left "built" while the engine binds itself to its views and runs its first
+  // forwards on them; Arena::Confirm publishes it (the waiting engines attach then) and
+  // Arena::Abandon records the failure. An engine that dies before either leaves a build the
+  // next engine does not trust: it rebuilds it once, and after a second failure of the same
+  // identity every engine is refused with the first failure (no crash loop). false: published
+  // as soon as it is filled.
+  bool confirm_after_run = false;
 };
 
 // A part of an arena's data region: [offset, offset + bytes), offsets as Arena::data()'s.
@@ -331,7 +351,11 @@ class EXPERT_ARENA_EXPORT Arena {
   // see the arena's pages, uncopied; a write copies the page it touches into this process and
   // never reaches the file, the GPU-registered mapping or another engine. Made on first call
   // (thread-safe), unmapped with the Arena; registered read-only with the arena's GPU, if any
-  // (pinned for writing, every page would be copied; a failure is a warning). On hugetlbfs it
+  // (pinned for writing, every page would be copied; a failure is a warning). Unless the
+  // arena's own mapping is registered with a GPU, the new mapping is populated (the file's
+  // pages, uncopied) and the arena's own data pages leave this process's page tables (they stay
+  // in the file; a read through data() faults them in again), so that RSS counts the arena
+  // once, not once per mapping. On hugetlbfs it
   // is MAP_NORESERVE (else the kernel reserves a huge page per page of the arena): a write takes
   // a free huge page, SIGBUS when the pool has none. A private arena has no file to map again:
   // its own memory is made writable and returned (a write changes this process's arena only).
@@ -349,6 +373,21 @@ class EXPERT_ARENA_EXPORT Arena {
   // [offset, offset + length) of the data region only, when given (clipped to it).
   Result<std::vector<ArenaRange>> PrivateCopies(bool changed_only = false, uint64_t offset = 0,
                                                 uint64_t length = UINT64_MAX) const;
+
+  // This process's memory for the arena now (ArenaMemory), read from /proc/self/smaps; an
+  // error naming the file where it cannot be read.
+  Result<ArenaMemory> Memory() const;
+
+  // An engine-made arena this engine built with EngineArenaSpec::confirm_after_run, neither
+  // confirmed nor abandoned yet: the other engines wait for it.
+  bool awaiting_confirm() const;
+  // Publishes such an arena once the engine ran on its views; a no-op for any other arena.
+  // Fails with the mapping's error naming the file (the arena then stays unpublished).
+  Status Confirm();
+  // Records that the engine failed on such an arena: `reason` (escaped, cut to 240 bytes) is
+  // what the next engines report; the file is rebuilt once, then refused. A no-op for any other
+  // arena. Close the arena afterwards: while this engine maps it, nobody can rebuild it.
+  Status Abandon(std::string_view reason);
 
   struct Impl;
 

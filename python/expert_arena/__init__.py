@@ -180,6 +180,41 @@ class Arena(_abc.Mapping):
         self._core.close()
         _emit_logs()
 
+    def memory(self) -> dict:
+        """What the arena costs this process now, from /proc/self/smaps of its mappings:
+        rss_bytes (resident pages, counted once per mapping and per process, so N engines
+        show N times the arena), pss_bytes (this process's proportional share: the engines'
+        Pss sums to the arena once), shared_bytes (of it, the arena's own pages),
+        private_bytes (pages only this process holds: copies a write made) and mappings (1, or
+        2 once views exist: the arena's own mapping, whose pages leave the page tables then,
+        and the views' copy-on-write one). docs/deployment.md, "Memory per engine"."""
+        return self._core.memory()
+
+    @property
+    def awaiting_confirm(self) -> bool:
+        """True while this engine built the arena with confirm_after_run and neither
+        confirm() nor abandon() was called: the other engines wait for it."""
+        return self._core.awaiting_confirm
+
+    def confirm(self) -> None:
+        """Publishes an arena this engine built with confirm_after_run, once the engine ran
+        on its views (publish only what runs, docs/engine-arenas.md); a no-op otherwise."""
+        try:
+            self._core.confirm()
+        finally:
+            _emit_logs()
+
+    def abandon(self, reason: str) -> None:
+        """Records that this engine failed on an arena it built with confirm_after_run:
+        `reason` (escaped, cut to 240 bytes) is what the next engines report. The next engine
+        of the identity rebuilds it once; after a second failure every engine is refused with
+        the first reason. Close the arena afterwards (while it is mapped, nobody can rebuild
+        it). A no-op for any other arena."""
+        try:
+            self._core.abandon(str(reason))
+        finally:
+            _emit_logs()
+
     def names(self):
         """Tensor names, in arena order."""
         return self._core.names()
@@ -365,7 +400,7 @@ def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
 def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu="none",
                 gpu_required=False, huge="auto", wait_timeout=600.0, file_mode=0o600,
                 allow_foreign_owner=False, pin_budget_bytes=0, quiet=False,
-                allow_world_writable=False) -> Arena:
+                allow_world_writable=False, confirm_after_run=False) -> Arena:
     """An arena of tensors this engine makes itself (fused, repacked, quantized): attaches when
     one of `identity` over the checkpoint `files` is published at `path` (waiting for an engine
     that is building it), else this engine builds it and publishes it (docs/engine-arenas.md).
@@ -378,12 +413,17 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
     `identity` names what makes the tensors what they are beyond the checkpoint (the engine
     and its version, the transform's settings, dtype, rank and world size); `files` are the
     checkpoint files or directories, fingerprinted by the library.
+
+    With `confirm_after_run`, an arena this engine builds is published only when it calls
+    `arena.confirm()` after its first forwards ran on the views (the others wait until then),
+    or marked failed by `arena.abandon(reason)`; see Arena.confirm.
     """
     try:
         core = _core.open_engine(os.fsdecode(os.fspath(path)), str(identity), _paths(files),
                                  int(alignment), declare, fill, gpu, bool(gpu_required), huge,
                                  float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
-                                 int(pin_budget_bytes), bool(quiet), bool(allow_world_writable))
+                                 int(pin_budget_bytes), bool(quiet), bool(allow_world_writable),
+                                 bool(confirm_after_run))
     finally:
         _emit_logs()
     return Arena(core)
@@ -476,9 +516,46 @@ def _bind_module(torch, module, arena):
     return module
 
 
+def _confirm_at_first_forward(module, arena, check=None):
+    """Publish only what runs: the arena this engine built is confirmed when the module's
+    first forward on its views returned (and `check()`, when given, accepted what the forward
+    left). A forward that raises, or a check that does, abandons the build with that error
+    (where torch calls hooks on exceptions, 2.1 and later; on older torch a raising forward
+    confirms nothing and the engine's exit leaves the build unconfirmed), so the next engine
+    rebuilds it once and the one after a second failure is refused with the first."""
+    import sys
+    handles = []
+
+    def done(mod, args, output):
+        if not handles:
+            return
+        raised = sys.exc_info()[1] if output is None else None
+        if raised is not None:
+            # Called by torch from the forward's exception handler (always_call), which
+            # iterates the hooks' dict itself: the hook is not removed there, only spent.
+            handles.clear()
+            arena.abandon("%s at the first forward: %s" % (type(raised).__name__, raised))
+            return
+        for h in handles:
+            h.remove()
+        handles.clear()
+        if check is not None:
+            try:
+                check()
+            except Exception as e:
+                arena.abandon("%s after the first forward: %s" % (type(e).__name__, e))
+                raise
+        arena.confirm()
+
+    try:
+        handles.append(module.register_forward_hook(done, always_call=True))
+    except TypeError:  # torch before 2.1
+        handles.append(module.register_forward_hook(done))
+
+
 def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="auto",
                   wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, quiet=False,
-                  alignment=4096):
+                  alignment=4096, confirm="forward"):
     """A torch module whose parameters and buffers are read-only views of one shared arena.
 
     Where the arena of `identity` over `files` is published at `path`, the module is built
@@ -490,7 +567,17 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
     module to the views and lets the private copies go. Concurrent engines build once; a build
     that raises or is killed publishes nothing. Returns the module; `module.expert_arena` is
     the Arena (its report says "loaded" or "attached"). Needs torch.
+
+    Publish only what runs: an arena this engine builds is published when `confirm` says.
+    "forward" (the default): after the module's first forward returned, on the arena's views;
+    the other engines wait until then, and a build whose engine fails first (it calls
+    `module.expert_arena.abandon(reason)`) or dies is rebuilt once, then refused with the first
+    failure. "explicit": when the engine calls `module.expert_arena.confirm()`. "filled": as
+    soon as it is filled (a build-only step that runs no forward).
     """
+    if confirm not in ("forward", "explicit", "filled"):
+        raise ValueError("shared_module(): confirm must be \"forward\", \"explicit\" or "
+                         "\"filled\", got %r" % (confirm,))
     torch = __import__("torch")
     built = {}
 
@@ -507,7 +594,8 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
 
     arena = open_engine(path, identity, declare, fill, files, alignment=alignment, gpu=gpu,
                         huge=huge, wait_timeout=wait_timeout, file_mode=file_mode,
-                        allow_foreign_owner=allow_foreign_owner, quiet=quiet)
+                        allow_foreign_owner=allow_foreign_owner, quiet=quiet,
+                        confirm_after_run=confirm != "filled")
     module = built.pop("module", None)
     built.clear()
     if module is None:
@@ -516,10 +604,18 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
                 module = make()
         else:
             module = make()
-    _bind_module(torch, module, arena)
+    try:
+        _bind_module(torch, module, arena)
+        check_private_copies(module, "shared_module(): after binding")
+    except Exception as e:
+        # A build this engine cannot bind itself to is a failed build, not a published one.
+        arena.abandon("%s: %s" % (type(e).__name__, e))
+        arena.close()
+        raise
     module.expert_arena = arena
+    if confirm == "forward" and arena.awaiting_confirm:
+        _confirm_at_first_forward(module, arena)
     _release_freed_memory()
-    check_private_copies(module, "shared_module(): after binding")
     return module
 
 

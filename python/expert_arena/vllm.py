@@ -287,6 +287,21 @@ def check_bound(model, views, when):
                                 if extra else "", LOAD_FORMAT))
 
 
+def check_in_arena(model, arena):
+    """Every tensor of `model` that the arena holds must still lie in its pages (CPU engines,
+    after the first forward, before the arena is published); ReplacedStorageError naming the
+    first ones otherwise."""
+    from . import _module_tensors
+    start, size = arena.data_range()
+    names = set(arena.names())
+    moved = [name for name, t, _, arena_name in _module_tensors(model)
+             if arena_name in names and not start <= t.data_ptr() < start + size]
+    if moved:
+        raise ReplacedStorageError(
+            "%s: after the first forward, vLLM replaced the storage of %s (a backend's repack or "
+            "a private copy); the arena is not published" % (LOAD_FORMAT, ", ".join(moved[:8])))
+
+
 def check_at_first_forwards(model, views, count=3):
     """vLLM's profile and warm-up runs come after load_model: check_bound runs again before
     each of the model's first `count` forwards, then the hook goes."""
@@ -331,7 +346,8 @@ def _loader_class():
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     import expert_arena
-    from . import _declare_module, _fill_module, _module_tensors, _release_freed_memory
+    from . import (_confirm_at_first_forward, _declare_module, _fill_module, _module_tensors,
+                   _release_freed_memory)
 
     # Under "vllm." so that vLLM's own handlers and format (VLLM_LOGGING_LEVEL) apply.
     logger = init_logger("vllm.expert_arena")
@@ -396,11 +412,26 @@ def _loader_class():
                 path, identity, declare, fill, files, gpu=gpu, huge=self.settings.huge,
                 wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
                 allow_foreign_owner=self.settings.allow_foreign_owner,
-                allow_world_writable=self.settings.allow_world_writable, quiet=True)
+                allow_world_writable=self.settings.allow_world_writable, quiet=True,
+                confirm_after_run=True)
             model = built.pop("model", None)
             built.clear()
             report = arena.report
             logger.info("%s: %s", LOAD_FORMAT, report["start_line"])
+            try:
+                return self._bind_and_run(vllm_config, model_config, prefix, arena, model,
+                                          device, offloader, started)
+            except BaseException as e:
+                # Publish only what runs: a build this engine could not bind itself to is
+                # recorded as failed (the next engine rebuilds it once), never published.
+                if arena.awaiting_confirm:
+                    arena.abandon("%s: %s" % (type(e).__name__, e))
+                raise
+
+        def _bind_and_run(self, vllm_config, model_config, prefix, arena, model, device,
+                          offloader, started):
+            on_cpu = device.type == "cpu"
+            report = arena.report
             if model is None:
                 # vLLM registers each attention layer by name once per process: only an engine
                 # that did not build makes the model here.
@@ -425,6 +456,16 @@ def _loader_class():
                 # offloader pinned on the host gives way to the arena's registered pages.
                 self._host_to_arena(model, arena)
             model.expert_arena = arena
+            if arena.awaiting_confirm:
+                # The loader returns before vLLM's profile and warm-up runs: the arena is
+                # published when the model's first forward returned on its views and left
+                # them bound; a forward that raises records the failure (docs/engines.md).
+                logger.info("%s: %s is published once this engine's first forward ran on it",
+                            LOAD_FORMAT, report["path"])
+                def ran_on_the_arena():
+                    check_in_arena(model, arena)
+                    check_private_copies(model, "after the first forward")
+                _confirm_at_first_forward(model, arena, ran_on_the_arena if on_cpu else None)
             _release_freed_memory()
             logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
                         time.monotonic() - started,

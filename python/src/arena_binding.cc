@@ -84,6 +84,46 @@ class PyArena {
 
   bool closed() const { return arena_ == nullptr; }
 
+  // ArenaMemory as a dict, read with the GIL released.
+  py::dict Memory() const {
+    const auto& arena = Get();
+    std::optional<Result<ArenaMemory>> m;
+    {
+      py::gil_scoped_release release;
+      m.emplace(arena->Memory());
+    }
+    if (!m->ok()) RaiseStatus(m->status());
+    const ArenaMemory& v = **m;
+    py::dict d;
+    d["rss_bytes"] = v.rss_bytes;
+    d["pss_bytes"] = v.pss_bytes;
+    d["shared_bytes"] = v.shared_bytes;
+    d["private_bytes"] = v.private_bytes;
+    d["mappings"] = v.mappings;
+    return d;
+  }
+
+  // Publish only what runs (Arena::Confirm / Abandon). Closed: nothing to confirm.
+  bool AwaitingConfirm() const { return arena_ != nullptr && arena_->awaiting_confirm(); }
+  void Confirm() {
+    const auto& arena = Get();
+    Status s = Status::Ok();
+    {
+      py::gil_scoped_release release;
+      s = arena->Confirm();
+    }
+    if (!s.ok()) RaiseStatus(s);
+  }
+  void Abandon(const std::string& reason) {
+    const auto& arena = Get();
+    Status s = Status::Ok();
+    {
+      py::gil_scoped_release release;
+      s = arena->Abandon(reason);
+    }
+    if (!s.ok()) RaiseStatus(s);
+  }
+
   void Close() {
     std::shared_ptr<Arena> arena = std::move(arena_);
     // Unmapping (and unregistering from a GPU) can take a while; views may still hold it.
@@ -443,13 +483,14 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
                         py::object fill, const std::string& gpu, bool gpu_required,
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
                         bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
-                        bool allow_world_writable) {
+                        bool allow_world_writable, bool confirm_after_run) {
   const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
                                           false);
   options.allow_world_writable = allow_world_writable;
   EngineArenaSpec spec;
+  spec.confirm_after_run = confirm_after_run;
   spec.identity = FsBytes(identity_object, "identity");
   spec.files = FsBytesList(file_objects, "a checkpoint file");
   spec.alignment = alignment;
@@ -550,6 +591,10 @@ void BindArena(py::module_& m) {
       .def("private_copies", &PyArena::PrivateCopies, py::arg("changed"))
       .def("private_tensors", &PyArena::PrivateTensors, py::arg("changed"))
       .def("close", &PyArena::Close)
+      .def("memory", &PyArena::Memory)
+      .def("confirm", &PyArena::Confirm)
+      .def("abandon", &PyArena::Abandon, py::arg("reason"))
+      .def_property_readonly("awaiting_confirm", &PyArena::AwaitingConfirm)
       .def_property_readonly("closed", &PyArena::closed);
 
   m.def("open", &OpenArena, py::arg("files"), py::arg("shared_path"), py::arg("select"),
@@ -567,7 +612,7 @@ void BindArena(py::module_& m) {
         py::arg("alignment"), py::arg("declare"), py::arg("fill"), py::arg("gpu"),
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
-        py::arg("allow_world_writable") = false);
+        py::arg("allow_world_writable") = false, py::arg("confirm_after_run") = false);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
         py::arg("changed"));

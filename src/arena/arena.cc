@@ -19,6 +19,7 @@
 #include "platform/kernel_features.h"
 #include "platform/numa.h"
 #include "platform/page_scan.h"
+#include "platform/process_memory.h"
 #include "platform/system_info.h"
 #include "source/model_fingerprint.h"
 
@@ -320,6 +321,18 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
   ReportKernel(r, ledger);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log.info("{}", r.StartLine());
+  // An arena meant for 2 MiB pages that got 4 KiB ones (fragmented memory at load, or a tmpfs
+  // without huge pages) costs every engine TLB misses and a GPU registration of 512 times the
+  // entries: a warning, not only a part of the start line (and a metric: `expert-arena
+  // metrics`' expert_arena_arena_page_size_bytes).
+  // (hugetlbfs pages are huge by construction.)
+  if (options.huge != HugePages::kOff && r.backing == "tmpfs" &&
+      2 * r.huge_bytes < r.mapped_bytes) {
+    log.warn("expert-arena: {} fell back to 4 KiB pages: {} of {} on 2 MiB pages{}; see "
+             "docs/page-backing.md to get 2 MiB pages (free memory, a hugetlbfs mount)",
+             r.path, FormatBytes(r.huge_bytes), FormatBytes(r.mapped_bytes),
+             r.huge_note.empty() ? "" : " (" + r.huge_note + ")");
+  }
   return Arena::Impl::Make(std::move(impl));
 }
 
@@ -400,6 +413,7 @@ Result<Arena> Arena::OpenEngine(const EngineArenaSpec& spec, const ArenaOptions&
   EA_ASSIGN_OR_RETURN(arena::EngineIdentity id, arena::IdentifyEngineArena(spec));
   arena::EngineFiller engine(spec, id);
   arena::ModelWant want{.engine_identity = id.hash, .filler = &engine};
+  if (spec.confirm_after_run) want.deferred.emplace();
   // The engine writes where it pleases: every page first (no pages made alongside).
   ArenaOptions engine_options = options;
   engine_options.pages_alongside_load = false;
@@ -418,6 +432,17 @@ Arena& Arena::operator=(Arena&& other) noexcept = default;
 Arena::~Arena() = default;
 
 ArenaRole Arena::role() const { return impl_->report.role; }
+
+bool Arena::awaiting_confirm() const { return impl_->awaiting_confirm; }
+
+Status Arena::Confirm() {
+  return arena::ConfirmBuild(*impl_).WithContext("publishing " + impl_->report.path);
+}
+
+Status Arena::Abandon(std::string_view reason) {
+  return arena::AbandonBuild(*impl_, reason).WithContext("recording the failed build of " +
+                                                         impl_->report.path);
+}
 const ArenaReport& Arena::report() const { return impl_->report; }
 size_t Arena::tensor_count() const {
   return impl_->view ? impl_->view->tensor_count() : impl_->table.tensors.size();
@@ -481,6 +506,21 @@ Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
     EA_ASSIGN_OR_RETURN(
         impl.copy_on_write,
         platform::Mapping::MapFileCopyOnWrite(impl.fd, impl.mapping.size(), alignment, hugetlbfs));
+    if (!impl.registration || impl.registration->report().registered_bytes == 0) {
+      // The views read the arena through the new mapping, populated here as the arena's own
+      // was when it opened (the file's pages, uncopied: no fault at the first forward); the
+      // arena's own mapping leaves the page tables, or RSS would count every page twice. Its
+      // pages stay in the file; a kernel that cannot drop hugetlb ranges (before 5.18) keeps
+      // them mapped, which costs nothing but the count.
+      Status populated = platform::AdviseRange(impl.copy_on_write.data() + impl.data_offset,
+                                               impl.table.data_bytes,
+                                               platform::Advice::kPopulateRead, impl.report.path);
+      if (populated.ok()) {
+        (void)platform::AdviseRange(impl.mapping.data() + impl.data_offset,
+                                    impl.table.data_bytes, platform::Advice::kDontNeed,
+                                    impl.report.path);
+      }
+    }
     if (impl.registration && impl.registration->report().registered_bytes > 0) {
       // Registered read-only: pinning with write intent would copy every page of a private
       // mapping. Pages a write copied later are not the pinned ones: a device copy then reads
@@ -543,6 +583,28 @@ Result<std::vector<ArenaRange>> Arena::PrivateCopies(bool changed_only, uint64_t
     }
   }
   return out;
+}
+
+Result<ArenaMemory> Arena::Memory() const {
+  const Impl& impl = *impl_;
+  ArenaMemory m;
+  auto add = [&m](const platform::Mapping& mapping) -> Status {
+    if (mapping.data() == nullptr) return Status::Ok();
+    EA_ASSIGN_OR_RETURN(platform::MemoryFigures f,
+                        platform::MemoryOfMappingsOverlapping(mapping.data(), mapping.size()));
+    m.rss_bytes += f.rss;
+    m.pss_bytes += f.pss;
+    m.private_bytes += f.anonymous;
+    ++m.mappings;
+    return Status::Ok();
+  };
+  EA_RETURN_IF_ERROR(add(impl.mapping));
+  {
+    std::lock_guard<std::mutex> lock(impl_->copy_on_write_mutex);
+    EA_RETURN_IF_ERROR(add(impl.copy_on_write));
+  }
+  m.shared_bytes = m.pss_bytes - std::min(m.pss_bytes, m.private_bytes);
+  return m;
 }
 
 }  // namespace expert_arena

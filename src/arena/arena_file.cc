@@ -5,6 +5,7 @@
 
 #include "arena/arena_locks.h"
 #include "arena/numa_placement.h"
+#include "arena/shared_protocol.h"
 #include "common/fault_points.h"
 #include "common/units.h"
 #include "load/loader.h"
@@ -99,6 +100,19 @@ Result<ArenaFileInfo> InspectArenaFile(const std::string& path, bool scan_pages,
   info.summary = format::SummarizeHeader(fixed);
   if (!info.summary.our_magic) {
     info.state = "not an arena";
+    return info;
+  }
+  if (info.summary.state == format::FileState::kBuilt && info.loading_now) {
+    info.state = "built, awaiting confirmation";
+    return info;
+  }
+  if (info.summary.state == format::FileState::kBuilt ||
+      info.summary.state == format::FileState::kFailed) {
+    // Its engine is gone or said it failed: engines of its identity rebuild it once, then
+    // refuse (docs/arena-protocol.md, "Publish only what runs").
+    info.state = info.summary.state == format::FileState::kFailed ? "build failed"
+                                                                   : "built, never confirmed";
+    info.problem = BuildFailure(info.summary);
     return info;
   }
   if (info.summary.state != format::FileState::kPublished) {
@@ -224,6 +238,23 @@ Result<ArenaSweepReport> SweepArenaFiles(const std::string& directory) {
     auto summary = ReadSummary(*fd, st->size);
     if (!summary.ok() || !summary->our_magic) continue;
     const std::string size = FormatBytes(st->size);
+    if (summary->state == format::FileState::kBuilt ||
+        summary->state == format::FileState::kFailed) {
+      // The record of a failed build is what stops engines of its identity from building and
+      // failing in a loop: the operator removes it (rm) once the cause is fixed.
+      report.kept.push_back(path);
+      auto building = platform::ByteIsLocked(*fd, kFillByte, platform::LockMode::kExclusive);
+      if (building.ok() && *building && summary->state == format::FileState::kBuilt) {
+        report.notes.push_back(path + ": built, its engine running its first forwards on it " +
+                               "before publishing it; left alone");
+        continue;
+      }
+      report.notes.push_back(path + ": a build that never ran (" + BuildFailure(*summary) +
+                             "), " + size + "; kept so that engines of its identity rebuild "
+                             "it once, then refuse (`expert-arena rm " + path +
+                             "` frees it)");
+      continue;
+    }
     if (summary->state == format::FileState::kPublished) {
       auto in_use = platform::ByteIsLocked(*fd, kUserByte, platform::LockMode::kExclusive);
       report.kept.push_back(path);

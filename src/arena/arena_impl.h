@@ -44,6 +44,13 @@ struct Arena::Impl {
   // registered), so that device copies from Python views are DMA too. Freed before it.
   std::unique_ptr<gpu::Registration> copy_on_write_registration;
   ArenaReport report;
+  // An engine-made arena built with EngineArenaSpec::confirm_after_run, until Arena::Confirm
+  // or Arena::Abandon: the file is in state kBuilt and `fd` still holds FILL, so every other
+  // engine waits.
+  bool awaiting_confirm = false;
+  uint32_t build_attempt = 0;
+  std::string first_failure;  // of the failed build this one replaced
+  uint64_t mapping_alignment = 0;
 
   std::span<const std::byte> data() const {
     return {mapping.data() + data_offset, table.data_bytes};
@@ -53,6 +60,22 @@ struct Arena::Impl {
 };
 
 namespace arena {
+
+// How an engine-made arena built by this engine is published (EngineArenaSpec::
+// confirm_after_run): only once its engine confirmed that it ran on it. `attempt` 2 is the
+// rebuild after a failed build of the same identity, whose message is `first_failure`.
+struct DeferredPublish {
+  uint32_t attempt = 1;
+  std::string first_failure;
+};
+
+// Publishes an arena awaiting its engine's confirmation (state kPublished, FILL let go); a
+// no-op for any other arena. Fails with the mapping's error naming the file.
+Status ConfirmBuild(Arena::Impl& impl);
+// Records that the engine's run on an arena awaiting confirmation failed with `reason` (state
+// kFailed, FILL let go): the next engine of the identity rebuilds it once, and the one after a
+// second failure is refused with the first failure. A no-op for any other arena.
+Status AbandonBuild(Arena::Impl& impl, std::string_view reason);
 
 // What an engine asks OpenShared for: a model (its spec, and its plan once made: a model with
 // a fingerprint is planned only when no published arena matches it), or, with a null `want`
@@ -68,6 +91,9 @@ struct ModelWant {
   // Plans the arena (MakePlan) and fills it when this engine loads (LoadFresh): the model
   // files, the engine's own writer, or a peer (arena_filler.h). Required.
   ArenaFiller* filler = nullptr;
+  // An engine-made arena published only after its engine ran on it (ConfirmBuild); the
+  // attempt and first failure are those of the failed build the protocol replaced.
+  std::optional<DeferredPublish> deferred;
   Status MakePlan();
 };
 

@@ -249,6 +249,9 @@ std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& d
   if (summary.version != format::kFormatVersion) {
     return "an arena of format version " + std::to_string(summary.version);
   }
+  if (summary.state == format::FileState::kBuilt || summary.state == format::FileState::kFailed) {
+    return "a build that never ran (" + BuildFailure(summary) + ")";
+  }
   if (summary.state != format::FileState::kPublished) return "an unfinished load";
   if (!decoded.ok()) return "a damaged arena (" + decoded.message() + ")";
   if (plan != nullptr) {
@@ -265,6 +268,21 @@ std::string WhyNotReusable(const format::HeaderSummary& summary, const Status& d
     }
   }
   return "";
+}
+
+std::string BuildFailure(const format::HeaderSummary& summary) {
+  if (summary.state == format::FileState::kFailed && !summary.build_failure.empty()) {
+    return summary.build_failure;
+  }
+  std::string why = "built by " +
+                    platform::DescribePid(summary.loader_pid, summary.loader_pid_namespace) +
+                    ", never confirmed: its engine exited or was killed before its first "
+                    "forwards ran on the arena";
+  // A rebuild carries the failure of the build before it.
+  if (!summary.build_failure.empty()) {
+    why += " (the build before it: " + summary.build_failure + ")";
+  }
+  return why;
 }
 
 const char* StepName(Step step) {
@@ -454,6 +472,34 @@ Decision Classify(const ModelWant* want, const FileFindings& found, const std::s
   const uint64_t size = found.size;
   Decision d;
   if (want != nullptr && plan == nullptr && want->engine_identity != 0) {
+    const format::HeaderSummary& summary = found.summary;
+    if (size > 0 && !found.read_only && summary.our_magic &&
+        summary.version == format::kFormatVersion &&
+        summary.identity_hash == want->engine_identity &&
+        (summary.state == format::FileState::kBuilt ||
+         summary.state == format::FileState::kFailed)) {
+      // A build of this arena whose engine failed, or died, before it confirmed (we hold FILL):
+      // nobody trusts it. Rebuilt once; after a second failure the first is reported, so that
+      // a fleet does not loop building and crashing.
+      const std::string failure = BuildFailure(summary);
+      if (summary.build_attempt >= 2) {
+        d.refusal = InvalidArgument(
+            path + ": the engine arena " + summary.identity_text +
+            " was built twice and its engine failed on it both times; not building it a third "
+            "time. " + (summary.build_failure.empty() ? failure : "The first failure: " +
+                                                                   summary.build_failure) +
+            ". Fix the cause, then remove the file (`expert-arena rm " + path +
+            "`) to build it again");
+        return d;
+      }
+      d.step = Step::kReplace;
+      d.held = "a build of this arena that never ran (" + failure + ")";
+      d.busy = path + " holds " + d.held + " and is in use by another engine; stop it, or " +
+               "give this engine another arena path";
+      d.failed_attempt = std::max<uint32_t>(1, summary.build_attempt);
+      d.first_failure = failure;
+      return d;
+    }
     // An engine-made arena: ours when published under our identity hash.
     const bool ours =
         size > 0 && why_not.empty() && found.summary.identity_hash == want->engine_identity;
@@ -572,7 +618,8 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
 Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan& plan,
                                                ArenaFiller& filler, const ArenaOptions& options,
                                                const platform::FilesystemInfo& fs,
-                                               const FillWait& wait, spdlog::logger& log) {
+                                               const FillWait& wait, spdlog::logger& log,
+                                               const DeferredPublish* deferred) {
   const std::string& path = file.path;
   platform::UniqueFd& fd = file.fd;
   const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
@@ -686,13 +733,30 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   s = CheckWritesReachedTheFile(fd, impl->mapping, impl->data_offset, impl->table.data_bytes);
   if (!s.ok()) return fail(s);
   fault_points::BeforePublish();
-  s = format::EncodeHeader(impl->table, *layout, format::FileState::kPublished, pid, ticks,
-                           created, UnixNanos(), header, pid_namespace);
+  // An engine-made arena that is published only once its engine ran on it stays "built", and
+  // FILL stays held (the waiters keep waiting) until ConfirmBuild.
+  s = format::EncodeHeader(
+      impl->table, *layout,
+      deferred != nullptr ? format::FileState::kBuilt : format::FileState::kPublished, pid, ticks,
+      created, deferred != nullptr ? 0 : UnixNanos(), header, pid_namespace);
+  if (s.ok() && deferred != nullptr) {
+    s = format::SetBuildState(header, format::FileState::kBuilt, 0, deferred->attempt,
+                              deferred->first_failure);
+  }
   if (!s.ok()) return fail(s);
   // Publish: USER exclusive -> shared in one call, then let the waiters in.
   auto user_shared = platform::TryLockByte(fd, kUserByte, platform::LockMode::kShared);
   if (!user_shared.ok()) return fail(user_shared.status());
-  EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
+  if (deferred == nullptr) EA_RETURN_IF_ERROR(platform::UnlockByte(fd, kFillByte));
+  if (deferred != nullptr) {
+    impl->awaiting_confirm = true;
+    impl->build_attempt = deferred->attempt;
+    impl->first_failure = deferred->first_failure;
+    impl->mapping_alignment = alignment;
+    log.info("expert-arena: {} built (attempt {}); published once this engine's first forwards "
+             "ran on it",
+             path, deferred->attempt);
+  }
   // Nobody writes a published arena: the loader's mapping becomes read-only like the others
   // (unless it is to be registered with a GPU: see MapWritableForGpu).
   EA_RETURN_IF_ERROR(MapWritableForGpu(options) ? ProtectHeader(*impl, fs)
@@ -722,6 +786,37 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   impl->report.wait_seconds = wait.Seconds();
   impl->report.waited_for_pid = wait.waited_for;
   return impl;
+}
+
+namespace {
+
+// Rewrites the fixed header of the file `impl` holds through a writable mapping of its own
+// (the arena's mapping is read-only; hugetlbfs has no write(2)), then lets FILL go.
+Status EndBuild(Arena::Impl& impl, format::FileState state, uint64_t published_unix_ns,
+                std::string_view failure) {
+  if (!impl.awaiting_confirm) return Status::Ok();
+  EA_ASSIGN_OR_RETURN(platform::Mapping header,
+                      platform::Mapping::MapFile(impl.fd, impl.mapping.size(), /*writable=*/true,
+                                                 impl.mapping_alignment));
+  EA_RETURN_IF_ERROR(format::SetBuildState(header.bytes().first(sizeof(format::HeaderFixed)),
+                                           state, published_unix_ns, impl.build_attempt,
+                                           failure));
+  impl.awaiting_confirm = false;
+  return platform::UnlockByte(impl.fd, kFillByte);
+}
+
+}  // namespace
+
+Status ConfirmBuild(Arena::Impl& impl) {
+  return EndBuild(impl, format::FileState::kPublished, UnixNanos(), "");
+}
+
+Status AbandonBuild(Arena::Impl& impl, std::string_view reason) {
+  const std::string text = impl.first_failure.empty()
+                               ? std::string(reason)
+                               : impl.first_failure + "; the rebuild failed too: " +
+                                     std::string(reason);
+  return EndBuild(impl, format::FileState::kFailed, 0, text);
 }
 
 Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOptions& options,
@@ -800,6 +895,10 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
         found = FileFindings();
         EA_RETURN_IF_ERROR(TakeUserExclusive(file, decision.busy));
         EA_RETURN_IF_ERROR(Replace(path, decision.held, log));
+        if (decision.failed_attempt > 0 && want != nullptr && want->deferred) {
+          want->deferred->attempt = decision.failed_attempt + 1;
+          want->deferred->first_failure = decision.first_failure;
+        }
         continue;  // closing the file drops our locks; the next round creates it anew
       case Step::kLoad:
         found = FileFindings();
@@ -809,7 +908,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
           (void)platform::UnlinkPath(path);  // nobody maps it: we hold USER exclusively
           return Internal(path + ": an arena wanted without a filler cannot be loaded");
         }
-        return LoadFresh(std::move(file), *want->plan, *want->filler, options, fs, wait, log);
+        return LoadFresh(std::move(file), *want->plan, *want->filler, options, fs, wait, log,
+                         want->deferred ? &*want->deferred : nullptr);
       case Step::kPlanHere:
         break;  // planned above: Classify does not ask twice
     }

@@ -70,6 +70,11 @@ struct FillWait {
 // another file meanwhile; open it again.
 Result<bool> WaitForFill(ArenaFile& file, FillWait& wait, spdlog::logger& log);
 
+// Why the build recorded in `summary` (state kBuilt or kFailed) did not publish: the failure its
+// engine recorded, or, for a build left built and never confirmed (its engine gone: FILL was
+// free), who built it.
+std::string BuildFailure(const format::HeaderSummary& summary);
+
 // What the engine holding FILL found in the file. A published header of this format version is
 // validated where it will be used: in a mapping of the whole file (`whole`, with `view` of its
 // table in place; nothing copied, no page populated).
@@ -110,6 +115,10 @@ struct Decision {
   Step step = Step::kRefuse;
   Status refusal = Status::Ok();  // kRefuse
   std::string held;               // kReplace: what the file held, for the log
+  // kReplace of a failed build of this engine-made arena (built, never confirmed, or failed):
+  // its attempt (1) and its first failure, carried into the rebuild's header.
+  uint32_t failed_attempt = 0;
+  std::string first_failure;
   // kReplace and kLoad need USER exclusively: the refusal when another engine maps the file.
   std::string busy;
 };
@@ -133,10 +142,14 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
 // Loads the empty file (holding FILL and USER exclusively) by `plan` with `filler`: layout,
 // cgroup charge, NUMA placement, pages, the loading header, the fill, the check that the writes
 // reached the file, publish. On any failure the file is unlinked (nobody else maps it) and
-// nothing is published. `plan`'s table is moved into the arena.
+// nothing is published. `plan`'s table is moved into the arena. With `deferred` (an
+// engine-made arena published only after its engine ran on it), the filled file is left in
+// state kBuilt with that build record, FILL still held: ConfirmBuild publishes it,
+// AbandonBuild records the failure, and an engine that dies leaves it built, never confirmed.
 Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan& plan,
                                                ArenaFiller& filler, const ArenaOptions& options,
                                                const platform::FilesystemInfo& fs,
-                                               const FillWait& wait, spdlog::logger& log);
+                                               const FillWait& wait, spdlog::logger& log,
+                                               const DeferredPublish* deferred = nullptr);
 
 }  // namespace expert_arena::arena

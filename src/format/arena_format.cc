@@ -178,6 +178,36 @@ Status EncodeHeader(const ArenaTable& table, const ArenaLayout& layout, FileStat
   return Status::Ok();
 }
 
+Status SetBuildState(std::span<std::byte> header, FileState state, uint64_t published_unix_ns,
+                     uint32_t build_attempt, std::string_view build_failure) {
+  HeaderFixed fixed{};
+  if (header.size() < sizeof fixed) return Internal("arena header too short for its build record");
+  std::memcpy(&fixed, header.data(), sizeof fixed);
+  if (std::memcmp(fixed.magic, kMagic, sizeof kMagic) != 0 || fixed.version != kFormatVersion) {
+    return Internal("not an arena header of this format");
+  }
+  fixed.state = static_cast<uint32_t>(state);
+  fixed.published_unix_ns = published_unix_ns;
+  fixed.build_attempt = build_attempt;
+  // Escaped byte by byte so that the cut never splits an escape; "..." marks a cut.
+  std::string text;
+  for (size_t i = 0; i < build_failure.size(); ++i) {
+    std::string one = EscapeForMessage(build_failure.substr(i, 1));
+    if (text.size() + one.size() > kBuildFailureBytes - 3) {
+      text += "...";
+      break;
+    }
+    text += one;
+  }
+  std::memset(fixed.build_failure, 0, sizeof fixed.build_failure);
+  std::memcpy(fixed.build_failure, text.data(), text.size());
+  fixed.build_failure_bytes = static_cast<uint32_t>(text.size());
+  fixed.header_checksum = 0;
+  fixed.header_checksum = XXH3_64bits(&fixed, sizeof fixed);
+  std::memcpy(header.data(), &fixed, sizeof fixed);
+  return Status::Ok();
+}
+
 HeaderSummary SummarizeHeader(std::span<const std::byte> bytes) {
   HeaderSummary summary;
   if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
@@ -196,6 +226,14 @@ HeaderSummary SummarizeHeader(std::span<const std::byte> bytes) {
   summary.identity_text = fixed.identity_text;
   summary.layout = {fixed.header_bytes, fixed.data_bytes, fixed.file_bytes};
   summary.engine_made = EngineMade(fixed);
+  summary.build_attempt = fixed.build_attempt;
+  // Written escaped; read as untrusted bytes, so escaped again where it is not printable ASCII
+  // (a clean message comes out unchanged, a forged one cannot drive a terminal).
+  const std::string_view failure(fixed.build_failure,
+                                 std::min<size_t>(fixed.build_failure_bytes, kBuildFailureBytes));
+  const bool clean = std::all_of(failure.begin(), failure.end(),
+                                 [](char c) { return c >= 0x20 && c < 0x7f; });
+  summary.build_failure = clean ? std::string(failure) : EscapeForMessage(failure);
   return summary;
 }
 

@@ -40,7 +40,21 @@ inline constexpr uint32_t kFormatVersion = 2;
 inline constexpr uint64_t kHeaderPageBytes = 2ull * 1024 * 1024;
 inline constexpr size_t kIdentityTextBytes = 512;
 
-enum class FileState : uint32_t { kEmpty = 0, kLoading = 1, kPublished = 2 };
+// kBuilt and kFailed are an engine-made arena's states between its fill and its publication
+// (docs/arena-protocol.md, "Publish only what runs"): kBuilt, filled and checked, while the
+// building engine (holding FILL) runs its first forwards on the arena's views; kFailed, the
+// building engine said its run failed (build_failure says why). Readers that predate them see
+// an unpublished file and replace it.
+enum class FileState : uint32_t {
+  kEmpty = 0,
+  kLoading = 1,
+  kPublished = 2,
+  kBuilt = 3,
+  kFailed = 4,
+};
+
+// Bytes of HeaderFixed::build_failure (the message is cut to fit, escaped).
+inline constexpr size_t kBuildFailureBytes = 240;
 
 struct HeaderFixed {
   char magic[8];
@@ -78,7 +92,12 @@ struct HeaderFixed {
   // The inode of the loader's PID namespace (/proc/self/ns/pid), so that an engine in another
   // container does not take loader_pid for one of its own processes; 0: not recorded.
   uint64_t loader_pid_namespace;
-  uint8_t reserved[296];
+  // The build record of an engine-made arena built after a failed build of the same identity
+  // (docs/arena_format.md): zero in other files and in files written before it.
+  uint32_t build_attempt;        // 1 for the first build; 2 for the rebuild after a failure
+  uint32_t build_failure_bytes;  // of build_failure, at most kBuildFailureBytes
+  char build_failure[kBuildFailureBytes];  // the first failure's message, escaped, no NUL
+  uint8_t reserved[48];
 };
 
 struct SourceEntry {
@@ -109,6 +128,7 @@ static_assert(sizeof(TensorEntry) == 128);
 static_assert(std::is_trivially_copyable_v<HeaderFixed>);
 static_assert(std::is_trivially_copyable_v<TensorEntry>);
 static_assert(offsetof(HeaderFixed, state) == 40, "state is read alone by waiting engines");
+static_assert(offsetof(HeaderFixed, build_attempt) == 728, "the build record is a later field");
 
 struct ArenaLayout {
   uint64_t header_bytes = 0;
@@ -140,7 +160,17 @@ struct HeaderSummary {
   std::string identity_text;
   ArenaLayout layout;
   bool engine_made = false;  // EngineMade() of the fixed header
+  uint32_t build_attempt = 0;
+  std::string build_failure;  // escaped again when read: a file is not trusted
 };
+// Rewrites the state and the build record of a header in place (`header` holds at least the
+// fixed part, whose checksum is recomputed; the table is not touched): how an engine-made
+// arena's builder publishes the arena it ran on (kPublished, with its publication time) or
+// records that its run failed (kFailed, with the first failure's message, escaped and cut to
+// kBuildFailureBytes). An error when `header` is not a header of this format.
+Status SetBuildState(std::span<std::byte> header, FileState state, uint64_t published_unix_ns,
+                     uint32_t build_attempt, std::string_view build_failure);
+
 // Reads the fixed part only (bytes may be shorter than the struct: a torn or tiny file).
 HeaderSummary SummarizeHeader(std::span<const std::byte> bytes);
 

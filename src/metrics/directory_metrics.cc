@@ -17,6 +17,7 @@
 #include "metrics/exposition.h"
 #include "platform/directory.h"
 #include "platform/file.h"
+#include "platform/mapping.h"
 #include "platform/system_info.h"
 
 namespace expert_arena {
@@ -36,6 +37,12 @@ void DeclareFamilies(Exposition& e) {
   e.Declare("expert_arena_arena_huge_page_bytes", "gauge",
             "Bytes of a published arena on huge pages of page_size (2MiB: tmpfs or hugetlbfs, "
             "1GiB: hugetlbfs), read from the page tables.");
+  e.Declare("expert_arena_arena_page_size_bytes", "gauge",
+            "The page size most of a published arena's bytes really got, from the page tables: "
+            "2097152 or 1073741824 on huge pages, 4096 where it fell back to small pages "
+            "(fragmented memory at load, a tmpfs without huge pages).");
+  e.Declare("expert_arena_arena_small_page_bytes", "gauge",
+            "Bytes of a published arena on small (4 KiB) pages, read from the page tables.");
   e.Declare("expert_arena_arena_node_bytes", "gauge",
             "Bytes of a published arena on each NUMA node, from numa_maps (hosts with several "
             "nodes only; docs/numa.md).");
@@ -63,7 +70,7 @@ void DeclareFamilies(Exposition& e) {
   e.Declare("expert_arena_reclaimable_bytes", "gauge",
             "Bytes of the directory that `expert-arena sweep` (unfinished arenas of a dead "
             "loader, segments of a dead owner) or `expert-arena rm` (published arenas no process "
-            "maps, damaged ones) would free, run as the files' owner.");
+            "maps, damaged ones, records of failed builds) would free, run as the files' owner.");
   e.Declare("expert_arena_unreadable_files", "gauge",
             "Files with the arena or segment magic that could not be read (permission, damage).");
 }
@@ -104,6 +111,12 @@ void AddArena(Exposition& e, const std::string& path,
       l.emplace_back("page_size", PageSizeLabel(page));
       e.Add("expert_arena_arena_huge_page_bytes", l, on_huge);
     }
+    // Most of the bytes decide: an arena whose collapse left a few small pages is still on
+    // huge pages; one that fell back to small pages (a warning at load) says 4096 here.
+    e.Add("expert_arena_arena_page_size_bytes", labels,
+          2 * on_huge >= a.mapped_bytes && a.mapped_bytes > 0 ? page : platform::BasePageSize());
+    e.Add("expert_arena_arena_small_page_bytes", labels,
+          a.mapped_bytes - std::min(on_huge, a.mapped_bytes));
     for (const NumaNodeBytes& n : a.numa_nodes) {
       Labels l = labels;
       l.emplace_back("node", std::to_string(n.node));
@@ -125,7 +138,11 @@ void AddArena(Exposition& e, const std::string& path,
   }
   const bool busy = a.in_use || a.loading_now;
   if (a.state == "loading (loader gone)" && !busy) totals.sweep_bytes += a.file_bytes;
-  if ((a.state == "published" || a.state == "damaged") && !busy) totals.rm_bytes += a.file_bytes;
+  // A failed build's record is kept by sweep (it stops a crash loop); rm frees it.
+  const bool failed_build = a.state == "build failed" || a.state == "built, never confirmed";
+  if ((a.state == "published" || a.state == "damaged" || failed_build) && !busy) {
+    totals.rm_bytes += a.file_bytes;
+  }
 }
 
 void AddSegment(Exposition& e, const std::string& path, DirectoryTotals& totals) {

@@ -30,6 +30,8 @@ void AddField(const std::string& line, MemoryFigures& m) {
     m.shared += v;
   } else if (ParseField(line, "Private_Clean", &v) || ParseField(line, "Private_Dirty", &v)) {
     m.private_bytes += v;
+  } else if (ParseField(line, "Anonymous", &v)) {
+    m.anonymous += v;
   } else if (ParseField(line, "AnonHugePages", &v) || ParseField(line, "ShmemPmdMapped", &v) ||
              ParseField(line, "FilePmdMapped", &v)) {
     m.huge += v;

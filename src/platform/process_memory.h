@@ -22,6 +22,8 @@ struct MemoryFigures {
   uint64_t shared = 0;         // Shared_Clean + Shared_Dirty + Shared_Hugetlb
   uint64_t private_bytes = 0;  // Private_Clean + Private_Dirty + Private_Hugetlb
   uint64_t huge = 0;  // on 2 MiB pages: AnonHugePages, ShmemPmdMapped, FilePmdMapped, hugetlb
+  // Anonymous: in a private mapping of a file, the pages a write copied into this process.
+  uint64_t anonymous = 0;
 };
 
 // The whole process `pid` (0: this process), from /proc/<pid>/smaps_rollup. Fails naming

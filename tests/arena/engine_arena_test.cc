@@ -86,7 +86,9 @@ ArenaOptions Options(const std::string& path) {
 }
 
 // args: arena path, identity, checkpoint file, seed, mode ("run", "hold FILE", "die-in-fill",
-// "fail-in-fill", "sleep-in-declare"). Prints one JSON line.
+// "fail-in-fill", "sleep-in-declare"; with confirm_after_run: "confirm", "die-before-confirm",
+// "fail-in-run REASON", "confirm-after FILE" (confirms once FILE exists), "note FILE" (says
+// whether FILE existed when the arena opened)). Prints one JSON line.
 EA_CHILD_ROLE(engine_arena) {
   const std::string& path = args.at(0);
   const std::string& identity = args.at(1);
@@ -112,8 +114,35 @@ EA_CHILD_ROLE(engine_arena) {
       return Declared(3 * 1024 * 1024);
     };
   }
+  const bool confirming = mode == "confirm" || mode == "die-before-confirm" ||
+                          mode.starts_with("fail-in-run ") || mode.starts_with("confirm-after ") ||
+                          mode.starts_with("note ");
+  spec.confirm_after_run = confirming;
   auto arena = Arena::OpenEngine(spec, Options(path));
   nlohmann::json j;
+  if (mode.starts_with("note ")) j["noted"] = std::filesystem::exists(mode.substr(5));
+  if (arena.ok() && confirming) {
+    j["awaiting_confirm"] = arena->awaiting_confirm();
+    // The engine's "first forwards": they read every view.
+    j["ran"] = HoldsPattern(*arena, seed);
+    if (mode == "die-before-confirm") {
+      std::printf("{\"built\":true}\n");
+      std::fflush(stdout);
+      kill(getpid(), SIGKILL);
+    }
+    if (mode.starts_with("confirm-after ")) {
+      std::printf("{\"built\":true}\n");
+      std::fflush(stdout);
+      const std::string release = mode.substr(14);
+      while (!std::filesystem::exists(release)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    Status ended = mode.starts_with("fail-in-run ") ? arena->Abandon(mode.substr(12))
+                                                    : arena->Confirm();
+    j["ended"] = ended.ok();
+    j["still_awaiting"] = arena->awaiting_confirm();
+  }
   j["ok"] = arena.ok();
   if (!arena.ok()) {
     j["error"] = arena.status().message();
@@ -257,6 +286,69 @@ TEST_F(EngineArenaTest, ABuilderKilledMidFillLeavesNothingTheNextEngineTrusts) {
   EXPECT_EQ(j["role"], "loaded") << j;
   EXPECT_EQ(j["declared"], 1);
   EXPECT_TRUE(j["pattern"]);
+}
+
+// Publish only what runs: an engine that builds with confirm_after_run publishes the arena only
+// when it confirms; the others wait for that.
+TEST_F(EngineArenaTest, WaitingEnginesAttachOnlyOnceTheBuilderConfirmed) {
+  Child builder = Engine("confirm-after " + release_);
+  ASSERT_TRUE(builder.WaitForOutput("\"built\"", 60)) << builder.Output();
+  Child waiter = Engine("note " + release_);
+  // The waiter is blocked on FILL until the builder confirms, which it does only once the
+  // release file exists: the waiter saw the file when its arena opened.
+  std::ofstream(release_) << "go";
+  nlohmann::json b = Json(builder);
+  EXPECT_EQ(b["role"], "loaded") << b;
+  EXPECT_TRUE(b["awaiting_confirm"]);
+  EXPECT_TRUE(b["ended"]);
+  EXPECT_FALSE(b["still_awaiting"]);
+  nlohmann::json w = Json(waiter);
+  EXPECT_EQ(w["role"], "attached") << w;
+  EXPECT_TRUE(w["noted"]) << "attached before the builder confirmed: " << w;
+  EXPECT_TRUE(w["pattern"]);
+  EXPECT_FALSE(w["awaiting_confirm"]);
+  // A restart attaches to the published arena.
+  Child again = Engine("confirm");
+  EXPECT_EQ(Json(again)["role"], "attached");
+}
+
+TEST_F(EngineArenaTest, ABuilderKilledBeforeConfirmingLeavesNothingTheNextEngineAttachesTo) {
+  Child dying = Engine("die-before-confirm");
+  EXPECT_EQ(dying.Wait(60), 128 + SIGKILL);
+  ASSERT_NE(dying.Output().find("\"built\""), std::string::npos) << dying.Output();
+  // The file is filled and checksummed, but never confirmed: the next engine rebuilds it.
+  Child next = Engine("confirm");
+  nlohmann::json j = Json(next);
+  EXPECT_EQ(j["role"], "loaded") << j;
+  EXPECT_EQ(j["declared"], 1);
+  EXPECT_TRUE(j["pattern"]);
+  Child after = Engine("confirm");
+  EXPECT_EQ(Json(after)["role"], "attached");
+}
+
+TEST_F(EngineArenaTest, AFailedRunIsRebuiltOnceThenRefusedWithTheFirstFailure) {
+  Child first = Engine("fail-in-run warm-up forward: NaN in layer 3");
+  nlohmann::json a = Json(first);
+  EXPECT_EQ(a["role"], "loaded") << a;
+  EXPECT_TRUE(a["ended"]);
+  // The next engine of this identity does not trust it: it builds again (once).
+  Child second = Engine("fail-in-run the same NaN again");
+  nlohmann::json b = Json(second);
+  EXPECT_EQ(b["role"], "loaded") << b;
+  EXPECT_EQ(b["declared"], 1);
+  // A second failure of the same identity: refused with the first failure, nothing built.
+  for (int i = 0; i < 2; ++i) {
+    Child third = Engine("confirm");
+    nlohmann::json c = Json(third, 3);
+    EXPECT_FALSE(c["ok"]);
+    EXPECT_EQ(c["code"], static_cast<int>(StatusCode::kInvalidArgument));
+    const std::string error = c["error"].get<std::string>();
+    EXPECT_NE(error.find("warm-up forward: NaN in layer 3"), std::string::npos) << error;
+    EXPECT_NE(error.find("not building it a third time"), std::string::npos) << error;
+  }
+  // Another identity (a fixed configuration) replaces the record and builds.
+  Child fixed = Engine("confirm", "vllm 0.32 tp0/1 fixed");
+  EXPECT_EQ(Json(fixed)["role"], "loaded");
 }
 
 TEST(EngineArenaSpecTest, BadDeclarationsAreRefusedNamingTheTensor) {

@@ -190,6 +190,36 @@ TEST_F(MetricsFixture, PromtoolAcceptsTheExpositionAndItsNumbersAreThoseOfLs) {
   EXPECT_EQ(samples.at("expert_arena_directory_up{directory=\"" + dir_.path() + "\"}"), 1);
 }
 
+// The page size an arena really got is a metric of its own, read from the page tables: an
+// arena on small pages (here one loaded with --huge off on a tmpfs that does not force huge
+// pages) says 4096, and its small-page bytes are its size.
+TEST_F(MetricsFixture, PageSizeIsTheOneTheArenaReallyGot) {
+  const std::string small = dir_.File("small.arena");
+  ASSERT_EQ(ExpertArena({"load", "--model", model_, "--arena", small, "--huge", "off"}), 0);
+  std::string text;
+  ASSERT_EQ(ExpertArena({"metrics", dir_.path()}, &text), 0);
+  const auto samples = Samples(text);
+  const nlohmann::json ls = Ls();
+  ASSERT_EQ(ls["arenas"].size(), 3u) << ls.dump(1);
+  bool saw_small = false;
+  for (const auto& a : ls["arenas"]) {
+    const std::string huge_key = ArenaKey("expert_arena_arena_huge_page_bytes", a, "tmpfs");
+    const double huge = samples.at(huge_key.substr(0, huge_key.size() - 1) +
+                                   ",page_size=\"2MiB\"}");
+    const double bytes = a["file_bytes"].get<double>();
+    const double page = samples.at(ArenaKey("expert_arena_arena_page_size_bytes", a, "tmpfs"));
+    EXPECT_EQ(page, 2 * huge >= bytes ? 2097152 : 4096) << text;
+    EXPECT_EQ(samples.at(ArenaKey("expert_arena_arena_small_page_bytes", a, "tmpfs")),
+              bytes - huge)
+        << text;
+    if (a["path"] == small && huge == 0) {
+      saw_small = true;
+      EXPECT_EQ(page, 4096);
+    }
+  }
+  if (!saw_small) GTEST_SKIP() << dir_.path() << " backs even --huge off arenas on 2 MiB pages";
+}
+
 // --textfile replaces the file atomically (no temporary left beside it) with what stdout gets;
 // a directory that does not exist is reported as down, not as a failure of the whole run.
 TEST_F(MetricsFixture, TextfileIsReplacedWholeAndAMissingDirectoryIsDown) {

@@ -41,6 +41,8 @@ ENGINE = textwrap.dedent("""
             self.tied = self.router
 
         def forward(self, x):
+            if mode == "fail-forward":
+                raise RuntimeError("the forward failed: NaN in the router")
             e = self.router(x).argmax(-1)
             h = torch.einsum("bh,bih->bi", x.to(self.w13.dtype), self.w13[e])
             g, u = h.chunk(2, -1)
@@ -123,6 +125,26 @@ def test_a_load_that_raises_publishes_nothing(shm_path, tmp_path):
     r = _result(_start(path, "raise", counter), 3)
     assert r["error"] == "RuntimeError" and "unreadable" in r["message"]
     assert not os.path.exists(path)
+    assert _result(_start(path, "run", counter))["role"] == "loaded"
+
+
+def test_a_build_whose_first_forward_fails_is_rebuilt_once_then_refused(shm_path, tmp_path):
+    """Publish only what runs: shared_module() publishes the arena it built after the module's
+    first forward returned. A build whose forward fails is not attached to by the next engine
+    (it builds again), and after a second failure engines are refused, not looped."""
+    path, counter = shm_path("engine-fails"), str(tmp_path / "loads")
+    for builds in (1, 2):
+        p = _start(path, "fail-forward", counter)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and "the forward failed" in err, (out, err)
+        assert _loads(counter) == builds  # built again, never attached
+    r = _result(_start(path, "run", counter), 3)
+    assert r["error"] == "ValueError" and "not building it a third time" in r["message"], r
+    if TORCH2:
+        # torch 2.1+ calls the confirming hook on the exception too: the failure is recorded.
+        assert "the forward failed: NaN in the router" in r["message"], r
+    assert _loads(counter) == 2
+    os.unlink(path)  # what the operator does once the cause is fixed
     assert _result(_start(path, "run", counter))["role"] == "loaded"
 
 
@@ -294,3 +316,71 @@ def test_transformers_moe_models_load_once_and_generate_the_same_tokens(kind, sh
     restart = _first_line(restarted)
     restarted.communicate(timeout=60)
     assert restart["role"] == "attached" and restart["tokens"] == reference
+
+
+MEMORY_ENGINE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import expert_arena
+
+    path = sys.argv[1]
+    data = np.arange(2 << 20, dtype=np.float32)  # 8 MiB
+
+    def fill(writer):
+        writer.write(0, data)
+
+    arena = expert_arena.open_engine(path, "memory-test 1", lambda: [("w", "F32", [data.size],
+                                     data.nbytes, 0)], fill, quiet=True)
+    t = arena.torch("w")
+    assert float(t[-1]) == data[-1] and float(t.sum()) > 0  # every page read
+    print(json.dumps({"role": arena.report["role"]}), flush=True)
+    for command in iter(sys.stdin.readline, ""):
+        if command.strip() == "write":
+            # A write through a plain tensor over the views: one page copied into this process.
+            t.as_subclass(torch.Tensor)[0] += 1
+        print(json.dumps(arena.memory()), flush=True)
+""")
+
+
+def test_memory_gives_each_engine_its_pss_based_shared_and_private_bytes(shm_path):
+    """Operators see the truth: an engine's arena.memory() is Pss-based (two engines' shares
+    sum to the file once), its RSS counts the arena once although the views have a mapping of
+    their own (on 650f833 the arena's own mapping stayed populated: RSS twice the arena), and a
+    write shows as private bytes of that engine only."""
+    path = shm_path("engine-memory")
+    engines = []
+
+    def ask(p, command="memory"):
+        p.stdin.write(command + "\n")
+        p.stdin.flush()
+        return json.loads(p.stdout.readline())
+
+    try:
+        roles = []
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", MEMORY_ENGINE, path],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=child_env())
+            engines.append(p)
+            roles.append(json.loads(p.stdout.readline())["role"])
+        assert sorted(roles) == ["attached", "loaded"], roles
+        file_bytes = os.path.getsize(path)
+        data_bytes = 8 << 20
+        first = [ask(p) for p in engines]  # both alive
+        for m in first:
+            assert m["mappings"] == 2 and m["private_bytes"] == 0, m
+            # Every page of the views is resident, and counted once.
+            assert data_bytes <= m["rss_bytes"] <= file_bytes, (m, file_bytes)
+            assert m["shared_bytes"] == m["pss_bytes"], m
+        pss = sum(m["pss_bytes"] for m in first)
+        assert data_bytes <= pss <= file_bytes, (pss, file_bytes)
+        assert pss < sum(m["rss_bytes"] for m in first)
+        after = ask(engines[1], "write")
+        assert after["private_bytes"] >= 4096, after
+        assert after["shared_bytes"] < first[1]["shared_bytes"], after
+        assert ask(engines[0])["private_bytes"] == 0
+    finally:
+        for p in engines:
+            p.stdin.close()
+            p.wait(timeout=60)

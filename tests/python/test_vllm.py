@@ -75,12 +75,13 @@ def _env(tp=1):
 
 
 def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1, offload_gb=0,
-           compile=False, cache_root=None):
+           compile=False, cache_root=None, fail=None):
     err = tempfile.TemporaryFile(mode="w+")
     args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
     args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
     args += ["--cpu-offload-gb", str(offload_gb)] if offload_gb else []
     args += ["--compile"] if compile else []
+    args += ["--fail-first-forward", fail] if fail else []
     env = _env(tp)
     if cache_root is not None:
         env["VLLM_CACHE_ROOT"] = cache_root  # torch.compile's artifacts: removed by the test
@@ -265,6 +266,66 @@ def test_restart_reads_no_checkpoint_tensor_and_another_dtype_or_killed_build(ch
     # The float32 arena is still published and untouched.
     with expert_arena.attach(f32_arena) as again:
         assert again.report["role"] == "attached"
+
+
+def _ls(arena_dir):
+    """`expert-arena ls --json DIR`: the arenas, with their state and what an operator may do."""
+    from conftest import tool
+    out = subprocess.run([tool("expert-arena"), "ls", "--json", arena_dir], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)["arenas"]
+
+
+def test_a_build_that_fails_at_its_first_forward_is_rebuilt_once_then_refused(checkpoints,
+                                                                              arena_dir):
+    """Publish only what runs: a building engine whose warm-up fails after the arena was
+    filled publishes nothing; the next engine rebuilds once, and after a second failure every
+    engine is refused with the first failure instead of attaching and crashing in a loop."""
+    model, reference = checkpoints("qwen3_moe")
+    first_error = "injected warm-up failure: NaN in layer 0"
+    first = _start(model, "expert_arena", arena_dir, fail=first_error)
+    assert _finish(first, timeout=240) != 0, _log(first)
+    assert first_error in _log(first)
+    [listed] = _ls(arena_dir)
+    assert listed["state"] == "build failed", listed
+    assert first_error in listed["action"] and "rebuilds it" in listed["action"], listed
+
+    # The next engine does not attach to it: it builds again (and fails the same way).
+    second = _start(model, "expert_arena", arena_dir, fail="the same failure again")
+    assert _finish(second, timeout=240) != 0, _log(second)
+    assert "the same failure again" in _log(second)
+    [listed] = _ls(arena_dir)
+    assert listed["state"] == "build failed", listed
+    assert "refuse it" in listed["action"] and first_error in listed["action"], listed
+
+    # A healthy engine of the same identity is refused with the first failure: no loop.
+    third = _start(model, "expert_arena", arena_dir)
+    assert _finish(third, timeout=240) != 0, _log(third)
+    log = _log(third)
+    assert "not building it a third time" in log and first_error in log, log
+
+    # Once the operator removed the file, the engine builds, publishes and runs.
+    os.unlink(listed["path"])
+    built = _run(model, "expert_arena", arena_dir)
+    assert built["role"] == "loaded" and built["tokens"] == reference, built
+    assert _ls(arena_dir)[0]["state"] == "published"
+
+
+def test_a_builder_killed_before_its_first_forward_leaves_nothing_to_attach_to(checkpoints,
+                                                                                arena_dir):
+    """A building engine killed after the arena was filled and checked, before its first
+    forward returned: the next engine rebuilds it (on 650f833 it attached to the unrun build)."""
+    model, reference = checkpoints("qwen3_moe")
+    # The injected failure stands for "any point before the first forward returned"; SIGKILL
+    # is sent from the failing forward's pre-hook, so nothing of Python's cleanup runs.
+    killed = _start(model, "expert_arena", arena_dir, fail="SIGKILL")
+    assert _finish(killed, timeout=240) == -signal.SIGKILL, _log(killed)
+    [listed] = _ls(arena_dir)
+    assert listed["state"] == "built, never confirmed", listed
+    rebuilt = _run(model, "expert_arena", arena_dir)
+    assert rebuilt["role"] == "loaded" and rebuilt["tokens"] == reference, rebuilt
+    attached = _run(model, "expert_arena", arena_dir)
+    assert attached["role"] == "attached" and attached["tokens"] == reference, attached
 
 
 def test_each_tensor_parallel_rank_has_its_own_arena(checkpoints, arena_dir):

@@ -2,7 +2,7 @@
 and prints one JSON line; with --hold it then waits, alive, until its stdin closes.
 
     python vllm_engine.py MODEL_DIR LOAD_FORMAT ARENA_DIR DTYPE [--hold] [--tp N]
-                          [--cpu-offload-gb GIB] [--compile]
+                          [--cpu-offload-gb GIB] [--compile] [--fail-first-forward MESSAGE]
 
 With one rank the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so its model's memory is this pid's; with --tp N its ranks are vLLM's worker
@@ -10,6 +10,7 @@ processes, and "ranks" lists what each one found."""
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -28,11 +29,35 @@ def inspect(model):
             "loader": type(model).__module__}
 
 
+def fail_first_forward(message):
+    """Fault injection: the model the expert_arena loader returns raises RuntimeError(message)
+    at its first forward (vLLM's warm-up), as a kernel that fails on this host would, after
+    the arena was filled."""
+    from expert_arena import vllm as arena_loader
+    cls = arena_loader._loader_class()
+    load_model = cls.load_model
+
+    def failing(self, *args, **kwargs):
+        model = load_model(self, *args, **kwargs)
+
+        def fail(module, args):
+            if message == "SIGKILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(message)
+
+        model.register_forward_pre_hook(fail)
+        return model
+
+    cls.load_model = failing
+
+
 def main():
     model_dir, load_format, arena_dir, dtype = sys.argv[1:5]
     tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
     offload = float(sys.argv[sys.argv.index("--cpu-offload-gb") + 1]) \
         if "--cpu-offload-gb" in sys.argv else 0
+    if "--fail-first-forward" in sys.argv:
+        fail_first_forward(sys.argv[sys.argv.index("--fail-first-forward") + 1])
     started = time.monotonic()
     from vllm import LLM, SamplingParams
     extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \

@@ -43,6 +43,16 @@ std::string ArenaAction(const arena::ArenaFileInfo& a) {
     return "left unfinished by " + loader + ", which is gone (sweep frees it)";
   }
   if (a.state == "damaged") return "damaged: " + a.problem + " (rm frees it when unused)";
+  if (a.state == "built, awaiting confirmation") {
+    return "built by " + loader + ", published once its first forwards ran on it";
+  }
+  if (a.state == "built, never confirmed" || a.state == "build failed") {
+    // What engines of its identity do with it: rebuild once, then refuse with this reason.
+    return a.state + ": " + a.problem +
+           (a.summary.build_attempt >= 2 ? "; engines of its identity refuse it"
+                                         : "; the next engine of its identity rebuilds it") +
+           " (rm frees it)";
+  }
   return a.state;
 }
 
