@@ -7,17 +7,19 @@ weights in an engine-made arena (docs/engines.md).
 The package's `vllm.general_plugins` entry point (`register`) registers the loader in every
 vLLM process. The engine that wins the arena's FILL lock loads with vLLM's DefaultModelLoader
 and post-processing (`process_weights_after_loading`: fused and repacked experts), publishes
-every parameter and buffer of the processed model into the arena of its identity, and binds the
-model to the arena's read-only views. Every other engine (now or after a restart) builds the
+everything the processed model holds (parameters, buffers, tensor attributes: the binder,
+expert_arena._binder) into the arena of its identity, and binds the model to the arena's
+read-only views. Every other engine (now or after a restart) builds the
 model on the meta device and binds it, reading no checkpoint tensor (only the files' headers,
 for the fingerprint) and transforming nothing; `process_weights_after_loading` runs again
 under vLLM's `weights_already_processed()` (as vLLM's own IPC weight-cache loader does), which
 rebuilds only the kernels' Python-side state.
 
 The identity of an arena is the library's fingerprint of the checkpoint files vLLM would read
-(path, size, mtime, safetensors header) with vLLM's version, platform, architecture, dtype,
-quantization, revision, TP/PP/DP rank and size, expert parallelism and this plugin's layout
-version: another dtype or rank is another arena file under `arena_dir`.
+(path, size, mtime, safetensors header) with the effective configuration (the whole hf_config
+after hf_overrides) and the settings a backend reads when it post-processes (identity_fields;
+docs/engines.md lists them): another dtype, rank or configuration is another arena file under
+`arena_dir`, and the file name hashes the checkpoint folder's real path.
 
 CPU engines compute on the arena's pages: no private copy. vLLM's CPU backend packs dense
 GEMM weights into private oneDNN/sgl-kernel buffers and drops the parameter; the plugin keeps
