@@ -172,14 +172,17 @@ _CHECKPOINTS = {}
 def checkpoints():
     d = tempfile.mkdtemp(prefix="ea-pytest-vllm-")
 
-    def get(kind):
-        """(model_dir, plain vLLM's greedy tokens) of a kind, made once per module."""
-        if kind not in _CHECKPOINTS:
-            model = _tiny_checkpoint(kind, os.path.join(d, kind))
-            plain = _run(model, "auto", d)
+    def get(kind, dtype="float32"):
+        """(model_dir, plain vLLM's greedy tokens in `dtype`) of a kind, made once per
+        module."""
+        if (kind, dtype) not in _CHECKPOINTS:
+            model = os.path.join(d, kind)
+            if not os.path.exists(model):
+                _tiny_checkpoint(kind, model)
+            plain = _run(model, "auto", d, dtype=dtype)
             assert plain["role"] == "private" and len(plain["tokens"]) == PROMPT_TOKENS
-            _CHECKPOINTS[kind] = (model, plain["tokens"])
-        return _CHECKPOINTS[kind]
+            _CHECKPOINTS[kind, dtype] = (model, plain["tokens"])
+        return _CHECKPOINTS[kind, dtype]
 
     yield get
     _CHECKPOINTS.clear()
@@ -228,10 +231,12 @@ def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, c
     attributes of the attention module, not as parameters or buffers: the building engine
     used to fail ("copy_ would write into the read-only tensor ...W_UV") and every attacher
     ("unexpected [...W_UK_T, ...W_UV]"). GPT-OSS converts its float32 rotary cache at the
-    first forward: it used to be refused (ReplacedStorageError ... cos_sin_cache). A builder
-    and an engine started beside it now give plain vLLM's tokens."""
-    model, reference = checkpoints(kind)
-    engines = [_start(model, "expert_arena", arena_dir, hold=True) for _ in range(2)]
+    first forward (bfloat16 here): it used to be refused (ReplacedStorageError ...
+    cos_sin_cache). A builder and an engine started beside it now give plain vLLM's tokens."""
+    dtype = "bfloat16" if kind == "gpt_oss" else "float32"
+    model, reference = checkpoints(kind, dtype)
+    engines = [_start(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
+               for _ in range(2)]
     try:
         results = [_answer(p) for p in engines]
     finally:
@@ -318,8 +323,10 @@ def test_an_engine_with_hf_overrides_gets_its_own_arena_and_plain_tokens(checkpo
     model, reference = checkpoints("qwen3_moe")
     built = _run(model, "expert_arena", arena_dir)
     assert built["role"] == "loaded" and built["tokens"] == reference
-    paths = {built["path"]}
-    for overrides, prompt_len in (({"rope_theta": 1e6}, 5),
+    paths, caches = {built["path"]}, []
+    # (transformers 5 keeps rope_theta in rope_parameters, which is what vLLM reads.)
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    for overrides, prompt_len in ((rope, 5),
                                   ({"max_position_embeddings": 1024}, 300)):
         plain = _run(model, "auto", arena_dir, hf_overrides=overrides, prompt_len=prompt_len)
         mine = _run(model, "expert_arena", arena_dir, hf_overrides=overrides,
@@ -328,10 +335,20 @@ def test_an_engine_with_hf_overrides_gets_its_own_arena_and_plain_tokens(checkpo
         assert mine["tokens"] == plain["tokens"], (overrides, mine, plain)
         assert mine["in_arena"], mine
         paths.add(mine["path"])
-        if prompt_len == 5:
-            # The override changes the tokens: the check above tells the two apart.
-            assert plain["tokens"] != reference, plain
+        caches.append(_rotary_cache(mine["path"]))
+    # (A tiny random model's greedy tokens hardly depend on positions: what tells the arenas
+    # apart is the rotary cache each engine ran on, the one of its own configuration.)
+    base = _rotary_cache(built["path"])
+    assert base.shape == caches[0].shape == (256, 32) and not torch.equal(base, caches[0])
+    assert caches[1].shape == (1024, 32) and torch.equal(caches[1][:256], base)
     assert sorted(os.listdir(arena_dir)) == sorted(os.path.basename(p) for p in paths)
+
+
+def _rotary_cache(path):
+    """A copy of the first rotary cache an arena holds."""
+    with expert_arena.attach(path) as arena:
+        name = next(n for n in arena.names() if n.endswith("rotary_emb.cos_sin_cache"))
+        return arena.torch(name).clone()
 
 
 def test_two_checkpoints_in_folders_of_the_same_name_run_side_by_side(checkpoints, arena_dir,
