@@ -46,7 +46,7 @@ except ImportError as _e:  # the pure-Python files without the built module next
         "(scripts/demo.sh does), then use PYTHONPATH=build/python; or install the package with "
         "`pip install .` (docs/python.md). The import failed with: %s" % (_here, _e),
         name="expert_arena._core") from _e
-from . import _dtypes
+from . import _binder, _dtypes
 from ._core import BusyError, NoSpaceError
 
 __version__ = _core.__version__
@@ -429,90 +429,21 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
     return Arena(core)
 
 
-def _module_tensors(module):
-    """[(full name, tensor, is_parameter, arena name)] of every parameter and buffer, tied ones
-    included under each of their names; a tied tensor's arena name is the first of its names
-    (one arena tensor for all of them)."""
-    out = []
-    first = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        head = prefix + "." if prefix else ""
-        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
-            for leaf, t in table.items():
-                if t is not None:
-                    name = head + leaf
-                    out.append((name, t, is_param, first.setdefault(id(t), name)))
-    return out
-
-
-def _engine_dtype(torch, dtype):
-    name = _load_torch()._STREAM_NAMES.get(dtype)
-    if name is None:
-        raise TypeError("shared_module(): torch dtype %s has no arena name" % dtype)
-    return name.upper()
-
-
-def _bytes_of(torch, tensor):
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return flat.numpy()
-
-
 def _declare_module(torch, module, built):
-    """The engine table of every parameter and buffer of `module` (tied ones once), kept in
-    `built["entries"]` for _fill_module."""
-    unique = {}
-    for _, t, _, name in _module_tensors(module):
-        unique.setdefault(name, t)
-    built["entries"] = list(unique.items())
-    return [(name, _engine_dtype(torch, t.dtype), list(t.shape), t.numel() * t.element_size(), 0)
-            for name, t in built["entries"]]
+    """The engine table of everything `module` holds (_binder), kept in `built` for
+    _fill_module."""
+    return _binder.declare(module, built)
 
 
 def _fill_module(torch, built, writer):
-    for i, (_, t) in enumerate(built["entries"]):
-        writer.write(i, _bytes_of(torch, t))
+    _binder.fill(built, writer)
 
 
 def _bind_module(torch, module, arena):
-    """Rebinds every parameter and buffer of `module` to the arena's read-only view of the
-    same name, checking dtypes and shapes; ValueError listing the missing and unexpected."""
-    entries = _module_tensors(module)
-    seen = set()
-    missing, wrong = [], []
-    for _, t, _, name in entries:
-        if name in seen:
-            continue
-        seen.add(name)
-        if name not in arena:
-            missing.append(name)
-            continue
-        info = arena.info(name)
-        if list(info["shape"]) != list(t.shape) or info["dtype"] != _engine_dtype(torch, t.dtype):
-            wrong.append("%s: arena %s %s, module %s %s" % (
-                name, info["dtype"], list(info["shape"]), _engine_dtype(torch, t.dtype),
-                list(t.shape)))
-    unexpected = [n for n in arena.names() if n not in seen]
-    if missing or unexpected or wrong:
-        raise ValueError("shared_module(): the module does not match the arena %s: missing "
-                         "%s; unexpected %s; mismatched %s" % (
-                             arena.report["path"], missing[:8], unexpected[:8], wrong[:8]))
-    views, params = {}, {}
-    for name, t, is_param, arena_name in entries:
-        view = views.get(arena_name)
-        if view is None:
-            view = views[arena_name] = arena.torch(arena_name)
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        if is_param:
-            # Tied names share one Parameter again, as they did in the module.
-            param = params.get(arena_name)
-            if param is None:
-                param = params[arena_name] = torch.nn.Parameter(view, requires_grad=False)
-            owner._parameters[leaf] = param
-        else:
-            owner._buffers[leaf] = view
+    """Binds every parameter, buffer and tensor attribute of `module` to the arena's read-only
+    view of the same name (_binder: names, dtypes, shapes and strides checked); BindingError, a
+    ValueError, naming both sides of every mismatch."""
+    _binder.bind_module(module, arena, "shared_module(): the module")
     return module
 
 
@@ -556,17 +487,20 @@ def _confirm_at_first_forward(module, arena, check=None):
 def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="auto",
                   wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, quiet=False,
                   alignment=4096, confirm="forward"):
-    """A torch module whose parameters and buffers are read-only views of one shared arena.
+    """A torch module whose parameters, buffers and tensor attributes are read-only views of
+    one shared arena.
 
     Where the arena of `identity` over `files` is published at `path`, the module is built
-    with `make()` on the meta device (torch 2.x; on 1.13 on the CPU, then freed) and every
-    parameter and buffer is bound to the arena's view of the same name (names, dtypes and
-    shapes checked: missing and unexpected names are listed). Otherwise this engine builds:
-    `module = make()`, then `load(module)` (the engine's own loading and transforms; it may
-    return another module to use instead), publishes every parameter and buffer, binds the
-    module to the views and lets the private copies go. Concurrent engines build once; a build
-    that raises or is killed publishes nothing. Returns the module; `module.expert_arena` is
-    the Arena (its report says "loaded" or "attached"). Needs torch.
+    with `make()` on the meta device (torch 2.x; on 1.13 on the CPU, then freed) and bound to
+    the arena (expert_arena._binder): every parameter, buffer and tensor attribute of every
+    submodule becomes the arena's view of the same name, its name, dtype, shape and strides
+    checked (a mismatch is a BindingError, a ValueError, naming both sides), and the tensor
+    attributes the building engine's `load` made that `make()` does not are set. Otherwise this
+    engine builds: `module = make()`, then `load(module)` (the engine's own loading and
+    transforms; it may return another module to use instead), publishes everything the module
+    holds, binds the module to the views and lets the private copies go. Concurrent engines
+    build once; a build that raises or is killed publishes nothing. Returns the module;
+    `module.expert_arena` is the Arena (its report says "loaded" or "attached"). Needs torch.
 
     Publish only what runs: an arena this engine builds is published when `confirm` says.
     "forward" (the default): after the module's first forward returned, on the arena's views;
@@ -606,13 +540,13 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
             module = make()
     try:
         _bind_module(torch, module, arena)
+        module.expert_arena = arena
         check_private_copies(module, "shared_module(): after binding")
     except Exception as e:
         # A build this engine cannot bind itself to is a failed build, not a published one.
         arena.abandon("%s: %s" % (type(e).__name__, e))
         arena.close()
         raise
-    module.expert_arena = arena
     if confirm == "forward" and arena.awaiting_confirm:
         _confirm_at_first_forward(module, arena)
     _release_freed_memory()

@@ -7,17 +7,19 @@ weights in an engine-made arena (docs/engines.md).
 The package's `vllm.general_plugins` entry point (`register`) registers the loader in every
 vLLM process. The engine that wins the arena's FILL lock loads with vLLM's DefaultModelLoader
 and post-processing (`process_weights_after_loading`: fused and repacked experts), publishes
-every parameter and buffer of the processed model into the arena of its identity, and binds the
-model to the arena's read-only views. Every other engine (now or after a restart) builds the
+everything the processed model holds (parameters, buffers, tensor attributes: the binder,
+expert_arena._binder) into the arena of its identity, and binds the model to the arena's
+read-only views. Every other engine (now or after a restart) builds the
 model on the meta device and binds it, reading no checkpoint tensor (only the files' headers,
 for the fingerprint) and transforming nothing; `process_weights_after_loading` runs again
 under vLLM's `weights_already_processed()` (as vLLM's own IPC weight-cache loader does), which
 rebuilds only the kernels' Python-side state.
 
 The identity of an arena is the library's fingerprint of the checkpoint files vLLM would read
-(path, size, mtime, safetensors header) with vLLM's version, platform, architecture, dtype,
-quantization, revision, TP/PP/DP rank and size, expert parallelism and this plugin's layout
-version: another dtype or rank is another arena file under `arena_dir`.
+(path, size, mtime, safetensors header) with the effective configuration (the whole hf_config
+after hf_overrides) and the settings a backend reads when it post-processes (identity_fields;
+docs/engines.md lists them): another dtype, rank or configuration is another arena file under
+`arena_dir`, and the file name hashes the checkpoint folder's real path.
 
 CPU engines compute on the arena's pages: no private copy. vLLM's CPU backend packs dense
 GEMM weights into private oneDNN/sgl-kernel buffers and drops the parameter; the plugin keeps
@@ -120,10 +122,29 @@ class Settings:
                    gpu=str(extra.get("gpu", "auto")), allow_world_writable=world)
 
 
+def _digest(value):
+    """sha256 of a JSON form of `value` (keys sorted; what JSON cannot hold by its str())."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def effective_config(model_config):
+    """The model's configuration as vLLM uses it, `hf_overrides` applied: the whole hf_config
+    as a dict (its to_dict, which nests the text and vision configs), keys sorted."""
+    hf = model_config.hf_config
+    try:
+        config = hf.to_dict()
+    except Exception:  # a config class of a custom model without to_dict
+        config = dict(vars(hf))
+    return json.dumps(config, sort_keys=True, default=str)
+
+
 def identity_fields(vllm_config, model_config):
     """What makes this engine's processed weights what they are beyond the checkpoint's bytes,
-    as (key, value) pairs; computed before anything is loaded (post-processing may change the
-    model's quantization config)."""
+    as (key, value) pairs (docs/engines.md lists them and why): the effective model
+    configuration and every setting a backend reads when it builds and post-processes the
+    model. Computed before anything is loaded (post-processing may change the model's
+    quantization config)."""
+    import torch
     import vllm
     from vllm.distributed import get_dp_group, get_pp_group
     from vllm.distributed import (get_tensor_model_parallel_rank,
@@ -131,35 +152,46 @@ def identity_fields(vllm_config, model_config):
     from vllm.platforms import current_platform
     hf = model_config.hf_config
     quant = getattr(hf, "quantization_config", None)
-    quant_hash = hashlib.sha256(
-        json.dumps(quant, sort_keys=True, default=str).encode()).hexdigest()[:16]
     pp, dp = get_pp_group(), get_dp_group()
     parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    cpu = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else "-"
     return [
         ("vllm", vllm.__version__),
         ("loader", "%s %d" % (LOAD_FORMAT, LAYOUT_VERSION)),
-        ("platform", current_platform.device_type),
+        ("platform", "%s %s" % (current_platform.device_type, cpu)),
         ("arch", ",".join(getattr(hf, "architectures", None) or [])),
+        ("hf_config", _digest(effective_config(model_config))[:32]),
+        ("model_impl", str(getattr(model_config, "model_impl", "-"))),
         ("dtype", str(model_config.dtype)),
         ("quantization", str(model_config.quantization)),
-        ("quant_config", quant_hash),
+        ("quant_config", _digest(quant)[:16]),
+        ("kv_cache_dtype", str(getattr(cache, "cache_dtype", "-"))),
         ("revision", str(model_config.revision)),
         ("tp", "%d/%d" % (get_tensor_model_parallel_rank(),
                           get_tensor_model_parallel_world_size())),
         ("pp", "%d/%d" % (pp.rank_in_group, pp.world_size)),
         ("dp", "%d/%d" % (dp.rank_in_group, dp.world_size)),
+        ("dcp", str(getattr(parallel, "decode_context_parallel_size", 1))),
         ("ep", str(bool(getattr(parallel, "enable_expert_parallel", False)))),
+        ("eplb", "%s/%s" % (bool(getattr(parallel, "enable_eplb", False)),
+                            getattr(getattr(parallel, "eplb_config", None),
+                                    "num_redundant_experts", 0))),
+        ("lora", str(vllm_config.lora_config is not None)),
         ("cpu_gemm", "torch-linear-on-arena" if current_platform.is_cpu() else "-"),
     ]
 
 
-def arena_path(settings, model_config, identity):
-    """The arena file of this identity under arena_dir: the model's name, the rank, and a hash
-    of the identity (so another dtype or rank is another file, and a restart finds its own)."""
+def arena_path(settings, model_config, identity, checkpoint):
+    """The arena file of this identity and checkpoint under arena_dir: the model's name, the
+    rank, and a hash of the identity and of the checkpoint folder's real path (so another
+    dtype, rank or configuration is another file, two checkpoints in folders of the same name
+    are two files, and a restart finds its own)."""
     base = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(
         os.path.normpath(str(model_config.model))))[:64] or "model"
     rank = re.search(r"tp=(\d+)/(\d+)", identity)
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(("%s\ncheckpoint=%s" % (identity, checkpoint)).encode(
+        "utf-8", "surrogateescape")).hexdigest()[:12]
     return os.path.join(settings.arena_dir, "vllm-%s-tp%sof%s-%s.arena" % (
         base, rank.group(1), rank.group(2), digest))
 
@@ -188,13 +220,15 @@ def _gemm_on_shared_weights():
 
 
 def _checkpoint_files(load_config, model_config):
-    """The files vLLM's default loader reads for this model (resolved the way it resolves them:
-    a local directory is only listed) and the folder's JSON files, for the fingerprint."""
+    """The real path of the folder vLLM's default loader reads this model from (resolved the
+    way it resolves it: a local directory is only listed), and the files it reads with the
+    folder's JSON files, for the fingerprint."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     loader = DefaultModelLoader(load_config)
     folder, weights, _, _ = loader._prepare_weights(
         model_config.model, None, model_config.revision, True, None)
-    return sorted(set(weights) | set(glob.glob(os.path.join(folder, "*.json"))))
+    files = sorted(set(weights) | set(glob.glob(os.path.join(folder, "*.json"))))
+    return os.path.realpath(folder), files
 
 
 class OffloadPlan:
@@ -266,16 +300,36 @@ class ReplacedStorageError(RuntimeError):
     """A parameter or buffer no longer lies in the arena: a backend replaced its storage."""
 
 
-def check_bound(model, views, when):
-    """Every parameter and buffer of `model` must still be the arena's bytes (CPU engines);
-    ReplacedStorageError naming the first ones otherwise."""
-    from . import _module_tensors
+def _derived(model, name):
+    """Whether `name` is a buffer its module registered as non-persistent: state the model
+    derives from its configuration (a rotary cache), not a weight of the checkpoint."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return leaf in owner._buffers and leaf in owner._non_persistent_buffers_set
+
+
+def check_bound(model, views, when, replaced=None):
+    """Every parameter, buffer and tensor attribute of `model` bound to the arena (`views`)
+    must still be the arena's bytes, and no parameter or buffer may have come since (CPU
+    engines); ReplacedStorageError naming the first ones otherwise. A non-persistent
+    buffer (a rotary cache) that the model replaced itself, computed from the arena's bytes
+    (GPT-OSS converts its float32 rotary cache to the compute dtype at its first forward), is
+    allowed: its name goes into `replaced`."""
+    from . import _binder
     moved, extra = [], []
-    for name, t, _, arena_name in _module_tensors(model):
+    for name, t, kind, arena_name in _binder.module_tensors(model):
         view = views.get(arena_name)
-        if view is None:
-            extra.append(name)
-        elif t.data_ptr() != view.data_ptr() or t.shape != view.shape:
+        if view is not None and t.data_ptr() == view.data_ptr() and t.shape == view.shape:
+            continue
+        if replaced is not None and view is not None and kind == "buffer" and \
+                t.shape == view.shape and _derived(model, name):
+            replaced.add(name)
+        elif view is None:
+            # A tensor attribute that came after binding is the engine's run-time state (the
+            # KV cache vLLM hands each attention layer), not a weight.
+            if kind != "attribute":
+                extra.append(name)
+        else:
             moved.append(name)
     if moved or extra:
         raise ReplacedStorageError(
@@ -290,28 +344,35 @@ def check_bound(model, views, when):
 def check_in_arena(model, arena):
     """Every tensor of `model` that the arena holds must still lie in its pages (CPU engines,
     after the first forward, before the arena is published); ReplacedStorageError naming the
-    first ones otherwise."""
-    from . import _module_tensors
+    first ones otherwise. A non-persistent buffer the model replaced itself (a rotary cache
+    converted at the first forward: check_bound) is this engine's own and passes."""
+    from . import _binder
     start, size = arena.data_range()
     names = set(arena.names())
-    moved = [name for name, t, _, arena_name in _module_tensors(model)
-             if arena_name in names and not start <= t.data_ptr() < start + size]
+    moved = [name for name, t, kind, arena_name in _binder.module_tensors(model)
+             if arena_name in names and not start <= t.data_ptr() < start + size and
+             not (kind == "buffer" and _derived(model, name))]
     if moved:
         raise ReplacedStorageError(
             "%s: after the first forward, vLLM replaced the storage of %s (a backend's repack or "
             "a private copy); the arena is not published" % (LOAD_FORMAT, ", ".join(moved[:8])))
 
 
-def check_at_first_forwards(model, views, count=3):
+def check_at_first_forwards(model, views, count=3, on_replaced=None):
     """vLLM's profile and warm-up runs come after load_model: check_bound runs again before
-    each of the model's first `count` forwards, then the hook goes."""
+    each of the model's first `count` forwards, then the hook goes. `on_replaced(names)` hears
+    of the derived buffers the model replaced itself (kept private by this engine)."""
     calls = [0]
+    replaced = set()
 
     def hook(module, args):
         calls[0] += 1
         if calls[0] >= count:
             handle.remove()
-        check_bound(module, views, "at forward %d" % calls[0])
+        before = len(replaced)
+        check_bound(module, views, "at forward %d" % calls[0], replaced)
+        if len(replaced) > before and on_replaced is not None:
+            on_replaced(sorted(replaced))
         check_private_copies(module, "at forward %d" % calls[0])
 
     handle = model.register_forward_pre_hook(hook)
@@ -333,7 +394,6 @@ def _loader_class():
     if _LOADER is not None:
         return _LOADER
     import torch
-    from torch import nn
     from vllm.logger import init_logger
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -346,8 +406,7 @@ def _loader_class():
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     import expert_arena
-    from . import (_confirm_at_first_forward, _declare_module, _fill_module, _module_tensors,
-                   _release_freed_memory)
+    from . import _binder, _confirm_at_first_forward, _release_freed_memory
 
     # Under "vllm." so that vLLM's own handlers and format (VLLM_LOGGING_LEVEL) apply.
     logger = init_logger("vllm.expert_arena")
@@ -385,8 +444,8 @@ def _loader_class():
             started = time.monotonic()
             fields = identity_fields(vllm_config, model_config)
             identity = " ".join("%s=%s" % kv for kv in fields)
-            path = arena_path(self.settings, model_config, identity)
-            files = _checkpoint_files(self._default_load_config(), model_config)
+            checkpoint, files = _checkpoint_files(self._default_load_config(), model_config)
+            path = arena_path(self.settings, model_config, identity, checkpoint)
             device = torch.device(vllm_config.device_config.device
                                   if self.load_config.device is None else self.load_config.device)
             on_cpu = device.type == "cpu"
@@ -400,12 +459,12 @@ def _loader_class():
             built = {}
 
             def declare():
-                model = built["model"] = self._load_and_process(vllm_config, model_config,
-                                                                prefix)
-                return _declare_module(torch, model, built)
+                model, constructed = self._load_and_process(vllm_config, model_config, prefix)
+                built["model"] = model
+                return _binder.declare(model, built, constructed)
 
             def fill(writer):
-                _fill_module(torch, built, writer)
+                _binder.fill(built, writer)
 
             os.makedirs(self.settings.arena_dir, exist_ok=True)
             arena = expert_arena.open_engine(
@@ -477,8 +536,17 @@ def _loader_class():
             return model.eval()
 
         def _load_and_process(self, vllm_config, model_config, prefix):
-            """vLLM's default load and post-processing, CPU GEMMs kept on their weights."""
+            """vLLM's default load and post-processing, CPU GEMMs kept on their weights; with
+            the names of the tensors the model held before its post-processing."""
             loader = DefaultModelLoader(self._default_load_config())
+            constructed = set()
+            load_weights = loader.load_weights
+
+            def load_and_list(model, model_config):
+                load_weights(model, model_config)
+                constructed.update(e.name for e in _binder.module_tensors(model))
+
+            loader.load_weights = load_and_list
             with _gemm_on_shared_weights():
                 model = loader.load_model(vllm_config=vllm_config, model_config=model_config,
                                           prefix=prefix)
@@ -494,15 +562,15 @@ def _loader_class():
                     "%s: %s cannot run on weights that are already processed, so engines "
                     "could not attach to them; load this model without --load-format %s"
                     % (LOAD_FORMAT, ", ".join(unsupported), LOAD_FORMAT))
-            return model
+            return model, constructed
 
         def _host_to_arena(self, model, arena):
             """The builder's parameters vLLM's UVA offloader put in pinned host memory become
             device views of the arena's registered pages (the pinned copies are freed)."""
             from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
             count = size = 0
-            for name, t, is_param, arena_name in _module_tensors(model):
-                if is_param and getattr(t, "_vllm_is_uva_offloaded", False):
+            for name, t, kind, arena_name in _binder.module_tensors(model):
+                if kind == "parameter" and getattr(t, "_vllm_is_uva_offloaded", False):
                     t.data = get_accelerator_view_from_cpu_tensor(arena.torch(arena_name))
                     count += 1
                     size += t.numel() * t.element_size()
@@ -517,61 +585,78 @@ def _loader_class():
                             LOAD_FORMAT, count, size / 2**30)
 
         def _bind(self, model, model_config, arena, device, host=frozenset()):
-            """Makes every parameter and buffer of `model` (built on the meta device, or the
-            builder's own) the arena's tensor of the same name: its read-only view on the
-            CPU, a copy on a GPU (a device view of the registered pages for the parameters in
-            `host`, which --cpu-offload-gb keeps on the host); then lets vLLM rebuild its
-            kernels' state on them."""
-            entries = _module_tensors(model)
-            names = set(arena.names())
-            missing = sorted({a for _, _, _, a in entries if a not in names})
-            unexpected = sorted(names - {a for _, _, _, a in entries})
-            if missing or unexpected:
-                raise ValueError(
-                    "%s: the model vLLM builds does not match the arena %s: missing %s; "
-                    "unexpected %s (vLLM or the model changed without changing the identity; "
-                    "remove the file)" % (LOAD_FORMAT, arena.report["path"], missing[:8],
-                                          unexpected[:8]))
-            views, params = {}, {}
-            on_host = {a for name, _, is_param, a in entries if is_param and name in host}
+            """Makes every parameter, buffer and tensor attribute of `model` (built on the meta
+            device, or the builder's own) the arena's tensor of the same name (the binder
+            checks name, dtype, shape and strides): its read-only view on the CPU, a copy on a
+            GPU (a device view of the registered pages for the parameters in `host`, which
+            --cpu-offload-gb keeps on the host); then lets vLLM rebuild its kernels' state on
+            them, and binds the tensor attributes that rebuild makes (MLA's W_UV, W_UK_T) or
+            skips."""
+            where = "%s: the model vLLM builds (%s)" % (LOAD_FORMAT, arena.report["path"])
+            hint = (" (vLLM or the model changed without changing the identity; remove the "
+                    "file)")
+            layouts = _binder.manifest(arena)
+            # What vLLM's post-processing made (MLA's W_UV and W_UK_T, registered as
+            # parameters by it) it makes again below, in place when it finds them: the
+            # building engine lets go of its own, as an attaching one never had them.
+            _binder.unbind_made(model, layouts)
+            entries = _binder.module_tensors(model)
+            try:
+                absent = _binder.check(entries, layouts, where, absent_kinds=())
+            except _binder.BindingError as e:
+                raise _binder.BindingError(str(e) + hint) from None
+            on_host = {e.arena_name for e in entries
+                       if e.kind == "parameter" and e.name in host}
             if device.type != "cpu" and on_host:
                 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
-            for name, t, is_param, arena_name in entries:
-                view = views.get(arena_name)
-                if view is None:
-                    view = arena.torch(arena_name)
-                    if device.type != "cpu" and arena_name in on_host:
-                        view = get_accelerator_view_from_cpu_tensor(view)
-                    elif device.type != "cpu":
-                        view = view.to(device, non_blocking=True)
-                    elif not is_param and view.numel() <= 1:
-                        # vLLM's attention layers write their default KV-cache scales in
-                        # place at every start (fill_(1.0), the value published): a plain
-                        # tensor over the copy-on-write mapping takes the write, which copies
-                        # that one page into this process.
-                        view = view.as_subclass(torch.Tensor)
-                    views[arena_name] = view
-                owner_name, _, leaf = name.rpartition(".")
-                owner = model.get_submodule(owner_name) if owner_name else model
-                if is_param:
-                    param = params.get(arena_name)
-                    if param is None:
-                        param = params[arena_name] = nn.Parameter(view, requires_grad=False)
-                        if device.type != "cpu" and arena_name in on_host:
-                            param._vllm_is_uva_offloaded = True  # as vLLM's offloader marks
-                    owner._parameters[leaf] = param
-                else:
-                    owner._buffers[leaf] = view
+
+            def make_view(arena_name, kind, view):
+                if device.type != "cpu" and arena_name in on_host:
+                    return get_accelerator_view_from_cpu_tensor(view)
+                if device.type != "cpu":
+                    return view.to(device, non_blocking=True)
+                if kind == "buffer" and view.numel() <= 1:
+                    # vLLM's attention layers write their default KV-cache scales in place at
+                    # every start (fill_(1.0), the value published): a plain tensor over the
+                    # copy-on-write mapping takes the write, which copies that one page into
+                    # this process.
+                    return view.as_subclass(torch.Tensor)
+                return view
+
+            def make_parameter(arena_name, param):
+                if device.type != "cpu" and arena_name in on_host:
+                    param._vllm_is_uva_offloaded = True  # as vLLM's offloader marks
+
+            views = _binder.bind(model, arena, entries, layouts, make_view, make_parameter)
             if device.type != "cpu":
                 torch.accelerator.synchronize()
                 self._log_host(len(on_host), sum(views[a].numel() * views[a].element_size()
                                                  for a in on_host))
+            bound = {id(e.tensor) for e in _binder.module_tensors(model)}
             with set_default_torch_dtype(model_config.dtype), weights_already_processed(), \
                     _gemm_on_shared_weights():
                 process_weights_after_loading(model, model_config, device)
+            # What the kernels' rebuild made again from the bound weights (private tensors)
+            # gives way to the arena's; what it did not make is set from the arena.
+            # (A parameter or buffer the model was built with that it replaced is refused by
+            # check_bound below: a backend's repack of the arena's bytes.)
+            remade = [e for e in _binder.module_tensors(model) if id(e.tensor) not in bound
+                      and (e.kind == "attribute" or layouts.get(e.arena_name, {}).get("made"))]
+            _binder.check(remade, layouts, where, complete=False)
+            views.update(_binder.bind(model, arena, remade, layouts, make_view))
+            held = {e.arena_name for e in _binder.module_tensors(model)}
+            views.update(_binder.bind_absent(model, arena, [n for n in absent if n not in held],
+                                             layouts, where, make_view))
             if device.type == "cpu":
                 check_bound(model, views, "after post-processing")
-                check_at_first_forwards(model, views)
+                check_at_first_forwards(model, views, on_replaced=self._log_replaced)
+
+        @staticmethod
+        def _log_replaced(names):
+            logger.info("%s: the model replaced its derived buffer(s) %s itself (computed from "
+                        "the arena's bytes: a dtype conversion); this engine keeps them "
+                        "privately", LOAD_FORMAT, ", ".join(names[:4]) +
+                        (" and %d more" % (len(names) - 4) if len(names) > 4 else ""))
 
     _LOADER = ExpertArenaModelLoader
     return _LOADER

