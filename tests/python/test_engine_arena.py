@@ -225,8 +225,13 @@ HF_ENGINE = textwrap.dedent("""
         print(json.dumps({"tokens": generate(m)}))
         sys.exit(0)
     config = AutoConfig.from_pretrained(model_dir)
+
+    def make():  # docs/engine-arenas.md's recipe: on the meta device, as load() replaces it
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
     m = expert_arena.shared_module(
-        path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+        path, make,
         lambda _: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         identity="transformers %s f32" % transformers.__version__, files=[model_dir],
         quiet=True).eval()
