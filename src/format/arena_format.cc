@@ -11,7 +11,7 @@
 
 #include "common/escape.h"
 #include "common/units.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 
 namespace expert_arena::format {
 namespace {

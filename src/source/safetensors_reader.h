@@ -19,7 +19,7 @@
 
 #include "expert_arena/status.h"
 #include "platform/file.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 
 namespace expert_arena::source {
 

@@ -3,6 +3,10 @@
 //
 // The ggml ids are those of ggml/include/ggml.h (ids of removed types stay unused); a GGUF
 // tensor of a type not listed here is refused with its id rather than guessed at.
+//
+// Below the model readers, in format/: the arena file's table is checked against the same
+// types (a dtype an arena records must be one of them). The names stay in namespace source,
+// where the readers and generators use them.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 
 #include <array>
 
