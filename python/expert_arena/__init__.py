@@ -578,7 +578,7 @@ def check_private_copies(module, when="on demand"):
     base = arena.data_range()[0]
     ranges = [(base + offset, base + offset + n) for offset, n in ranges]
     written = []
-    for name, t, _, _ in _module_tensors(module):
+    for name, t, _, _ in _binder.module_tensors(module):
         if t.device.type != "cpu" or t.numel() == 0:
             continue
         first = t.data_ptr()

@@ -26,7 +26,7 @@
 #include "expert_arena/arena.h"
 #include "expert_arena/status.h"
 #include "expert_arena/stream.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 
 #ifndef EXPERT_ARENA_VERSION_STRING
 #define EXPERT_ARENA_VERSION_STRING "unknown"

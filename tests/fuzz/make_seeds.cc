@@ -16,7 +16,7 @@
 #include "remote/front_door.h"
 #include "generators/gguf_writer.h"
 #include "generators/safetensors_writer.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 #include "stream/segment_format.h"
 
 using namespace expert_arena;

@@ -3,7 +3,7 @@
 // its data section, sized as their dtype and shape say, in offset order, without overlapping.
 #include "fuzz_util.h"
 #include "plan_check.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 #include "source/safetensors_reader.h"
 
 using namespace expert_arena;

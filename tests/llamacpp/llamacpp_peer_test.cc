@@ -24,7 +24,7 @@
 
 #include "generators/gguf_writer.h"
 #include "generators/synthetic_model.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 #include "test_util.h"
 
 namespace expert_arena {

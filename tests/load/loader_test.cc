@@ -34,7 +34,7 @@
 #include "platform/io_ring.h"
 #include "platform/mapping.h"
 #include "platform/page_cache_stat.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 #include "source/model_source.h"
 #include "source_test_util.h"
 #include "test_util.h"

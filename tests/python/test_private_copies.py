@@ -215,12 +215,12 @@ def test_the_vllm_loaders_first_forwards_refuse_a_written_parameter(shm_path):
     """The vLLM loader's hook (expert_arena.vllm.check_at_first_forwards) on a module bound to
     an arena: the first forward passes, a write between forwards is refused at the next one,
     naming the parameter. (Importing expert_arena.vllm needs no vLLM.)"""
-    from expert_arena import _module_tensors
+    from expert_arena import _binder
     from expert_arena import vllm as loader
     path = shm_path()
     module = expert_arena.shared_module(path, make_module, load_module, identity="privcopy-2",
                                         quiet=True)
-    views = {arena_name: t for _, t, _, arena_name in _module_tensors(module)}
+    views = {e.arena_name: e.tensor for e in _binder.module_tensors(module)}
     loader.check_at_first_forwards(module, views)
     x = torch.ones(2, 64)
     module(x)

@@ -6,7 +6,7 @@
 #include "expert_arena/arena.h"
 #include "format/arena_table.h"
 #include "generators/gguf_writer.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 #include "source/gguf_reader.h"
 #include "source/model_source.h"
 #include "source_test_util.h"

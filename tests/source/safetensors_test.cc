@@ -5,7 +5,7 @@
 #include "expert_arena/arena.h"
 #include "generators/safetensors_writer.h"
 #include "generators/synthetic_model.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 #include "source/model_source.h"
 #include "source/safetensors_reader.h"
 #include "source_test_util.h"

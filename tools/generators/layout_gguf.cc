@@ -27,7 +27,7 @@
 
 #include "generators/gguf_writer.h"
 #include "generators/synthetic_model.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 
 namespace expert_arena::source {
 namespace {

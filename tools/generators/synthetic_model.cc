@@ -13,7 +13,7 @@
 #include "generators/gguf_writer.h"
 #include "generators/safetensors_writer.h"
 #include "platform/file.h"
-#include "source/dtypes.h"
+#include "format/dtypes.h"
 
 namespace expert_arena::source {
 namespace {
