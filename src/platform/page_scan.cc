@@ -74,6 +74,35 @@ Result<uint64_t> ScanHugeBytes(const void* start, uint64_t length) {
   return ScanHugeBytesUnprobed(start, length);
 }
 
+// Walks [next, end) with PAGEMAP_SCAN under `masks` (size, start, end and vec filled in here),
+// handing each region found to `found`. kUnsupported naming ENOTTY (no such ioctl, before 6.7)
+// or EINVAL (a kernel that knows the ioctl but not this argument layout).
+template <typename Found>
+Status ScanRegions(int fd, uint64_t next, uint64_t end, PmScanArg masks, Found found) {
+  std::array<PageRegion, 256> regions;
+  while (next < end) {
+    PmScanArg arg = masks;
+    arg.size = sizeof(arg);
+    arg.start = next;
+    arg.end = end;
+    arg.vec = reinterpret_cast<uintptr_t>(regions.data());
+    arg.vec_len = regions.size();
+    long n = ::ioctl(fd, kPagemapScan, &arg);
+    if (n < 0) {
+      int error = errno;
+      if (error == ENOTTY || error == EINVAL) {
+        return Unsupported(std::string(kPagemap) + ": PAGEMAP_SCAN not supported by this kernel (" +
+                           (error == ENOTTY ? "ENOTTY" : "EINVAL") + ")");
+      }
+      return ErrnoStatus(error, "ioctl(PAGEMAP_SCAN)", kPagemap);
+    }
+    for (long i = 0; i < n; ++i) found(regions[i]);
+    if (arg.walk_end <= next) break;  // no progress: never loop forever on a kernel quirk
+    next = arg.walk_end;
+  }
+  return Status::Ok();
+}
+
 Result<uint64_t> ScanHugeBytesUnprobed(const void* start, uint64_t length) {
   const uint64_t first = reinterpret_cast<uintptr_t>(start);
   const uint64_t end = first + length;
@@ -81,33 +110,13 @@ Result<uint64_t> ScanHugeBytesUnprobed(const void* start, uint64_t length) {
   if (!fd.valid()) return ErrnoStatus(errno, "open", kPagemap);
   // Only pages that are both present and huge are reported; adjacent ones come back merged,
   // so a fully huge range is one region and a partly huge one a few.
-  std::array<PageRegion, 256> regions;
+  // (kUnsupported where the kernel has no PAGEMAP_SCAN: smaps can still answer.)
+  PmScanArg masks{};
+  masks.category_mask = kPageIsPresent | kPageIsHuge;
+  masks.return_mask = kPageIsPresent | kPageIsHuge;
   uint64_t huge = 0;
-  uint64_t next = first;
-  while (next < end) {
-    PmScanArg arg{};
-    arg.size = sizeof(arg);
-    arg.start = next;
-    arg.end = end;
-    arg.vec = reinterpret_cast<uintptr_t>(regions.data());
-    arg.vec_len = regions.size();
-    arg.category_mask = kPageIsPresent | kPageIsHuge;
-    arg.return_mask = kPageIsPresent | kPageIsHuge;
-    long n = ::ioctl(fd.get(), kPagemapScan, &arg);
-    if (n < 0) {
-      int error = errno;
-      // ENOTTY: no such ioctl (before 6.7). EINVAL: a kernel that knows the ioctl but not
-      // this argument layout. Either way smaps can still answer.
-      if (error == ENOTTY || error == EINVAL) {
-        return Unsupported(std::string(kPagemap) + ": PAGEMAP_SCAN not supported by this kernel (" +
-                           (error == ENOTTY ? "ENOTTY" : "EINVAL") + ")");
-      }
-      return ErrnoStatus(error, "ioctl(PAGEMAP_SCAN)", kPagemap);
-    }
-    for (long i = 0; i < n; ++i) huge += regions[i].end - regions[i].start;
-    if (arg.walk_end <= next) break;  // no progress: never loop forever on a kernel quirk
-    next = arg.walk_end;
-  }
+  EA_RETURN_IF_ERROR(ScanRegions(fd.get(), first, end, masks,
+                                 [&](const PageRegion& r) { huge += r.end - r.start; }));
   return huge;
 }
 
@@ -162,31 +171,18 @@ Result<std::vector<AddressRange>> PrivatePagesIn(const void* start, uint64_t len
   const uint64_t end = (hi + page - 1) / page * page;
   UniqueFd fd(::open(kPagemap, O_RDONLY | O_CLOEXEC), kPagemap);
   if (!fd.valid()) return ErrnoStatus(errno, "open", kPagemap);
-  std::array<PageRegion, 256> regions;
-  uint64_t next = lo / page * page;
-  while (next < end) {
-    PmScanArg arg{};
-    arg.size = sizeof(arg);
-    arg.start = next;
-    arg.end = end;
-    arg.vec = reinterpret_cast<uintptr_t>(regions.data());
-    arg.vec_len = regions.size();
-    // Not a file page (PAGE_IS_FILE inverted, then required), and present or swapped.
-    arg.category_inverted = kPageIsFile;
-    arg.category_mask = kPageIsFile;
-    arg.category_anyof_mask = kPageIsPresent | kPageIsSwapped;
-    arg.return_mask = kPageIsFile | kPageIsPresent | kPageIsSwapped;
-    long n = ::ioctl(fd.get(), kPagemapScan, &arg);
-    if (n < 0) {
-      int error = errno;
-      // A kernel that refuses this argument (ENOTTY, EINVAL): pagemap answers the same.
-      if (error == ENOTTY || error == EINVAL) return PrivatePagesInByPagemap(start, length);
-      return ErrnoStatus(error, "ioctl(PAGEMAP_SCAN)", kPagemap);
-    }
-    for (long i = 0; i < n; ++i) AddRange(&out, regions[i].start, regions[i].end, lo, hi);
-    if (arg.walk_end <= next) break;  // no progress: never loop forever on a kernel quirk
-    next = arg.walk_end;
-  }
+  // Not a file page (PAGE_IS_FILE inverted, then required), and present or swapped.
+  PmScanArg masks{};
+  masks.category_inverted = kPageIsFile;
+  masks.category_mask = kPageIsFile;
+  masks.category_anyof_mask = kPageIsPresent | kPageIsSwapped;
+  masks.return_mask = kPageIsFile | kPageIsPresent | kPageIsSwapped;
+  Status scanned = ScanRegions(fd.get(), lo / page * page, end, masks, [&](const PageRegion& r) {
+    AddRange(&out, r.start, r.end, lo, hi);
+  });
+  // A kernel that refuses this argument (ENOTTY, EINVAL): pagemap answers the same.
+  if (scanned.code() == StatusCode::kUnsupported) return PrivatePagesInByPagemap(start, length);
+  EA_RETURN_IF_ERROR(scanned);
   return out;
 }
 
