@@ -26,9 +26,11 @@ entry), and every layer's name, dtype and per-block shape and the block dimensio
 from the KV cache tensors vLLM registered, never an assumed layout). A mismatch is refused
 with a warning naming both sides, and those tokens are computed.
 
-Lifetimes: a block is read once (readers=1) and freed by the decode engine's release; an
-aborted or failed request's blocks are aborted by the prefill engine at its next step (after
-the writes of the steps before, which ran already), with their entry; blocks nobody loaded
+Lifetimes: a block is read by `readers` decode engines (default 1; each takes its turn by
+creating <entry>.read<k> exclusively, the last removes the entry), each zero-copy from the one
+copy in the segments, and freed when the last has released it; an aborted or failed request's
+blocks are aborted by the prefill engine at its next step (after the writes of the steps
+before, which ran already), with their entry; blocks nobody loaded
 expire after `ttl_seconds`; the producer's close (engine exit) removes its entries and its
 segments; a killed producer's segments are swept by the next producer or consumer to start,
 and its entries are removed by the consumer that fails to load them or by the next producer.
@@ -36,7 +38,7 @@ and its entries are removed by the consumer that fails to load them or by the ne
 Options (kv_connector_extra_config): directory (segments and index, default /dev/shm),
 spill_directory (default /var/tmp), name (logical name shared by the engines that exchange KV,
 default "kv"), segment_bytes (default 64 MiB), max_segments (default 16), ttl_seconds
-(default 600).
+(default 600), readers (default 1).
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ _OPTIONS = {
     "segment_bytes": "bytes of one stream segment (default 64 MiB)",
     "max_segments": "segments the producer may grow to (default 16)",
     "ttl_seconds": "seconds a prompt's KV waits for a decode engine (default 600)",
+    "readers": "decode engines that read each prompt's KV (the prefill engine's setting, "
+               "default 1): its blocks are freed when that many have read them, or expire",
 }
+_MAX_READERS = 64
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 
@@ -120,6 +125,10 @@ class _Options:
         self.segment_bytes = int(extra.get("segment_bytes", 64 << 20))
         self.max_segments = int(extra.get("max_segments", 16))
         self.ttl_seconds = float(extra.get("ttl_seconds", 600))
+        self.readers = extra.get("readers", 1)
+        if type(self.readers) is not int or not 1 <= self.readers <= _MAX_READERS:
+            raise ValueError("expert_arena.vllm_kv: readers %r must be an integer from 1 to %d"
+                             % (self.readers, _MAX_READERS))
         if not os.path.isdir(self.directory):
             raise ValueError("expert_arena.vllm_kv: directory %r is not a directory"
                              % self.directory)
@@ -201,6 +210,10 @@ def _read_entry(path: str):
             or not isinstance(identity, dict) \
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in layers.items()):
         raise ValueError("index entry %s lacks tokens, layers or identity" % path)
+    readers = entry.setdefault("readers", 1)
+    if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
+        raise ValueError("index entry %s: readers %r is not from 1 to %d" % (path, readers,
+                                                                           _MAX_READERS))
     return entry
 
 
@@ -209,6 +222,40 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _claims(path: str) -> list:
+    """The readers' claim files of the entry at `path` (<entry>.read<k>)."""
+    directory, base = os.path.split(path)
+    try:
+        return [os.path.join(directory, n) for n in os.listdir(directory)
+                if n.startswith(base + ".read")]
+    except OSError:
+        return []
+
+
+def _remove_entry(path: str) -> None:
+    """The entry and its readers' claims."""
+    _unlink(path)
+    for claim in _claims(path):
+        _unlink(claim)
+
+
+def _claim(path: str, readers: int):
+    """This engine's turn among the entry's `readers` (0 ... readers - 1), taken by creating
+    <entry>.read<k> exclusively; None when every reader has had its turn."""
+    if readers == 1:
+        return 0
+    for k in range(readers):
+        try:
+            fd = os.open("%s.read%d" % (path, k),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return k
+    return None
 
 
 def _write_entry(path: str, entry: dict) -> None:
@@ -495,6 +542,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if entry is None:
                 raise ValueError("index entry %s is gone" % path)
             plan = self._load_plan(entry, load)
+            turn = _claim(path, entry["readers"])
+            if turn is None:
+                raise ValueError("index entry %s was read by its %d readers already"
+                                 % (path, entry["readers"]))
         except (OSError, ValueError) as e:
             logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
                            load.req_id, e, len(load.block_ids))
@@ -509,7 +560,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                            len(load.block_ids))
             self._failed(load, path)
             return
-        _unlink(path)  # read once: the blocks go back to the producer as each layer is copied
+        if turn == entry["readers"] - 1:
+            # Its last reader: the blocks go back to the producer as each layer is copied.
+            _remove_entry(path)
         nbytes = 0
         for name, view in zip(names, views):
             cache, dim = self._caches[name]
@@ -558,7 +611,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._load_errors.update(load.block_ids)
         _count(load_error_blocks=len(load.block_ids))
         if path:
-            _unlink(path)
+            _remove_entry(path)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # start_load_kv copied every layer already (a CPU copy has nothing to overlap with).
@@ -585,7 +638,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 with reservation:
                     index = torch.tensor(save.block_ids, dtype=torch.long, device=cache.device)
                     torch.index_select(cache, dim, index, out=reservation.torch())
-                    state["layers"][layer_name] = reservation.publish()
+                    state["layers"][layer_name] = reservation.publish(
+                        readers=self._options.readers)
             except (OSError, ValueError, RuntimeError, TypeError) as e:
                 state["failed"] = "layer %s: %s" % (layer_name, e)
 
@@ -613,6 +667,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 continue
             entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
                      "identity": self._identity, "tokens": save.tokens, "created": time.time(),
+                     "readers": self._options.readers,
                      "layers": {n: d.hex() for n, d in state["layers"].items()}}
             try:
                 _write_entry(path, entry)
@@ -634,7 +689,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if published is None:
                 continue
             keys, path, _ = published
-            _unlink(path)
+            _remove_entry(path)
             for k in keys:
                 self._producer.abort(k)
             _count(aborted_requests=1)
@@ -647,15 +702,21 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         for req_id in old:
             with self._lock:
                 keys, path, _ = self._published.pop(req_id)
-            _unlink(path)
+            _remove_entry(path)
             for k in keys:
                 self._producer.abort(k)
             _count(expired_requests=1)
 
     def _remove_orphan_entries(self) -> None:
-        """Entries whose segments are all gone (their producer was killed, then swept)."""
+        """Entries whose segments are all gone (their producer was killed, then swept), and
+        readers' claims whose entry is gone."""
         prefix = self._options.entry_prefix()
-        for name in os.listdir(self._options.directory):
+        names = os.listdir(self._options.directory)
+        for name in names:
+            if name.startswith(prefix) and ".json.read" in name and \
+                    name[:name.index(".json.read")] + ".json" not in names:
+                _unlink(os.path.join(self._options.directory, name))
+        for name in names:
             if not name.startswith(prefix) or not name.endswith(".json"):
                 continue
             path = os.path.join(self._options.directory, name)
@@ -669,10 +730,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     segments.add(os.path.join(where, fields["segment"]))
             except (OSError, ValueError) as e:
                 logger.warning("expert_arena.vllm_kv: removing index entry %s: %s", path, e)
-                _unlink(path)
+                _remove_entry(path)
                 continue
             if entry is not None and not any(os.path.exists(s) for s in segments):
-                _unlink(path)
+                _remove_entry(path)
 
     def get_finished(self, finished_req_ids):
         return None, None
@@ -696,7 +757,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             with self._lock:
                 published, self._published = self._published, {}
             for keys, path, _ in published.values():
-                _unlink(path)
+                _remove_entry(path)
             self._producer.close()
         if self._consumer is not None:
             self._consumer.close()

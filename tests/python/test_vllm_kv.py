@@ -6,17 +6,14 @@ EXPERT_ARENA_REQUIRE_VLLM=1 (CI) makes a missing vLLM fail."""
 
 import json
 import os
-import queue
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 
 import pytest
 
+import engine_procs
 from conftest import child_env
 from conftest import test_dir as stream_root
 
@@ -74,47 +71,19 @@ def _env():
 
 
 def _start(**request):
-    err = tempfile.TemporaryFile(mode="w+")
-    p = subprocess.Popen([sys.executable, ENGINE, json.dumps(request)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
-                         process_group=0)
-    p.err_file = err
-    p.answers = queue.Queue()
-    threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
-    return p
-
-
-def _read_answers(stdout, answers):
-    for line in stdout:
-        if line.startswith("RESULT "):
-            answers.put(json.loads(line[len("RESULT "):]))
-    answers.put(None)
+    return engine_procs.start([ENGINE, json.dumps(request)], _env())
 
 
 def _log(p):
-    p.err_file.seek(0)
-    return p.err_file.read()
+    return engine_procs.log(p, tail=None)
 
 
 def _answer(p, timeout=300):
-    try:
-        answer = p.answers.get(timeout=timeout)
-    except queue.Empty:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout,
-                                                                          _log(p)[-6000:]))
-    if answer is None:
-        raise AssertionError("the engine exited (%s) without an answer:\n%s"
-                             % (p.wait(), _log(p)[-6000:]))
-    return answer
+    return engine_procs.answer(p, timeout)
 
 
 def _finish(p, timeout=120):
-    try:
-        p.stdin.close()
-    except OSError:
-        pass
-    return p.wait(timeout=timeout)
+    return engine_procs.finish(p, timeout)
 
 
 def _run(**request):
@@ -203,6 +172,38 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
     assert late["counters"]["load_error_blocks"] == \
         sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
     assert "recomputing" in log, log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs):
+    """readers=2: one prefill's KV, in the prefill engine's segments once, is loaded by two
+    decode engines started together (each copies it into its own KV cache); the blocks are
+    freed when both have, and the entry goes with the second."""
+    stream, spill = dirs
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
+    prompts = PROMPTS[1:4]
+    prefill = _start(role="kv_producer", prompts=prompts, readers=2, hold=True, **common)
+    try:
+        produced = _answer(prefill)
+        saved_blocks = sum(_loadable(p) // BLOCK for p in prompts)
+        assert produced["counters"]["saved_blocks"] == saved_blocks, produced["counters"]
+        segments = _segments(stream)
+        decoders = [_start(role="kv_consumer", prompts=prompts, **common) for _ in range(2)]
+        results = [_answer(p) for p in decoders]
+        for p in decoders:
+            assert _finish(p) == 0, _log(p)[-6000:]
+        for r in results:
+            assert r["tokens"] == produced["tokens"], (r, produced)
+            assert r["cached"] == [_loadable(p) for p in prompts], r
+            assert r["counters"]["loaded_blocks"] == saved_blocks, r["counters"]
+            assert r["counters"]["load_error_blocks"] == 0, r["counters"]
+        # Read by both: no entry, no claim left; the producer holds no block of them and made
+        # no segment for the second reader.
+        assert _entries(stream) == [], os.listdir(stream)
+        assert _segments(stream) == segments
+    finally:
+        code = _finish(prefill)
+    assert code == 0, _log(prefill)[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 

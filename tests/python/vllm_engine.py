@@ -5,7 +5,11 @@ and prints one JSON line; with --hold it then waits, alive, until its stdin clos
                           [--cpu-offload-gb GIB] [--compile] [--fail-first-forward MESSAGE]
                           [--hf-overrides JSON] [--prompt-len N]
 
+    python vllm_engine.py --serve
+
 The prompt is 5 fixed token ids, or N of them (--prompt-len; max_model_len grows to fit).
+--serve runs engines one after another in one process, each asked for by a JSON line on stdin
+(serve()): vLLM's import, most of an engine's start on 2 cores, is paid once.
 
 With one rank the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so its model's memory is this pid's; with --tp N its ranks are vLLM's worker
@@ -63,29 +67,34 @@ def fail_first_forward(message):
     cls.load_model = failing
 
 
-def main():
-    model_dir, load_format, arena_dir, dtype = sys.argv[1:5]
-    tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
-    offload = float(sys.argv[sys.argv.index("--cpu-offload-gb") + 1]) \
-        if "--cpu-offload-gb" in sys.argv else 0
-    if "--fail-first-forward" in sys.argv:
-        fail_first_forward(sys.argv[sys.argv.index("--fail-first-forward") + 1])
-    overrides = json.loads(sys.argv[sys.argv.index("--hf-overrides") + 1]) \
-        if "--hf-overrides" in sys.argv else None
-    prompt_len = int(sys.argv[sys.argv.index("--prompt-len") + 1]) \
-        if "--prompt-len" in sys.argv else 5
+def options(argv):
+    """The engine's settings from its command line (the form in this module's docstring)."""
+    def value(flag, default, kind=str):
+        return kind(argv[argv.index(flag) + 1]) if flag in argv else default
+    model_dir, load_format, arena_dir, dtype = argv[:4]
+    return dict(model_dir=model_dir, load_format=load_format, arena_dir=arena_dir, dtype=dtype,
+                tp=value("--tp", 1, int), offload=value("--cpu-offload-gb", 0, float),
+                compile="--compile" in argv, fail=value("--fail-first-forward", None),
+                overrides=value("--hf-overrides", None, json.loads),
+                prompt_len=value("--prompt-len", 5, int), hold="--hold" in argv)
+
+
+def run(opts):
+    """Starts one engine with `opts`, generates, inspects: (the LLM, the result)."""
+    prompt_len = opts["prompt_len"]
     prompt = [5, 9, 2, 7, 11] if prompt_len == 5 else [(7 * i + 3) % 500 + 3
                                                       for i in range(prompt_len)]
     started = time.monotonic()
     from vllm import LLM, SamplingParams
-    extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
-        if load_format == "expert_arena" else {}
-    llm = LLM(model=model_dir, load_format=load_format, dtype=dtype,
-              enforce_eager="--compile" not in sys.argv,
+    extra = {"model_loader_extra_config": {"arena_dir": opts["arena_dir"]}} \
+        if opts["load_format"] == "expert_arena" else {}
+    tp = opts["tp"]
+    llm = LLM(model=opts["model_dir"], load_format=opts["load_format"], dtype=opts["dtype"],
+              enforce_eager=not opts["compile"],
               max_model_len=max(128, prompt_len + 16), max_num_seqs=4,
-              hf_overrides=overrides, seed=0, tensor_parallel_size=tp,
-              distributed_executor_backend="uni" if tp == 1 else "mp", cpu_offload_gb=offload,
-              **extra)
+              hf_overrides=opts["overrides"], seed=0, tensor_parallel_size=tp,
+              distributed_executor_backend="uni" if tp == 1 else "mp",
+              cpu_offload_gb=opts["offload"], **extra)
     ready = time.monotonic() - started
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -97,8 +106,56 @@ def main():
     ranks = llm.apply_model(vllm_engine.inspect)
     result.update(ranks[0])
     result["ranks"] = ranks
+    return llm, result
+
+
+def serve():
+    """--serve: one engine after another in this process, each started by a line of stdin
+    (the JSON of options()' dictionary), each answered by a RESULT line; vLLM is imported once.
+    An engine with "hold" stays alive until the next line; {"release": true} only ends it.
+    An engine that fails answers {"error": ...} and the process exits."""
+    import gc
+    import traceback
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    held = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        if held is not None:
+            del held
+            held = None
+            gc.collect()
+            cleanup_dist_env_and_memory()
+        if request.get("release"):
+            print("RESULT " + json.dumps({"released": True}), flush=True)
+            continue
+        try:
+            llm, result = run(request)
+        except Exception as e:
+            # vLLM's state in this process is not usable after an engine failed while it
+            # started: answer and exit (EngineHost starts another process for the next one).
+            traceback.print_exc()
+            print("RESULT " + json.dumps({"error": "%s: %s" % (type(e).__name__, e)}),
+                  flush=True)
+            sys.exit(3)
+        if request.get("hold"):
+            held = llm
+        del llm
+        if held is None:
+            gc.collect()
+            cleanup_dist_env_and_memory()
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
+    opts = options(sys.argv[1:])
+    if opts["fail"]:
+        fail_first_forward(opts["fail"])
+    llm, result = run(opts)
     print("RESULT " + json.dumps(result), flush=True)
-    if "--hold" in sys.argv:
+    if opts["hold"]:
         sys.stdin.read()
 
 

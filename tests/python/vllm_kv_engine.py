@@ -5,6 +5,7 @@ line (RESULT ...) and, with "hold", waits alive until its stdin closes.
     python vllm_kv_engine.py '{"model": DIR, "role": "plain"|"kv_producer"|"kv_consumer",
                                "directory": D, "spill_directory": S, "prompts": [[ids]...],
                                "block_size": 32, "max_tokens": 8, "hold": false, "ttl_seconds": 600,
+                               "readers": 1,
                                "abort_at": null | [steps per prompt]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
@@ -29,7 +30,8 @@ def _engine(args):
             "kv_connector_extra_config": {"directory": args["directory"],
                                           "spill_directory": args["spill_directory"],
                                           "name": "pytest",
-                                          "ttl_seconds": args.get("ttl_seconds", 600)},
+                                          "ttl_seconds": args.get("ttl_seconds", 600),
+                                          "readers": args.get("readers", 1)},
         }
     return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
                max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),

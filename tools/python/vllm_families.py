@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -50,15 +51,17 @@ TINY = dict(
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
     linear_value_head_dim=32, linear_conv_kernel_dim=4,
     # Llama 4 text
-    intermediate_size_mlp=256, interleave_moe_layer_step=1, attention_chunk_size=64,
+    intermediate_size_mlp=256, interleave_moe_layer_step=1, attention_chunk_size=128,
     no_rope_layers=[1, 1],
     rope_theta=10000.0,
 )
 
 # What a family needs beyond TINY (by architecture).
 EXTRA = {
+    # vLLM's CPU attention kernels take head sizes from 64 up (not 32).
     "Qwen3NextForCausalLM": dict(layer_types=["linear_attention", "full_attention"],
-                                 full_attention_interval=2),
+                                 full_attention_interval=2, head_dim=64,
+                                 linear_key_head_dim=64, linear_value_head_dim=64),
     "GptOssForCausalLM": dict(layer_types=["sliding_attention", "full_attention"],
                               num_key_value_heads=2, head_dim=32),
     # vLLM's CPU MLA kernel runs only kv_lora_rank + qk_rope_head_dim = 576 (DeepSeek's own).
@@ -66,9 +69,16 @@ EXTRA = {
                                   qk_rope_head_dim=64),
     "DeepseekV3ForCausalLM": dict(num_key_value_heads=4, topk_method="noaux_tc",
                                   kv_lora_rank=512, qk_rope_head_dim=64),
-    "Glm4MoeForCausalLM": dict(first_k_dense_replace=1, partial_rotary_factor=0.5),
-    "Llama4ForCausalLM": dict(moe_layers=[0, 1], layer_types=["full_attention"] * 2),
+    "Glm4MoeForCausalLM": dict(first_k_dense_replace=1, partial_rotary_factor=0.5, head_dim=32),
+    # Llama 4 routes each token to one expert (vLLM's fused MoE weighs the input by the router
+    # only for top-1); its chunked attention takes whole KV blocks (128 on the CPU).
+    "Llama4ForCausalLM": dict(moe_layers=[0, 1], layer_types=["full_attention"] * 2,
+                              num_experts_per_tok=1),
 }
+
+# The dtype a family runs in on vLLM's CPU build (float32 where not named): Qwen3-Next's gated
+# delta net runs only in bfloat16 there ("CPU GDN attention requires BF16").
+DTYPE = {"Qwen3NextForCausalLM": "bfloat16"}
 
 # What a family's configuration derives itself (left out of TINY for it).
 DERIVED = {
@@ -137,6 +147,104 @@ def tiny_checkpoint(arch, out, **overrides):
     return out
 
 
+def quantize_awq(model_dir, targets=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                     "self_attn.o_proj"), group_size=64, seed=0):
+    """Turns a checkpoint made by tiny_checkpoint into an AWQ one (4 bits, zero points, GEMM
+    layout) in place: each linear weight whose name holds one of `targets` becomes random
+    packed AWQ tensors (qweight int32 [in, out/8], qzeros int32 [in/group, out/8], scales
+    float16 [in/group, out]); the rest stays as it was, which vLLM reads as not quantized. Any
+    packed bits are a valid AWQ weight: plain vLLM's tokens on the result are the reference."""
+    import json as _json
+    import torch
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in tensors.items():
+        layer = name[:-len(".weight")]
+        if not name.endswith(".weight") or not any(t in layer for t in targets):
+            out[name] = tensor
+            continue
+        n, k = tensor.shape
+        info = torch.iinfo(torch.int32)
+
+        def packed(rows):
+            return torch.randint(info.min, info.max, (rows, n // 8), dtype=torch.int32,
+                                 generator=generator)
+        out[layer + ".qweight"] = packed(k)
+        out[layer + ".qzeros"] = packed(k // group_size)
+        out[layer + ".scales"] = (torch.rand((k // group_size, n), generator=generator) *
+                                  0.01 + 0.001).to(torch.float16)
+    save_file(out, path, metadata={"format": "pt"})
+    config_path = os.path.join(model_dir, "config.json")
+    with open(config_path) as f:
+        config = _json.load(f)
+    # What stays unquantized is named (vLLM would otherwise take the MoE layers for AWQ ones,
+    # which its CPU build cannot run: "No WNA16 MoE backend supports the deployment
+    # configuration").
+    kept = _unquantized_modules(tensors, targets)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4,
+                                     "group_size": group_size, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": kept}
+    with open(config_path, "w") as f:
+        _json.dump(config, f, indent=2)
+    return model_dir
+
+
+def quantize_w8a8(model_dir, targets=("self_attn.q_proj", "self_attn.k_proj",
+                                      "self_attn.v_proj", "self_attn.o_proj"), seed=0):
+    """Turns a checkpoint made by tiny_checkpoint into a compressed-tensors W8A8 one in place
+    (int8 weights with a float32 scale per output channel, activations quantized per token at
+    run time, as llm-compressor writes them): each linear weight whose name holds one of
+    `targets` becomes int8 [out, in] and weight_scale [out, 1]; everything else is in
+    "ignore". vLLM's CPU build runs it with oneDNN's int8 GEMM."""
+    import json as _json
+    import torch
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    out = {}
+    for name, tensor in tensors.items():
+        layer = name[:-len(".weight")]
+        if not name.endswith(".weight") or not any(t in layer for t in targets):
+            out[name] = tensor
+            continue
+        scale = tensor.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-8) / 127
+        out[name] = torch.round(tensor.float() / scale).clamp(-127, 127).to(torch.int8)
+        out[layer + ".weight_scale"] = scale
+    save_file(out, path, metadata={"format": "pt"})
+    config_path = os.path.join(model_dir, "config.json")
+    with open(config_path) as f:
+        config = _json.load(f)
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": dict(scheme, strategy="channel", dynamic=False),
+            "input_activations": dict(scheme, strategy="token", dynamic=True)}},
+        # The rest stays in the checkpoint's dtype: the router, the experts, the head.
+        "ignore": ["lm_head"] + ["re:.*%s($|\\.)" % re.escape(m)
+                                 for m in _unquantized_modules(tensors, targets)]}
+    with open(config_path, "w") as f:
+        _json.dump(config, f, indent=2)
+    return model_dir
+
+
+def _unquantized_modules(tensors, targets):
+    """The per-layer module names (as vLLM matches them: the experts as one module) of the
+    linear weights not in `targets`."""
+    kept = set()
+    for n in tensors:
+        if n.endswith(".weight") and ".layers." in n and not any(t in n for t in targets):
+            module = n.split(".layers.", 1)[1].split(".", 1)[1][:-len(".weight")]
+            if ".experts." in module:
+                module = module[:module.index(".experts.") + len(".experts")]
+            kept.add(module)
+    return sorted(kept)
+
+
 def inspect(model):
     """Runs in the engine's worker (here: its process): where the model's tensors lie. A
     derived buffer the model replaced itself (a rotary cache it converted) is left out."""
@@ -153,13 +261,13 @@ def inspect(model):
             "in_arena": not outside}
 
 
-def engine(model_dir, load_format, arena_dir, hold):
+def engine(model_dir, load_format, arena_dir, hold, dtype):
     """The engine role (a process of its own): greedy tokens for PROMPT as one JSON line."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
         if load_format == "expert_arena" else {}
-    llm = LLM(model=model_dir, load_format=load_format, dtype="float32", enforce_eager=True,
+    llm = LLM(model=model_dir, load_format=load_format, dtype=dtype, enforce_eager=True,
               max_model_len=128, max_num_seqs=4, seed=0, **extra)
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        SamplingParams(temperature=0.0, max_tokens=TOKENS), use_tqdm=False)
@@ -173,7 +281,7 @@ def engine(model_dir, load_format, arena_dir, hold):
 class Engine:
     """An engine process of this script (the engine role) and its answer."""
 
-    def __init__(self, model_dir, load_format, arena_dir, hold=False):
+    def __init__(self, model_dir, load_format, arena_dir, dtype, hold=False):
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -181,7 +289,7 @@ class Engine:
         self.err = tempfile.TemporaryFile(mode="w+")
         self.p = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--engine", model_dir, load_format,
-             arena_dir] + (["--hold"] if hold else []),
+             arena_dir, dtype] + (["--hold"] if hold else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
         self.answers = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -232,20 +340,21 @@ def run_family(arch, workdir, timeout):
         tiny_checkpoint(arch, model_dir)
     except Exception as e:
         return "not made", "transformers could not make it: %s" % str(e).splitlines()[0][:200]
-    plain = Engine(model_dir, "auto", arena_dir)
+    dtype = DTYPE.get(arch, "float32")
+    plain = Engine(model_dir, "auto", arena_dir, dtype)
     reference = plain.answer(timeout)
     plain.finish()
     if "error" in reference:
         return "vLLM cannot run it here", reference["error"]
-    builder = Engine(model_dir, "expert_arena", arena_dir, hold=True)
+    builder = Engine(model_dir, "expert_arena", arena_dir, dtype, hold=True)
     built = builder.answer(timeout)
     attached = {"error": "not started: the building engine failed"}
     if "error" not in built:
-        attacher = Engine(model_dir, "expert_arena", arena_dir)
+        attacher = Engine(model_dir, "expert_arena", arena_dir, dtype)
         attached = attacher.answer(timeout)
         attacher.finish()
     builder.finish()
-    restart = Engine(model_dir, "expert_arena", arena_dir)
+    restart = Engine(model_dir, "expert_arena", arena_dir, dtype)
     restarted = restart.answer(timeout)
     restart.finish()
     results = {"building": built, "attaching": attached, "restart": restarted}
@@ -265,7 +374,7 @@ def run_family(arch, workdir, timeout):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--engine":
-        engine(sys.argv[2], sys.argv[3], sys.argv[4], "--hold" in sys.argv)
+        engine(sys.argv[2], sys.argv[3], sys.argv[4], "--hold" in sys.argv, sys.argv[5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="architectures, comma-separated (default: all)")

@@ -1,0 +1,131 @@
+"""Engine processes of the vLLM tests (test_vllm.py, test_vllm_kv.py): start one, read its
+RESULT lines (its other output is vLLM's log), end it; and EngineHost, one process that runs
+engines one after another (tests/python/vllm_engine.py --serve)."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+
+def start(args, env):
+    """An engine process (a process group of its own: killpg reaches its workers) whose stdout
+    a thread reads to its end, so that the pipe never fills and no line waits in a buffer
+    select() cannot see; its RESULT lines go to p.answers, its stderr to p.err_file."""
+    err = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen([sys.executable] + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=err, text=True, env=env, process_group=0)
+    p.err_file = err
+    p.answers = queue.Queue()
+    threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
+    return p
+
+
+def _read_answers(stdout, answers):
+    for line in stdout:
+        if line.startswith("RESULT "):
+            answers.put(json.loads(line[len("RESULT "):]))
+    answers.put(None)
+
+
+def log(p, tail=6000):
+    """The last `tail` characters of the engine's stderr (vLLM's log, tracebacks); all of it
+    with tail=None."""
+    p.err_file.seek(0)
+    text = p.err_file.read()
+    return text if tail is None else text[-tail:]
+
+
+def answer(p, timeout=240):
+    """The engine's next RESULT; an engine silent for `timeout` s is killed."""
+    try:
+        result = p.answers.get(timeout=timeout)
+    except queue.Empty:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no answer from the engine in %d s:\n%s" % (timeout, log(p)))
+    if result is None:
+        raise AssertionError("the engine exited (%s) without an answer:\n%s"
+                             % (p.wait(), log(p)))
+    return result
+
+
+def finish(p, timeout=60):
+    """Closes the engine's stdin (a held engine exits) and waits for it."""
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise AssertionError("the engine did not exit in %d s:\n%s" % (timeout, log(p)))
+
+
+class EngineHost:
+    """One process that starts vLLM engines one after another (vllm_engine.py --serve): each
+    engine is a whole LLM of its own, built, run and deleted, but vLLM's import (most of an
+    engine's start on 2 cores) is paid once. Two hosts stand for two engine processes: a
+    builder in one and an attacher in the other see the arena as two engines do."""
+
+    def __init__(self, engine_script, env):
+        self.script, self.env = engine_script, env
+        self.p = start([engine_script, "--serve"], env)
+
+    def run(self, *args, timeout=240, **kwargs):
+        """One engine's answer; with hold=True it stays alive until release() or the next
+        run(). An engine that failed raises AssertionError with its error and the log."""
+        self.submit(*args, **kwargs)
+        return self.result(timeout)
+
+    def submit(self, model_dir, load_format, arena_dir, dtype="float32", hold=False,
+               offload_gb=0, compile=False, hf_overrides=None, prompt_len=None):
+        """Starts an engine and returns at once (result() waits for its answer): engines of
+        two hosts submitted together start at the same time."""
+        self._send(dict(model_dir=model_dir, load_format=load_format, arena_dir=arena_dir,
+                        dtype=dtype, tp=1, offload=offload_gb, compile=compile, fail=None,
+                        overrides=hf_overrides, prompt_len=prompt_len or 5, hold=hold))
+
+    def result(self, timeout=240):
+        result = answer(self.p, timeout)
+        if "error" in result:
+            raise AssertionError("the engine failed: %s\n%s" % (result["error"], log(self.p)))
+        return result
+
+    def attempt(self, *args, **kwargs):
+        """Like run(), but a failed engine's answer ({"error": ...}) is returned (the next
+        engine then starts in a new process)."""
+        try:
+            return self.run(*args, **kwargs)
+        except AssertionError as e:
+            return {"error": str(e)}
+
+    def release(self, timeout=240):
+        """Ends the held engine (if any). An answer still due (an engine submitted whose
+        result() was not read, as when another host's engine failed) is read first."""
+        if self.p.poll() is not None:
+            return
+        self._send({"release": True})
+        while not answer(self.p, timeout).get("released"):
+            pass
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def _send(self, request):
+        if self.p.poll() is not None:
+            # It exited after an engine failed (serve()): a new process for the next one.
+            assert self.p.returncode == 3, "the engine host exited (%s):\n%s" % (
+                self.p.returncode, log(self.p))
+            self.p = start([self.script, "--serve"], self.env)
+        self.p.stdin.write(json.dumps(request) + "\n")
+        self.p.stdin.flush()
+
+    def close(self):
+        return finish(self.p, timeout=120)
