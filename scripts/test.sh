@@ -39,9 +39,20 @@ stop_test_deps() {  # the background install-deps --for-tests, if it still runs
   fi
   [[ -z $deps_log ]] || rm -f "$deps_log"
 }
+bg_pid=""
+bg_log=""
+stop_background_builds() {  # the background sanitizer and fuzz builds, if they still run
+  if [[ -n $bg_pid ]]; then
+    pkill -TERM -P "$bg_pid" 2>/dev/null || true
+    kill "$bg_pid" 2>/dev/null || true
+    bg_pid=""
+  fi
+  [[ -z $bg_log ]] || rm -f "$bg_log"
+}
 on_exit() {
   local rc=$?
   stop_test_deps
+  stop_background_builds
   if ((rc != 0)) && [[ -n "$step_name" ]]; then
     echo "== $step_name: FAILED (exit $rc) after $((SECONDS - step_start)) s (total $SECONDS s)"
   fi
@@ -81,6 +92,46 @@ fi
 
 jobs=${EXPERT_ARENA_JOBS:-2}
 
+# The ThreadSanitizer build's tests: the stream producer (grow-ahead thread, copy threads,
+# concurrent aborts), the loader's reader threads, the background 2 MiB page makers, and the
+# arena protocol's engines (children are the same instrumented binary), plus the CLI that their
+# tests drive.
+tsan_tests=(stream_unit_test stream_process_test stream_sweep_test loader_test arena_protocol_test host_device_test
+            page_backing_test arena_backing_test)
+
+# The fuzz, ASan and TSan trees compile in the background at the lowest priority (nice 19)
+# while the steps after the default build test it: their compilers take the cycles those
+# steps leave idle (one engine, one QEMU guest, one pytest at a time), and the first step that
+# needs a tree waits for all three (wait_for_background_builds). Their output goes to a log,
+# printed only if a build fails.
+start_background_builds() {
+  bg_log=$(mktemp -t expert-arena-bg.XXXXXX)
+  bg_started=$(date +%s)
+  (
+    set -e
+    cmake --preset fuzz >/dev/null
+    nice -n 19 cmake --build --preset fuzz -j"$jobs"
+    cmake --preset asan "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON >/dev/null
+    nice -n 19 cmake --build --preset asan -j"$jobs"
+    cmake --preset tsan >/dev/null
+    nice -n 19 cmake --build --preset tsan -j"$jobs" --target "${tsan_tests[@]}" expert-arena
+  ) >"$bg_log" 2>&1 &
+  bg_pid=$!
+}
+wait_for_background_builds() {
+  [[ -n ${bg_pid:-} ]] || return 0
+  local rc=0
+  wait "$bg_pid" || rc=$?
+  bg_pid=""
+  if ((rc != 0)); then
+    grep -E -A12 '^FAILED|error:' "$bg_log" | head -n 200 || tail -n 60 "$bg_log"
+  fi
+  echo "== fuzz, ASan and TSan trees built in the background: finished" \
+       "$(($(stat -c %Y "$bg_log") - bg_started)) s after they started (exit $rc)"
+  rm -f "$bg_log"
+  ((rc == 0)) || exit "$rc"
+}
+
 # -O3 (the default preset): g++ at -O3 inlines deeper and warns where -O2 does not (g++ 12
 # reports false positives inside std::string and std::vector; docs/building.md), so the build
 # the tests run on is also the check that a user's Release build compiles without a warning.
@@ -88,13 +139,14 @@ step "default build, -O3 (${gpu_flags[*]:-no GPU backends})"
 cmake --preset default "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON | { grep "GPU backends" || true; }
 cmake --build --preset default -j"$jobs"
 build/bin/expert-arena --version
+((quick)) || start_background_builds
 step "tests (ctest)"
 ctest --preset default
 # The module is built for Debian's /usr/bin/python3; .venv is made from that interpreter, so
 # the same module serves both. Exit status 5 (no test collected) fails too: a missing module
 # must never pass silently.
 step "Python package tests, Debian's torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)')"
-PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
+PYTHONPATH=build/python /usr/bin/python3 -m pytest -q --durations=8 tests/python
 
 step "kernel profiles: older kernels and container runtimes emulated with seccomp"
 # linux-4.18, linux-5.15, docker, podman (tools/kernel-profile; 5.10 and 6.1 boot for real in
@@ -144,7 +196,7 @@ if [[ $(id -u) -eq 0 ]]; then
   "${unprivileged[@]}" build/bin/arena_protocol_test --gtest_brief=1
   "${unprivileged[@]}" build/bin/stream_process_test --gtest_brief=1
   "${unprivileged[@]}" build/bin/stream_sweep_test --gtest_brief=1
-  "${unprivileged[@]}" PYTHONPATH=build/python .venv/bin/python -m pytest -q -p no:cacheprovider \
+  "${unprivileged[@]}" PYTHONPATH=build/python .venv/bin/python -m pytest -q --durations=8 -p no:cacheprovider \
     tests/python --ignore=tests/python/test_install.py
   restore_modes
   trap on_exit EXIT
@@ -167,7 +219,7 @@ if [[ -n "$vllm_version" ]]; then
   # vllm.general_plugins entry point; the tests start real engines (tests/python/test_vllm.py).
   .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
     --no-deps .
-  EXPERT_ARENA_REQUIRE_VLLM=1 PYTHONPATH=build/python .venv-vllm/bin/python -m pytest -q \
+  EXPERT_ARENA_REQUIRE_VLLM=1 PYTHONPATH=build/python .venv-vllm/bin/python -m pytest -q --durations=8 \
     -p no:cacheprovider tests/python/test_vllm.py tests/python/test_vllm_kv.py
 elif [[ "${CI:-}" == "true" ]]; then
   echo "test.sh: CI: .venv-vllm has no vLLM (scripts/install-deps.sh installs it)" >&2
@@ -176,6 +228,8 @@ else
   echo "== vLLM: skipped (.venv-vllm has no vLLM; scripts/install-deps.sh installs it)"
 fi
 
+step "waiting for the background builds (fuzz, ASan, TSan)"
+wait_for_background_builds
 step "fuzzing (libFuzzer, ${EA_FUZZ_SECONDS:-20} s per target)"
 # Bounded: each target starts from its seed corpus; any crash fails the run and names the input.
 EXPERT_ARENA_JOBS=$jobs tests/fuzz/run_fuzz.sh "${EA_FUZZ_SECONDS:-20}"
@@ -194,14 +248,8 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.
   /usr/bin/python3 -m pytest -q tests/python
 
 step "ThreadSanitizer build: the threaded and multi-process parts"
-# The stream producer (grow-ahead thread, copy threads, concurrent aborts), the loader's
-# reader threads, the background 2 MiB page makers, and the arena protocol's engines
-# (children are the same instrumented binary), plus the CLI that their tests drive. Run
-# directly: the rest of the tsan tree is not built, so ctest would list the other tests as
-# missing.
-tsan_tests=(stream_unit_test stream_process_test stream_sweep_test loader_test arena_protocol_test host_device_test
-            page_backing_test arena_backing_test)
-cmake --preset tsan >/dev/null
+# tsan_tests (above), run directly: the rest of the tsan tree is not built, so ctest would
+# list the other tests as missing.
 cmake --build --preset tsan -j"$jobs" --target "${tsan_tests[@]}" expert-arena
 for t in "${tsan_tests[@]}"; do
   echo "-- tsan: $t"

@@ -238,12 +238,10 @@ def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, c
 
 
 # The family matrix's CI subset (tools/python/vllm_families.py runs every MoE family of vLLM's
-# registry): MoE families beyond the ones above, a dense model and a quantized checkpoint
-# (compressed-tensors W8A8: int8 attention weights, which vLLM's CPU build runs with oneDNN),
-# each a tiny random checkpoint of transformers' own class.
+# registry): MoE families beyond the ones above and a dense model, each a tiny random
+# checkpoint of transformers' own class.
 MATRIX = ["Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM",
-          "Llama4ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "Qwen3ForCausalLM",
-          "Qwen3MoeForCausalLM+w8a8"]
+          "Llama4ForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "Qwen3ForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", MATRIX)
@@ -251,12 +249,8 @@ def test_each_family_builds_attaches_and_restarts_with_plain_vllm_tokens(arch, h
                                                                          tmp_path):
     """A builder and an engine started beside it, then a restart after both ended, give plain
     vLLM's greedy tokens, each on the arena's tensors."""
-    arch, _, quantization = arch.partition("+")
     model = vllm_families.tiny_checkpoint(arch, str(tmp_path / arch))
     dtype = vllm_families.DTYPE.get(arch, "float32")
-    if quantization == "w8a8":
-        vllm_families.quantize_w8a8(model)
-        dtype = "bfloat16"  # oneDNN's int8 GEMM gives bfloat16 or float16
     plain = hosts[0].run(model, "auto", arena_dir, dtype=dtype)
     try:
         for host in hosts:
@@ -273,6 +267,24 @@ def test_each_family_builds_attaches_and_restarts_with_plain_vllm_tokens(arch, h
         # (A rotary cache the model converts itself at its first forward stays private.)
         assert all("rotary_emb" in n for n in r["outside"]), (arch, r)
         assert r["path"] == restart["path"]
+
+
+def test_a_quantized_checkpoint_is_refused_by_name_and_nothing_is_published(hosts, arena_dir,
+                                                                            tmp_path):
+    """A compressed-tensors W8A8 checkpoint (int8 attention weights), which vLLM's CPU build
+    runs: its quantization method makes state from the weights at post-processing that an
+    engine attaching to processed weights could not rebuild (vLLM's own
+    supports_pre_processed_weights is False for it). The building engine refuses it by the
+    method's name before anything is published: no arena for the next engine to trust."""
+    model = vllm_families.quantize_w8a8(
+        vllm_families.tiny_checkpoint("Qwen3MoeForCausalLM", str(tmp_path / "w8a8")))
+    plain = hosts[0].run(model, "auto", arena_dir, dtype="bfloat16")
+    assert len(plain["tokens"]) == PROMPT_TOKENS
+    refused = hosts[1].attempt(model, "expert_arena", arena_dir, dtype="bfloat16")
+    assert "CompressedTensorsLinearMethod cannot run on weights that are already processed" \
+        in refused["error"], refused
+    assert "load this model without --load-format expert_arena" in refused["error"]
+    assert os.listdir(arena_dir) == []
 
 
 def _overwrite_tensor_bytes(safetensors_path, fill):
