@@ -211,7 +211,7 @@ def test_aborted_requests_leave_no_block_and_no_file(model, dirs):
     stream, spill = dirs
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 120))]
-               for _ in range(24)]
+               for _ in range(100)]
     # Aborted before they are scheduled, after their prefill, or a few tokens later.
     abort_at = [rng.randrange(0, 5) for _ in prompts]
     p = _start(model=model, role="kv_producer", directory=stream, spill_directory=spill,

@@ -57,7 +57,9 @@ def _generate(llm, prompts, max_tokens):
 def _abort_run(llm, prompts, abort_at, max_tokens):
     from vllm import SamplingParams
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    # ignore_eos: no request ends by itself before its abort (a random model's first token can
+    # be its end-of-sequence token, and a finished prompt's KV stays for a decode engine).
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     live = {}
     for i, p in enumerate(prompts):
         engine.add_request("abort-%d" % i, {"prompt_token_ids": p}, params)
