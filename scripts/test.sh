@@ -29,30 +29,21 @@ step() {
   step_start=$SECONDS
   if [[ -n "$step_name" ]]; then echo "== $step_name"; fi
 }
-deps_pid=""
+deps_pid=""  # install-deps --for-tests, in the background while the default build compiles
 deps_log=""
-stop_test_deps() {  # the background install-deps --for-tests, if it still runs
-  if [[ -n $deps_pid ]]; then
-    pkill -TERM -P "$deps_pid" 2>/dev/null || true
-    kill "$deps_pid" 2>/dev/null || true
-    deps_pid=""
-  fi
-  [[ -z $deps_log ]] || rm -f "$deps_log"
-}
-bg_pid=""
+bg_pid=""    # the sanitizer and fuzz builds, in the background while the default build is tested
 bg_log=""
-stop_background_builds() {  # the background sanitizer and fuzz builds, if they still run
-  if [[ -n $bg_pid ]]; then
-    pkill -TERM -P "$bg_pid" 2>/dev/null || true
-    kill "$bg_pid" 2>/dev/null || true
-    bg_pid=""
+stop_job() {  # a background job of this script, if it still runs, and its log: PID LOG
+  if [[ -n $1 ]]; then
+    pkill -TERM -P "$1" 2>/dev/null || true
+    kill "$1" 2>/dev/null || true
   fi
-  [[ -z $bg_log ]] || rm -f "$bg_log"
+  [[ -z $2 ]] || rm -f "$2"
 }
 on_exit() {
   local rc=$?
-  stop_test_deps
-  stop_background_builds
+  stop_job "$deps_pid" "$deps_log"
+  stop_job "$bg_pid" "$bg_log"
   if ((rc != 0)) && [[ -n "$step_name" ]]; then
     echo "== $step_name: FAILED (exit $rc) after $((SECONDS - step_start)) s (total $SECONDS s)"
   fi

@@ -2,6 +2,7 @@
 RESULT lines (its other output is vLLM's log), end it; and EngineHost, one process that runs
 engines one after another (tests/python/vllm_engine.py --serve)."""
 
+import contextlib
 import json
 import os
 import queue
@@ -129,3 +130,23 @@ class EngineHost:
 
     def close(self):
         return finish(self.p, timeout=120)
+
+
+@contextlib.contextmanager
+def held_together(hosts, model_dirs, *args, **kwargs):
+    """Engines started at the same time, one in each host (on model_dirs[i]; the rest as
+    EngineHost.submit takes it), alive while the with-block runs: yields their answers, in the
+    hosts' order, and ends them after it (also when an answer was an error)."""
+    try:
+        for host, model_dir in zip(hosts, model_dirs):
+            host.submit(model_dir, *args, hold=True, **kwargs)
+        yield [host.result() for host in hosts]
+    finally:
+        for host in hosts:
+            host.release()
+
+
+def run_together(hosts, model_dirs, *args, **kwargs):
+    """held_together's answers, the engines ended."""
+    with held_together(hosts, model_dirs, *args, **kwargs) as results:
+        return results

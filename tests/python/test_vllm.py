@@ -181,19 +181,14 @@ def arena_dir():
 def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpoints, hosts,
                                                                     arena_dir):
     model, reference = checkpoints(kind)
-    try:
-        for host in hosts:  # both start at once: one builds, the other waits and attaches
-            host.submit(model, "expert_arena", arena_dir, hold=True)
-        results = [host.result() for host in hosts]
+    # Both start at once: one builds, the other waits and attaches.
+    with engine_procs.held_together(hosts, [model] * 2, "expert_arena", arena_dir) as results:
         path = results[0]["path"]
         # Both alive: the arena's pages are held once between them (the Pss of its mappings
         # sums to at most the file's size; a copy each would be twice it).
         pss = sum(arena_pss_kib(host.pid, path) for host in hosts) * 1024
         file_bytes = os.path.getsize(path)
         assert results[0]["data_bytes"] < pss <= file_bytes * 1.02, (pss, file_bytes)
-    finally:
-        for host in hosts:
-            host.release()
     assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
     for r in results:
         assert r["tokens"] == reference, (r, reference)
@@ -216,13 +211,8 @@ def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, c
     cos_sin_cache). A builder and an engine started beside it now give plain vLLM's tokens."""
     dtype = "bfloat16" if kind == "gpt_oss" else "float32"
     model, reference = checkpoints(kind, dtype)
-    try:
-        for host in hosts:
-            host.submit(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
-        results = [host.result() for host in hosts]
-    finally:
-        for host in hosts:
-            host.release()
+    results = engine_procs.run_together(hosts, [model] * 2, "expert_arena", arena_dir,
+                                        dtype=dtype)
     assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
     for r in results:
         assert r["tokens"] == reference, (kind, r, reference)
@@ -252,13 +242,8 @@ def test_each_family_builds_attaches_and_restarts_with_plain_vllm_tokens(arch, h
     model = vllm_families.tiny_checkpoint(arch, str(tmp_path / arch))
     dtype = vllm_families.DTYPE.get(arch, "float32")
     plain = hosts[0].run(model, "auto", arena_dir, dtype=dtype)
-    try:
-        for host in hosts:
-            host.submit(model, "expert_arena", arena_dir, dtype=dtype, hold=True)
-        results = [host.result() for host in hosts]
-    finally:
-        for host in hosts:
-            host.release()
+    results = engine_procs.run_together(hosts, [model] * 2, "expert_arena", arena_dir,
+                                        dtype=dtype)
     restart = hosts[1].run(model, "expert_arena", arena_dir, dtype=dtype)
     assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
     assert restart["role"] == "attached", restart
@@ -448,21 +433,15 @@ def test_two_checkpoints_in_folders_of_the_same_name_run_side_by_side(checkpoint
     """The arena's file name hashes the checkpoint folder's real path: two checkpoints in
     folders both named ckpt used to map to one file (the second engine: BusyError while the
     first ran; alone, it replaced the first model's arena)."""
-    references = []
     # The same model in both (copies of one checkpoint, as a fleet's two mounts of it would
     # be): the same configuration, so only the folder tells the two apart.
-    for i, kind in enumerate(("qwen3_moe", "qwen3_moe")):
-        source, reference = checkpoints(kind)
-        model = str(tmp_path / str(i) / "ckpt")
+    source, reference = checkpoints("qwen3_moe")
+    models = [str(tmp_path / str(i) / "ckpt") for i in range(2)]
+    for model in models:
         os.makedirs(os.path.dirname(model))
         subprocess.run(["cp", "-a", source, model], check=True)
-        hosts[i].submit(model, "expert_arena", arena_dir, hold=True)
-        references.append(reference)
-    try:
-        results = [host.result() for host in hosts]
-    finally:
-        for host in hosts:
-            host.release()
+    results = engine_procs.run_together(hosts, models, "expert_arena", arena_dir)
+    references = [reference] * 2
     assert [r["role"] for r in results] == ["loaded", "loaded"], results
     assert [r["tokens"] for r in results] == references
     assert results[0]["path"] != results[1]["path"]

@@ -147,102 +147,90 @@ def tiny_checkpoint(arch, out, **overrides):
     return out
 
 
-def quantize_awq(model_dir, targets=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                     "self_attn.o_proj"), group_size=64, seed=0):
-    """Turns a checkpoint made by tiny_checkpoint into an AWQ one (4 bits, zero points, GEMM
-    layout) in place: each linear weight whose name holds one of `targets` becomes random
-    packed AWQ tensors (qweight int32 [in, out/8], qzeros int32 [in/group, out/8], scales
-    float16 [in/group, out]); the rest stays as it was, which vLLM reads as not quantized. Any
-    packed bits are a valid AWQ weight: plain vLLM's tokens on the result are the reference."""
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+
+
+def _quantize(model_dir, targets, quantize, quantization_config):
+    """Rewrites the checkpoint at model_dir in place: each linear weight whose name holds one
+    of `targets` is replaced by quantize(layer, weight) (a dict of the layer's new tensors),
+    and config.json gets quantization_config(the names of the linear modules left as they
+    were: per layer, the experts as one module, as vLLM matches them)."""
     import json as _json
-    import torch
     from safetensors.torch import load_file, save_file
     path = os.path.join(model_dir, "model.safetensors")
     tensors = load_file(path)
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
+    out, kept = {}, set()
     for name, tensor in tensors.items():
         layer = name[:-len(".weight")]
-        if not name.endswith(".weight") or not any(t in layer for t in targets):
-            out[name] = tensor
+        if name.endswith(".weight") and any(t in layer for t in targets):
+            out.update(quantize(layer, tensor))
             continue
-        n, k = tensor.shape
-        info = torch.iinfo(torch.int32)
-
-        def packed(rows):
-            return torch.randint(info.min, info.max, (rows, n // 8), dtype=torch.int32,
-                                 generator=generator)
-        out[layer + ".qweight"] = packed(k)
-        out[layer + ".qzeros"] = packed(k // group_size)
-        out[layer + ".scales"] = (torch.rand((k // group_size, n), generator=generator) *
-                                  0.01 + 0.001).to(torch.float16)
+        out[name] = tensor
+        if name.endswith(".weight") and ".layers." in name:
+            module = layer.split(".layers.", 1)[1].split(".", 1)[1]
+            if ".experts." in module:
+                module = module[:module.index(".experts.") + len(".experts")]
+            kept.add(module)
     save_file(out, path, metadata={"format": "pt"})
     config_path = os.path.join(model_dir, "config.json")
     with open(config_path) as f:
         config = _json.load(f)
-    # What stays unquantized is named (vLLM would otherwise take the MoE layers for AWQ ones,
-    # which its CPU build cannot run: "No WNA16 MoE backend supports the deployment
-    # configuration").
-    kept = _unquantized_modules(tensors, targets)
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4,
-                                     "group_size": group_size, "zero_point": True,
-                                     "version": "gemm", "modules_to_not_convert": kept}
+    config["quantization_config"] = quantization_config(sorted(kept))
     with open(config_path, "w") as f:
         _json.dump(config, f, indent=2)
     return model_dir
 
 
-def quantize_w8a8(model_dir, targets=("self_attn.q_proj", "self_attn.k_proj",
-                                      "self_attn.v_proj", "self_attn.o_proj"), seed=0):
+def quantize_awq(model_dir, targets=ATTENTION, group_size=64, seed=0):
+    """Turns a checkpoint made by tiny_checkpoint into an AWQ one (4 bits, zero points, GEMM
+    layout) in place: each linear weight whose name holds one of `targets` becomes random
+    packed AWQ tensors (qweight int32 [in, out/8], qzeros int32 [in/group, out/8], scales
+    float16 [in/group, out]); the rest stays as it was. Any packed bits are a valid AWQ weight:
+    plain vLLM's tokens on the result are the reference."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(torch.int32)
+
+    def quantize(layer, weight):
+        n, k = weight.shape
+
+        def packed(rows):
+            return torch.randint(info.min, info.max, (rows, n // 8), dtype=torch.int32,
+                                 generator=generator)
+        scales = torch.rand((k // group_size, n), generator=generator) * 0.01 + 0.001
+        return {layer + ".qweight": packed(k), layer + ".qzeros": packed(k // group_size),
+                layer + ".scales": scales.to(torch.float16)}
+
+    # What stays unquantized is named (vLLM would otherwise take the MoE layers for AWQ ones,
+    # which its CPU build cannot run: "No WNA16 MoE backend supports the deployment
+    # configuration").
+    return _quantize(model_dir, targets, quantize, lambda kept: {
+        "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": kept})
+
+
+def quantize_w8a8(model_dir, targets=ATTENTION):
     """Turns a checkpoint made by tiny_checkpoint into a compressed-tensors W8A8 one in place
     (int8 weights with a float32 scale per output channel, activations quantized per token at
     run time, as llm-compressor writes them): each linear weight whose name holds one of
     `targets` becomes int8 [out, in] and weight_scale [out, 1]; everything else is in
     "ignore". vLLM's CPU build runs it with oneDNN's int8 GEMM."""
-    import json as _json
     import torch
-    from safetensors.torch import load_file, save_file
-    path = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(path)
-    out = {}
-    for name, tensor in tensors.items():
-        layer = name[:-len(".weight")]
-        if not name.endswith(".weight") or not any(t in layer for t in targets):
-            out[name] = tensor
-            continue
-        scale = tensor.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-8) / 127
-        out[name] = torch.round(tensor.float() / scale).clamp(-127, 127).to(torch.int8)
-        out[layer + ".weight_scale"] = scale
-    save_file(out, path, metadata={"format": "pt"})
-    config_path = os.path.join(model_dir, "config.json")
-    with open(config_path) as f:
-        config = _json.load(f)
+
+    def quantize(layer, weight):
+        scale = weight.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-8) / 127
+        return {layer + ".weight": torch.round(weight.float() / scale).clamp(-127, 127)
+                .to(torch.int8), layer + ".weight_scale": scale}
+
     scheme = {"num_bits": 8, "type": "int", "symmetric": True}
-    config["quantization_config"] = {
+    return _quantize(model_dir, targets, quantize, lambda kept: {
         "quant_method": "compressed-tensors", "format": "int-quantized",
         "config_groups": {"group_0": {
             "targets": ["Linear"],
             "weights": dict(scheme, strategy="channel", dynamic=False),
             "input_activations": dict(scheme, strategy="token", dynamic=True)}},
         # The rest stays in the checkpoint's dtype: the router, the experts, the head.
-        "ignore": ["lm_head"] + ["re:.*%s($|\\.)" % re.escape(m)
-                                 for m in _unquantized_modules(tensors, targets)]}
-    with open(config_path, "w") as f:
-        _json.dump(config, f, indent=2)
-    return model_dir
-
-
-def _unquantized_modules(tensors, targets):
-    """The per-layer module names (as vLLM matches them: the experts as one module) of the
-    linear weights not in `targets`."""
-    kept = set()
-    for n in tensors:
-        if n.endswith(".weight") and ".layers." in n and not any(t in n for t in targets):
-            module = n.split(".layers.", 1)[1].split(".", 1)[1][:-len(".weight")]
-            if ".experts." in module:
-                module = module[:module.index(".experts.") + len(".experts")]
-            kept.add(module)
-    return sorted(kept)
+        "ignore": ["lm_head"] + ["re:.*%s($|\\.)" % re.escape(m) for m in kept]})
 
 
 def inspect(model):
