@@ -65,6 +65,9 @@ _OPTIONS = {
     "allow_world_writable": "create (file_mode 0666) or attach to an arena file every user "
                             "may write (default false)",
     "gpu": "register the host copy with a GPU: auto, none, cuda[:N], hip[:N] (default auto)",
+    "dense_gemm": "CPU engines: shared (torch's linear on the arena's dense weights) or packed "
+                  "(each engine packs its dense 2-D weights privately for vLLM's CPU GEMM, as "
+                  "plain vLLM does; the experts stay shared) (default shared)",
 }
 
 
@@ -86,6 +89,7 @@ class Settings:
     allow_foreign_owner: bool = False
     gpu: str = "auto"
     allow_world_writable: bool = False
+    dense_gemm: str = "shared"
 
     @classmethod
     def parse(cls, extra):
@@ -117,9 +121,13 @@ class Settings:
         if not isinstance(allow, bool):
             raise ValueError("%s: allow_foreign_owner must be true or false, got %r"
                              % (LOAD_FORMAT, allow))
+        dense = str(extra.get("dense_gemm", "shared"))
+        if dense not in ("shared", "packed"):
+            raise ValueError("%s: dense_gemm is shared or packed, got %r" % (LOAD_FORMAT, dense))
         return cls(arena_dir=os.fspath(extra.get("arena_dir", "/dev/shm")), huge=huge,
                    wait_timeout=timeout, file_mode=int(mode), allow_foreign_owner=allow,
-                   gpu=str(extra.get("gpu", "auto")), allow_world_writable=world)
+                   gpu=str(extra.get("gpu", "auto")), allow_world_writable=world,
+                   dense_gemm=dense)
 
 
 def _digest(value):
@@ -217,6 +225,32 @@ def _gemm_on_shared_weights():
         yield
     finally:
         layer_utils.dispatch_cpu_unquantized_gemm = original
+
+
+def pack_dense_weights(model):
+    """dense_gemm "packed": each dense 2-D weight that _gemm_on_shared_weights left on torch's
+    linear gets vLLM's CPU GEMM dispatch (oneDNN or sgl-kernel), which packs it into a private
+    buffer of this engine; the parameter stays the arena's view (published, bound, checked), the
+    layer computes on the packed copy. A layer whose dispatch would replace a bound tensor (a
+    bias converted to float32) keeps torch's linear. Returns (layers, bytes of their weights)."""
+    import torch
+    from vllm.model_executor.layers import utils as layer_utils
+    count = size = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "cpu_linear", None) is not torch.nn.functional.linear or \
+                weight is None or weight.ndim != 2 or weight.is_meta:
+            continue
+        bias = getattr(module, "bias", None)
+        bias_data = bias.data if bias is not None else None
+        layer_utils.dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        if bias is not None and bias.data_ptr() != bias_data.data_ptr():
+            bias.data = bias_data  # the arena's view again, and the layer as it was
+            module.cpu_linear = torch.nn.functional.linear
+            continue
+        count += 1
+        size += weight.numel() * weight.element_size()
+    return count, size
 
 
 def _checkpoint_files(load_config, model_config):
@@ -515,6 +549,11 @@ def _loader_class():
                 # offloader pinned on the host gives way to the arena's registered pages.
                 self._host_to_arena(model, arena)
             model.expert_arena = arena
+            if on_cpu and self.settings.dense_gemm == "packed":
+                layers, size = pack_dense_weights(model)
+                logger.info("%s: dense_gemm packed: %d dense layers (%.1f MiB of weights) "
+                            "packed privately for vLLM's CPU GEMM; the arena's views stay bound",
+                            LOAD_FORMAT, layers, size / (1 << 20))
             if arena.awaiting_confirm:
                 # The loader returns before vLLM's profile and warm-up runs: the arena is
                 # published when the model's first forward returned on its views and left

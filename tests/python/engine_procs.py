@@ -85,12 +85,15 @@ class EngineHost:
         return self.result(timeout)
 
     def submit(self, model_dir, load_format, arena_dir, dtype="float32", hold=False,
-               offload_gb=0, compile=False, hf_overrides=None, prompt_len=None):
+               offload_gb=0, compile=False, hf_overrides=None, prompt_len=None,
+               loader_options=None):
         """Starts an engine and returns at once (result() waits for its answer): engines of
-        two hosts submitted together start at the same time."""
+        two hosts submitted together start at the same time. loader_options: more of the
+        expert_arena loader's --model-loader-extra-config."""
         self._send(dict(model_dir=model_dir, load_format=load_format, arena_dir=arena_dir,
                         dtype=dtype, tp=1, offload=offload_gb, compile=compile, fail=None,
-                        overrides=hf_overrides, prompt_len=prompt_len or 5, hold=hold))
+                        overrides=hf_overrides, prompt_len=prompt_len or 5, hold=hold,
+                        loader_options=loader_options))
 
     def result(self, timeout=240):
         result = answer(self.p, timeout)

@@ -636,3 +636,6 @@ def test_the_extra_config_is_checked():
         .allow_world_writable
     with pytest.raises(ValueError, match="allow_world_writable must be true or false"):
         Settings.parse({"allow_world_writable": "yes"})
+    assert Settings.parse({"dense_gemm": "packed"}).dense_gemm == "packed"
+    with pytest.raises(ValueError, match="dense_gemm is shared or packed, got 'onednn'"):
+        Settings.parse({"dense_gemm": "onednn"})

@@ -86,7 +86,8 @@ def run(opts):
                                                       for i in range(prompt_len)]
     started = time.monotonic()
     from vllm import LLM, SamplingParams
-    extra = {"model_loader_extra_config": {"arena_dir": opts["arena_dir"]}} \
+    extra = {"model_loader_extra_config": dict(opts.get("loader_options") or {},
+                                               arena_dir=opts["arena_dir"])} \
         if opts["load_format"] == "expert_arena" else {}
     tp = opts["tp"]
     llm = LLM(model=opts["model_dir"], load_format=opts["load_format"], dtype=opts["dtype"],
