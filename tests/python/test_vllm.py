@@ -480,6 +480,26 @@ def test_engines_with_cpu_offload_gb_share_the_arena_of_engines_without_it(check
             assert r["tokens"] == reference and r["in_arena"], (kind, r)
 
 
+def test_engines_that_pack_their_dense_weights_share_the_experts_and_give_plain_tokens(
+        checkpoints, hosts, arena_dir):
+    """dense_gemm "packed": each engine packs its dense weights privately for vLLM's CPU GEMM
+    (as plain vLLM does) while every tensor stays bound to the arena; such engines and the
+    default ones share one arena (the option changes no published byte)."""
+    model, reference = checkpoints("qwen3_moe")
+    packed = {"dense_gemm": "packed"}
+    built = hosts[0].run(model, "expert_arena", arena_dir, loader_options=packed)
+    attached = hosts[1].run(model, "expert_arena", arena_dir, loader_options=packed)
+    shared = hosts[0].run(model, "expert_arena", arena_dir)
+    assert [r["role"] for r in (built, attached, shared)] == ["loaded", "attached", "attached"]
+    for r in (built, attached, shared):
+        assert r["tokens"] == reference and r["in_arena"], r
+        assert r["path"] == built["path"]
+    # The packed engines compute their dense layers with vLLM's CPU GEMM, the default one
+    # with torch's linear on the arena's weights.
+    assert built["packed_layers"] > 0 and attached["packed_layers"] == built["packed_layers"]
+    assert shared["packed_layers"] == 0, shared
+
+
 def test_compiled_engines_run_on_the_arena(checkpoints, hosts, arena_dir):
     """Without enforce_eager (vLLM's default) the CPU engine runs the model through
     torch.compile: the compiled graphs take the arena's views as they are, and builder and

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import tempfile
 
 import pytest
@@ -172,6 +173,38 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
     assert late["counters"]["load_error_blocks"] == \
         sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
     assert "recomputing" in log, log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dirs, tmp_path):
+    """The layouts are taken from the KV caches vLLM registered: a dense model's, and
+    DeepSeek-V3's MLA latent cache (one [blocks, block size, 576] tensor per layer instead of
+    keys and values, in 16-token blocks). The decode engine gives plain vLLM's tokens with
+    every full block but the last token's loaded."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "python"))
+    import vllm_families
+    model_dir = vllm_families.tiny_checkpoint(arch, str(tmp_path / arch))
+    stream, spill = dirs
+    prompts = PROMPTS[1:4]
+    common = dict(model=model_dir, directory=stream, spill_directory=spill, max_tokens=8,
+                  prompts=prompts)
+    reference, _ = _run(role="plain", **common)
+    prefill = _start(role="kv_producer", hold=True, **common)
+    try:
+        produced = _answer(prefill)
+        assert produced["tokens"] == reference["tokens"]
+        decoded, _ = _run(role="kv_consumer", **common)
+    finally:
+        code = _finish(prefill)
+    assert code == 0, _log(prefill)[-6000:]
+    assert decoded["tokens"] == reference["tokens"], (decoded, reference)
+    # (vLLM's CPU MLA runs 16-token blocks whatever the engine asked for.)
+    block = decoded["block_size"]
+    assert produced["block_size"] == block
+    loadable = [(len(p) - 1) // block * block for p in prompts]
+    assert decoded["cached"] == loadable, decoded
+    assert decoded["counters"]["loaded_blocks"] == sum(n // block for n in loadable)
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 

@@ -38,10 +38,13 @@ def inspect(model):
     entries = [e for e in _binder.module_tensors(model)
                if e.kind != "attribute" or e.arena_name in published]
     outside = [e.name for e in entries if not start <= e.tensor.data_ptr() < start + size]
+    import torch
+    packed = sum(1 for m in model.modules() if getattr(m, "cpu_linear", None)
+                 not in (None, torch.nn.functional.linear))
     return {"role": report["role"], "path": report["path"], "bytes_read": report["bytes_read"],
             "data_bytes": report["data_bytes"], "tensors": len(tensors),
             "attributes": sorted(e.name for e in entries if e.kind == "attribute"),
-            "outside": outside, "in_arena": not outside,
+            "outside": outside, "in_arena": not outside, "packed_layers": packed,
             "loader": type(model).__module__}
 
 

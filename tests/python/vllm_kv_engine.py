@@ -94,6 +94,7 @@ def main():
         result["pending"] = stream.get("pending", [])
         result["segments"] = stream.get("stats", {}).get("segments", 0)
     result["pid"] = os.getpid()
+    result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     print("RESULT " + json.dumps(result), flush=True)
     if args.get("hold"):
         sys.stdin.read()

@@ -1,0 +1,154 @@
+"""Decode speed of vLLM's CPU build with and without the arena, alternating in one run.
+
+Each round starts three engines, each a process of its own, one after another: plain vLLM
+(--load-format auto), the arena with dense_gemm "shared" (the default: torch's linear on the
+arena's dense weights) and the arena with dense_gemm "packed" (each engine packs its dense
+weights privately for vLLM's CPU GEMM, as plain vLLM does; the experts stay shared). The first
+arena engine builds the arena, every later one attaches. Each engine warms up, then decodes
+`--tokens` tokens greedily (ignore_eos) for one prompt (batch 1) and for 16 prompts at once
+(batch 16): tokens/s is batch x tokens over the wall time of that generate call. The engine
+also reports its Pss (/proc/self/smaps_rollup) and the private bytes of the arena's
+Arena.memory() once it is ready. Prints every round, the medians, each arena setting's ratio
+to plain, and the command.
+
+The checkpoint is a random Qwen3-MoE made here with transformers' own classes (bfloat16,
+hidden 2048, 10 layers, 40 experts, moe_intermediate 768: 3.6 GB by default) on --work-dir.
+
+    .venv-vllm/bin/python bench/vllm_decode_bench.py [--rounds 3] [--tokens 64]
+        [--hidden 2048 --layers 10 --experts 40 --moe-intermediate 768] [--work-dir DIR]
+
+Needs PYTHONPATH=build/python and the package installed in vLLM's environment (its plugin
+entry point), as the vLLM tests do. Not part of CI. Removes its checkpoint and arenas.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+ENGINE = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    model_dir, arena_dir, setting, tokens = sys.argv[1:5]
+    tokens = int(tokens)
+    extra = {}
+    if setting != "plain":
+        extra = {"load_format": "expert_arena", "model_loader_extra_config":
+                 {"arena_dir": arena_dir, "dense_gemm": setting}}
+    started = time.monotonic()
+    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+              max_num_seqs=16, seed=0, **extra)
+    ready = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    def prompts(n):
+        return [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 3 for j in range(8)]}
+                for i in range(n)]
+    llm.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    result = {"ready_s": ready}
+    for batch in (1, 16):
+        t = time.monotonic()
+        llm.generate(prompts(batch), params, use_tqdm=False)
+        result["tok_s_%d" % batch] = batch * tokens / (time.monotonic() - t)
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                result["pss_mib"] = int(line.split()[1]) / 1024
+    def memory(model):
+        arena = getattr(model, "expert_arena", None)
+        if arena is None:
+            return {}
+        m = arena.memory()
+        return {"role": arena.report["role"], "arena_private_mib": m["private_bytes"] / 2**20}
+    result.update(llm.apply_model(memory)[0])
+    print("RESULT " + json.dumps(result), flush=True)
+""")
+
+
+def make_checkpoint(out, args):
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=128, vocab_size=512, max_position_embeddings=512,
+        moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
+        num_experts_per_tok=8, tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
+    torch.set_default_dtype(torch.float32)
+    tok = Tokenizer(models.WordLevel(vocab={"t%d" % i: i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1",
+                                         bos_token="t2").save_pretrained(out)
+    return sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
+               if f.endswith(".safetensors"))
+
+
+def run_engine(model_dir, arena_dir, setting, tokens, timeout):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_KVCACHE_SPACE="2")
+    p = subprocess.run([sys.executable, "-c", ENGINE, model_dir, arena_dir, setting,
+                        str(tokens)], capture_output=True, text=True, env=env, timeout=timeout)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError("the %s engine gave no result (exit %d):\n%s"
+                       % (setting, p.returncode, p.stderr[-4000:]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--experts", type=int, default=40)
+    ap.add_argument("--moe-intermediate", type=int, default=768)
+    ap.add_argument("--work-dir", default=None, help="where the checkpoint goes (default: a "
+                    "temporary folder under /var/tmp)")
+    ap.add_argument("--arena-root", default="/dev/shm")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.work_dir or "/var/tmp")
+    arenas = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.arena_root)
+    settings = ("plain", "shared", "packed")
+    rows = {s: [] for s in settings}
+    try:
+        model = os.path.join(work, "qwen3_moe")
+        size = make_checkpoint(model, args)
+        print("checkpoint: random Qwen3-MoE, %.2f GB of bfloat16 safetensors" % (size / 1e9),
+              flush=True)
+        for r in range(args.rounds):
+            for s in settings:
+                result = run_engine(model, arenas, s, args.tokens, args.timeout)
+                rows[s].append(result)
+                print("round %d %-6s %s" % (r + 1, s, json.dumps(result)), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(arenas, ignore_errors=True)
+    print("\n| setting | batch 1 tok/s | batch 16 tok/s | vs plain (1 / 16) | ready s | Pss MiB "
+          "| arena private MiB |\n|---|---|---|---|---|---|---|")
+    med = {s: {k: statistics.median(x[k] for x in rows[s]) for k in
+               ("tok_s_1", "tok_s_16", "ready_s", "pss_mib")} for s in settings}
+    for s in settings:
+        private = [x["arena_private_mib"] for x in rows[s] if "arena_private_mib" in x]
+        print("| %s | %.1f | %.1f | %.2fx / %.2fx | %.1f | %.0f | %s |" % (
+            s, med[s]["tok_s_1"], med[s]["tok_s_16"],
+            med[s]["tok_s_1"] / med["plain"]["tok_s_1"],
+            med[s]["tok_s_16"] / med["plain"]["tok_s_16"], med[s]["ready_s"],
+            med[s]["pss_mib"], "%.0f" % statistics.median(private) if private else "-"))
+    print("\n(medians of %d rounds, engines alternating; %s)" % (args.rounds, " ".join(
+        [os.path.relpath(sys.argv[0])] + sys.argv[1:])))
+
+
+if __name__ == "__main__":
+    main()
