@@ -35,8 +35,13 @@ bg_pid=""    # the sanitizer and fuzz builds, in the background while the defaul
 bg_log=""
 stop_job() {  # a background job of this script, if it still runs, and its log: PID LOG
   if [[ -n $1 ]]; then
-    pkill -TERM -P "$1" 2>/dev/null || true
-    kill "$1" 2>/dev/null || true
+    # The builds are a process group of their own (start_background_builds), maybe stopped.
+    if kill -TERM -- -"$1" 2>/dev/null; then
+      kill -CONT -- -"$1" 2>/dev/null || true
+    else
+      pkill -TERM -P "$1" 2>/dev/null || true
+      kill "$1" 2>/dev/null || true
+    fi
   fi
   [[ -z $2 ]] || rm -f "$2"
 }
@@ -98,6 +103,7 @@ tsan_tests=(stream_unit_test stream_process_test stream_sweep_test loader_test a
 start_background_builds() {
   bg_log=$(mktemp -t expert-arena-bg.XXXXXX)
   bg_started=$(date +%s)
+  set -m  # a process group of its own, which pause_background_builds stops and continues
   (
     set -e
     cmake --preset fuzz >/dev/null
@@ -108,7 +114,12 @@ start_background_builds() {
     nice -n 19 cmake --build --preset tsan -j"$jobs" --target "${tsan_tests[@]}" expert-arena
   ) >"$bg_log" 2>&1 &
   bg_pid=$!
+  set +m
 }
+# QEMU's emulated CPUs take both cores: the builds stop while the guests run (they ran at
+# half speed beside them, 2026-12-05).
+pause_background_builds() { [[ -z ${bg_pid:-} ]] || kill -STOP -- -"$bg_pid" 2>/dev/null || true; }
+resume_background_builds() { [[ -z ${bg_pid:-} ]] || kill -CONT -- -"$bg_pid" 2>/dev/null || true; }
 wait_for_background_builds() {
   [[ -n ${bg_pid:-} ]] || return 0
   local rc=0
@@ -149,7 +160,9 @@ step "NUMA placement on Debian's real kernels under QEMU (two emulated nodes)"
 # tests/kernel/qemu_numa.sh: interleave, node:N, local and a cpuset on /dev/shm and hugetlbfs,
 # in a guest booted with the built expert-arena (docs/numa.md). The kernels are fetched once
 # into ~/.cache/expert-arena/kernels. 83 s for the three kernels on 2 cores (once cached).
+pause_background_builds
 EA_QEMU_KERNELS=${EA_QEMU_KERNELS:-all} tests/kernel/qemu_numa.sh build
+resume_background_builds
 step "waiting for install-deps --for-tests (torch 2.x, transformers, vLLM's CPU build)"
 wait_for_test_deps
 venv_torch=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
