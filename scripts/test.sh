@@ -17,16 +17,33 @@ cd "$(dirname "$0")/.."
 quick=0
 [[ "${1:-}" == "--quick" ]] && quick=1
 
-# Each step prints its name as it starts and its time in seconds as it ends; the last line
-# gives the whole run's time (or the step that failed).
+# Each step prints its name as it starts and its time in seconds as it ends, with how many
+# cores the machine was busy meanwhile (from /proc/stat; "nice": the background builds'
+# share); the last line gives the whole run's time (or the step that failed).
 step_name=""
 step_start=$SECONDS
+cpu_ticks() {  # busy and nice clock ticks of all CPUs since boot
+  local _ user nice system idle iowait irq softirq steal
+  read -r _ user nice system idle iowait irq softirq steal _ </proc/stat
+  echo "$((user + nice + system + irq + softirq + steal)) $nice"
+}
+step_ticks=$(cpu_ticks)
+cores_busy() {  # since the step started: "B cores busy, N at nice"
+  local now ticks wall=$((SECONDS - step_start)) hz
+  hz=$(getconf CLK_TCK)
+  now=$(cpu_ticks)
+  ((wall > 0)) || wall=1
+  awk -v a="$step_ticks" -v b="$now" -v w="$wall" -v hz="$hz" 'BEGIN {
+    split(a, x, " "); split(b, y, " ");
+    printf "%.1f cores busy, %.1f at nice", (y[1] - x[1]) / hz / w, (y[2] - x[2]) / hz / w }'
+}
 step() {
   if [[ -n "$step_name" ]]; then
-    echo "== $step_name: done in $((SECONDS - step_start)) s (total $SECONDS s)"
+    echo "== $step_name: done in $((SECONDS - step_start)) s (total $SECONDS s; $(cores_busy))"
   fi
   step_name=$1
   step_start=$SECONDS
+  step_ticks=$(cpu_ticks)
   if [[ -n "$step_name" ]]; then echo "== $step_name"; fi
 }
 deps_pid=""  # install-deps --for-tests, in the background while the default build compiles
@@ -147,8 +164,18 @@ ctest --preset default
 # The module is built for Debian's /usr/bin/python3; .venv is made from that interpreter, so
 # the same module serves both. Exit status 5 (no test collected) fails too: a missing module
 # must never pass silently.
-step "Python package tests, Debian's torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)')"
-PYTHONPATH=build/python /usr/bin/python3 -m pytest -q --durations=8 tests/python
+# On Debian's interpreter the whole suite runs once, on the ASan build's module (the "asan:
+# Python package tests" step below; --quick: here, on this build): the same tests on the same
+# interpreter twice cost CI 211 s (2026-12-05). The -O3 module is tested on .venv's and
+# .venv-vllm's torch below. test_install.py (pip into a venv) runs here, never under ASan.
+debian_torch=$(/usr/bin/python3 -c 'import torch; print(torch.__version__)')
+if ((quick)); then
+  step "Python package tests, Debian's torch $debian_torch"
+  PYTHONPATH=build/python /usr/bin/python3 -m pytest -q --durations=8 tests/python
+else
+  step "Python package install test, Debian's torch $debian_torch (the suite runs on the ASan build)"
+  PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python/test_install.py
+fi
 
 step "kernel profiles: older kernels and container runtimes emulated with seccomp"
 # linux-4.18, linux-5.15, docker, podman (tools/kernel-profile; 5.10 and 6.1 boot for real in
@@ -170,7 +197,7 @@ step "as an unprivileged user: the arena protocol, streams across processes, the
 # Engines run as ordinary users in the field (docs/deployment.md), and on torch 2.x from PyPI:
 # the arena protocol, streams across processes and the package's tests as uid and gid 65534,
 # which may not mount, chown or write the build tree, with .venv's torch. The Python suite runs
-# once as root on Debian's torch above and once here: the tests that need root (giving a file
+# once as root on Debian's torch (the ASan step) and once here: the tests that need root (giving a file
 # to another user) skip here and do not depend on torch; test_install.py installs into the
 # build tree and ran above.
 if [[ $(id -u) -eq 0 ]]; then
@@ -243,7 +270,7 @@ cmake --preset asan "${gpu_flags[@]}" -DEXPERT_ARENA_PYTHON=ON >/dev/null
 cmake --build --preset asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --preset asan
-step "asan: Python package tests (instrumented module in the stock interpreter)"
+step "asan: Python package tests, Debian's torch $debian_torch (instrumented module in the stock interpreter)"
 # The runtime must come first; libstdc++ too, or ASan cannot find the real __cxa_throw when
 # torch throws. Leaks are not checked: the interpreter does not free everything at exit.
 # test_install.py (pip installing the build into a venv, under the preloaded runtime) ran on

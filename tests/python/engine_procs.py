@@ -13,13 +13,56 @@ import tempfile
 import threading
 
 
-def start(args, env):
+def serve(run_one):
+    """The engine side of EngineHost (an engine script's --serve): one engine after another in
+    this process, each asked for by a JSON line on stdin and answered by a RESULT line;
+    run_one(request) starts it and returns (the LLM, its answer). An engine with "hold" stays
+    alive until the next line; {"release": true} only ends it. An engine that fails answers
+    {"error": ...} and the process exits with 3 (vLLM's state in it is not usable after an
+    engine failed while it started; EngineHost starts another process for the next one)."""
+    import gc
+    import traceback
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    def end():
+        gc.collect()  # the engine's finalizer shuts its workers (and KV connector) down
+        cleanup_dist_env_and_memory()
+        ensure_kv_transfer_shutdown()  # the next engine makes its own connector
+
+    held = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        if held is not None:
+            held = None
+            end()
+        if request.get("release"):
+            print("RESULT " + json.dumps({"released": True}), flush=True)
+            continue
+        try:
+            llm, result = run_one(request)
+        except Exception as e:
+            traceback.print_exc()
+            print("RESULT " + json.dumps({"error": "%s: %s" % (type(e).__name__, e)}),
+                  flush=True)
+            sys.exit(3)
+        if request.get("hold"):
+            held = llm
+        del llm
+        if held is None:
+            end()
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def start(args, env, prefix=()):
     """An engine process (a process group of its own: killpg reaches its workers) whose stdout
     a thread reads to its end, so that the pipe never fills and no line waits in a buffer
-    select() cannot see; its RESULT lines go to p.answers, its stderr to p.err_file."""
-    err = tempfile.TemporaryFile(mode="w+")
-    p = subprocess.Popen([sys.executable] + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=err, text=True, env=env, process_group=0)
+    select() cannot see; its RESULT lines go to p.answers, its stderr to p.err_file. prefix:
+    what runs the interpreter (["ip", "netns", "exec", NAME]: in a network namespace)."""
+    err = tempfile.TemporaryFile()
+    p = subprocess.Popen(list(prefix) + [sys.executable] + args, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                         process_group=0)
     p.err_file = err
     p.answers = queue.Queue()
     threading.Thread(target=_read_answers, args=(p.stdout, p.answers), daemon=True).start()
@@ -36,9 +79,15 @@ def _read_answers(stdout, answers):
 def log(p, tail=6000):
     """The last `tail` characters of the engine's stderr (vLLM's log, tracebacks); all of it
     with tail=None."""
-    p.err_file.seek(0)
-    text = p.err_file.read()
+    text = _read_from(p.err_file, 0)
     return text if tail is None else text[-tail:]
+
+
+def _read_from(err_file, offset):
+    """The engine's stderr from `offset`, by pread: the engine writes through the same open
+    file, whose offset a seek here would move under its writes."""
+    fd = err_file.fileno()
+    return os.pread(fd, max(0, os.fstat(fd).st_size - offset), offset).decode(errors="replace")
 
 
 def answer(p, timeout=240):
@@ -74,9 +123,9 @@ class EngineHost:
     engine's start on 2 cores) is paid once. Two hosts stand for two engine processes: a
     builder in one and an attacher in the other see the arena as two engines do."""
 
-    def __init__(self, engine_script, env):
-        self.script, self.env = engine_script, env
-        self.p = start([engine_script, "--serve"], env)
+    def __init__(self, engine_script, env, prefix=()):
+        self.script, self.env, self.prefix = engine_script, env, prefix
+        self.p = start([engine_script, "--serve"], env, prefix)
 
     def run(self, *args, timeout=240, **kwargs):
         """One engine's answer; with hold=True it stays alive until release() or the next
@@ -87,13 +136,13 @@ class EngineHost:
     def submit(self, model_dir, load_format, arena_dir, dtype="float32", hold=False,
                offload_gb=0, compile=False, hf_overrides=None, prompt_len=None,
                loader_options=None):
-        """Starts an engine and returns at once (result() waits for its answer): engines of
-        two hosts submitted together start at the same time. loader_options: more of the
-        expert_arena loader's --model-loader-extra-config."""
-        self._send(dict(model_dir=model_dir, load_format=load_format, arena_dir=arena_dir,
-                        dtype=dtype, tp=1, offload=offload_gb, compile=compile, fail=None,
-                        overrides=hf_overrides, prompt_len=prompt_len or 5, hold=hold,
-                        loader_options=loader_options))
+        """Starts a vllm_engine.py engine and returns at once (result() waits for its answer):
+        engines of two hosts submitted together start at the same time. loader_options: more
+        of the expert_arena loader's --model-loader-extra-config."""
+        self.send(dict(model_dir=model_dir, load_format=load_format, arena_dir=arena_dir,
+                       dtype=dtype, tp=1, offload=offload_gb, compile=compile, fail=None,
+                       overrides=hf_overrides, prompt_len=prompt_len or 5, hold=hold,
+                       loader_options=loader_options))
 
     def result(self, timeout=240):
         result = answer(self.p, timeout)
@@ -114,7 +163,7 @@ class EngineHost:
         result() was not read, as when another host's engine failed) is read first."""
         if self.p.poll() is not None:
             return
-        self._send({"release": True})
+        self.send({"release": True})
         while not answer(self.p, timeout).get("released"):
             pass
 
@@ -122,12 +171,22 @@ class EngineHost:
     def pid(self):
         return self.p.pid
 
-    def _send(self, request):
+    def log_mark(self):
+        """Where the host's log ends now: log_since(mark) is what the engines after it wrote."""
+        return self.p, os.fstat(self.p.err_file.fileno()).st_size
+
+    def log_since(self, mark):
+        p, offset = mark
+        return _read_from(self.p.err_file, offset if p is self.p else 0)  # 0: started again
+
+    def send(self, request):
+        """Starts an engine from the request (the engine script's own form) and returns at
+        once; result() reads its answer."""
         if self.p.poll() is not None:
             # It exited after an engine failed (serve()): a new process for the next one.
             assert self.p.returncode == 3, "the engine host exited (%s):\n%s" % (
                 self.p.returncode, log(self.p))
-            self.p = start([self.script, "--serve"], self.env)
+            self.p = start([self.script, "--serve"], self.env, self.prefix)
         self.p.stdin.write(json.dumps(request) + "\n")
         self.p.stdin.flush()
 

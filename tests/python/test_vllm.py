@@ -72,7 +72,10 @@ def _env(tp=1):
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache per engine
-               VLLM_CPU_OMP_THREADS_BIND="nobind")  # two engines at once share the cores
+               VLLM_CPU_OMP_THREADS_BIND="nobind",  # two engines at once share the cores
+               # One OpenMP thread an engine: the models are tiny, and the threads of engines
+               # running together (or of two ranks) spin-wait on each other's two cores.
+               OMP_NUM_THREADS="1")
     if tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine is this one process
     else:

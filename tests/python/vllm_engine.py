@@ -9,7 +9,7 @@ and prints one JSON line; with --hold it then waits, alive, until its stdin clos
 
 The prompt is 5 fixed token ids, or N of them (--prompt-len; max_model_len grows to fit).
 --serve runs engines one after another in one process, each asked for by a JSON line on stdin
-(serve()): vLLM's import, most of an engine's start on 2 cores, is paid once.
+(engine_procs.serve): vLLM's import, most of an engine's start on 2 cores, is paid once.
 
 With one rank the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor), so its model's memory is this pid's; with --tp N its ranks are vLLM's worker
@@ -113,46 +113,10 @@ def run(opts):
     return llm, result
 
 
-def serve():
-    """--serve: one engine after another in this process, each started by a line of stdin
-    (the JSON of options()' dictionary), each answered by a RESULT line; vLLM is imported once.
-    An engine with "hold" stays alive until the next line; {"release": true} only ends it.
-    An engine that fails answers {"error": ...} and the process exits."""
-    import gc
-    import traceback
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    held = None
-    for line in sys.stdin:
-        request = json.loads(line)
-        if held is not None:
-            del held
-            held = None
-            gc.collect()
-            cleanup_dist_env_and_memory()
-        if request.get("release"):
-            print("RESULT " + json.dumps({"released": True}), flush=True)
-            continue
-        try:
-            llm, result = run(request)
-        except Exception as e:
-            # vLLM's state in this process is not usable after an engine failed while it
-            # started: answer and exit (EngineHost starts another process for the next one).
-            traceback.print_exc()
-            print("RESULT " + json.dumps({"error": "%s: %s" % (type(e).__name__, e)}),
-                  flush=True)
-            sys.exit(3)
-        if request.get("hold"):
-            held = llm
-        del llm
-        if held is None:
-            gc.collect()
-            cleanup_dist_env_and_memory()
-        print("RESULT " + json.dumps(result), flush=True)
-
-
 def main():
     if sys.argv[1:] == ["--serve"]:
-        serve()
+        import engine_procs
+        engine_procs.serve(run)
         return
     opts = options(sys.argv[1:])
     if opts["fail"]:
