@@ -35,10 +35,17 @@ expire after `ttl_seconds`; the producer's close (engine exit) removes its entri
 segments; a killed producer's segments are swept by the next producer or consumer to start,
 and its entries are removed by the consumer that fails to load them or by the next producer.
 
+Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
+segments through the stream's front door, and each finished request's kv_transfer_params carry
+its entries; a decode engine given them with the request (by a proxy, as vLLM's NIXL connector
+works) loads from a producer in `remote_producers` with `remote_token`, after the same checks
+as an index file's and the prompt's own digest.
+
 Options (kv_connector_extra_config): directory (segments and index, default /dev/shm),
 spill_directory (default /var/tmp), name (logical name shared by the engines that exchange KV,
 default "kv"), segment_bytes (default 64 MiB), max_segments (default 16), ttl_seconds
-(default 600), readers (default 1).
+(default 600), readers (default 1), listen, listen_token, remote_token, token_file,
+remote_producers (_OPTIONS).
 """
 
 from __future__ import annotations
@@ -81,6 +88,15 @@ _OPTIONS = {
     "ttl_seconds": "seconds a prompt's KV waits for a decode engine (default 600)",
     "readers": "decode engines that read each prompt's KV (the prefill engine's setting, "
                "default 1): its blocks are freed when that many have read them, or expire",
+    "listen": "ADDR:PORT the prefill engine serves its KV on to decode engines on other hosts "
+              "(UCX, through the stream's front door; default: none)",
+    "listen_token": "the token a remote decode engine must present (the prefill engine's)",
+    "remote_token": "the token the decode engine presents to a remote prefill engine",
+    "token_file": "a file holding the token, for either role, instead of listen_token or "
+                  "remote_token in a configuration vLLM logs",
+    "remote_producers": "the ADDR:PORT list of prefill engines a decode engine fetches from "
+                        "across hosts (default: none; kv_transfer_params naming any other "
+                        "address are refused)",
 }
 _MAX_READERS = 64
 
@@ -132,6 +148,32 @@ class _Options:
         if not os.path.isdir(self.directory):
             raise ValueError("expert_arena.vllm_kv: directory %r is not a directory"
                              % self.directory)
+        self.listen = extra.get("listen")
+        token = None
+        if extra.get("token_file") is not None:
+            try:
+                with open(os.fspath(extra["token_file"])) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ValueError("expert_arena.vllm_kv: token_file: %s" % e) from None
+            if not token:
+                raise ValueError("expert_arena.vllm_kv: token_file %r is empty"
+                                 % extra["token_file"])
+        self.listen_token = extra.get("listen_token", token)
+        self.remote_token = extra.get("remote_token", token)
+        if self.listen is not None and not self.listen_token:
+            raise ValueError("expert_arena.vllm_kv: listen needs listen_token or token_file: "
+                             "a remote decode engine must present a token")
+        producers = extra.get("remote_producers", [])
+        if isinstance(producers, str):
+            producers = [producers]
+        if not isinstance(producers, list) or not all(isinstance(a, str) for a in producers):
+            raise ValueError("expert_arena.vllm_kv: remote_producers must be a list of "
+                             "\"ADDR:PORT\" strings")
+        self.remote_producers = set(producers)
+        if self.remote_producers and not self.remote_token:
+            raise ValueError("expert_arena.vllm_kv: remote_producers needs remote_token or "
+                             "token_file")
 
     def entry_path(self, digest: str, rank: int) -> str:
         return os.path.join(self.directory, "ea-kv-%s-%s-r%d.json" % (self.name, digest, rank))
@@ -203,17 +245,22 @@ def _read_entry(path: str):
         entry = json.loads(data)
     except ValueError as e:
         raise ValueError("index entry %s is not JSON: %s" % (path, e)) from None
+    return _checked_entry(entry, "index entry %s" % path)
+
+
+def _checked_entry(entry, where: str) -> dict:
+    """`entry` (from an index file or a request's kv_transfer_params) if it has the form of
+    one, or raises ValueError naming `where` and what is wrong."""
     if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION:
-        raise ValueError("index entry %s is not a version %d entry" % (path, ENTRY_VERSION))
+        raise ValueError("%s is not a version %d entry" % (where, ENTRY_VERSION))
     tokens, layers, identity = entry.get("tokens"), entry.get("layers"), entry.get("identity")
     if type(tokens) is not int or tokens <= 0 or not isinstance(layers, dict) or not layers \
             or not isinstance(identity, dict) \
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in layers.items()):
-        raise ValueError("index entry %s lacks tokens, layers or identity" % path)
+        raise ValueError("%s lacks tokens, layers or identity" % where)
     readers = entry.setdefault("readers", 1)
     if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
-        raise ValueError("index entry %s: readers %r is not from 1 to %d" % (path, readers,
-                                                                           _MAX_READERS))
+        raise ValueError("%s: readers %r is not from 1 to %d" % (where, readers, _MAX_READERS))
     return entry
 
 
@@ -286,7 +333,9 @@ class _Load:
     req_id: str
     block_ids: list  # the engine's blocks that receive the entry's blocks first..first+count
     first: int
-    entry_paths: list  # one per tensor-parallel rank
+    # One per tensor-parallel rank: an index entry's path, or the entry itself when it came
+    # with the request (kv_transfer_params of a prefill engine on another host).
+    entries: list
 
 
 @dataclasses.dataclass
@@ -341,7 +390,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._need_load: dict = {}       # req id -> (entry paths, first block, count)
             self._saving: dict = {}          # req id -> [request, block ids]
-            self._saved: set = set()         # req ids whose save was asked for
+            self._saved: dict = {}           # req id -> its entry's digest (None: no block)
             self._aborted: list = []
             self._refused: set = set()       # entries already refused (one warning each)
         else:
@@ -360,16 +409,23 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             except OSError as e:
                 logger.warning("expert_arena.vllm_kv: sweeping %s: %s", self._options.directory, e)
             if self._saves_kv:
+                listening = {}
+                if self._options.listen is not None:
+                    listening = dict(listen=self._options.listen,
+                                     listen_token=self._options.listen_token)
                 self._producer = expert_arena.StreamProducer(
                     self._options.directory, logical_name="kv-" + self._options.name,
                     segment_bytes=self._options.segment_bytes,
                     max_segments=self._options.max_segments,
-                    spill_directory=self._options.spill_directory, quiet=True)
+                    spill_directory=self._options.spill_directory, quiet=True, **listening)
                 self._remove_orphan_entries()
             if self._loads_kv:
+                remote = {}
+                if self._options.remote_token:
+                    remote = dict(remote_token=self._options.remote_token)
                 self._consumer = expert_arena.StreamConsumer(
                     self._options.directory, spill_directory=self._options.spill_directory,
-                    quiet=True)
+                    quiet=True, **remote)
             atexit.register(self.shutdown)
 
     # ---------------------------------------------------------------- scheduler side
@@ -384,6 +440,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             return 0, False
         _count(lookups=1)
         digests = prompt_digests(tokens[:limit])
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and "expert_arena" in params:
+            return self._match_remote(request, params["expert_arena"], digests, limit,
+                                      num_computed_tokens)
         for length in range(limit, num_computed_tokens, -self._block_size):
             digest = digests[length // HASH_TOKENS - 1]
             paths = [self._options.entry_path(digest, r) for r in range(self._tp_size)]
@@ -398,6 +458,49 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     (length - num_computed_tokens) // self._block_size)
             return length - num_computed_tokens, False
         return 0, False
+
+    def _match_remote(self, request, params, digests, limit: int, num_computed_tokens: int):
+        """get_num_new_matched_tokens for a request that came with a remote prefill engine's
+        entries (kv_transfer_params, which a client of vLLM's server can send too: checked
+        like a file, and only the remote_producers' addresses are fetched from)."""
+        where = "kv_transfer_params of request %s" % request.request_id
+        try:
+            entries = params.get("entries") if isinstance(params, dict) else None
+            if not isinstance(entries, list) or len(entries) != self._tp_size:
+                raise ValueError("%s: not one entry per tensor-parallel rank (%d)"
+                                 % (where, self._tp_size))
+            entries = [_checked_entry(e, where) for e in entries]
+            if not self._options.remote_producers:
+                raise ValueError("%s name a prefill engine on another host, and this engine's "
+                                 "remote_producers is empty" % where)
+            length = entries[0]["tokens"]
+            if any(e["tokens"] != length for e in entries) or length % self._block_size \
+                    or length > limit:
+                raise ValueError("%s: %d tokens do not fit this prompt's %d loadable tokens in "
+                                 "blocks of %d" % (where, length, limit, self._block_size))
+            if any(e.get("digest") != digests[length // HASH_TOKENS - 1] for e in entries):
+                raise ValueError("%s are the KV of other tokens than this prompt's" % where)
+            for e in entries:
+                differences = _differences(self._identity, e["identity"])
+                if differences:
+                    raise ValueError("%s: %s" % (where, "; ".join(differences)))
+                for name, hexed in e["layers"].items():
+                    address = expert_arena.decode_descriptor(bytes.fromhex(hexed)).get("remote")
+                    if address not in self._options.remote_producers:
+                        raise ValueError("%s: layer %s is served by %r, not one of "
+                                         "remote_producers" % (where, name, address))
+        except (ValueError, TypeError, AttributeError, OSError) as e:
+            _count(refused=1)
+            logger.warning("expert_arena.vllm_kv: refusing the KV of %s; computing the prompt",
+                           e)
+            return 0, False
+        if length <= num_computed_tokens:
+            return 0, False
+        with self._lock:
+            self._need_load[request.request_id] = (
+                entries, num_computed_tokens // self._block_size,
+                (length - num_computed_tokens) // self._block_size)
+        return length - num_computed_tokens, False
 
     def _plain_text(self, request) -> bool:
         # The tokens alone do not identify a prompt with images or a LoRA adapter.
@@ -445,9 +548,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 block_ids = list(new.block_ids[0])
                 load = self._need_load.pop(new.req_id, None)
                 if load is not None:
-                    paths, first, count = load
+                    entries, first, count = load
                     meta.loads.append(_Load(new.req_id, block_ids[first:first + count], first,
-                                            paths))
+                                            entries))
                     _count(matched_tokens=count * self._block_size)
                 if new.req_id in self._saving:
                     self._saving[new.req_id][1] = block_ids
@@ -471,28 +574,47 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 if request.num_computed_tokens + scheduled < len(prompt):
                     continue  # a chunk of a longer prefill: saved with its last chunk
                 del self._saving[req_id]
-                self._saved.add(req_id)
+                self._saved[req_id] = None
                 # The blocks a decode engine of this prompt loads: it computes the last token.
                 full = (len(prompt) - 1) // self._block_size
                 if full <= 0:
                     continue
                 digest = prompt_digests(prompt[:full * self._block_size])[-1]
+                self._saved[req_id] = digest
                 meta.saves.append(_Save(req_id, block_ids[:full], full * self._block_size,
                                         digest))
             meta.aborted, self._aborted = self._aborted, []
         return meta
 
     def request_finished(self, request, block_ids):
+        digest = None
         with self._lock:
             self._need_load.pop(request.request_id, None)
             self._saving.pop(request.request_id, None)
             if request.request_id in self._saved:
-                self._saved.discard(request.request_id)
+                digest = self._saved.pop(request.request_id)
                 if _aborted_status(request):
                     self._aborted.append(request.request_id)
+                    digest = None
         # The saves ran inside the forward passes that computed the blocks: nothing of this
-        # request's is read after it returns, so vLLM may free its blocks now.
-        return False, None
+        # request's is read after it returns, so vLLM may free its blocks now. A listening
+        # prefill engine hands the request's entries (their descriptors name its address) to
+        # whoever routes the request on (vLLM returns them as the output's kv_transfer_params,
+        # as its own NIXL connector does): a decode engine on another host loads from them.
+        if digest is None or self._options.listen is None:
+            return False, None
+        entries = []
+        for rank in range(self._tp_size):
+            path = self._options.entry_path(digest, rank)
+            try:
+                entry = _read_entry(path)
+            except (OSError, ValueError) as e:
+                logger.warning("expert_arena.vllm_kv: request %s: %s", request.request_id, e)
+                entry = None
+            if entry is None:
+                return False, None
+            entries.append(entry)
+        return False, {"expert_arena": {"entries": entries}}
 
     # ---------------------------------------------------------------- worker side
 
@@ -536,13 +658,16 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: _Load) -> None:
-        path = load.entry_paths[self._rank] if self._rank < len(load.entry_paths) else None
+        source = load.entries[self._rank] if self._rank < len(load.entries) else None
+        # A remote entry (checked by the scheduler) has no file here: no claim, nothing to
+        # remove; the producer frees each block when its readers released it, or expires it.
+        path = source if isinstance(source, str) else None
         try:
-            entry = _read_entry(path) if path else None
+            entry = source if isinstance(source, dict) else _read_entry(path) if path else None
             if entry is None:
                 raise ValueError("index entry %s is gone" % path)
             plan = self._load_plan(entry, load)
-            turn = _claim(path, entry["readers"])
+            turn = _claim(path, entry["readers"]) if path else 0
             if turn is None:
                 raise ValueError("index entry %s was read by its %d readers already"
                                  % (path, entry["readers"]))
@@ -560,7 +685,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                            len(load.block_ids))
             self._failed(load, path)
             return
-        if turn == entry["readers"] - 1:
+        if path and turn == entry["readers"] - 1:
             # Its last reader: the blocks go back to the producer as each layer is copied.
             _remove_entry(path)
         nbytes = 0
@@ -667,6 +792,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 continue
             entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
                      "identity": self._identity, "tokens": save.tokens, "created": time.time(),
+                     "digest": save.digest,
                      "readers": self._options.readers,
                      "layers": {n: d.hex() for n, d in state["layers"].items()}}
             try:

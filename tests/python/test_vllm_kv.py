@@ -4,18 +4,20 @@ Qwen3-MoE checkpoint; a plain engine's greedy tokens are the reference. Run with
 interpreter that has vLLM (scripts/test.sh: .venv-vllm); elsewhere the module skips, unless
 EXPERT_ARENA_REQUIRE_VLLM=1 (CI) makes a missing vLLM fail."""
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 
 import pytest
 
 import engine_procs
-from conftest import child_env
+from conftest import IN_CI, child_env
 from conftest import test_dir as stream_root
 
 if os.environ.get("EXPERT_ARENA_REQUIRE_VLLM") == "1":
@@ -67,6 +69,7 @@ def _env():
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache per engine
                VLLM_CPU_OMP_THREADS_BIND="nobind",  # engines at once share the cores
+               OMP_NUM_THREADS="1",  # tiny models; engines together would spin on each other
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the engine is this one process
     return env
 
@@ -87,12 +90,33 @@ def _finish(p, timeout=120):
     return engine_procs.finish(p, timeout)
 
 
-def _run(**request):
-    p = _start(**request)
+@pytest.fixture(scope="module")
+def hosts():
+    """Two engine processes that run engines one after another (engine_procs.EngineHost): each
+    engine after the first starts without importing vLLM again, and a prefill engine in one
+    and a decode engine in the other are two processes to the connector. An engine killed on
+    purpose runs in a process of its own (_start)."""
+    pair = [engine_procs.EngineHost(ENGINE, _env()) for _ in range(2)]
+    yield pair
+    for host in pair:
+        assert host.close() in (0, 3), _log(host.p)[-6000:]  # 3: its last engine failed
+
+
+def _run(host, **request):
+    """An engine of `host` run to its end: (its answer, what it logged)."""
+    mark = host.log_mark()
+    host.send(request)
+    return host.result(timeout=300), host.log_since(mark)
+
+
+@contextlib.contextmanager
+def _holding(host, **request):
+    """An engine of `host` alive while the with-block runs (yields its answer), ended after."""
     try:
-        return _answer(p), _log(p)
+        host.send(dict(request, hold=True))
+        yield host.result(timeout=300)
     finally:
-        assert _finish(p) == 0, _log(p)[-6000:]
+        host.release(timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +145,14 @@ def _segments(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("ea-stream-"))
 
 
-def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
+def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs, hosts):
     stream, spill = dirs
     common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
     every = PROMPTS + LATE_PROMPTS
-    plain = _start(role="plain", prompts=every, **common)
+    # The prefill engine is killed below: a process of its own.
     prefill = _start(role="kv_producer", prompts=every, hold=True, **common)
     try:
-        reference = _answer(plain)
-        assert _finish(plain) == 0, _log(plain)[-6000:]
+        reference, _ = _run(hosts[0], role="plain", prompts=every, **common)
         produced = _answer(prefill)
         # The prefill engine's own tokens are plain vLLM's: saving reads the cache only.
         assert produced["tokens"] == reference["tokens"]
@@ -141,7 +164,8 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
 
         # A decode engine of another block size finds the entries and refuses them by name,
         # before copying anything; it leaves them to the engines they fit.
-        other, log = _run(role="kv_consumer", prompts=PROMPTS, block_size=64, **common)
+        other, log = _run(hosts[0], role="kv_consumer", prompts=PROMPTS, block_size=64,
+                          **common)
         assert other["counters"]["refused"] > 0 and other["counters"]["loaded_blocks"] == 0
         assert "refusing the KV" in log and "block_size: 64 here, 32 in the producer" in log, \
             log[-6000:]
@@ -149,7 +173,7 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
 
         # The decode engine: plain vLLM's tokens, every full block but the last token's from
         # the prefill engine (vLLM counts them as cached: computed elsewhere).
-        decoded, _ = _run(role="kv_consumer", prompts=PROMPTS, **common)
+        decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, **common)
         assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
         assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
         counters = decoded["counters"]
@@ -167,7 +191,7 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
 
     # The next engine sweeps the killed engine's segments; the entries it finds name blocks
     # that are gone: reported to vLLM as load errors, which recomputes them, and removed.
-    late, log = _run(role="kv_consumer", prompts=LATE_PROMPTS, **common)
+    late, log = _run(hosts[0], role="kv_consumer", prompts=LATE_PROMPTS, **common)
     assert late["tokens"] == reference["tokens"][len(PROMPTS):]
     assert late["counters"]["loaded_blocks"] == 0
     assert late["counters"]["load_error_blocks"] == \
@@ -177,7 +201,8 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs):
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
-def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dirs, tmp_path):
+def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dirs, tmp_path,
+                                                                       hosts):
     """The layouts are taken from the KV caches vLLM registered: a dense model's, and
     DeepSeek-V3's MLA latent cache (one [blocks, block size, 576] tensor per layer instead of
     keys and values, in 16-token blocks). The decode engine gives plain vLLM's tokens with
@@ -191,13 +216,8 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dir
                   prompts=prompts)
     # The prefill engine computed every prompt itself: its tokens are plain vLLM's (saving
     # reads the cache only, as the Qwen3-MoE test checks against a plain engine).
-    prefill = _start(role="kv_producer", hold=True, **common)
-    try:
-        produced = _answer(prefill)
-        decoded, _ = _run(role="kv_consumer", **common)
-    finally:
-        code = _finish(prefill)
-    assert code == 0, _log(prefill)[-6000:]
+    with _holding(hosts[0], role="kv_producer", **common) as produced:
+        decoded, _ = _run(hosts[1], role="kv_consumer", **common)
     assert decoded["tokens"] == produced["tokens"], (decoded, produced)
     # (vLLM's CPU MLA runs 16-token blocks whatever the engine asked for.)
     block = decoded["block_size"]
@@ -208,7 +228,7 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dir
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs):
+def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs, hosts):
     """readers=2: one prefill's KV, in the prefill engine's segments once, is loaded by two
     decode engines started together (each copies it into its own KV cache); the blocks are
     freed when both have, and the entry goes with the second."""
@@ -221,10 +241,9 @@ def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs):
         saved_blocks = sum(_loadable(p) // BLOCK for p in prompts)
         assert produced["counters"]["saved_blocks"] == saved_blocks, produced["counters"]
         segments = _segments(stream)
-        decoders = [_start(role="kv_consumer", prompts=prompts, **common) for _ in range(2)]
-        results = [_answer(p) for p in decoders]
-        for p in decoders:
-            assert _finish(p) == 0, _log(p)[-6000:]
+        for host in hosts:  # started together
+            host.send(dict(role="kv_consumer", prompts=prompts, **common))
+        results = [host.result(timeout=300) for host in hosts]
         for r in results:
             assert r["tokens"] == produced["tokens"], (r, produced)
             assert r["cached"] == [_loadable(p) for p in prompts], r
@@ -240,44 +259,36 @@ def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs):
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-def test_aborted_requests_leave_no_block_and_no_file(model, dirs):
+def test_aborted_requests_leave_no_block_and_no_file(model, dirs, hosts):
     stream, spill = dirs
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 120))]
                for _ in range(100)]
     # Aborted before they are scheduled, after their prefill, or a few tokens later.
     abort_at = [rng.randrange(0, 5) for _ in prompts]
-    p = _start(model=model, role="kv_producer", directory=stream, spill_directory=spill,
-               prompts=prompts, abort_at=abort_at, max_tokens=64, hold=True)
-    try:
-        result = _answer(p)
+    with _holding(hosts[0], model=model, role="kv_producer", directory=stream,
+                  spill_directory=spill, prompts=prompts, abort_at=abort_at,
+                  max_tokens=64) as result:
         counters = result["counters"]
         assert counters["saved_requests"] > 0, counters
         assert counters["aborted_requests"] == counters["saved_requests"], counters
         # Alive, the engine holds no block of them, and no entry names one.
         assert result["pending"] == [], result["pending"]
         assert _entries(stream) == []
-    finally:
-        code = _finish(p)
-    assert code == 0, _log(p)[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-def test_blocks_no_decode_engine_loads_expire(model, dirs):
+def test_blocks_no_decode_engine_loads_expire(model, dirs, hosts):
     stream, spill = dirs
     # ttl_seconds=0: what a step published has expired by the next step. Two tokens each: the
     # prefill step saves, the decode step after it finds the KV of the step before expired.
-    p = _start(model=model, role="kv_producer", directory=stream, spill_directory=spill,
-               prompts=PROMPTS, max_tokens=2, ttl_seconds=0, hold=True)
-    try:
-        result = _answer(p)
+    with _holding(hosts[1], model=model, role="kv_producer", directory=stream,
+                  spill_directory=spill, prompts=PROMPTS, max_tokens=2,
+                  ttl_seconds=0) as result:
         counters = result["counters"]
         assert counters["saved_requests"] == len([q for q in PROMPTS if _loadable(q)])
         assert counters["expired_requests"] == counters["saved_requests"], counters
         assert result["pending"] == [] and _entries(stream) == []
-    finally:
-        code = _finish(p)
-    assert code == 0, _log(p)[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tmp_path):
@@ -304,3 +315,99 @@ def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tm
     with pytest.raises(OSError):  # O_NOFOLLOW: another user's link is not followed
         vllm_kv._read_entry(str(tmp_path / "link.json"))
     assert vllm_kv._read_entry(str(tmp_path / "absent.json")) is None
+
+
+@pytest.fixture
+def two_namespaces():
+    """Two network namespaces made here, joined by a veth pair (10.231.7.1 and .2): two hosts
+    to the network, sharing this one's file systems. Removed after the test."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        if IN_CI:
+            pytest.fail("the network namespace test needs root and iproute2 in CI")
+        pytest.skip("needs root and iproute2 (ip netns)")
+    tag = "eakv%d" % (os.getpid() % 100000)
+    names = [tag + "a", tag + "b"]
+    script = ["ip netns add %s" % n for n in names]
+    script.append("ip link add %sx netns %s type veth peer name %sy netns %s"
+                  % (tag, names[0], tag, names[1]))
+    for i, (n, dev) in enumerate(zip(names, (tag + "x", tag + "y"))):
+        script += ["ip -n %s addr add 10.231.7.%d/30 dev %s" % (n, i + 1, dev),
+                   "ip -n %s link set %s up" % (n, dev), "ip -n %s link set lo up" % n]
+    try:
+        for command in script:
+            subprocess.run(command.split(), check=True, capture_output=True, text=True)
+        yield names, ["10.231.7.1", "10.231.7.2"]
+    finally:
+        for n in names:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_a_decode_engine_in_another_network_namespace_loads_through_the_front_door(
+        model, dirs, two_namespaces):
+    """The prefill engine listens (listen, listen_token) in one network namespace; its
+    outputs' kv_transfer_params carry the prompts' entries, as a proxy hands them on. A decode
+    engine in the other namespace, whose stream directory does not hold the prefill engine's
+    segments, fetches the blocks over UCX through the front door: with a wrong token it is
+    refused (and computes the prompts: plain tokens), with the token it loads every full
+    block; kv_transfer_params naming an address outside remote_producers are refused."""
+    names, addresses = two_namespaces
+    stream, spill = dirs
+    elsewhere = tempfile.mkdtemp(prefix="ea-pytest-kv-other-", dir=stream_root())
+    env = _env()
+    env["UCX_TLS"] = "tcp"
+    prompts = PROMPTS[1:4]
+    common = dict(model=model, spill_directory=spill, max_tokens=8, prompts=prompts)
+
+    # The decode engines, one after another in an engine host in the other namespace.
+    host = engine_procs.EngineHost(ENGINE, env, prefix=["ip", "netns", "exec", names[1]])
+
+    def decode(**request):
+        return _run(host, **dict(common, role="kv_consumer", directory=elsewhere, **request))
+
+    prefill = engine_procs.start(
+        [ENGINE, json.dumps(dict(common, role="kv_producer", directory=stream, hold=True,
+                                 listen=addresses[0] + ":0", listen_token="t0ken"))],
+        env, prefix=["ip", "netns", "exec", names[0]])
+    try:
+        produced = _answer(prefill)
+        params = produced["transfer_params"]
+        assert all(p and len(p["expert_arena"]["entries"]) == 1 for p in params), params
+        import expert_arena
+        served_by = {expert_arena.decode_descriptor(bytes.fromhex(d))["remote"]
+                     for p in params for d in p["expert_arena"]["entries"][0]["layers"].values()}
+        assert len(served_by) == 1 and served_by.pop().startswith(addresses[0] + ":")
+        producer = expert_arena.decode_descriptor(bytes.fromhex(next(iter(
+            params[0]["expert_arena"]["entries"][0]["layers"].values()))))["remote"]
+        loadable = [_loadable(p) for p in prompts]
+
+        # Not among remote_producers: refused before anything is fetched.
+        elsewhere_only, log = decode(remote_token="t0ken", remote_producers=["10.231.7.9:1"],
+                                     transfer_params=params)
+        assert elsewhere_only["tokens"] == produced["tokens"]
+        assert elsewhere_only["counters"]["loaded_blocks"] == 0
+        assert elsewhere_only["counters"]["refused"] >= len(prompts), elsewhere_only["counters"]
+        assert "not one of remote_producers" in log, log[-6000:]
+
+        # A wrong token: the producer refuses it before any byte; the blocks are computed.
+        wrong, log = decode(remote_token="nope", remote_producers=[producer],
+                            transfer_params=params)
+        assert wrong["tokens"] == produced["tokens"]
+        assert wrong["counters"]["loaded_blocks"] == 0
+        assert wrong["counters"]["load_error_blocks"] == sum(n // BLOCK for n in loadable)
+        assert "token" in log, log[-6000:]
+
+        # The token: every full block but the last token's from the other namespace.
+        decoded, _ = decode(remote_token="t0ken", remote_producers=[producer],
+                            transfer_params=params)
+        assert decoded["tokens"] == produced["tokens"]
+        assert decoded["cached"] == loadable, decoded
+        assert decoded["counters"]["loaded_blocks"] == sum(n // BLOCK for n in loadable)
+        assert decoded["counters"]["load_error_blocks"] == 0, decoded["counters"]
+        assert os.listdir(elsewhere) == [], os.listdir(elsewhere)
+    finally:
+        code = _finish(prefill)
+        host_code = host.close()
+        shutil.rmtree(elsewhere, ignore_errors=True)
+    assert code == 0, _log(prefill)[-6000:]
+    assert host_code == 0, _log(host.p)[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []

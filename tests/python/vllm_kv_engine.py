@@ -1,12 +1,15 @@
 """One vLLM engine (CPU, offline, this one process) for test_vllm_kv.py, with or without the
 expert_arena.vllm_kv connector. Reads a JSON request on its first argument, prints one JSON
-line (RESULT ...) and, with "hold", waits alive until its stdin closes.
+line (RESULT ...) and, with "hold", waits alive until its stdin closes; with --serve, engines
+one after another, each request a line of stdin (engine_procs.serve, EngineHost).
 
     python vllm_kv_engine.py '{"model": DIR, "role": "plain"|"kv_producer"|"kv_consumer",
                                "directory": D, "spill_directory": S, "prompts": [[ids]...],
                                "block_size": 32, "max_tokens": 8, "hold": false, "ttl_seconds": 600,
                                "readers": 1,
-                               "abort_at": null | [steps per prompt]}'
+                               "abort_at": null | [steps per prompt],
+                               "listen": ADDR, "listen_token": T, "remote_token": T,
+                               "remote_producers": [ADDR], "transfer_params": [{...}|null]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
 prompt i after abort_at[i] engine steps, then runs one short prompt to the end (the step that
@@ -15,6 +18,10 @@ tells the connector's worker about the aborts)."""
 import json
 import os
 import sys
+
+
+# The connector's options for prefill and decode engines on two hosts, passed on as given.
+_ACROSS_HOSTS = ("listen", "listen_token", "remote_token", "remote_producers")
 
 
 def _engine(args):
@@ -31,7 +38,8 @@ def _engine(args):
                                           "spill_directory": args["spill_directory"],
                                           "name": "pytest",
                                           "ttl_seconds": args.get("ttl_seconds", 600),
-                                          "readers": args.get("readers", 1)},
+                                          "readers": args.get("readers", 1),
+                                          **{k: args[k] for k in _ACROSS_HOSTS if k in args}},
         }
     return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
                max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
@@ -46,12 +54,18 @@ def _connector():
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
-def _generate(llm, prompts, max_tokens):
+def _generate(llm, prompts, max_tokens, transfer_params=None):
+    """Greedy tokens; transfer_params[i]: prompt i's kv_transfer_params (what a prefill engine
+    on another host returned for it)."""
     from vllm import SamplingParams
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                             extra_args={"kv_transfer_params": transfer_params[i]}
+                             if transfer_params and transfer_params[i] else None)
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "cached": [o.num_cached_tokens for o in outs]}
+            "cached": [o.num_cached_tokens for o in outs],
+            "transfer_params": [o.kv_transfer_params for o in outs]}
 
 
 def _abort_run(llm, prompts, abort_at, max_tokens):
@@ -79,15 +93,18 @@ def _abort_run(llm, prompts, abort_at, max_tokens):
     return {"steps": steps}
 
 
-def main():
-    args = json.loads(sys.argv[1])
+def run(args):
+    """Starts the engine of `args` and runs it: (the LLM, its answer). Its counters are what
+    this engine's connectors did (in an engine host, engines before it counted too)."""
+    from expert_arena import vllm_kv
+    before = vllm_kv.counters()
     llm = _engine(args)
     if args.get("abort_at") is not None:
         result = _abort_run(llm, args["prompts"], args["abort_at"], args["max_tokens"])
     else:
-        result = _generate(llm, args["prompts"], args["max_tokens"])
-    from expert_arena import vllm_kv
-    result["counters"] = vllm_kv.counters()
+        result = _generate(llm, args["prompts"], args["max_tokens"],
+                           args.get("transfer_params"))
+    result["counters"] = {k: v - before[k] for k, v in vllm_kv.counters().items()}
     connector = _connector()
     if connector is not None:
         stream = connector.stream_stats()
@@ -95,6 +112,16 @@ def main():
         result["segments"] = stream.get("stats", {}).get("segments", 0)
     result["pid"] = os.getpid()
     result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
+    return llm, result
+
+
+def main():
+    if sys.argv[1:] == ["--serve"]:
+        import engine_procs
+        engine_procs.serve(run)
+        return
+    args = json.loads(sys.argv[1])
+    llm, result = run(args)  # noqa: F841  (the engine lives while it holds)
     print("RESULT " + json.dumps(result), flush=True)
     if args.get("hold"):
         sys.stdin.read()
