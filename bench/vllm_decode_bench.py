@@ -16,6 +16,7 @@ hidden 2048, 10 layers, 40 experts, moe_intermediate 768: 3.6 GB by default) on 
 
     .venv-vllm/bin/python bench/vllm_decode_bench.py [--rounds 3] [--tokens 64]
         [--hidden 2048 --layers 10 --experts 40 --moe-intermediate 768] [--work-dir DIR]
+        [--profile N]
 
 Needs PYTHONPATH=build/python and the package installed in vLLM's environment (its plugin
 entry point), as the vLLM tests do. Not part of CI. Removes its checkpoint and arenas.
@@ -35,8 +36,8 @@ ENGINE = textwrap.dedent("""
     import json, os, sys, time
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
-    model_dir, arena_dir, setting, tokens = sys.argv[1:5]
-    tokens = int(tokens)
+    model_dir, arena_dir, setting, tokens, profile = sys.argv[1:6]
+    tokens, profile = int(tokens), int(profile)
     extra = {}
     if setting != "plain":
         extra = {"load_format": "expert_arena", "model_loader_extra_config":
@@ -66,6 +67,13 @@ ENGINE = textwrap.dedent("""
         m = arena.memory()
         return {"role": arena.report["role"], "arena_private_mib": m["private_bytes"] / 2**20}
     result.update(llm.apply_model(memory)[0])
+    if profile:
+        # One more batch-1 decode under torch's profiler: the operators by their own CPU time.
+        import torch
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts(1), params, use_tqdm=False)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:profile]
+        result["profile"] = [[e.key, e.self_cpu_time_total / 1e3, e.count] for e in ops]
     print("RESULT " + json.dumps(result), flush=True)
 """)
 
@@ -92,12 +100,13 @@ def make_checkpoint(out, args):
                if f.endswith(".safetensors"))
 
 
-def run_engine(model_dir, arena_dir, setting, tokens, timeout):
+def run_engine(model_dir, arena_dir, setting, tokens, timeout, profile=0):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_KVCACHE_SPACE="2")
     p = subprocess.run([sys.executable, "-c", ENGINE, model_dir, arena_dir, setting,
-                        str(tokens)], capture_output=True, text=True, env=env, timeout=timeout)
+                        str(tokens), str(profile)], capture_output=True, text=True, env=env,
+                       timeout=timeout)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -117,11 +126,15 @@ def main():
                     "temporary folder under /var/tmp)")
     ap.add_argument("--arena-root", default="/dev/shm")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="the last round's "
+                    "engines decode once more under torch's profiler: their N costliest "
+                    "operators (own CPU time, ms) are printed side by side")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.work_dir or "/var/tmp")
     arenas = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.arena_root)
     settings = ("plain", "shared", "packed")
     rows = {s: [] for s in settings}
+    profiles = {}
     try:
         model = os.path.join(work, "qwen3_moe")
         size = make_checkpoint(model, args)
@@ -129,7 +142,10 @@ def main():
               flush=True)
         for r in range(args.rounds):
             for s in settings:
-                result = run_engine(model, arenas, s, args.tokens, args.timeout)
+                last = r == args.rounds - 1
+                result = run_engine(model, arenas, s, args.tokens, args.timeout,
+                                    args.profile if last else 0)
+                profiles[s] = result.pop("profile", [])
                 rows[s].append(result)
                 print("round %d %-6s %s" % (r + 1, s, json.dumps(result)), flush=True)
     finally:
@@ -146,6 +162,10 @@ def main():
             med[s]["tok_s_1"] / med["plain"]["tok_s_1"],
             med[s]["tok_s_16"] / med["plain"]["tok_s_16"], med[s]["ready_s"],
             med[s]["pss_mib"], "%.0f" % statistics.median(private) if private else "-"))
+    for s in settings if args.profile else ():
+        print("\n%s, batch 1, %d tokens: operator, own CPU ms, calls" % (s, args.tokens))
+        for name, ms, count in profiles[s]:
+            print("  %-48s %9.1f %7d" % (name[:48], ms, count))
     print("\n(medians of %d rounds, engines alternating; %s)" % (args.rounds, " ".join(
         [os.path.relpath(sys.argv[0])] + sys.argv[1:])))
 
