@@ -411,3 +411,27 @@ def test_a_decode_engine_in_another_network_namespace_loads_through_the_front_do
     assert code == 0, _log(prefill)[-6000:]
     assert host_code == 0, _log(host.p)[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_the_connector_options_are_checked(tmp_path):
+    from expert_arena import vllm_kv
+    d = str(tmp_path)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key.*'listen_tokn'"):
+        vllm_kv._Options({"directory": d, "listen_tokn": "x"})
+    with pytest.raises(ValueError, match="listen needs listen_token or token_file"):
+        vllm_kv._Options({"directory": d, "listen": "127.0.0.1:0"})
+    with pytest.raises(ValueError, match="remote_producers needs remote_token"):
+        vllm_kv._Options({"directory": d, "remote_producers": ["10.0.0.1:5000"]})
+    with pytest.raises(ValueError, match="remote_producers must be a list"):
+        vllm_kv._Options({"directory": d, "remote_producers": [5000], "remote_token": "t"})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="token_file .* is empty"):
+        vllm_kv._Options({"directory": d, "token_file": str(tmp_path / "empty")})
+    with pytest.raises(ValueError, match="token_file: .*absent"):
+        vllm_kv._Options({"directory": d, "token_file": str(tmp_path / "absent")})
+    # One token file serves both roles; the token never has to be in the logged config.
+    (tmp_path / "token").write_text("s3cret\n")
+    both = vllm_kv._Options({"directory": d, "token_file": str(tmp_path / "token"),
+                             "listen": "127.0.0.1:0", "remote_producers": "10.0.0.1:5000"})
+    assert (both.listen_token, both.remote_token) == ("s3cret", "s3cret")
+    assert both.remote_producers == {"10.0.0.1:5000"}
