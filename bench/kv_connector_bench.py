@@ -16,10 +16,17 @@ other blocks of the decode engine's cache:
                connector's own) and releases it (the consumer's time is measured there);
   example      ExampleConnector's I/O: the gathered layer saved with safetensors' save_file,
                read back with load_file and scattered, per layer, in a directory (default
-               /tmp, the connector's default).
+               /tmp, the connector's default);
+  nixl         NixlConnector's data path (with --nixl): the decode side's NIXL agent (UCX
+               backend, DRAM) READs each block of each layer from the prefill side's
+               registered cache straight into its own cache's blocks, as NixlConnector does
+               (descriptor lists prepared once per cache, one make_prepped_xfer per request).
+               PyPI's `nixl` meta package picks its wheel by the CUDA that torch was built for
+               (13 for .venv-vllm's torch, for which no nixl-cu13 1.5.2 exists), so --nixl
+               names a folder holding nixl-cu12's files (`nixl_cu12`), imported directly.
 
     .venv-vllm/bin/python bench/kv_connector_bench.py [--tokens 1024 4096 16384] [--layers 8]
-        [--kv-heads 8] [--head-size 128] [--dtype bfloat16] [--repeat 5]
+        [--kv-heads 8] [--head-size 128] [--dtype bfloat16] [--repeat 5] [--nixl DIR]
 
 Prints a Markdown table (median of --repeat rounds, GiB/s of the KV's bytes) and the command.
 Not part of CI.
@@ -64,6 +71,89 @@ def _consume(conn, directory, args, num_blocks):
                 del src
         conn.send(time.perf_counter() - start)
     consumer.close()
+
+
+def _nixl_api(path):
+    sys.path.insert(0, path)
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+def _block_descs(caches, ids):
+    """(address, bytes, device 0) of each block `ids` of each layer, layer after layer."""
+    out = []
+    for cache in caches:
+        size = cache[0].numel() * cache.element_size()
+        base = cache.data_ptr()
+        out += [(base + i * size, size, 0) for i in ids]
+    return out
+
+
+def _nixl_read(conn, args, num_blocks, nixl_path):
+    """The decode engine's side of the NIXL way, in its own process: READ every block."""
+    torch.set_num_threads(args.threads)
+    nixl_agent, nixl_agent_config = _nixl_api(nixl_path)
+    caches = _cache(args, num_blocks)
+    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
+    agent.register_memory(caches)
+    remote_meta, remote_descs = conn.recv()
+    remote = agent.add_remote_agent(remote_meta)
+    everything = list(range(num_blocks))
+    local_side = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _block_descs(caches, everything),
+                                       "DRAM")
+    remote_side = agent.prep_xfer_dlist(remote, remote_descs, "DRAM")
+    # One block first, untimed: UCX connects at the first transfer (NixlConnector's handshake
+    # has happened before its first request).
+    handle = agent.make_prepped_xfer("READ", local_side, [0], remote_side, [0])
+    state = agent.transfer(handle)
+    while state not in ("DONE", "ERR"):
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        src_ids, dst_ids = msg
+        local = [layer * num_blocks + b for layer in range(args.layers) for b in dst_ids]
+        theirs = [layer * num_blocks + b for layer in range(args.layers) for b in src_ids]
+        start = time.perf_counter()
+        handle = agent.make_prepped_xfer("READ", local_side, local, remote_side, theirs)
+        state = agent.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - start
+        agent.release_xfer_handle(handle)
+        conn.send(elapsed if state == "DONE" else None)
+    conn.close()
+    os._exit(0)  # NIXL 1.5.1's UCX plugin segfaults in its exit handlers (rtnl_tc_unregister)
+
+
+def _nixl(args, src_caches, src_ids, dst_ids, num_blocks):
+    """Median seconds of the decode side's READ of the prompt's blocks (NixlConnector's data
+    path); the prefill side registers its cache and waits, as NixlConnector's does."""
+    nixl_agent, nixl_agent_config = _nixl_api(args.nixl)
+    agent = nixl_agent("prefill", nixl_agent_config(backends=["UCX"]))
+    agent.register_memory(src_caches)
+    parent, child = multiprocessing.Pipe()
+    ctx = multiprocessing.get_context("spawn")
+    reader = ctx.Process(target=_nixl_read, args=(child, args, num_blocks, args.nixl))
+    reader.start()
+    times = []
+    try:
+        parent.send((agent.get_agent_metadata(),
+                     _block_descs(src_caches, range(num_blocks))))
+        assert parent.recv() == "ready"
+        for _ in range(args.repeat):
+            parent.send((src_ids, dst_ids))
+            elapsed = parent.recv()
+            if elapsed is None:
+                raise RuntimeError("a NIXL transfer ended in ERR")
+            times.append(elapsed)
+    finally:
+        parent.send(None)
+        reader.join()
+    return statistics.median(times)
 
 
 def _median_seconds(fn, repeat):
@@ -140,6 +230,8 @@ def run(args, tokens, directory, example_dir):
             scatter_blocks(d, 0, dst_list, load_file(path)["kv_cache"])
             os.unlink(path)
     results["example"] = _median_seconds(example, args.repeat)
+    if args.nixl:
+        results["nixl"] = _nixl(args, src_caches, src_ids.tolist(), dst_list, num_blocks)
     return nbytes, results
 
 
@@ -155,6 +247,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--directory", default="/dev/shm")
     parser.add_argument("--example-directory", default="/tmp")
+    parser.add_argument("--nixl", metavar="DIR", help="a folder holding nixl-cu12's files "
+                        "(`nixl_cu12`): adds NIXL's READ of the blocks (module docstring)")
     args = parser.parse_args()
     args.dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
@@ -165,17 +259,23 @@ def main():
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(example_dir, ignore_errors=True)
+    nixl = bool(args.nixl)
     print("| tokens | KV bytes | memcpy | private gather+scatter | stream (put + load) | "
-          "stream / memcpy | example (safetensors) |")
-    print("|---|---|---|---|---|---|---|")
+          "stream / memcpy | example (safetensors) |" + (" nixl READ | stream / nixl |" if nixl
+                                                        else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if nixl else ""))
     for tokens, nbytes, r in rows:
         def cell(name):
             return "%.1f ms (%.1f GiB/s)" % (r[name] * 1e3, nbytes / r[name] / 2**30)
         print("| %d | %.0f MiB | %s | %s | %s (%.1f + %.1f ms) | %.2fx | %s |" % (
             tokens, nbytes / 2**20, cell("memcpy"), cell("private"), cell("stream"),
             r["stream put"] * 1e3, r["stream load"] * 1e3, r["memcpy"] / r["stream"],
-            cell("example")))
+            cell("example")) + (" %s | %.2fx |" % (cell("nixl"), r["nixl"] / r["stream"])
+                                if nixl else ""))
     print("\n    " + " ".join([os.path.basename(sys.executable)] + sys.argv))
+    if args.nixl:
+        sys.stdout.flush()
+        os._exit(0)  # NIXL 1.5.1's UCX plugin segfaults in its exit handlers
 
 
 if __name__ == "__main__":
