@@ -1,6 +1,7 @@
 """Decode speed of vLLM's CPU build with and without the arena, alternating in one run.
 
-Each round starts three engines, each a process of its own, one after another: plain vLLM
+Each round starts one engine per setting, each a process of its own, one after another (each
+round begins with the next setting, so that going first falls on each alike): plain vLLM
 (--load-format auto), the arena with dense_gemm "shared" (the default: torch's linear on the
 arena's dense weights) and the arena with dense_gemm "packed" (each engine packs its dense
 weights privately for vLLM's CPU GEMM, as plain vLLM does; the experts stay shared). The first
@@ -9,14 +10,15 @@ arena engine builds the arena, every later one attaches. Each engine warms up, t
 (batch 16): tokens/s is batch x tokens over the wall time of that generate call. The engine
 also reports its Pss (/proc/self/smaps_rollup) and the private bytes of the arena's
 Arena.memory() once it is ready. Prints every round, the medians, each arena setting's ratio
-to plain, and the command.
+to plain (of the medians, and the median of the per-round ratios), and the command.
 
 The checkpoint is a random Qwen3-MoE made here with transformers' own classes (bfloat16,
-hidden 2048, 10 layers, 40 experts, moe_intermediate 768: 3.6 GB by default) on --work-dir.
+hidden 2048, 10 layers, 40 experts, moe_intermediate 768: 3.99 GB by default) on --work-dir,
+or --model DIR, a checkpoint made before (kept).
 
     .venv-vllm/bin/python bench/vllm_decode_bench.py [--rounds 3] [--tokens 64]
         [--hidden 2048 --layers 10 --experts 40 --moe-intermediate 768] [--work-dir DIR]
-        [--profile N]
+        [--settings plain,shared,packed] [--model DIR] [--profile N]
 
 Needs PYTHONPATH=build/python and the package installed in vLLM's environment (its plugin
 entry point), as the vLLM tests do. Not part of CI. Removes its checkpoint and arenas.
@@ -124,24 +126,37 @@ def main():
     ap.add_argument("--moe-intermediate", type=int, default=768)
     ap.add_argument("--work-dir", default=None, help="where the checkpoint goes (default: a "
                     "temporary folder under /var/tmp)")
+    ap.add_argument("--model", default=None, help="a checkpoint directory to use instead of "
+                    "making one (kept afterwards)")
     ap.add_argument("--arena-root", default="/dev/shm")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
+    ap.add_argument("--settings", default="plain,shared,packed", help="comma-separated, "
+                    "from plain, shared, packed (plain is always run: the ratios are to it)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="the last round's "
                     "engines decode once more under torch's profiler: their N costliest "
                     "operators (own CPU time, ms) are printed side by side")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.work_dir or "/var/tmp")
     arenas = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.arena_root)
-    settings = ("plain", "shared", "packed")
+    settings = ["plain"] + [s for s in args.settings.split(",") if s and s != "plain"]
+    for s in settings:
+        if s not in ("plain", "shared", "packed"):
+            ap.error("unknown setting %r" % s)
     rows = {s: [] for s in settings}
     profiles = {}
     try:
-        model = os.path.join(work, "qwen3_moe")
-        size = make_checkpoint(model, args)
-        print("checkpoint: random Qwen3-MoE, %.2f GB of bfloat16 safetensors" % (size / 1e9),
-              flush=True)
+        if args.model:
+            model = args.model
+            size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                       if f.endswith(".safetensors"))
+        else:
+            model = os.path.join(work, "qwen3_moe")
+            size = make_checkpoint(model, args)
+        print("checkpoint: %s, %.2f GB of safetensors" % (model, size / 1e9), flush=True)
         for r in range(args.rounds):
-            for s in settings:
+            # Each round starts with another setting (plain first, then shared, ...): what
+            # running first or after another engine costs falls on each setting alike.
+            for s in settings[r % len(settings):] + settings[:r % len(settings)]:
                 last = r == args.rounds - 1
                 result = run_engine(model, arenas, s, args.tokens, args.timeout,
                                     args.profile if last else 0)
@@ -151,16 +166,19 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(arenas, ignore_errors=True)
-    print("\n| setting | batch 1 tok/s | batch 16 tok/s | vs plain (1 / 16) | ready s | Pss MiB "
-          "| arena private MiB |\n|---|---|---|---|---|---|---|")
+    print("\n| setting | batch 1 tok/s | batch 16 tok/s | vs plain (1 / 16) | per-round ratio, "
+          "median (1 / 16) | ready s | Pss MiB | arena private MiB |\n"
+          "|---|---|---|---|---|---|---|---|")
     med = {s: {k: statistics.median(x[k] for x in rows[s]) for k in
                ("tok_s_1", "tok_s_16", "ready_s", "pss_mib")} for s in settings}
     for s in settings:
         private = [x["arena_private_mib"] for x in rows[s] if "arena_private_mib" in x]
-        print("| %s | %.1f | %.1f | %.2fx / %.2fx | %.1f | %.0f | %s |" % (
+        per_round = ["%.2fx / %.2fx" % tuple(statistics.median(
+            x[k] / p[k] for x, p in zip(rows[s], rows["plain"])) for k in ("tok_s_1", "tok_s_16"))]
+        print("| %s | %.1f | %.1f | %.2fx / %.2fx | %s | %.1f | %.0f | %s |" % (
             s, med[s]["tok_s_1"], med[s]["tok_s_16"],
             med[s]["tok_s_1"] / med["plain"]["tok_s_1"],
-            med[s]["tok_s_16"] / med["plain"]["tok_s_16"], med[s]["ready_s"],
+            med[s]["tok_s_16"] / med["plain"]["tok_s_16"], per_round[0], med[s]["ready_s"],
             med[s]["pss_mib"], "%.0f" % statistics.median(private) if private else "-"))
     for s in settings if args.profile else ():
         print("\n%s, batch 1, %d tokens: operator, own CPU ms, calls" % (s, args.tokens))

@@ -102,11 +102,12 @@ def _layout(entry):
     return layout, layout["order"]
 
 
-def declare(module, built, constructed=None):
+def declare(module, built, constructed=None, engine=None):
     """The engine table of everything `module` holds (each tensor once) plus MANIFEST; kept in
     `built` for fill(). `constructed`, when known, are the names the module held before its
     post-processing: the others are marked "made" (an engine's post-processing makes them
-    again, or they are set from the arena)."""
+    again, or they are set from the arena). `engine`: a JSON-able record of the building
+    engine's own state that goes with the bytes (engine_record() reads it back)."""
     layouts, tensors, aliases = {}, {}, collections.defaultdict(list)
     for entry in module_tensors(module):
         if entry.arena_name != entry.name:
@@ -118,8 +119,10 @@ def declare(module, built, constructed=None):
         tensors[entry.name] = (entry.tensor, order)
     for name, names in aliases.items():
         layouts[name]["aliases"] = names
-    manifest = json.dumps({"version": MANIFEST_VERSION, "tensors": layouts},
-                          sort_keys=True).encode()
+    doc = {"version": MANIFEST_VERSION, "tensors": layouts}
+    if engine is not None:
+        doc["engine"] = engine
+    manifest = json.dumps(doc, sort_keys=True).encode()
     built["entries"] = list(tensors.items())
     built["manifest"] = manifest
     table = []
@@ -143,17 +146,27 @@ def fill(built, writer):
     writer.write(len(entries), np.frombuffer(built["manifest"], dtype=np.uint8))
 
 
+def _manifest_doc(arena):
+    doc = json.loads(bytes(arena.numpy(MANIFEST)).decode())
+    if doc.get("version") != MANIFEST_VERSION:
+        raise BindingError("expert_arena: the arena %s was published by another version "
+                           "of this package (module manifest version %r, this one reads "
+                           "%d); remove the file" % (arena.report["path"],
+                                                     doc.get("version"), MANIFEST_VERSION))
+    return doc
+
+
+def engine_record(arena):
+    """What declare() was given as `engine`, or None (not given, or an arena without a
+    MANIFEST)."""
+    return _manifest_doc(arena).get("engine") if MANIFEST in arena else None
+
+
 def manifest(arena):
     """{name: layout} of the arena's MANIFEST; for an arena published without one (an older
     version of this package) each table entry as a contiguous tensor of unknown kind."""
     if MANIFEST in arena:
-        doc = json.loads(bytes(arena.numpy(MANIFEST)).decode())
-        if doc.get("version") != MANIFEST_VERSION:
-            raise BindingError("expert_arena: the arena %s was published by another version "
-                               "of this package (module manifest version %r, this one reads "
-                               "%d); remove the file" % (arena.report["path"],
-                                                         doc.get("version"), MANIFEST_VERSION))
-        return doc["tensors"]
+        return _manifest_doc(arena)["tensors"]
     out = {}
     for info in arena.tensors():
         shape = list(info["shape"])

@@ -422,6 +422,84 @@ def check_private_copies(model, when):
     expert_arena.check_private_copies(model, "%s: %s" % (LOAD_FORMAT, when))
 
 
+def _fused_experts(module):
+    """The experts object of a layer's fused-MoE kernel (vLLM's modular kernel), or None."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return getattr(kernel, "fused_experts", None)
+
+
+def kernel_state(model):
+    """{module name: state} of every fused-MoE kernel in `model`: its experts' class and their
+    scalar attributes. vLLM's CPU experts decide there, in their own post-processing, which
+    kernel runs and so in which layout the weights are left (`_use_zentorch`: zentorch's fused
+    MoE on unpacked weights, else vLLM's on prepacked ones). The building engine records it in
+    the arena with the weights; see restore_kernel_state."""
+    out = {}
+    for name, module in model.named_modules():
+        experts = _fused_experts(module)
+        if experts is None:
+            continue
+        state = {"class": "%s.%s" % (type(experts).__module__, type(experts).__qualname__)}
+        for key, value in sorted(vars(experts).items()):
+            if value is None or isinstance(value, (bool, int, float, str)):
+                state[key] = value
+        out[name] = state
+    return out
+
+
+def _zentorch_usable(module):
+    try:
+        from vllm.model_executor.kernels.linear.zentorch_utils import is_zentorch_moe_supported
+    except ImportError:
+        return False
+    return bool(is_zentorch_moe_supported(module))
+
+
+# Scalars of a kernel's experts that their own post-processing sets and that vLLM's rebuild on
+# processed weights (weights_already_processed: the kernel is made anew, that step skipped)
+# leaves at the class default: given the building engine's value here, when this engine can
+# run it.
+_RESTORED = {"_use_zentorch": _zentorch_usable}
+
+
+def restore_kernel_state(model, recorded, where):
+    """Gives each fused-MoE kernel of `model`, rebuilt by vLLM on weights that are already
+    processed, the state the building engine's had (`recorded`: its kernel_state), or refuses:
+    the weights lie in the layout that state chose, and a kernel of another class or state
+    would compute on them silently wrong. BindingError naming each difference."""
+    from . import _binder
+    mine = kernel_state(model)
+    modules = dict(model.named_modules())
+    problems = []
+    for name in sorted(set(recorded) | set(mine)):
+        theirs, state = recorded.get(name), mine.get(name)
+        if theirs is None or state is None or state["class"] != theirs["class"]:
+            problems.append("%s: %s in the building engine, %s here" % (
+                name, theirs["class"] if theirs else "no fused-MoE kernel",
+                state["class"] if state else "no fused-MoE kernel"))
+            continue
+        for key, value in sorted(theirs.items()):
+            if key == "class" or (key in state and state[key] == value):
+                continue
+            usable = _RESTORED.get(key)
+            if usable is not None and (not value or usable(modules[name])):
+                setattr(_fused_experts(modules[name]), key, value)
+            elif usable is not None:
+                problems.append("%s: the building engine ran its experts with %s=%r (zentorch's "
+                                "fused MoE, on weights left unpacked for it), which this engine "
+                                "cannot run" % (name, key, value))
+            else:
+                problems.append("%s: %s=%r in the building engine, %r here" % (
+                    name, key, value, state.get(key, "(absent)")))
+    if problems:
+        raise _binder.BindingError(
+            "%s: its fused-MoE kernels differ from the building engine's, whose weights are in "
+            "their layout: %s%s. Build this arena where the engines that use it run (another "
+            "arena_dir), or load without --load-format %s" % (
+                where, "; ".join(problems[:6]),
+                " and %d more" % (len(problems) - 6) if len(problems) > 6 else "", LOAD_FORMAT))
+
+
 def _loader_class():
     """The loader class, made on first use so that importing this module needs no vLLM."""
     global _LOADER
@@ -495,7 +573,8 @@ def _loader_class():
             def declare():
                 model, constructed = self._load_and_process(vllm_config, model_config, prefix)
                 built["model"] = model
-                return _binder.declare(model, built, constructed)
+                return _binder.declare(model, built, constructed,
+                                       engine={"kernels": kernel_state(model)})
 
             def fill(writer):
                 _binder.fill(built, writer)
@@ -675,6 +754,9 @@ def _loader_class():
             with set_default_torch_dtype(model_config.dtype), weights_already_processed(), \
                     _gemm_on_shared_weights():
                 process_weights_after_loading(model, model_config, device)
+            engine = _binder.engine_record(arena)
+            if engine is not None and "kernels" in engine:
+                restore_kernel_state(model, engine["kernels"], where)
             # What the kernels' rebuild made again from the bound weights (private tensors)
             # gives way to the arena's; what it did not make is set from the arena.
             # (A parameter or buffer the model was built with that it replaced is refused by

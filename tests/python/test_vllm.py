@@ -197,6 +197,8 @@ def test_two_engines_at_once_build_once_and_give_plain_vllm_tokens(kind, checkpo
         assert r["tokens"] == reference, (r, reference)
         assert r["in_arena"], r  # every parameter and buffer is the arena's bytes
         assert r["path"] == path
+        # Each MoE layer's kernel is the one the building engine recorded with its weights.
+        assert r["kernels"] == 2 and r["kernels_as_built"], r
     # The attacher fingerprinted the checkpoint (safetensors header, config) and read no tensor.
     attached = next(r for r in results if r["role"] == "attached")
     assert attached["bytes_read"] < 64 * 1024
@@ -252,6 +254,7 @@ def test_each_family_builds_attaches_and_restarts_with_plain_vllm_tokens(arch, h
     assert restart["role"] == "attached", restart
     for r in results + [restart]:
         assert r["tokens"] == plain["tokens"], (arch, r, plain)
+        assert r["kernels_as_built"], (arch, r)
         # (A rotary cache the model converts itself at its first forward stays private.)
         assert all("rotary_emb" in n for n in r["outside"]), (arch, r)
         assert r["path"] == restart["path"]
@@ -605,6 +608,61 @@ def test_the_offload_plan_chooses_by_vllms_uva_rules():
     nothing = torch.nn.ModuleList([torch.nn.Linear(2, 2, device="meta")])
     OffloadPlan(0, None).wrap_modules(iter(nothing))
     assert host_names(nothing) == set()
+
+
+def test_kernels_rebuilt_on_processed_weights_get_the_builders_state_or_are_refused():
+    """vLLM's rebuild of a fused-MoE kernel on weights that are already processed skips the
+    experts' own post-processing, where vLLM's CPU experts choose zentorch's kernel (weights
+    left unpacked) or vLLM's (weights prepacked): the state the building engine recorded is
+    set again where this engine can run it, and any other difference is refused by name, never
+    computed with on weights in another kernel's layout. (Real vLLM experts objects; a
+    vLLM-made model holds them as quant_method.moe_kernel.fused_experts.)"""
+    import types
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from expert_arena import _binder
+    from expert_arena.vllm import kernel_state, restore_kernel_state
+
+    def model(*zentorch):
+        root = torch.nn.Module()
+        root.layers = torch.nn.ModuleList(torch.nn.Module() for _ in zentorch)
+        for layer, use in zip(root.layers, zentorch):
+            experts = CPUUnquantizedExperts.__new__(CPUUnquantizedExperts)
+            experts.max_num_tokens, experts._use_zentorch = None, use  # as its __init__ sets
+            layer.quant_method = types.SimpleNamespace(
+                moe_kernel=types.SimpleNamespace(fused_experts=experts))
+        return root
+
+    def use_zentorch(m):
+        return [layer.quant_method.moe_kernel.fused_experts._use_zentorch for layer in m.layers]
+
+    built = kernel_state(model(False, False))
+    assert set(built) == {"layers.0", "layers.1"}
+    assert built["layers.0"] == {"class": "%s.CPUUnquantizedExperts" % CPUUnquantizedExperts
+                                 .__module__, "max_num_tokens": None, "_use_zentorch": False}
+    # The same state: nothing to do. The builder's value is set where the rebuild left another.
+    restore_kernel_state(model(False, False), built, "here")
+    rebuilt = model(True, False)
+    restore_kernel_state(rebuilt, built, "here")
+    assert use_zentorch(rebuilt) == [False, False]
+    # zentorch's kernel ran in the building engine; it cannot here (no zentorch in this
+    # environment, as vLLM's own check says): refused, naming the layer.
+    zen = kernel_state(model(True, True))
+    with pytest.raises(_binder.BindingError, match=r"here: its fused-MoE kernels differ .*"
+                       r"layers\.0: the building engine ran its experts with "
+                       r"_use_zentorch=True \(zentorch's fused MoE"):
+        restore_kernel_state(model(False, False), zen, "here")
+    # Another class, another scalar, a kernel one side lacks: each named.
+    other = dict(built, **{"layers.1": dict(built["layers.1"], **{"class": "x.OtherExperts"})})
+    with pytest.raises(_binder.BindingError, match=r"layers\.1: x\.OtherExperts in the "
+                       r"building engine, .*CPUUnquantizedExperts here"):
+        restore_kernel_state(model(False, False), other, "here")
+    sized = dict(built, **{"layers.0": dict(built["layers.0"], max_num_tokens=64)})
+    with pytest.raises(_binder.BindingError, match=r"max_num_tokens=64 in the building engine, "
+                       r"None here"):
+        restore_kernel_state(model(False, False), sized, "here")
+    with pytest.raises(_binder.BindingError, match=r"layers\.1: no fused-MoE kernel in the "
+                       r"building engine"):
+        restore_kernel_state(model(False, False), {"layers.0": built["layers.0"]}, "here")
 
 
 def test_offloaders_that_keep_private_copies_are_refused(monkeypatch):

@@ -41,8 +41,14 @@ def inspect(model):
     import torch
     packed = sum(1 for m in model.modules() if getattr(m, "cpu_linear", None)
                  not in (None, torch.nn.functional.linear))
+    # The fused-MoE kernels run as the building engine's did (the state it recorded with the
+    # weights: which kernel, so which layout of the weights).
+    from expert_arena import vllm as arena_loader
+    kernels = arena_loader.kernel_state(model)
+    recorded = (_binder.engine_record(arena) or {}).get("kernels")
     return {"role": report["role"], "path": report["path"], "bytes_read": report["bytes_read"],
             "data_bytes": report["data_bytes"], "tensors": len(tensors),
+            "kernels": len(kernels), "kernels_as_built": kernels == recorded,
             "attributes": sorted(e.name for e in entries if e.kind == "attribute"),
             "outside": outside, "in_arena": not outside, "packed_layers": packed,
             "loader": type(model).__module__}
