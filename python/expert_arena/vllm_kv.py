@@ -32,8 +32,9 @@ copy in the segments, and freed when the last has released it; an aborted or fai
 blocks are aborted by the prefill engine at its next step (after the writes of the steps
 before, which ran already), with their entry; blocks nobody loaded
 expire after `ttl_seconds`; the producer's close (engine exit) removes its entries and its
-segments; a killed producer's segments are swept by the next producer or consumer to start,
-and its entries are removed by the consumer that fails to load them or by the next producer.
+segments; a killed producer's segments (and an entry it was writing, under a temporary name)
+are swept by the next producer or consumer to start, and its entries are removed by the
+consumer that fails to load them or by the next producer.
 
 Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
 segments through the stream's front door, and each finished request's kv_transfer_params carry
@@ -53,6 +54,7 @@ from __future__ import annotations
 import array
 import atexit
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -305,19 +307,51 @@ def _claim(path: str, readers: int):
     return None
 
 
+_TEMPORARY = ".json.tmp-"  # an entry being written: <entry>.tmp-<pid>-<thread>
+
+
 def _write_entry(path: str, entry: dict) -> None:
-    """Written whole under a temporary name, then renamed: a reader sees all of it or none."""
+    """Written whole under a temporary name, then renamed: a reader sees all of it or none.
+    The temporary file is locked (flock: its open file's) until it has its name, so that a
+    writer killed before the rename leaves a file the next engine knows for abandoned
+    (_remove_abandoned_temporaries)."""
     tmp = "%s.tmp-%d-%d" % (path, os.getpid(), threading.get_ident())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, json.dumps(entry, separators=(",", ":")).encode())
-    finally:
-        os.close(fd)
-    try:
         os.rename(tmp, path)
     except BaseException:
         _unlink(tmp)
         raise
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned_temporaries(directory: str, prefix: str) -> None:
+    """Removes the temporary entries (named `prefix`...) that no writer holds: their writer was
+    killed between creating and renaming them. One whose writer is between creating and
+    locking it is removed too; its rename then fails and that prompt is not published."""
+    for name in os.listdir(directory):
+        if not name.startswith(prefix) or _TEMPORARY not in name:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # renamed or removed meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Still this file under this name (not one made since under the same name).
+            abandoned = os.fstat(fd).st_ino == os.lstat(path).st_ino
+        except (BlockingIOError, FileNotFoundError):
+            abandoned = False  # its writer is alive, or it renamed it meanwhile
+        finally:
+            os.close(fd)
+        if abandoned:
+            logger.warning("expert_arena.vllm_kv: removing %s: its writer was killed before it "
+                           "renamed it", path)
+            _unlink(path)
 
 
 @dataclasses.dataclass
@@ -408,6 +442,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 expert_arena.sweep(self._options.directory)
             except OSError as e:
                 logger.warning("expert_arena.vllm_kv: sweeping %s: %s", self._options.directory, e)
+            try:
+                _remove_abandoned_temporaries(self._options.directory,
+                                              self._options.entry_prefix())
+            except OSError as e:
+                logger.warning("expert_arena.vllm_kv: listing %s: %s", self._options.directory, e)
             if self._saves_kv:
                 listening = {}
                 if self._options.listen is not None:
