@@ -437,11 +437,16 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._published: dict = {}       # req id -> (keys, entry path, time)
             self._load_errors: set = set()
             self._closed = False
-            # Segments of producers that were killed: swept before this engine adds its own.
-            try:
-                expert_arena.sweep(self._options.directory)
-            except OSError as e:
-                logger.warning("expert_arena.vllm_kv: sweeping %s: %s", self._options.directory, e)
+            # Segments of producers that were killed (spilled ones too): swept before this
+            # engine adds its own. A producer sweeps both again as it starts.
+            for directory in dict.fromkeys((self._options.directory,
+                                            self._options.spill_directory)):
+                if directory != self._options.directory and not os.path.isdir(directory):
+                    continue  # no producer made it yet
+                try:
+                    expert_arena.sweep(directory)
+                except OSError as e:
+                    logger.warning("expert_arena.vllm_kv: sweeping %s: %s", directory, e)
             try:
                 _remove_abandoned_temporaries(self._options.directory,
                                               self._options.entry_prefix())
