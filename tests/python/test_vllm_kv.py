@@ -17,6 +17,7 @@ import tempfile
 import pytest
 
 import engine_procs
+import expert_arena
 from conftest import IN_CI, child_env
 from conftest import test_dir as stream_root
 
@@ -39,6 +40,9 @@ _rng = random.Random(41)
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 64, 96, 150)]
 # Saved by the prefill engine too, loaded only after it was killed.
 LATE_PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (50, 120)]
+# Saved by a prefill engine killed in the middle of the second one's save.
+KILLED_PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (70, 100)]
+LAYERS = 2  # _tiny_qwen3_moe's num_hidden_layers
 
 
 def _loadable(prompt):
@@ -197,6 +201,50 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs, hosts
     assert late["counters"]["load_error_blocks"] == \
         sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
     assert "recomputing" in log, log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_behind(
+        model, dirs, hosts):
+    """The prefill engine is SIGKILLed inside the connector's save path: the first prompt
+    published (its entry written), the second's first layer written into a segment and its
+    second not. A decode engine of both prompts gives plain vLLM's tokens and loads nothing:
+    the published prompt's blocks went with the killed engine's segments (load errors,
+    recomputed), the half-saved prompt has no entry. What the killed engine left (segments, an
+    entry, and a temporary entry as a kill inside an entry's write leaves it) is gone after the
+    decode engine ran."""
+    from expert_arena import vllm_kv
+    stream, spill = dirs
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
+                  prompts=KILLED_PROMPTS)
+    # Killed at the second prompt's second layer (the first prompt's layers were calls 1-2).
+    killed = _start(role="kv_producer", kill_in_save=LAYERS + 2, **common)
+    try:
+        reference, _ = _run(hosts[0], role="plain", **common)
+        code = killed.wait(timeout=300)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
+    assert code == -signal.SIGKILL, _log(killed)[-6000:]
+    published, half = [vllm_kv.prompt_digests(p[:_loadable(p)])[-1] for p in KILLED_PROMPTS]
+    assert _entries(stream) == ["ea-kv-pytest-%s-r0.json" % published], os.listdir(stream)
+    # Its segments hold the published prompt's layers and the half-saved prompt's first one.
+    held = [expert_arena.inspect_segment(os.path.join(stream, s)) for s in _segments(stream)]
+    assert held and not any(s["owner_alive"] for s in held), held
+    assert sum(s["published_blocks"] for s in held) == LAYERS + 1, held
+    # What a kill between an entry's write and its rename leaves (_write_entry's name).
+    temporary = os.path.join(stream, "ea-kv-pytest-%s-r0.json.tmp-%d-%d" % (half, killed.pid,
+                                                                            killed.pid))
+    with open(temporary, "w") as f:
+        f.write('{"version": 1, "tok')
+
+    decoded, log = _run(hosts[1], role="kv_consumer", **common)
+    assert decoded["tokens"] == reference["tokens"]
+    counters = decoded["counters"]
+    assert counters["loaded_blocks"] == 0, counters
+    assert counters["load_error_blocks"] == _loadable(KILLED_PROMPTS[0]) // BLOCK, counters
+    assert "cannot be opened" in log and "removing %s" % temporary in log, log[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
