@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 import threading
 import time
 from typing import Any
@@ -224,9 +225,18 @@ def _identity(vllm_config, kv_cache_config) -> dict:
     return out
 
 
+# What a log line shows of a value that came from a file or a client: a repr cut short (a
+# nesting deeper than maxlevel is "..." rather than a RecursionError).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 160, 160
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 6
+
+
 def _differences(mine: dict, theirs: dict) -> list:
     keys = sorted(set(mine) | set(theirs))
-    return ["%s: %r here, %r in the producer" % (k, mine.get(k), theirs.get(k))
+    return ["%s: %s here, %s in the producer" % (k if k in mine else _SHOWN.repr(k),
+                                                  _SHOWN.repr(mine.get(k)),
+                                                  _SHOWN.repr(theirs.get(k)))
             for k in keys if mine.get(k) != theirs.get(k)]
 
 
@@ -262,7 +272,8 @@ def _checked_entry(entry, where: str) -> dict:
         raise ValueError("%s lacks tokens, layers or identity" % where)
     readers = entry.setdefault("readers", 1)
     if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
-        raise ValueError("%s: readers %r is not from 1 to %d" % (where, readers, _MAX_READERS))
+        raise ValueError("%s: readers %s is not from 1 to %d" % (where, _SHOWN.repr(readers),
+                                                                 _MAX_READERS))
     return entry
 
 
@@ -507,36 +518,39 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         """get_num_new_matched_tokens for a request that came with a remote prefill engine's
         entries (kv_transfer_params, which a client of vLLM's server can send too: checked
         like a file, and only the remote_producers' addresses are fetched from)."""
-        where = "kv_transfer_params of request %s" % request.request_id
         try:
             entries = params.get("entries") if isinstance(params, dict) else None
             if not isinstance(entries, list) or len(entries) != self._tp_size:
-                raise ValueError("%s: not one entry per tensor-parallel rank (%d)"
-                                 % (where, self._tp_size))
-            entries = [_checked_entry(e, where) for e in entries]
+                raise ValueError("not one entry per tensor-parallel rank (%d)" % self._tp_size)
+            entries = [_checked_entry(e, "entry %d" % i) for i, e in enumerate(entries)]
             if not self._options.remote_producers:
-                raise ValueError("%s name a prefill engine on another host, and this engine's "
-                                 "remote_producers is empty" % where)
+                raise ValueError("they name a prefill engine on another host, and this "
+                                 "engine's remote_producers is empty")
             length = entries[0]["tokens"]
             if any(e["tokens"] != length for e in entries) or length % self._block_size \
                     or length > limit:
-                raise ValueError("%s: %d tokens do not fit this prompt's %d loadable tokens in "
-                                 "blocks of %d" % (where, length, limit, self._block_size))
-            if any(e.get("digest") != digests[length // HASH_TOKENS - 1] for e in entries):
-                raise ValueError("%s are the KV of other tokens than this prompt's" % where)
-            for e in entries:
+                raise ValueError("%d tokens do not fit this prompt's %d loadable tokens in "
+                                 "blocks of %d" % (length, limit, self._block_size))
+            for i, e in enumerate(entries):
+                if e.get("digest") != digests[length // HASH_TOKENS - 1]:
+                    raise ValueError("entry %d is the KV of other tokens than this prompt's" % i)
                 differences = _differences(self._identity, e["identity"])
                 if differences:
-                    raise ValueError("%s: %s" % (where, "; ".join(differences)))
+                    raise ValueError("entry %d: %s" % (i, "; ".join(differences)))
                 for name, hexed in e["layers"].items():
-                    address = expert_arena.decode_descriptor(bytes.fromhex(hexed)).get("remote")
+                    try:
+                        fields = expert_arena.decode_descriptor(bytes.fromhex(hexed))
+                    except ValueError as why:
+                        raise ValueError("entry %d: layer %s's descriptor: %s"
+                                         % (i, _SHOWN.repr(name), why)) from None
+                    address = fields.get("remote")
                     if address not in self._options.remote_producers:
-                        raise ValueError("%s: layer %s is served by %r, not one of "
-                                         "remote_producers" % (where, name, address))
+                        raise ValueError("entry %d: layer %s is served by %r, not one of "
+                                         "remote_producers" % (i, _SHOWN.repr(name), address))
         except (ValueError, TypeError, AttributeError, OSError) as e:
             _count(refused=1)
-            logger.warning("expert_arena.vllm_kv: refusing the KV of %s; computing the prompt",
-                           e)
+            logger.warning("expert_arena.vllm_kv: refusing the KV in the kv_transfer_params of "
+                           "request %s: %s; computing the prompt", request.request_id, e)
             return 0, False
         if length <= num_computed_tokens:
             return 0, False
@@ -751,7 +765,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if set(layers) != set(self._caches):
             raise ValueError("the producer's layers (%d) are not this engine's (%d): %s" % (
                 len(layers), len(self._caches),
-                sorted(set(layers) ^ set(self._caches))[:4]))
+                _SHOWN.repr(sorted(set(layers) ^ set(self._caches)))))
         need = load.first + len(load.block_ids)
         plan = {}
         for name, hexed in layers.items():
