@@ -255,7 +255,7 @@ def _read_entry(path: str):
         raise ValueError("index entry %s is larger than %d bytes" % (path, _ENTRY_LIMIT))
     try:
         entry = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json reads
         raise ValueError("index entry %s is not JSON: %s" % (path, e)) from None
     return _checked_entry(entry, "index entry %s" % path)
 

@@ -357,7 +357,8 @@ def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tm
              "old.json": json.dumps({"version": 0}).encode(),
              "no-layers.json": json.dumps({"version": 1, "tokens": 32, "identity": {},
                                            "layers": {}}).encode(),
-             "big.json": b" " * ((1 << 20) + 1)}
+             "big.json": b" " * ((1 << 20) + 1),
+             "deep.json": b"[" * 100000}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError, match=str(tmp_path / name)):
