@@ -32,8 +32,9 @@ copy in the segments, and freed when the last has released it; an aborted or fai
 blocks are aborted by the prefill engine at its next step (after the writes of the steps
 before, which ran already), with their entry; blocks nobody loaded
 expire after `ttl_seconds`; the producer's close (engine exit) removes its entries and its
-segments; a killed producer's segments are swept by the next producer or consumer to start,
-and its entries are removed by the consumer that fails to load them or by the next producer.
+segments; a killed producer's segments (and an entry it was writing, under a temporary name)
+are swept by the next producer or consumer to start, and its entries are removed by the
+consumer that fails to load them or by the next producer.
 
 Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
 segments through the stream's front door, and each finished request's kv_transfer_params carry
@@ -53,11 +54,13 @@ from __future__ import annotations
 import array
 import atexit
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import reprlib
 import threading
 import time
 from typing import Any
@@ -222,9 +225,18 @@ def _identity(vllm_config, kv_cache_config) -> dict:
     return out
 
 
+# What a log line shows of a value that came from a file or a client: a repr cut short (a
+# nesting deeper than maxlevel is "..." rather than a RecursionError).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 160, 160
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 6
+
+
 def _differences(mine: dict, theirs: dict) -> list:
     keys = sorted(set(mine) | set(theirs))
-    return ["%s: %r here, %r in the producer" % (k, mine.get(k), theirs.get(k))
+    return ["%s: %s here, %s in the producer" % (k if k in mine else _SHOWN.repr(k),
+                                                  _SHOWN.repr(mine.get(k)),
+                                                  _SHOWN.repr(theirs.get(k)))
             for k in keys if mine.get(k) != theirs.get(k)]
 
 
@@ -243,7 +255,7 @@ def _read_entry(path: str):
         raise ValueError("index entry %s is larger than %d bytes" % (path, _ENTRY_LIMIT))
     try:
         entry = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json reads
         raise ValueError("index entry %s is not JSON: %s" % (path, e)) from None
     return _checked_entry(entry, "index entry %s" % path)
 
@@ -260,7 +272,8 @@ def _checked_entry(entry, where: str) -> dict:
         raise ValueError("%s lacks tokens, layers or identity" % where)
     readers = entry.setdefault("readers", 1)
     if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
-        raise ValueError("%s: readers %r is not from 1 to %d" % (where, readers, _MAX_READERS))
+        raise ValueError("%s: readers %s is not from 1 to %d" % (where, _SHOWN.repr(readers),
+                                                                 _MAX_READERS))
     return entry
 
 
@@ -305,19 +318,51 @@ def _claim(path: str, readers: int):
     return None
 
 
+_TEMPORARY = ".json.tmp-"  # an entry being written: <entry>.tmp-<pid>-<thread>
+
+
 def _write_entry(path: str, entry: dict) -> None:
-    """Written whole under a temporary name, then renamed: a reader sees all of it or none."""
+    """Written whole under a temporary name, then renamed: a reader sees all of it or none.
+    The temporary file is locked (flock: its open file's) until it has its name, so that a
+    writer killed before the rename leaves a file the next engine knows for abandoned
+    (_remove_abandoned_temporaries)."""
     tmp = "%s.tmp-%d-%d" % (path, os.getpid(), threading.get_ident())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, json.dumps(entry, separators=(",", ":")).encode())
-    finally:
-        os.close(fd)
-    try:
         os.rename(tmp, path)
     except BaseException:
         _unlink(tmp)
         raise
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned_temporaries(directory: str, prefix: str) -> None:
+    """Removes the temporary entries (named `prefix`...) that no writer holds: their writer was
+    killed between creating and renaming them. One whose writer is between creating and
+    locking it is removed too; its rename then fails and that prompt is not published."""
+    for name in os.listdir(directory):
+        if not name.startswith(prefix) or _TEMPORARY not in name:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # renamed or removed meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Still this file under this name (not one made since under the same name).
+            abandoned = os.fstat(fd).st_ino == os.lstat(path).st_ino
+        except (BlockingIOError, FileNotFoundError):
+            abandoned = False  # its writer is alive, or it renamed it meanwhile
+        finally:
+            os.close(fd)
+        if abandoned:
+            logger.warning("expert_arena.vllm_kv: removing %s: its writer was killed before it "
+                           "renamed it", path)
+            _unlink(path)
 
 
 @dataclasses.dataclass
@@ -403,11 +448,21 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._published: dict = {}       # req id -> (keys, entry path, time)
             self._load_errors: set = set()
             self._closed = False
-            # Segments of producers that were killed: swept before this engine adds its own.
+            # Segments of producers that were killed (spilled ones too): swept before this
+            # engine adds its own. A producer sweeps both again as it starts.
+            for directory in dict.fromkeys((self._options.directory,
+                                            self._options.spill_directory)):
+                if directory != self._options.directory and not os.path.isdir(directory):
+                    continue  # no producer made it yet
+                try:
+                    expert_arena.sweep(directory)
+                except OSError as e:
+                    logger.warning("expert_arena.vllm_kv: sweeping %s: %s", directory, e)
             try:
-                expert_arena.sweep(self._options.directory)
+                _remove_abandoned_temporaries(self._options.directory,
+                                              self._options.entry_prefix())
             except OSError as e:
-                logger.warning("expert_arena.vllm_kv: sweeping %s: %s", self._options.directory, e)
+                logger.warning("expert_arena.vllm_kv: listing %s: %s", self._options.directory, e)
             if self._saves_kv:
                 listening = {}
                 if self._options.listen is not None:
@@ -463,36 +518,39 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         """get_num_new_matched_tokens for a request that came with a remote prefill engine's
         entries (kv_transfer_params, which a client of vLLM's server can send too: checked
         like a file, and only the remote_producers' addresses are fetched from)."""
-        where = "kv_transfer_params of request %s" % request.request_id
         try:
             entries = params.get("entries") if isinstance(params, dict) else None
             if not isinstance(entries, list) or len(entries) != self._tp_size:
-                raise ValueError("%s: not one entry per tensor-parallel rank (%d)"
-                                 % (where, self._tp_size))
-            entries = [_checked_entry(e, where) for e in entries]
+                raise ValueError("not one entry per tensor-parallel rank (%d)" % self._tp_size)
+            entries = [_checked_entry(e, "entry %d" % i) for i, e in enumerate(entries)]
             if not self._options.remote_producers:
-                raise ValueError("%s name a prefill engine on another host, and this engine's "
-                                 "remote_producers is empty" % where)
+                raise ValueError("they name a prefill engine on another host, and this "
+                                 "engine's remote_producers is empty")
             length = entries[0]["tokens"]
             if any(e["tokens"] != length for e in entries) or length % self._block_size \
                     or length > limit:
-                raise ValueError("%s: %d tokens do not fit this prompt's %d loadable tokens in "
-                                 "blocks of %d" % (where, length, limit, self._block_size))
-            if any(e.get("digest") != digests[length // HASH_TOKENS - 1] for e in entries):
-                raise ValueError("%s are the KV of other tokens than this prompt's" % where)
-            for e in entries:
+                raise ValueError("%d tokens do not fit this prompt's %d loadable tokens in "
+                                 "blocks of %d" % (length, limit, self._block_size))
+            for i, e in enumerate(entries):
+                if e.get("digest") != digests[length // HASH_TOKENS - 1]:
+                    raise ValueError("entry %d is the KV of other tokens than this prompt's" % i)
                 differences = _differences(self._identity, e["identity"])
                 if differences:
-                    raise ValueError("%s: %s" % (where, "; ".join(differences)))
+                    raise ValueError("entry %d: %s" % (i, "; ".join(differences)))
                 for name, hexed in e["layers"].items():
-                    address = expert_arena.decode_descriptor(bytes.fromhex(hexed)).get("remote")
+                    try:
+                        fields = expert_arena.decode_descriptor(bytes.fromhex(hexed))
+                    except ValueError as why:
+                        raise ValueError("entry %d: layer %s's descriptor: %s"
+                                         % (i, _SHOWN.repr(name), why)) from None
+                    address = fields.get("remote")
                     if address not in self._options.remote_producers:
-                        raise ValueError("%s: layer %s is served by %r, not one of "
-                                         "remote_producers" % (where, name, address))
+                        raise ValueError("entry %d: layer %s is served by %r, not one of "
+                                         "remote_producers" % (i, _SHOWN.repr(name), address))
         except (ValueError, TypeError, AttributeError, OSError) as e:
             _count(refused=1)
-            logger.warning("expert_arena.vllm_kv: refusing the KV of %s; computing the prompt",
-                           e)
+            logger.warning("expert_arena.vllm_kv: refusing the KV in the kv_transfer_params of "
+                           "request %s: %s; computing the prompt", request.request_id, e)
             return 0, False
         if length <= num_computed_tokens:
             return 0, False
@@ -707,7 +765,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if set(layers) != set(self._caches):
             raise ValueError("the producer's layers (%d) are not this engine's (%d): %s" % (
                 len(layers), len(self._caches),
-                sorted(set(layers) ^ set(self._caches))[:4]))
+                _SHOWN.repr(sorted(set(layers) ^ set(self._caches)))))
         need = load.first + len(load.block_ids)
         plan = {}
         for name, hexed in layers.items():

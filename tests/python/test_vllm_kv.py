@@ -5,11 +5,14 @@ interpreter that has vLLM (scripts/test.sh: .venv-vllm); elsewhere the module sk
 EXPERT_ARENA_REQUIRE_VLLM=1 (CI) makes a missing vLLM fail."""
 
 import contextlib
+import copy
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,7 @@ import tempfile
 import pytest
 
 import engine_procs
+import expert_arena
 from conftest import IN_CI, child_env
 from conftest import test_dir as stream_root
 
@@ -39,6 +43,9 @@ _rng = random.Random(41)
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 64, 96, 150)]
 # Saved by the prefill engine too, loaded only after it was killed.
 LATE_PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (50, 120)]
+# Saved by a prefill engine killed in the middle of the second one's save.
+KILLED_PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (70, 100)]
+LAYERS = 2  # _tiny_qwen3_moe's num_hidden_layers
 
 
 def _loadable(prompt):
@@ -200,6 +207,50 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs, hosts
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_behind(
+        model, dirs, hosts):
+    """The prefill engine is SIGKILLed inside the connector's save path: the first prompt
+    published (its entry written), the second's first layer written into a segment and its
+    second not. A decode engine of both prompts gives plain vLLM's tokens and loads nothing:
+    the published prompt's blocks went with the killed engine's segments (load errors,
+    recomputed), the half-saved prompt has no entry. What the killed engine left (segments, an
+    entry, and a temporary entry as a kill inside an entry's write leaves it) is gone after the
+    decode engine ran."""
+    from expert_arena import vllm_kv
+    stream, spill = dirs
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
+                  prompts=KILLED_PROMPTS)
+    # Killed at the second prompt's second layer (the first prompt's layers were calls 1-2).
+    killed = _start(role="kv_producer", kill_in_save=LAYERS + 2, **common)
+    try:
+        reference, _ = _run(hosts[0], role="plain", **common)
+        code = killed.wait(timeout=300)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
+    assert code == -signal.SIGKILL, _log(killed)[-6000:]
+    published, half = [vllm_kv.prompt_digests(p[:_loadable(p)])[-1] for p in KILLED_PROMPTS]
+    assert _entries(stream) == ["ea-kv-pytest-%s-r0.json" % published], os.listdir(stream)
+    # Its segments hold the published prompt's layers and the half-saved prompt's first one.
+    held = [expert_arena.inspect_segment(os.path.join(stream, s)) for s in _segments(stream)]
+    assert held and not any(s["owner_alive"] for s in held), held
+    assert sum(s["published_blocks"] for s in held) == LAYERS + 1, held
+    # What a kill between an entry's write and its rename leaves (_write_entry's name).
+    temporary = os.path.join(stream, "ea-kv-pytest-%s-r0.json.tmp-%d-%d" % (half, killed.pid,
+                                                                            killed.pid))
+    with open(temporary, "w") as f:
+        f.write('{"version": 1, "tok')
+
+    decoded, log = _run(hosts[1], role="kv_consumer", **common)
+    assert decoded["tokens"] == reference["tokens"]
+    counters = decoded["counters"]
+    assert counters["loaded_blocks"] == 0, counters
+    assert counters["load_error_blocks"] == _loadable(KILLED_PROMPTS[0]) // BLOCK, counters
+    assert "cannot be opened" in log and "removing %s" % temporary in log, log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dirs, tmp_path,
                                                                        hosts):
@@ -306,7 +357,8 @@ def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tm
              "old.json": json.dumps({"version": 0}).encode(),
              "no-layers.json": json.dumps({"version": 1, "tokens": 32, "identity": {},
                                            "layers": {}}).encode(),
-             "big.json": b" " * ((1 << 20) + 1)}
+             "big.json": b" " * ((1 << 20) + 1),
+             "deep.json": b"[" * 100000}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError, match=str(tmp_path / name)):
@@ -410,6 +462,151 @@ def test_a_decode_engine_in_another_network_namespace_loads_through_the_front_do
         shutil.rmtree(elsewhere, ignore_errors=True)
     assert code == 0, _log(prefill)[-6000:]
     assert host_code == 0, _log(host.p)[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def _hostile_cases(entry, identity, forged, other_digest, unlisted, listed):
+    """(kv_transfer_params, what the refusal's log line says) for one prompt each: entry(**c)
+    is a copy of the prompt's own entry (a local one: no remote address) with the fields c
+    changed (None: removed), `identity` the entry's; forged(address, **fields) its layers'
+    descriptors made anew, naming `address`, with `fields` changed (and no MAC: no producer
+    made them)."""
+    def params(*entries):
+        return {"expert_arena": {"entries": list(entries)}}
+    deep = "x"
+    for _ in range(200):
+        deep = [deep, {"k": deep if isinstance(deep, str) else None}]
+    rank = "one entry per tensor-parallel rank"
+    lacks = "entry 0 lacks tokens, layers or identity"
+    fit = "do not fit this prompt's"
+    return [
+        # Refused by the scheduler (the request's kv_transfer_params).
+        ({"expert_arena": "entries"}, rank),
+        ({"expert_arena": [entry()]}, rank),
+        ({"expert_arena": 12}, rank),
+        ({"expert_arena": {"entries": "x"}}, rank),
+        ({"expert_arena": {"entries": {"0": entry()}}}, rank),
+        (params(), rank),
+        (params(entry(), entry()), rank),
+        (params("x"), "entry 0 is not a version 1 entry"),
+        (params([entry()]), "entry 0 is not a version 1 entry"),
+        (params({}), "entry 0 is not a version 1 entry"),
+        (params(entry(version=2)), "entry 0 is not a version 1 entry"),
+        (params(entry(layers=None)), lacks),
+        (params(entry(identity=None)), lacks),
+        (params(entry(tokens=None)), lacks),
+        (params(entry(tokens=-BLOCK)), lacks),
+        (params(entry(tokens="64")), lacks),
+        (params(entry(layers={"model.layers.0": 7})), lacks),
+        (params(entry(readers=-1)), "readers -1 is not from 1 to"),
+        (params(entry(tokens=(1 << 63) - BLOCK)), fit),  # vLLM takes up to 2**64 - 1
+        (params(entry(tokens=BLOCK + BLOCK // 2)), fit),
+        (params(entry(digest=other_digest)), "the KV of other tokens"),
+        (params(entry(digest="\u30cf\u30c3\u30b7\u30e5")), "the KV of other tokens"),
+        (params(entry(identity=dict(identity, model="/elsewhere/\u6a21\u578b"))),
+         "entry 0: model: %r here, '/elsewhere/\u6a21\u578b' in the producer" % identity["model"]),
+        (params(entry(identity=dict(identity, model=deep, junk={"x": [deep]}))),
+         "'junk': None here, {'x': [[[...], {...}]]} in the producer"),  # cut short
+        (params(entry(layers={"\u5c42": "\u00e9\u00e9"})),
+         "entry 0: layer '\u5c42''s descriptor: non-hexadecimal"),
+        (params(entry(layers={"l": "00" * 40})), "layer 'l''s descriptor: tensor descriptor "
+         "refused: bad magic"),
+        (params(entry(layers=forged(listed, offset=1 << 63, length=(1 << 64) - 1))),
+         "offset + length overflows"),
+        (params(entry()), "served by None, not one of remote_producers"),
+        (params(entry(layers=forged(unlisted))),
+         "served by %r, not one of remote_producers" % unlisted),
+        ({"do_remote_prefill": True, "expert": deep}, None),  # not ours: no remote entry
+        # Accepted by the scheduler, refused by the worker before anything is opened.
+        (params(entry(layers=forged(listed))), "MAC does not hold"),
+        (params(entry(layers=forged(listed, blocks=1 << 40))), "MAC does not hold"),
+        (params(entry(layers=forged(listed, blocks=1))), "saved 1 blocks, 3 are needed"),
+        (params(entry(layers=dict(list(forged(listed).items())[:1]))), "layers (1)"),
+    ]
+
+
+def test_hostile_kv_transfer_params_are_refused_by_name_and_the_prompts_computed(model, dirs,
+                                                                                 hosts):
+    """kv_transfer_params a client sends with its requests (vLLM's server passes them on) in
+    every wrong form: other types, missing or wrong fields, counts out of range, another
+    prompt's digest, another model's identity, deep junk, non-ASCII, descriptors that are not
+    descriptors, and ones naming an address outside remote_producers or forged for one in it.
+    One decode engine serves every prompt with plain vLLM's tokens (computed), loads nothing,
+    logs each refusal naming the request and why, and connects nowhere."""
+    from expert_arena import _core, vllm_kv
+    stream, spill = dirs
+    # Prompts of three loadable blocks each (the forged descriptors' block dimension is the
+    # one of size 3), one per case.
+    rng = random.Random(43)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(97, 128))]
+               for _ in range(34)]
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
+                  prompts=prompts)
+    # The prefill engine's tokens are plain vLLM's (saving reads the cache only); its entries
+    # are the real ones the cases are made from.
+    with _holding(hosts[0], role="kv_producer", **common) as produced:
+        real = {}
+        for name in _entries(stream):
+            with open(os.path.join(stream, name)) as f:
+                entry = json.load(f)
+            real[entry["digest"]] = entry
+    digests = [vllm_kv.prompt_digests(p[:3 * BLOCK])[-1] for p in prompts]
+    assert set(digests) <= set(real), (len(real), len(prompts))
+
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    try:
+        listed, unlisted = ["127.0.0.1:%d" % s.getsockname()[1] for s in sockets]
+        params = []
+        for i, digest in enumerate(digests):
+            def entry(**changes):
+                e = copy.deepcopy(real[digest])
+                for k, v in changes.items():
+                    if v is None:
+                        del e[k]
+                    else:
+                        e[k] = v
+                return e
+
+            def forged(address, blocks=None, **fields):
+                out = {}
+                for name, hexed in real[digest]["layers"].items():
+                    d = dict(expert_arena.decode_descriptor(bytes.fromhex(hexed)), remote=address,
+                             producer_instance=1, boot_id="0" * 32, **fields)
+                    if blocks is not None:
+                        d["shape"] = [blocks if n == 3 else n for n in d["shape"]]
+                    out[name] = _core.encode_descriptor(d).hex()
+                return out
+
+            cases = _hostile_cases(entry, real[digest]["identity"], forged,
+                                   digests[(i + 1) % len(digests)], unlisted, listed)
+            params.append(cases[i])
+        assert len(cases) == len(prompts)
+        decoded, log = _run(hosts[1], role="kv_consumer", remote_producers=[listed],
+                            remote_token="t0ken", transfer_params=[p for p, _ in params],
+                            **common)
+        # Nothing connected to either address (the forged descriptors lack the MAC a producer
+        # with the token makes: refused before any connection).
+        for s in sockets:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.accept()
+    finally:
+        for s in sockets:
+            s.close()
+    assert decoded["tokens"] == produced["tokens"]
+    counters = decoded["counters"]
+    assert counters["loaded_blocks"] == 0, counters
+    worker_refused = [i for i, (_, why) in enumerate(params)
+                      if why in ("MAC does not hold", "saved 1 blocks, 3 are needed", "layers (1)")]
+    assert counters["load_error_blocks"] == 3 * len(worker_refused), counters
+    assert counters["refused"] >= len(params) - len(worker_refused) - 1, counters
+    lines = log.splitlines()
+    for i, (p, why) in enumerate(params):
+        if why is None:
+            continue
+        named = [l for l in lines if re.search(r"request %d-\w+\b" % i, l)]
+        assert any(why in l for l in named), (i, p if len(str(p)) < 2000 else "...", why, named)
+    assert "Traceback" not in log, log[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 

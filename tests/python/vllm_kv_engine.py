@@ -7,16 +7,19 @@ one after another, each request a line of stdin (engine_procs.serve, EngineHost)
                                "directory": D, "spill_directory": S, "prompts": [[ids]...],
                                "block_size": 32, "max_tokens": 8, "hold": false, "ttl_seconds": 600,
                                "readers": 1,
-                               "abort_at": null | [steps per prompt],
+                               "abort_at": null | [steps per prompt], "kill_in_save": null | N,
                                "listen": ADDR, "listen_token": T, "remote_token": T,
                                "remote_producers": [ADDR], "transfer_params": [{...}|null]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
 prompt i after abort_at[i] engine steps, then runs one short prompt to the end (the step that
-tells the connector's worker about the aborts)."""
+tells the connector's worker about the aborts); "kill_in_save" runs the prompts one after another
+and SIGKILLs the engine at the connector's N-th save_kv_layer call that has blocks to save (the
+layers before it written, its own and the ones after it not)."""
 
 import json
 import os
+import signal
 import sys
 
 
@@ -68,6 +71,22 @@ def _generate(llm, prompts, max_tokens, transfer_params=None):
             "transfer_params": [o.kv_transfer_params for o in outs]}
 
 
+def _kill_in_save(connector, n):
+    """Wraps the worker's connector: its n-th save_kv_layer call with blocks to save kills this
+    process (SIGKILL: no exit handler, no close) before it saves anything."""
+    save_kv_layer = connector.save_kv_layer
+    calls = [0]
+
+    def wrapper(layer_name, kv_layer, attn_metadata, **kwargs):
+        if connector.has_connector_metadata() and connector._get_connector_metadata().saves:
+            calls[0] += 1
+            if calls[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    connector.save_kv_layer = wrapper
+
+
 def _abort_run(llm, prompts, abort_at, max_tokens):
     from vllm import SamplingParams
     engine = llm.llm_engine
@@ -101,6 +120,11 @@ def run(args):
     llm = _engine(args)
     if args.get("abort_at") is not None:
         result = _abort_run(llm, args["prompts"], args["abort_at"], args["max_tokens"])
+    elif args.get("kill_in_save") is not None:
+        _kill_in_save(_connector(), args["kill_in_save"])
+        for prompt in args["prompts"]:  # each its own steps: the kill falls in one prompt's
+            _generate(llm, [prompt], args["max_tokens"])
+        raise RuntimeError("kill_in_save %d: the engine saved fewer layers" % args["kill_in_save"])
     else:
         result = _generate(llm, args["prompts"], args["max_tokens"],
                            args.get("transfer_params"))
