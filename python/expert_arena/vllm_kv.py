@@ -104,6 +104,8 @@ _OPTIONS = {
 _MAX_READERS = 64
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+# An entry's file name (entry_path), claims (".read...") and temporaries (".tmp-...") after it.
+_ENTRY_NAME = re.compile(r"^ea-kv-([A-Za-z0-9_.-]{1,32})-[0-9a-f]{40}-r[0-9]+\.json")
 
 # What this process's connectors did: the decode engine's test and an operator read them.
 _COUNTERS_LOCK = threading.Lock()
@@ -181,8 +183,12 @@ class _Options:
     def entry_path(self, digest: str, rank: int) -> str:
         return os.path.join(self.directory, "ea-kv-%s-%s-r%d.json" % (self.name, digest, rank))
 
-    def entry_prefix(self) -> str:
-        return "ea-kv-%s-" % self.name
+    def owns(self, name: str) -> bool:
+        """Whether the file `name` is one of this connector name's entries, or an entry's
+        claim or temporary file (ea-kv-NAME-DIGEST-rRANK.json...): the entries of a connector
+        whose name begins with this one and a dash are not."""
+        return _ENTRY_NAME.match(name) is not None and \
+            _ENTRY_NAME.match(name).group(1) == self.name
 
 
 def prompt_digests(token_ids) -> list:
@@ -339,12 +345,13 @@ def _write_entry(path: str, entry: dict) -> None:
         os.close(fd)
 
 
-def _remove_abandoned_temporaries(directory: str, prefix: str) -> None:
-    """Removes the temporary entries (named `prefix`...) that no writer holds: their writer was
+def _remove_abandoned_temporaries(directory: str, owns) -> None:
+    """Removes the temporary entries (`owns(name)`: of this connector's name) that no writer
+    holds: their writer was
     killed between creating and renaming them. One whose writer is between creating and
     locking it is removed too; its rename then fails and that prompt is not published."""
     for name in os.listdir(directory):
-        if not name.startswith(prefix) or _TEMPORARY not in name:
+        if not owns(name) or _TEMPORARY not in name:
             continue
         path = os.path.join(directory, name)
         try:
@@ -460,7 +467,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     logger.warning("expert_arena.vllm_kv: sweeping %s: %s", directory, e)
             try:
                 _remove_abandoned_temporaries(self._options.directory,
-                                              self._options.entry_prefix())
+                                              self._options.owns)
             except OSError as e:
                 logger.warning("expert_arena.vllm_kv: listing %s: %s", self._options.directory, e)
             if self._saves_kv:
@@ -894,14 +901,13 @@ class ExpertArenaConnector(KVConnectorBase_V1):
     def _remove_orphan_entries(self) -> None:
         """Entries whose segments are all gone (their producer was killed, then swept), and
         readers' claims whose entry is gone."""
-        prefix = self._options.entry_prefix()
         names = os.listdir(self._options.directory)
         for name in names:
-            if name.startswith(prefix) and ".json.read" in name and \
+            if self._options.owns(name) and ".json.read" in name and \
                     name[:name.index(".json.read")] + ".json" not in names:
                 _unlink(os.path.join(self._options.directory, name))
         for name in names:
-            if not name.startswith(prefix) or not name.endswith(".json"):
+            if not self._options.owns(name) or not name.endswith(".json"):
                 continue
             path = os.path.join(self._options.directory, name)
             try:

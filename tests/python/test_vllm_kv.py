@@ -632,3 +632,24 @@ def test_the_connector_options_are_checked(tmp_path):
                              "listen": "127.0.0.1:0", "remote_producers": "10.0.0.1:5000"})
     assert (both.listen_token, both.remote_token) == ("s3cret", "s3cret")
     assert both.remote_producers == {"10.0.0.1:5000"}
+
+
+def test_a_connector_cleans_only_the_files_of_its_own_name(tmp_path):
+    """What a connector's cleanups (orphaned entries, readers' claims, abandoned temporaries)
+    may touch are the files of its own name: never those of a connector whose name begins with
+    its own and a dash (`kv` and `kv-b` in one directory, each with its own spill directory)."""
+    from expert_arena import vllm_kv
+    kv = vllm_kv._Options({"directory": str(tmp_path), "name": "kv"})
+    mine = os.path.basename(kv.entry_path("ab" * 20, 0))
+    theirs = os.path.basename(vllm_kv._Options({"directory": str(tmp_path), "name": "kv-b"})
+                              .entry_path("ab" * 20, 0))
+    for name in (mine, mine + ".read-3", mine + ".tmp-12-34"):
+        assert kv.owns(name), name
+    for name in (theirs, theirs + ".read-3", theirs + ".tmp-12-34", "ea-kv-kv-xyz.json",
+                 "ea-stream-kv-1", mine.replace("-r0", "")):
+        assert not kv.owns(name), name
+    # The abandoned-temporary cleanup, on real files: only its own, unheld one goes.
+    for name in (mine + ".tmp-12-34", theirs + ".tmp-12-34"):
+        (tmp_path / name).write_text("{")
+    vllm_kv._remove_abandoned_temporaries(str(tmp_path), kv.owns)
+    assert sorted(os.listdir(tmp_path)) == [theirs + ".tmp-12-34"]
