@@ -187,7 +187,19 @@ def identity_fields(vllm_config, model_config):
                                     "num_redundant_experts", 0))),
         ("lora", str(vllm_config.lora_config is not None)),
         ("cpu_gemm", "torch-linear-on-arena" if current_platform.is_cpu() else "-"),
+        ("cpu_moe", _cpu_moe_kernel() if current_platform.is_cpu() else "-"),
     ]
+
+
+def _cpu_moe_kernel():
+    """Whose fused MoE vLLM's CPU experts choose here (they decide in their post-processing,
+    and it decides the experts' layout): zentorch's, on unpacked weights, where vLLM finds it
+    (a Zen CPU with zentorch), else vLLM's own, on prepacked ones."""
+    try:
+        from vllm.model_executor.kernels.linear.zentorch_utils import has_zentorch_op
+        return "zentorch" if has_zentorch_op(["zentorch_fused_moe"]) else "vllm"
+    except (ImportError, AttributeError):
+        return "vllm"
 
 
 def arena_path(settings, model_config, identity, checkpoint):
