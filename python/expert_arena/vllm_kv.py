@@ -187,8 +187,8 @@ class _Options:
         """Whether the file `name` is one of this connector name's entries, or an entry's
         claim or temporary file (ea-kv-NAME-DIGEST-rRANK.json...): the entries of a connector
         whose name begins with this one and a dash are not."""
-        return _ENTRY_NAME.match(name) is not None and \
-            _ENTRY_NAME.match(name).group(1) == self.name
+        match = _ENTRY_NAME.match(name)
+        return match is not None and match.group(1) == self.name
 
 
 def prompt_digests(token_ids) -> list:
