@@ -480,6 +480,11 @@ def restore_kernel_state(model, recorded, where):
     the weights lie in the layout that state chose, and a kernel of another class or state
     would compute on them silently wrong. BindingError naming each difference."""
     from . import _binder
+    if not isinstance(recorded, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("class"), str) for v in recorded.values()):
+        raise _binder.BindingError("%s: the arena's record of the building engine's fused-MoE "
+                                   "kernels is damaged (%.200r); remove the file"
+                                   % (where, recorded))
     mine = kernel_state(model)
     modules = dict(model.named_modules())
     problems = []
@@ -767,8 +772,9 @@ def _loader_class():
                     _gemm_on_shared_weights():
                 process_weights_after_loading(model, model_config, device)
             engine = _binder.engine_record(arena)
-            if engine is not None and "kernels" in engine:
-                restore_kernel_state(model, engine["kernels"], where)
+            if engine is not None:
+                restore_kernel_state(model, engine.get("kernels") if isinstance(engine, dict)
+                                     else engine, where)
             # What the kernels' rebuild made again from the bound weights (private tensors)
             # gives way to the arena's; what it did not make is set from the arena.
             # (A parameter or buffer the model was built with that it replaced is refused by

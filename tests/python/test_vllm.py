@@ -663,6 +663,10 @@ def test_kernels_rebuilt_on_processed_weights_get_the_builders_state_or_are_refu
     with pytest.raises(_binder.BindingError, match=r"layers\.1: no fused-MoE kernel in the "
                        r"building engine"):
         restore_kernel_state(model(False, False), {"layers.0": built["layers.0"]}, "here")
+    # A record of the wrong shape (a damaged file) is refused by name, not a TypeError.
+    for damaged in (None, [1], {"layers.0": "x"}, {"layers.0": {"class": 3}}):
+        with pytest.raises(_binder.BindingError, match="kernels is damaged"):
+            restore_kernel_state(model(False, False), damaged, "here")
 
 
 def test_offloaders_that_keep_private_copies_are_refused(monkeypatch):
