@@ -660,7 +660,8 @@ def _loader_class():
                     check_in_arena(model, arena)
                     check_private_copies(model, "after the first forward")
                 _confirm_at_first_forward(model, arena, ran_on_the_arena if on_cpu else None)
-            _release_freed_memory()
+            # An engine that attached built its model on the meta device: nothing to collect.
+            _release_freed_memory(collect=report["role"] == "loaded")
             logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
                         time.monotonic() - started,
                         "built and published" if report["role"] == "loaded" else
