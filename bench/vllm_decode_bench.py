@@ -18,7 +18,8 @@ or --model DIR, a checkpoint made before (kept).
 
     .venv-vllm/bin/python bench/vllm_decode_bench.py [--rounds 3] [--tokens 64]
         [--hidden 2048 --layers 10 --experts 40 --moe-intermediate 768] [--work-dir DIR]
-        [--settings plain,shared,packed] [--model DIR] [--profile N]
+        [--settings plain,shared,packed] [--model DIR] [--arena-root DIR] [--rebuild]
+        [--profile N]
 
 Needs PYTHONPATH=build/python and the package installed in vLLM's environment (its plugin
 entry point), as the vLLM tests do. Not part of CI. Removes its checkpoint and arenas.
@@ -67,7 +68,10 @@ ENGINE = textwrap.dedent("""
         if arena is None:
             return {}
         m = arena.memory()
-        return {"role": arena.report["role"], "arena_private_mib": m["private_bytes"] / 2**20}
+        out = {"role": arena.report["role"], "arena_private_mib": m["private_bytes"] / 2**20}
+        out.update({k: v for k, v in getattr(model, "expert_arena_start", {}).items()
+                    if k != "ready_s"})
+        return out
     result.update(llm.apply_model(memory)[0])
     if profile:
         # One more batch-1 decode under torch's profiler: the operators by their own CPU time.
@@ -132,6 +136,9 @@ def main():
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--settings", default="plain,shared,packed", help="comma-separated, "
                     "from plain, shared, packed (plain is always run: the ratios are to it)")
+    ap.add_argument("--rebuild", action="store_true", help="remove the arenas before each "
+                    "arena engine, so that every one builds (the builder's start, with where "
+                    "its time went) instead of only the first")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="the last round's "
                     "engines decode once more under torch's profiler: their N costliest "
                     "operators (own CPU time, ms) are printed side by side")
@@ -158,6 +165,9 @@ def main():
             # running first or after another engine costs falls on each setting alike.
             for s in settings[r % len(settings):] + settings[:r % len(settings)]:
                 last = r == args.rounds - 1
+                if args.rebuild and s != "plain":
+                    for name in os.listdir(arenas):
+                        os.unlink(os.path.join(arenas, name))
                 result = run_engine(model, arenas, s, args.tokens, args.timeout,
                                     args.profile if last else 0)
                 profiles[s] = result.pop("profile", [])
@@ -180,6 +190,17 @@ def main():
             med[s]["tok_s_1"] / med["plain"]["tok_s_1"],
             med[s]["tok_s_16"] / med["plain"]["tok_s_16"], per_round[0], med[s]["ready_s"],
             med[s]["pss_mib"], "%.0f" % statistics.median(private) if private else "-"))
+    steps = ("load_and_process_s", "pages_s", "copy_s", "checksums_s", "bind_s")
+    for s in settings:
+        built = [x for x in rows[s] if x.get("role") == "loaded" and "pages_s" in x]
+        if built:
+            print("\n%s, %d building engine(s): ready %s s against plain's median %.1f s "
+                  "(%.2fx); medians: %s" % (
+                      s, len(built), ", ".join("%.1f" % x["ready_s"] for x in built),
+                      med["plain"]["ready_s"],
+                      statistics.median(x["ready_s"] for x in built) / med["plain"]["ready_s"],
+                      ", ".join("%s %.2f" % (k[:-2], statistics.median(x[k] for x in built))
+                                for k in steps)))
     for s in settings if args.profile else ():
         print("\n%s, batch 1, %d tokens: operator, own CPU ms, calls" % (s, args.tokens))
         for name, ms, count in profiles[s]:

@@ -586,15 +586,20 @@ def _loader_class():
                     else torch.accelerator.current_device_index())
             offloader = check_offloader(get_offloader(), on_cpu)
             built = {}
+            marks = {}  # when the builder's steps ended (the start line's breakdown)
 
             def declare():
+                marks["declare"] = time.monotonic()
                 model, constructed = self._load_and_process(vllm_config, model_config, prefix)
                 built["model"] = model
+                marks["declared"] = time.monotonic()
                 return _binder.declare(model, built, constructed,
                                        engine={"kernels": kernel_state(model)})
 
             def fill(writer):
+                marks["fill"] = time.monotonic()
                 _binder.fill(built, writer)
+                marks["filled"] = time.monotonic()
 
             os.makedirs(self.settings.arena_dir, exist_ok=True)
             arena = expert_arena.open_engine(
@@ -605,11 +610,12 @@ def _loader_class():
                 confirm_after_run=True)
             model = built.pop("model", None)
             built.clear()
+            marks["opened"] = time.monotonic()
             report = arena.report
             logger.info("%s: %s", LOAD_FORMAT, report["start_line"])
             try:
                 return self._bind_and_run(vllm_config, model_config, prefix, arena, model,
-                                          device, offloader, started)
+                                          device, offloader, started, marks)
             except BaseException as e:
                 # Publish only what runs: a build this engine could not bind itself to is
                 # recorded as failed (the next engine rebuilds it once), never published.
@@ -618,7 +624,7 @@ def _loader_class():
                 raise
 
         def _bind_and_run(self, vllm_config, model_config, prefix, arena, model, device,
-                          offloader, started):
+                          offloader, started, marks):
             on_cpu = device.type == "cpu"
             report = arena.report
             if model is None:
@@ -662,9 +668,21 @@ def _loader_class():
                 _confirm_at_first_forward(model, arena, ran_on_the_arena if on_cpu else None)
             # An engine that attached built its model on the meta device: nothing to collect.
             _release_freed_memory(collect=report["role"] == "loaded")
-            logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT,
-                        time.monotonic() - started,
-                        "built and published" if report["role"] == "loaded" else
+            ready = time.monotonic()
+            steps = {}
+            if "filled" in marks:
+                # Where a build's time went: vLLM's own load and post-processing (as in plain
+                # vLLM), the arena's pages, the copy, checksums and header, the binding.
+                steps = {"load_and_process_s": marks["declared"] - marks["declare"],
+                         "pages_s": marks["fill"] - marks["declared"],
+                         "copy_s": marks["filled"] - marks["fill"],
+                         "checksums_s": marks["opened"] - marks["filled"],
+                         "bind_s": ready - marks["opened"]}
+            model.expert_arena_start = dict(steps, ready_s=ready - started)
+            logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT, ready - started,
+                        "built and published: vLLM's load and post-processing %.2f s, the "
+                        "arena's pages %.2f s, the copy %.2f s, checksums %.2f s, binding %.2f s"
+                        % tuple(steps.values()) if steps else
                         "attached: no checkpoint tensor read, no transform run",
                         "its parameters and buffers are the arena's pages" if on_cpu else
                         "parameters copied to %s from the arena (%s)"
