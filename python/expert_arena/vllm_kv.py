@@ -100,6 +100,10 @@ _OPTIONS = {
     "remote_producers": "the ADDR:PORT list of prefill engines a decode engine fetches from "
                         "across hosts (default: none; kv_transfer_params naming any other "
                         "address are refused)",
+    "load": "\"async\" (default): the decode engine copies a prompt's KV on a thread of its "
+            "own while its other requests run (the request waits for it, as with vLLM's NIXL "
+            "connector); \"sync\": at the start of the step that computes the request, "
+            "which every request of that step waits for",
 }
 _MAX_READERS = 64
 
@@ -176,6 +180,10 @@ class _Options:
             raise ValueError("expert_arena.vllm_kv: remote_producers must be a list of "
                              "\"ADDR:PORT\" strings")
         self.remote_producers = set(producers)
+        self.load = extra.get("load", "async")
+        if self.load not in ("async", "sync"):
+            raise ValueError("expert_arena.vllm_kv: load %r must be \"async\" or \"sync\""
+                             % (self.load,))
         if self.remote_producers and not self.remote_token:
             raise ValueError("expert_arena.vllm_kv: remote_producers needs remote_token or "
                              "token_file")
@@ -438,9 +446,12 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                              "%d tokens" % (self._block_size, HASH_TOKENS))
         self._identity = _identity(vllm_config, kv_cache_config)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._async = self._options.load == "async"
         self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._need_load: dict = {}       # req id -> (entry paths, first block, count)
+            self._ready_loads: list = []     # _Load of this step (blocks allocated)
+            self._load_failed: set = set()   # req ids whose asynchronous load failed
             self._saving: dict = {}          # req id -> [request, block ids]
             self._saved: dict = {}           # req id -> its entry's digest (None: no block)
             self._aborted: list = []
@@ -454,6 +465,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._pending: dict = {}         # req id -> {"save": _Save, "layers": {name: desc}}
             self._published: dict = {}       # req id -> (keys, entry path, time)
             self._load_errors: set = set()
+            self._loader = None              # the thread of asynchronous loads, once started
+            self._loads = None               # its queue of _Load (None: stop)
+            self._recv_done: set = set()     # req ids whose asynchronous load ended
+            self._recv_failed: set = set()   # ... and failed (their tokens are computed)
             self._closed = False
             # Segments of producers that were killed (spilled ones too): swept before this
             # engine adds its own. A producer sweeps both again as it starts.
@@ -495,6 +510,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if not self._loads_kv or not self._plain_text(request):
             return 0, False
+        with self._lock:
+            if request.request_id in self._load_failed:
+                # vLLM computes it from scratch now; matching it again would load it again.
+                return 0, False
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself (it needs its logits).
         limit = (len(tokens) - 1) // self._block_size * self._block_size
@@ -518,7 +537,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 self._need_load[request.request_id] = (
                     paths, num_computed_tokens // self._block_size,
                     (length - num_computed_tokens) // self._block_size)
-            return length - num_computed_tokens, False
+            return length - num_computed_tokens, self._async
         return 0, False
 
     def _match_remote(self, request, params, digests, limit: int, num_computed_tokens: int):
@@ -565,7 +584,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._need_load[request.request_id] = (
                 entries, num_computed_tokens // self._block_size,
                 (length - num_computed_tokens) // self._block_size)
-        return length - num_computed_tokens, False
+        return length - num_computed_tokens, self._async
 
     def _plain_text(self, request) -> bool:
         # The tokens alone do not identify a prompt with images or a LoRA adapter.
@@ -598,10 +617,23 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._refused.add(path)
         logger.warning("%s", message)
 
+    def update_connector_output(self, connector_output):
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed:
+            with self._lock:
+                self._load_failed.update(failed)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         with self._lock:
-            if num_external_tokens == 0:
-                self._need_load.pop(request.request_id, None)
+            load = self._need_load.pop(request.request_id, None)
+            if load is not None and num_external_tokens > 0:
+                # The request's blocks (the ones it holds already first): the load goes out
+                # with this step's metadata, whether or not the request runs in it (an
+                # asynchronous one waits for it).
+                entries, first, count = load
+                block_ids = list(blocks.get_block_ids()[0])
+                self._ready_loads.append(_Load(request.request_id,
+                                               block_ids[first:first + count], first, entries))
             if self._saves_kv and self._plain_text(request) \
                     and request.request_id not in self._saved:
                 self._saving[request.request_id] = [request, None]
@@ -609,14 +641,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = ExpertArenaConnectorMetadata()
         with self._lock:
+            meta.loads, self._ready_loads = self._ready_loads, []
+            for load in meta.loads:
+                _count(matched_tokens=len(load.block_ids) * self._block_size)
             for new in scheduler_output.scheduled_new_reqs:
                 block_ids = list(new.block_ids[0])
-                load = self._need_load.pop(new.req_id, None)
-                if load is not None:
-                    entries, first, count = load
-                    meta.loads.append(_Load(new.req_id, block_ids[first:first + count], first,
-                                            entries))
-                    _count(matched_tokens=count * self._block_size)
                 if new.req_id in self._saving:
                     self._saving[new.req_id][1] = block_ids
             cached = scheduler_output.scheduled_cached_reqs
@@ -655,6 +684,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         digest = None
         with self._lock:
             self._need_load.pop(request.request_id, None)
+            self._load_failed.discard(request.request_id)
             self._saving.pop(request.request_id, None)
             if request.request_id in self._saved:
                 digest = self._saved.pop(request.request_id)
@@ -720,9 +750,44 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if self._consumer is None:
             return
         for load in meta.loads:
-            self._load(load)
+            if self._async:
+                self._submit(load)
+            else:
+                self._load(load)
 
-    def _load(self, load: _Load) -> None:
+    def _submit(self, load: _Load) -> None:
+        with self._lock:
+            if self._loader is None:
+                import queue
+                self._loads = queue.SimpleQueue()
+                self._loader = threading.Thread(target=self._load_loop, daemon=True,
+                                                name="expert_arena-kv-load")
+                self._loader.start()
+        self._loads.put(load)
+
+    def _load_loop(self) -> None:
+        """The thread of asynchronous loads: each request's KV copied into its blocks (which
+        vLLM schedules nothing on until it is reported), then reported finished, or failed
+        (every one of its tokens is computed). Anything a load raises fails that request
+        only."""
+        while True:
+            load = self._loads.get()
+            if load is None:
+                return
+            try:
+                ok = self._load(load)
+            except Exception as e:  # noqa: BLE001 - the engine keeps serving; vLLM recomputes
+                logger.warning("expert_arena.vllm_kv: request %s: loading its KV failed (%s: "
+                               "%s); recomputing %d blocks", load.req_id, type(e).__name__,
+                               _SHOWN.repr(str(e)), len(load.block_ids))
+                _count(load_error_blocks=len(load.block_ids))
+                ok = False
+            with self._lock:
+                self._recv_done.add(load.req_id)
+                if not ok:
+                    self._recv_failed.add(load.req_id)
+
+    def _load(self, load: _Load) -> bool:
         source = load.entries[self._rank] if self._rank < len(load.entries) else None
         # A remote entry (checked by the scheduler) has no file here: no claim, nothing to
         # remove; the producer frees each block when its readers released it, or expires it.
@@ -740,7 +805,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
                            load.req_id, e, len(load.block_ids))
             self._failed(load, path)
-            return
+            return False
         names = list(plan)
         try:
             views = self._consumer.open_many([plan[n][0] for n in names])
@@ -749,7 +814,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                            "opened (%s); recomputing %d blocks", load.req_id, e,
                            len(load.block_ids))
             self._failed(load, path)
-            return
+            return False
         if path and turn == entry["readers"] - 1:
             # Its last reader: the blocks go back to the producer as each layer is copied.
             _remove_entry(path)
@@ -762,6 +827,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 nbytes += src.numel() * src.element_size()
                 del src  # the share goes back when the view's last tensor does
         _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
+        return True
 
     def _load_plan(self, entry, load: _Load) -> dict:
         """{layer: (descriptor bytes,)} after checking every layer against this engine's KV
@@ -797,8 +863,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         return plan
 
     def _failed(self, load: _Load, path) -> None:
-        with self._lock:
-            self._load_errors.update(load.block_ids)
+        if not self._async:
+            # A synchronous load failed in the step that computes the request: vLLM recomputes
+            # these blocks. An asynchronous one is reported failed as a whole (_load_loop).
+            with self._lock:
+                self._load_errors.update(load.block_ids)
         _count(load_error_blocks=len(load.block_ids))
         if path:
             _remove_entry(path)
@@ -925,8 +994,19 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if entry is not None and not any(os.path.exists(s) for s in segments):
                 _remove_entry(path)
 
+    def get_transfer_results(self, finished_req_ids):
+        """The asynchronous loads that ended since the last call, and those of them that
+        failed (in finished_recving too, as vLLM expects), taken together."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+        with self._lock:
+            done, self._recv_done = self._recv_done, set()
+            failed, self._recv_failed = self._recv_failed, set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_finished(self, finished_req_ids):
-        return None, None
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set:
         with self._lock:
@@ -943,6 +1023,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if self._role == KVConnectorRole.SCHEDULER or self._closed:
             return
         self._closed = True
+        if self._loader is not None:
+            # The loads queued before exit end first: the consumer closes after them.
+            self._loads.put(None)
+            self._loader.join(timeout=60)
         if self._producer is not None:
             with self._lock:
                 published, self._published = self._published, {}
@@ -951,3 +1035,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._producer.close()
         if self._consumer is not None:
             self._consumer.close()
+        # An engine that ends before its process (vLLM's LLM made again in one process) lets go
+        # of its KV cache tensors: nothing here refers to them any more.
+        self._caches = {}
+        atexit.unregister(self.shutdown)

@@ -152,9 +152,10 @@ def _segments(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("ea-stream-"))
 
 
-def test_decode_engine_loads_what_the_prefill_engine_computed(model, dirs, hosts):
+@pytest.mark.parametrize("load", ["async", "sync"])
+def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs, hosts):
     stream, spill = dirs
-    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8, load=load)
     every = PROMPTS + LATE_PROMPTS
     # The prefill engine is killed below: a process of its own.
     prefill = _start(role="kv_producer", prompts=every, hold=True, **common)
@@ -326,6 +327,31 @@ def test_aborted_requests_leave_no_block_and_no_file(model, dirs, hosts):
         # Alive, the engine holds no block of them, and no entry names one.
         assert result["pending"] == [], result["pending"]
         assert _entries(stream) == []
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_requests_aborted_while_their_kv_loads_leave_the_engine_right(model, dirs, hosts):
+    """A decode engine that aborts requests before, while and after their KV loads (on the
+    connector's thread: vLLM keeps their blocks until the load is reported) goes on with
+    plain vLLM's tokens for the prompts after them, loaded into blocks the aborted ones had."""
+    stream, spill = dirs
+    rng = random.Random(11)
+    aborted = [[rng.randrange(3, 512) for _ in range(rng.randrange(70, 200))]
+               for _ in range(12)]
+    after = [[rng.randrange(3, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
+    reference, _ = _run(hosts[1], role="plain", prompts=after, **common)
+    with _holding(hosts[0], role="kv_producer", prompts=aborted + after, **common) as produced:
+        assert produced["counters"]["saved_requests"] == len(aborted + after)
+        decoded, log = _run(hosts[1], role="kv_consumer", prompts=aborted,
+                            abort_at=[i % 3 for i in range(len(aborted))], then=after,
+                            **common)
+        then = decoded["then"]
+        assert then["tokens"] == reference["tokens"], log[-6000:]
+        assert then["cached"] == [_loadable(p) for p in after], then
+        counters = decoded["counters"]
+        assert counters["loaded_requests"] >= len(after), counters
+        assert counters["load_error_blocks"] == 0, counters
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 

@@ -9,11 +9,13 @@ one after another, each request a line of stdin (engine_procs.serve, EngineHost)
                                "readers": 1,
                                "abort_at": null | [steps per prompt], "kill_in_save": null | N,
                                "listen": ADDR, "listen_token": T, "remote_token": T,
-                               "remote_producers": [ADDR], "transfer_params": [{...}|null]}'
+                               "remote_producers": [ADDR], "transfer_params": [{...}|null],
+                               "load": "async"|"sync", "then": [[ids]...]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
 prompt i after abort_at[i] engine steps, then runs one short prompt to the end (the step that
-tells the connector's worker about the aborts); "kill_in_save" runs the prompts one after another
+tells the connector's worker about the aborts), then greedy-decodes the prompts of "then" (their
+tokens and cached counts under "then"); "kill_in_save" runs the prompts one after another
 and SIGKILLs the engine at the connector's N-th save_kv_layer call that has blocks to save (the
 layers before it written, its own and the ones after it not)."""
 
@@ -23,8 +25,9 @@ import signal
 import sys
 
 
-# The connector's options for prefill and decode engines on two hosts, passed on as given.
-_ACROSS_HOSTS = ("listen", "listen_token", "remote_token", "remote_producers")
+# The connector's options for prefill and decode engines on two hosts, and how the decode
+# engine loads, passed on as given.
+_ACROSS_HOSTS = ("listen", "listen_token", "remote_token", "remote_producers", "load")
 
 
 def _engine(args):
@@ -120,6 +123,8 @@ def run(args):
     llm = _engine(args)
     if args.get("abort_at") is not None:
         result = _abort_run(llm, args["prompts"], args["abort_at"], args["max_tokens"])
+        if args.get("then"):
+            result["then"] = _generate(llm, args["then"], args["max_tokens"])
     elif args.get("kill_in_save") is not None:
         _kill_in_save(_connector(), args["kill_in_save"])
         for prompt in args["prompts"]:  # each its own steps: the kill falls in one prompt's
