@@ -658,6 +658,12 @@ def test_the_connector_options_are_checked(tmp_path):
                              "listen": "127.0.0.1:0", "remote_producers": "10.0.0.1:5000"})
     assert (both.listen_token, both.remote_token) == ("s3cret", "s3cret")
     assert both.remote_producers == {"10.0.0.1:5000"}
+    # How the decode engine loads: asynchronously unless told otherwise; nothing else.
+    assert vllm_kv._Options({"directory": d}).load == "async"
+    assert vllm_kv._Options({"directory": d, "load": "sync"}).load == "sync"
+    for bad in ("later", 1, None):
+        with pytest.raises(ValueError, match='load .* must be "async" or "sync"'):
+            vllm_kv._Options({"directory": d, "load": bad})
 
 
 def test_a_connector_cleans_only_the_files_of_its_own_name(tmp_path):
