@@ -59,6 +59,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import reprlib
 import threading
@@ -758,7 +759,6 @@ class ExpertArenaConnector(KVConnectorBase_V1):
     def _submit(self, load: _Load) -> None:
         with self._lock:
             if self._loader is None:
-                import queue
                 self._loads = queue.SimpleQueue()
                 self._loader = threading.Thread(target=self._load_loop, daemon=True,
                                                 name="expert_arena-kv-load")
@@ -780,7 +780,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 logger.warning("expert_arena.vllm_kv: request %s: loading its KV failed (%s: "
                                "%s); recomputing %d blocks", load.req_id, type(e).__name__,
                                _SHOWN.repr(str(e)), len(load.block_ids))
-                _count(load_error_blocks=len(load.block_ids))
+                self._failed(load, None)
                 ok = False
             with self._lock:
                 self._recv_done.add(load.req_id)

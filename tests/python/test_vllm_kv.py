@@ -403,7 +403,12 @@ def two_namespaces():
         if IN_CI:
             pytest.fail("the network namespace test needs root and iproute2 in CI")
         pytest.skip("needs root and iproute2 (ip netns)")
-    tag = "eakv%d" % (os.getpid() % 100000)
+    # Namespaces of a run that was killed before its teardown (its pid gone) go first.
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for stale in re.findall(r"^(eakv(\d+)[ab])\b", listed, re.M):
+        if not os.path.exists("/proc/%s" % stale[1]):
+            subprocess.run(["ip", "netns", "del", stale[0]], capture_output=True)
+    tag = "eakv%d" % os.getpid()  # "eakv" + at most 7 digits + "x": within IFNAMSIZ
     names = [tag + "a", tag + "b"]
     script = ["ip netns add %s" % n for n in names]
     script.append("ip link add %sx netns %s type veth peer name %sy netns %s"

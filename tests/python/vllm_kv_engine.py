@@ -27,7 +27,7 @@ import sys
 
 # The connector's options for prefill and decode engines on two hosts, and how the decode
 # engine loads, passed on as given.
-_ACROSS_HOSTS = ("listen", "listen_token", "remote_token", "remote_producers", "load")
+_PASSED_ON = ("listen", "listen_token", "remote_token", "remote_producers", "load")
 
 
 def _engine(args):
@@ -45,7 +45,7 @@ def _engine(args):
                                           "name": "pytest",
                                           "ttl_seconds": args.get("ttl_seconds", 600),
                                           "readers": args.get("readers", 1),
-                                          **{k: args[k] for k in _ACROSS_HOSTS if k in args}},
+                                          **{k: args[k] for k in _PASSED_ON if k in args}},
         }
     return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
                max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
