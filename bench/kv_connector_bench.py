@@ -14,6 +14,11 @@ other blocks of the decode engine's cache:
                gathers into it (index_select out=), publishes it; a consumer in another
                process opens it zero-copy, scatters it into its cache (scatter_blocks, the
                connector's own) and releases it (the consumer's time is measured there);
+  cache        what the connector does with transfer "cache": the prefill engine's cache
+               tensors live in a shared file (_SharedCache, as vLLM's are moved there), nothing
+               is copied on that side; a consumer in another process copies the blocks straight
+               from the file into its cache (copy_cache_blocks: os.preadv per run of blocks;
+               the consumer's time, opening the file included);
   example      ExampleConnector's I/O: the gathered layer saved with safetensors' save_file,
                read back with load_file and scattered, per layer, in a directory (default
                /tmp, the connector's default);
@@ -44,7 +49,7 @@ import time
 import torch
 
 import expert_arena
-from expert_arena.vllm_kv import scatter_blocks
+from expert_arena.vllm_kv import _Options, _SharedCache, copy_cache_blocks, scatter_blocks
 
 
 def _cache(args, num_blocks):
@@ -71,6 +76,45 @@ def _consume(conn, directory, args, num_blocks):
                 del src
         conn.send(time.perf_counter() - start)
     consumer.close()
+
+
+def _cache_reader(conn, args, num_blocks):
+    """The decode engine's side of transfer "cache", in its own process: open the prefill
+    engine's cache file, copy the blocks into its own cache."""
+    torch.set_num_threads(args.threads)
+    caches = _cache(args, num_blocks)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        path, layers, src, dst = msg
+        start = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        for cache, desc in zip(caches, layers):
+            copy_cache_blocks(fd, desc, src, cache, 0, dst)
+        os.close(fd)
+        conn.send(time.perf_counter() - start)
+
+
+def _shared_cache(args, directory, src_caches, src_ids, dst_ids, num_blocks):
+    """Median seconds of the consumer's copy out of a shared cache holding src_caches."""
+    caches = {"layer-%d" % i: (c.clone(), 0) for i, c in enumerate(src_caches)}
+    shared = _SharedCache(_Options({"directory": directory, "name": "kvbench"}), caches)
+    parent, child = multiprocessing.Pipe()
+    reader = multiprocessing.get_context("spawn").Process(target=_cache_reader,
+                                                          args=(child, args, num_blocks))
+    reader.start()
+    times = []
+    try:
+        layers = [shared.layers["layer-%d" % i] for i in range(len(src_caches))]
+        for _ in range(args.repeat):
+            parent.send((shared.path, layers, src_ids, dst_ids))
+            times.append(parent.recv())
+    finally:
+        parent.send(None)
+        reader.join()
+        shared.close()
+    return statistics.median(times)
 
 
 def _nixl_api(path):
@@ -219,6 +263,9 @@ def run(args, tokens, directory, example_dir):
     results["stream put"] = statistics.median(put_times)
     results["stream load"] = statistics.median(open_times)
 
+    results["cache"] = _shared_cache(args, directory, src_caches, src_ids.tolist(), dst_list,
+                                     num_blocks)
+
     from safetensors.torch import load_file, save_file
 
     def example():
@@ -261,17 +308,18 @@ def main():
         shutil.rmtree(example_dir, ignore_errors=True)
     nixl = bool(args.nixl)
     print("| tokens | KV bytes | memcpy | private gather+scatter | stream (put + load) | "
-          "stream / memcpy | example (safetensors) |" + (" nixl READ | stream / nixl |" if nixl
-                                                        else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if nixl else ""))
+          "stream / memcpy | cache (load) | cache / memcpy | example (safetensors) |"
+          + (" nixl READ | stream / nixl | cache / nixl |" if nixl else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if nixl else ""))
     for tokens, nbytes, r in rows:
         def cell(name):
             return "%.1f ms (%.1f GiB/s)" % (r[name] * 1e3, nbytes / r[name] / 2**30)
-        print("| %d | %.0f MiB | %s | %s | %s (%.1f + %.1f ms) | %.2fx | %s |" % (
+        print("| %d | %.0f MiB | %s | %s | %s (%.1f + %.1f ms) | %.2fx | %s | %.2fx | %s |" % (
             tokens, nbytes / 2**20, cell("memcpy"), cell("private"), cell("stream"),
             r["stream put"] * 1e3, r["stream load"] * 1e3, r["memcpy"] / r["stream"],
-            cell("example")) + (" %s | %.2fx |" % (cell("nixl"), r["nixl"] / r["stream"])
-                                if nixl else ""))
+            cell("cache"), r["memcpy"] / r["cache"], cell("example"))
+            + (" %s | %.2fx | %.2fx |" % (cell("nixl"), r["nixl"] / r["stream"],
+                                          r["nixl"] / r["cache"]) if nixl else ""))
     print("\n    " + " ".join([os.path.basename(sys.executable)] + sys.argv))
     if args.nixl:
         sys.stdout.flush()

@@ -36,6 +36,18 @@ segments; a killed producer's segments (and an entry it was writing, under a tem
 are swept by the next producer or consumer to start, and its entries are removed by the
 consumer that fails to load them or by the next producer.
 
+With transfer "cache", the prefill engine's KV cache tensors themselves live in a file of
+`directory` (ea-kvcache-NAME-PID-..., moved there when vLLM registers them: same shapes and
+strides, the private memory freed first) and an entry names the prompt's blocks in it: vLLM
+wrote them there, nothing is copied on the prefill side, and the decode engine copies each run
+of blocks straight from the file into its cache (os.preadv: one copy; a file truncated under it
+is a short read, never a SIGBUS). The prefill engine keeps those blocks (vLLM's delayed free,
+as with its NIXL connector) until the entry is read by its last reader, withdrawn (an abort) or
+expired, and no decode engine holds the entry's shared lock (flock) that it copies under; a
+prefix that several prompts share is then one copy in that cache, read by every decode engine
+of the host. A KV cache that does not fit the directory (or is on a device) stays private and
+the prompts go through the segments.
+
 Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
 segments through the stream's front door, and each finished request's kv_transfer_params carry
 its entries; a decode engine given them with the request (by a proxy, as vLLM's NIXL connector
@@ -46,22 +58,26 @@ Options (kv_connector_extra_config): directory (segments and index, default /dev
 spill_directory (default /var/tmp), name (logical name shared by the engines that exchange KV,
 default "kv"), segment_bytes (default 64 MiB), max_segments (default 16), ttl_seconds
 (default 600), readers (default 1), listen, listen_token, remote_token, token_file,
-remote_producers (_OPTIONS).
+remote_producers, load, transfer (_OPTIONS).
 """
 
 from __future__ import annotations
 
 import array
 import atexit
+import ctypes
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import re
 import reprlib
+import secrets
 import threading
 import time
 from typing import Any
@@ -101,6 +117,12 @@ _OPTIONS = {
     "remote_producers": "the ADDR:PORT list of prefill engines a decode engine fetches from "
                         "across hosts (default: none; kv_transfer_params naming any other "
                         "address are refused)",
+    "transfer": "\"cache\": the prefill engine's KV cache is a file in `directory` that a "
+                "decode engine on this host copies a prompt's blocks from (one copy; the "
+                "prefill engine keeps those blocks until every reader has copied them, or they "
+                "expire); \"segments\" (default): the prefill engine copies each prompt's "
+                "blocks into its stream segments as it saves them (two copies; its blocks "
+                "free at once; spills at the cap; what listen serves)",
     "load": "\"async\" (default): the decode engine copies a prompt's KV on a thread of its "
             "own while its other requests run (the request waits for it, as with vLLM's NIXL "
             "connector); \"sync\": at the start of the step that computes the request, "
@@ -185,6 +207,13 @@ class _Options:
         if self.load not in ("async", "sync"):
             raise ValueError("expert_arena.vllm_kv: load %r must be \"async\" or \"sync\""
                              % (self.load,))
+        self.transfer = extra.get("transfer", "segments")
+        if self.transfer not in ("cache", "segments"):
+            raise ValueError("expert_arena.vllm_kv: transfer %r must be \"cache\" or "
+                             "\"segments\"" % (self.transfer,))
+        if self.transfer == "cache" and self.listen is not None:
+            raise ValueError("expert_arena.vllm_kv: listen serves the stream's segments to "
+                             "other hosts: it needs transfer \"segments\"")
         if self.remote_producers and not self.remote_token:
             raise ValueError("expert_arena.vllm_kv: remote_producers needs remote_token or "
                              "token_file")
@@ -263,9 +292,13 @@ def _read_entry(path: str):
     except FileNotFoundError:
         return None
     try:
-        data = os.read(fd, _ENTRY_LIMIT + 1)
+        return _parsed_entry(fd, path)
     finally:
         os.close(fd)
+
+
+def _parsed_entry(fd: int, path: str):
+    data = os.pread(fd, _ENTRY_LIMIT + 1, 0)
     if len(data) > _ENTRY_LIMIT:
         raise ValueError("index entry %s is larger than %d bytes" % (path, _ENTRY_LIMIT))
     try:
@@ -281,9 +314,18 @@ def _checked_entry(entry, where: str) -> dict:
     if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION:
         raise ValueError("%s is not a version %d entry" % (where, ENTRY_VERSION))
     tokens, layers, identity = entry.get("tokens"), entry.get("layers"), entry.get("identity")
+    # A stream entry's layers are descriptors (hex); a shared cache entry's (transfer "cache")
+    # describe the layers of the file it names, whose blocks it lists.
+    cache = entry.get("cache")
+    if cache is not None and (not isinstance(cache, dict)
+                              or not isinstance(cache.get("file"), str)
+                              or not isinstance(cache.get("blocks"), list)
+                              or not all(type(b) is int for b in cache["blocks"])):
+        raise ValueError("%s: its cache is not a file and blocks" % where)
+    kind = dict if cache is not None else str
     if type(tokens) is not int or tokens <= 0 or not isinstance(layers, dict) or not layers \
             or not isinstance(identity, dict) \
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in layers.items()):
+            or not all(isinstance(k, str) and isinstance(v, kind) for k, v in layers.items()):
         raise ValueError("%s lacks tokens, layers or identity" % where)
     readers = entry.setdefault("readers", 1)
     if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
@@ -336,22 +378,29 @@ def _claim(path: str, readers: int):
 _TEMPORARY = ".json.tmp-"  # an entry being written: <entry>.tmp-<pid>-<thread>
 
 
-def _write_entry(path: str, entry: dict) -> None:
+def _write_entry(path: str, entry: dict, keep: bool = False):
     """Written whole under a temporary name, then renamed: a reader sees all of it or none.
     The temporary file is locked (flock: its open file's) until it has its name, so that a
     writer killed before the rename leaves a file the next engine knows for abandoned
-    (_remove_abandoned_temporaries)."""
+    (_remove_abandoned_temporaries). With `keep`, returns the entry's open file, unlocked (a
+    shared cache's entry: _CacheSend)."""
     tmp = "%s.tmp-%d-%d" % (path, os.getpid(), threading.get_ident())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, json.dumps(entry, separators=(",", ":")).encode())
         os.rename(tmp, path)
+        if keep:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            kept, fd = fd, None
+            return kept
     except BaseException:
         _unlink(tmp)
         raise
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+    return None
 
 
 def _remove_abandoned_temporaries(directory: str, owns) -> None:
@@ -381,6 +430,271 @@ def _remove_abandoned_temporaries(directory: str, owns) -> None:
             _unlink(path)
 
 
+# ---------------------------------------------------------------- the shared KV cache (transfer "cache")
+
+# A prefill engine's KV cache as a file in the connector's directory:
+# ea-kvcache-<name>-<pid>-<8 hex>. Its engine holds a shared flock on it while it lives: a file
+# nobody holds is a killed engine's, removed by the next connector of the name to start.
+_CACHE_FILE = re.compile(r"^ea-kvcache-([A-Za-z0-9_.-]{1,32})-[0-9]{1,10}-[0-9a-f]{8}$")
+_CACHE_ALIGN = 2 << 20  # each storage of the cache starts on a 2 MiB boundary of the file
+_LOCK_TRIES = 100  # times 1 ms: how long a decode engine waits for an entry's shared lock
+
+
+def _owned_cache_file(name: str, connector_name: str) -> bool:
+    match = _CACHE_FILE.match(name)
+    return match is not None and match.group(1) == connector_name
+
+
+def _sweep_cache_files(directory: str, connector_name: str) -> None:
+    """Removes the shared KV cache files of this connector name that no engine holds (their
+    engine was killed). A decode engine copying from one keeps its open file."""
+    for name in os.listdir(directory):
+        if not _owned_cache_file(name, connector_name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            abandoned = os.fstat(fd).st_ino == os.lstat(path).st_ino
+        except (BlockingIOError, FileNotFoundError):
+            abandoned = False
+        finally:
+            os.close(fd)
+        if abandoned:
+            logger.warning("expert_arena.vllm_kv: removing %s: the prefill engine whose KV "
+                           "cache it was is gone", path)
+            _unlink(path)
+
+
+def _pieces(shape, stride, dim: int, elsize: int):
+    """(count, bytes, steps) of one block of a cache tensor along `dim`: the block is `count`
+    runs of `bytes` contiguous bytes, the k-th at the block's start plus the dot product of
+    k's index over the dimensions before `dim` with `steps` (byte strides), or None when the
+    dimensions after `dim` are not contiguous."""
+    run = elsize
+    for n, s in zip(reversed(shape[dim + 1:]), reversed(stride[dim + 1:])):
+        if n != 1 and s * elsize != run:
+            return None
+        run *= n
+    lead = list(shape[:dim])
+    count = 1
+    for n in lead:
+        count *= n
+    return count, run, [s * elsize for s in stride[:dim]]
+
+
+def _piece_offsets(lead_shape, steps):
+    """Byte offsets of the runs of one block (row-major over the dimensions before the block
+    dimension)."""
+    offsets = [0]
+    for n, step in zip(lead_shape, steps):
+        offsets = [o + i * step for o in offsets for i in range(n)]
+    return offsets
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FIXED = 0x10
+_MADV_DONTNEED = 4
+
+
+class _SharedCache:
+    """The prefill engine's KV cache moved into one shared file (transfer "cache"): vLLM
+    writes each layer's KV there itself, and a decode engine on this host copies a prompt's
+    blocks straight out of it (os.preadv into its own cache: one copy, and no mapping of
+    another process's memory that a truncation could turn into SIGBUS).
+
+    The move is of the memory, not of the tensors: the whole pages of each storage vLLM
+    allocated (one buffer for every layer in vLLM 0.32) are mapped again, at the same
+    addresses, onto the file (mmap MAP_FIXED | MAP_SHARED), so every tensor over them, whoever
+    made it (MLA's and Mamba's layers bind views of their own), keeps its pointer and now
+    writes into the file. Their bytes are vLLM's zeros (nothing ran on the cache yet), as the
+    file's are. The storage's first and last pages, which it shares with the allocator's
+    header or another allocation, stay private; sync_edges writes its bytes there into the
+    file before each entry is published. The private pages are given back before the file's
+    are allocated, so the cache is never held twice."""
+
+    def __init__(self, options, caches: dict):
+        self.path = None
+        self.layers = {}  # name -> {"offset", "shape", "stride", "dim", "dtype"}
+        page = mmap.PAGESIZE
+        spans = {}  # storage data pointer -> its end
+        for name, (tensor, dim) in caches.items():
+            if tensor.device.type != "cpu":
+                raise ValueError("layer %s's KV cache is on %s: a shared KV cache file is "
+                                 "host memory" % (name, tensor.device))
+            if _pieces(list(tensor.shape), list(tensor.stride()), dim,
+                       tensor.element_size()) is None:
+                raise ValueError("layer %s's KV cache (shape %s, strides %s) is not contiguous "
+                                 "within a block" % (name, list(tensor.shape),
+                                                     list(tensor.stride())))
+            storage = tensor.untyped_storage()
+            spans[storage.data_ptr()] = storage.data_ptr() + storage.nbytes()
+        # Each storage's pages [lo, hi) at a file offset with the address's place in a 2 MiB
+        # page (huge pages can back both). Only its whole pages are mapped onto the file: a
+        # first or last page it shares (with the allocator's header, another allocation) stays
+        # private, and those of its bytes are written into the file before each entry that
+        # could name them (sync_edges).
+        self._storages = []  # (start, end, file offset of lo, lo)
+        total = 0
+        for start, end in sorted(spans.items()):
+            lo = start // page * page
+            offset = -(-total // _CACHE_ALIGN) * _CACHE_ALIGN + lo % _CACHE_ALIGN
+            self._storages.append((start, end, offset, lo))
+            total = offset + -(-end // page) * page - lo
+        total = -(-total // _CACHE_ALIGN) * _CACHE_ALIGN
+        for name, (tensor, dim) in caches.items():
+            start, _, offset, lo = next(x for x in self._storages
+                                        if x[0] == tensor.untyped_storage().data_ptr())
+            self.layers[name] = {
+                "offset": offset + tensor.data_ptr() - lo,
+                "shape": list(tensor.shape), "stride": list(tensor.stride()), "dim": dim,
+                "dtype": expert_arena._stream_name(tensor.dtype)}
+        free = os.statvfs(options.directory)
+        if free.f_bavail * free.f_frsize < total:
+            raise OSError(errno.ENOSPC, "%s has %d MiB free, the KV cache takes %d MiB" % (
+                options.directory, free.f_bavail * free.f_frsize >> 20, total >> 20))
+        name = "ea-kvcache-%s-%d-%s" % (options.name, os.getpid(), secrets.token_hex(4))
+        path = os.path.join(options.directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # alive; released by the kernel at a kill
+            os.ftruncate(fd, total)
+            # The whole pages go back to the kernel first (zeros stay zeros), then the file's
+            # pages are allocated: a full file system is an error here, with nothing moved
+            # yet, never a SIGBUS at a later touch.
+            whole = [(-(-start // page) * page, end // page * page, offset, lo)
+                     for start, end, offset, lo in self._storages]
+            for first, last, _, _ in whole:
+                if last > first:
+                    _LIBC.madvise(first, last - first, _MADV_DONTNEED)
+            os.posix_fallocate(fd, 0, total)
+            for first, last, offset, lo in whole:
+                if last <= first:
+                    continue
+                got = _LIBC.mmap(first, last - first, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 mmap.MAP_SHARED | _MAP_FIXED, fd, offset + first - lo)
+                if got != first:
+                    err = ctypes.get_errno()
+                    raise OSError(err, "mapping the KV cache onto %s: %s" % (
+                        path, os.strerror(err)))
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        self.path, self._fd, self.total = path, fd, total
+
+    def sync_edges(self) -> None:
+        """The bytes of each storage in its first and last pages (kept private) written into
+        the file: what vLLM wrote there is in the file for the entries published after."""
+        page = mmap.PAGESIZE
+        for start, end, offset, lo in self._storages:
+            first, last = -(-start // page) * page, end // page * page
+            edges = [(start, end)] if last <= first else [(start, first), (last, end)]
+            for at, stop in edges:
+                if stop > at:
+                    os.pwrite(self._fd, ctypes.string_at(at, stop - at), offset + at - lo)
+
+    def close(self) -> None:
+        """Removes the file (the engine's tensors keep their mapping until they go)."""
+        if self.path is not None:
+            _unlink(self.path)
+            os.close(self._fd)
+            self.path = None
+
+
+def _check_cache_layer(name, desc, file_size: int, elsize: int) -> None:
+    """Raises ValueError unless `desc` (an entry's description of one layer of a shared KV
+    cache file) has the form of one and lies inside the file's `file_size` bytes."""
+    if not isinstance(desc, dict):
+        raise ValueError("layer %s of the cache is not described" % _SHOWN.repr(name))
+    offset, shape, stride, dim = (desc.get(k) for k in ("offset", "shape", "stride", "dim"))
+    ints = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)  # noqa: E731
+    if type(offset) is not int or offset < 0 or not ints(shape) or not ints(stride) \
+            or len(shape) != len(stride) or not shape or type(dim) is not int \
+            or not 0 <= dim < len(shape):
+        raise ValueError("layer %s of the cache: offset, shape, stride or dim is not one"
+                         % _SHOWN.repr(name))
+    last = sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else -1
+    if offset + (last + 1) * elsize > file_size:
+        raise ValueError("layer %s of the cache ends past the %d bytes of the cache file"
+                         % (_SHOWN.repr(name), file_size))
+    if _pieces(shape, stride, dim, elsize) is None:
+        raise ValueError("layer %s of the cache is not contiguous within a block"
+                         % _SHOWN.repr(name))
+
+
+def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_blocks) -> int:
+    """Copies blocks src_blocks[i] of one layer of a shared KV cache file (open at `fd`,
+    described by `desc`, checked by _check_cache_layer) into `cache`'s blocks dst_blocks[i]
+    along `dim`, with os.preadv: straight into a host cache, through a host tensor into a
+    device's. Returns the bytes copied; a file shorter than the entry says is a ValueError."""
+    elsize = cache.element_size()
+    if cache.device.type == "cpu":
+        target = cache
+        dst_ids = list(dst_blocks)
+    else:
+        shape = list(cache.shape)
+        shape[dim] = len(dst_blocks)
+        target = torch.empty(shape, dtype=cache.dtype)
+        dst_ids = list(range(len(dst_blocks)))
+    src_count, run, src_steps = _pieces(desc["shape"], desc["stride"], desc["dim"], elsize)
+    dst = _pieces(list(target.shape), list(target.stride()), dim, elsize)
+    if dst is None or dst[:2] != (src_count, run):
+        raise ValueError("the producer's blocks are %d runs of %d bytes, this engine's are not"
+                         % (src_count, run))
+    src_runs = _piece_offsets(desc["shape"][:desc["dim"]], src_steps)
+    dst_runs = _piece_offsets(list(target.shape[:dim]), dst[2])
+    src_block = desc["stride"][desc["dim"]] * elsize
+    dst_block = target.stride(dim) * elsize
+    base = target.data_ptr()
+    # (file offset, address, bytes) of every run, adjacent ones merged.
+    runs = []
+    for s, d in zip(src_blocks, dst_ids):
+        if not 0 <= s < desc["shape"][desc["dim"]]:
+            raise ValueError("block %d is not one of the producer's %d" % (
+                s, desc["shape"][desc["dim"]]))
+        for so, do in zip(src_runs, dst_runs):
+            off = desc["offset"] + s * src_block + so
+            addr = base + d * dst_block + do
+            if runs and runs[-1][0] + runs[-1][2] == off and runs[-1][1] + runs[-1][2] == addr:
+                runs[-1][2] += run
+            else:
+                runs.append([off, addr, run])
+    total = 0
+    i = 0
+    while i < len(runs):
+        # One preadv per stretch of the file: the runs it fills may lie apart in the cache.
+        j = i + 1
+        while j < len(runs) and j - i < 1024 and runs[j][0] == runs[j - 1][0] + runs[j - 1][2]:
+            j += 1
+        buffers = [(ctypes.c_char * n).from_address(a) for _, a, n in runs[i:j]]
+        want = sum(n for _, _, n in runs[i:j])
+        got = os.preadv(fd, buffers, runs[i][0])
+        if got < want:  # a signal, or a file shorter than the entry: the rest run by run
+            for off, a, n in runs[i:j]:
+                done = min(got, n)
+                got -= done
+                while done < n:
+                    k = os.preadv(fd, [(ctypes.c_char * (n - done)).from_address(a + done)],
+                                  off + done)
+                    if k <= 0:
+                        raise ValueError("the cache file is shorter than the entry says")
+                    done += k
+        total += want
+        i = j
+    if target is not cache:
+        scatter_blocks(cache, dim, list(dst_blocks), target.to(cache.device))
+    return total
+
+
 @dataclasses.dataclass
 class _Save:
     req_id: str
@@ -397,6 +711,20 @@ class _Load:
     # One per tensor-parallel rank: an index entry's path, or the entry itself when it came
     # with the request (kv_transfer_params of a prefill engine on another host).
     entries: list
+
+
+@dataclasses.dataclass
+class _CacheSend:
+    """A request whose blocks a decode engine copies from this engine's shared KV cache
+    (transfer "cache"): vLLM keeps them until finished_sending names it. Its entry's open file
+    (None: not published, or let go) is what decode engines lock (flock, shared) while they
+    copy: the blocks are let go once the entry is read by its last reader (unlinked by it),
+    withdrawn or expired (unlinked here), and an exclusive lock shows nobody copies."""
+    fd: Any
+    path: str
+    time: float
+    withdrawn: bool = False
+    finished: bool = False  # vLLM finished the request (its blocks wait for this engine)
 
 
 @dataclasses.dataclass
@@ -455,6 +783,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._load_failed: set = set()   # req ids whose asynchronous load failed
             self._saving: dict = {}          # req id -> [request, block ids]
             self._saved: dict = {}           # req id -> its entry's digest (None: no block)
+            self._cache_saved: set = set()   # req ids of saves (transfer "cache")
             self._aborted: list = []
             self._refused: set = set()       # entries already refused (one warning each)
         else:
@@ -465,6 +794,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._consumer = None
             self._pending: dict = {}         # req id -> {"save": _Save, "layers": {name: desc}}
             self._published: dict = {}       # req id -> (keys, entry path, time)
+            self._cache = None               # _SharedCache (transfer "cache", a producer)
+            self._sends: dict = {}           # req id -> _CacheSend (transfer "cache")
             self._load_errors: set = set()
             self._loader = None              # the thread of asynchronous loads, once started
             self._loads = None               # its queue of _Load (None: stop)
@@ -484,6 +815,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             try:
                 _remove_abandoned_temporaries(self._options.directory,
                                               self._options.owns)
+                _sweep_cache_files(self._options.directory, self._options.name)
             except OSError as e:
                 logger.warning("expert_arena.vllm_kv: listing %s: %s", self._options.directory, e)
             if self._saves_kv:
@@ -550,6 +882,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if not isinstance(entries, list) or len(entries) != self._tp_size:
                 raise ValueError("not one entry per tensor-parallel rank (%d)" % self._tp_size)
             entries = [_checked_entry(e, "entry %d" % i) for i, e in enumerate(entries)]
+            for i, e in enumerate(entries):
+                if "cache" in e:
+                    raise ValueError("entry %d names a prefill engine's KV cache file: such "
+                                     "entries are read from this host's index, never taken "
+                                     "from a request" % i)
             if not self._options.remote_producers:
                 raise ValueError("they name a prefill engine on another host, and this "
                                  "engine's remote_producers is empty")
@@ -678,6 +1015,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 self._saved[req_id] = digest
                 meta.saves.append(_Save(req_id, block_ids[:full], full * self._block_size,
                                         digest))
+                if self._options.transfer == "cache":
+                    self._cache_saved.add(req_id)
             meta.aborted, self._aborted = self._aborted, []
         return meta
 
@@ -692,6 +1031,13 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 if _aborted_status(request):
                     self._aborted.append(request.request_id)
                     digest = None
+            delayed = request.request_id in self._cache_saved
+            self._cache_saved.discard(request.request_id)
+        if delayed:
+            # A decode engine copies its blocks straight from this engine's KV cache: they
+            # stay this request's until the worker reports them read, withdrawn (an abort),
+            # expired or never published (finished_sending).
+            return True, None
         # The saves ran inside the forward passes that computed the blocks: nothing of this
         # request's is read after it returns, so vLLM may free its blocks now. A listening
         # prefill engine hands the request's entries (their descriptors name its address) to
@@ -737,6 +1083,15 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                            self._layout_problem)
             caches = {}
         self._caches = caches
+        if caches and self._saves_kv and self._options.transfer == "cache":
+            try:
+                self._cache = _SharedCache(self._options, caches)
+            except (OSError, ValueError, RuntimeError, TypeError) as e:
+                logger.warning("expert_arena.vllm_kv: the KV cache cannot be shared (%s): "
+                               "prompts go through the stream's segments", e)
+            else:
+                logger.info("expert_arena.vllm_kv: the KV cache (%d MiB, %d layers) is %s",
+                            self._cache.total >> 20, len(caches), self._cache.path)
 
     def _layer_layout(self, tensor, dim):
         shape = list(tensor.shape)
@@ -796,6 +1151,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             entry = source if isinstance(source, dict) else _read_entry(path) if path else None
             if entry is None:
                 raise ValueError("index entry %s is gone" % path)
+            if "cache" in entry and path:
+                return self._load_cache(load, path)
             plan = self._load_plan(entry, load)
             turn = _claim(path, entry["readers"]) if path else 0
             if turn is None:
@@ -826,6 +1183,86 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 scatter_blocks(cache, dim, load.block_ids, src.to(cache.device))
                 nbytes += src.numel() * src.element_size()
                 del src  # the share goes back when the view's last tensor does
+        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
+        return True
+
+    def _load_cache(self, load: _Load, path: str) -> bool:
+        """_load of an entry naming blocks of a prefill engine's shared KV cache: copied from
+        its file while holding the entry's shared lock (the prefill engine frees the blocks
+        only once it can lock the entry exclusively, after withdrawing it)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None
+        cache_fd = None
+        try:
+            if fd is None:
+                raise ValueError("index entry %s is gone" % path)
+            for _ in range(_LOCK_TRIES):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.001)
+            else:
+                raise ValueError("index entry %s stays locked" % path)
+            if os.fstat(fd).st_nlink == 0:
+                raise ValueError("index entry %s was withdrawn (its request aborted or "
+                                 "expired)" % path)
+            entry = _parsed_entry(fd, path)
+            cache = entry.get("cache")
+            if not cache or not _owned_cache_file(cache["file"], self._options.name):
+                raise ValueError("index entry %s names %s, not a KV cache file of this "
+                                 "connector's name" % (path, _SHOWN.repr(cache and cache["file"])))
+            blocks = cache["blocks"]
+            if len(blocks) < load.first + len(load.block_ids):
+                raise ValueError("index entry %s holds %d blocks, %d are needed" % (
+                    path, len(blocks), load.first + len(load.block_ids)))
+            if self._layout_problem is not None:
+                raise ValueError(self._layout_problem)
+            layers = entry["layers"]
+            if set(layers) != set(self._caches):
+                raise ValueError("the producer's layers (%d) are not this engine's (%d): %s" % (
+                    len(layers), len(self._caches),
+                    _SHOWN.repr(sorted(set(layers) ^ set(self._caches)))))
+            cache_path = os.path.join(self._options.directory, cache["file"])
+            try:
+                cache_fd = os.open(cache_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise ValueError("the producer's KV cache %s is gone" % cache_path) from None
+            size = os.fstat(cache_fd).st_size
+            for name, desc in layers.items():
+                tensor, dim = self._caches[name]
+                mine = self._layer_layout(tensor, dim)
+                dtype = expert_arena._stream_name(tensor.dtype)
+                _check_cache_layer(name, desc, size, tensor.element_size())
+                theirs = list(desc["shape"])
+                del theirs[desc["dim"]]
+                if desc.get("dtype") != dtype or theirs != mine:
+                    raise ValueError("layer %s: the producer's KV is %s %s blocks, this "
+                                     "engine's are %s %s" % (name, _SHOWN.repr(desc.get("dtype")),
+                                                              theirs, dtype, mine))
+            turn = _claim(path, entry["readers"])
+            if turn is None:
+                raise ValueError("index entry %s was read by its %d readers already"
+                                 % (path, entry["readers"]))
+            src = blocks[load.first:load.first + len(load.block_ids)]
+            nbytes = 0
+            for name, desc in layers.items():
+                tensor, dim = self._caches[name]
+                nbytes += copy_cache_blocks(cache_fd, desc, src, tensor, dim, load.block_ids)
+            if turn == entry["readers"] - 1:
+                _remove_entry(path)  # its last reader: the producer lets go of the blocks
+        except (OSError, ValueError) as e:
+            logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
+                           load.req_id, e, len(load.block_ids))
+            self._failed(load, path)
+            return False
+        finally:
+            if cache_fd is not None:
+                os.close(cache_fd)
+            if fd is not None:
+                os.close(fd)  # (the lock with it)
         _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
         return True
 
@@ -877,8 +1314,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        if self._producer is None or not self._has_meta():
-            return
+        if self._producer is None or self._cache is not None or not self._has_meta():
+            return  # (a shared cache: vLLM wrote the layer into it already)
         meta = self._get_connector_metadata()
         layer = self._caches.get(layer_name)
         if layer is None:
@@ -906,6 +1343,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         return self._connector_metadata is not None
 
     def wait_for_save(self):
+        if self._producer is not None and self._options.transfer == "cache" \
+                and self._has_meta():
+            self._publish_cache_saves(self._get_connector_metadata().saves)
         if self._producer is None or not self._pending:
             return
         for req_id, state in list(self._pending.items()):
@@ -942,8 +1382,81 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                          for d in state["layers"].values())
             _count(saved_requests=1, saved_blocks=len(save.block_ids), saved_bytes=nbytes)
 
+    def _publish_cache_saves(self, saves) -> None:
+        """Entries naming each save's blocks in the shared KV cache (transfer "cache"; with
+        the cache private, the saves went through the segments and are only tracked here)."""
+        for save in saves:
+            path = self._options.entry_path(save.digest, self._rank)
+            send = _CacheSend(None, path, time.monotonic())
+            self._sends[save.req_id] = send
+            # A prompt published already (by this engine or another) is not published twice.
+            if self._cache is None or os.path.exists(path):
+                continue
+            self._cache.sync_edges()
+            elsize = {n: t.element_size() for n, (t, _) in self._caches.items()}
+            entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
+                     "identity": self._identity, "tokens": save.tokens, "created": time.time(),
+                     "digest": save.digest, "readers": self._options.readers,
+                     "layers": {n: self._cache.layers[n] for n in self._caches},
+                     "cache": {"file": os.path.basename(self._cache.path),
+                               "blocks": list(save.block_ids)}}
+            try:
+                send.fd = _write_entry(path, entry, keep=True)
+            except OSError as e:
+                logger.warning("expert_arena.vllm_kv: request %s: writing %s: %s", save.req_id,
+                               path, e)
+                continue
+            nbytes = 0
+            for n, layer in self._cache.layers.items():
+                count, run, _ = _pieces(layer["shape"], layer["stride"], layer["dim"], elsize[n])
+                nbytes += count * run * len(save.block_ids)
+            _count(saved_requests=1, saved_blocks=len(save.block_ids), saved_bytes=nbytes)
+
+    def _withdraw(self, send: _CacheSend) -> None:
+        """The entry of `send` away (if it is still the one this engine wrote): no decode
+        engine starts on it now."""
+        send.withdrawn = True
+        try:
+            if os.lstat(send.path).st_ino == os.fstat(send.fd).st_ino:
+                _remove_entry(send.path)
+        except FileNotFoundError:
+            pass
+
+    def _let_go_of_sends(self, finished_req_ids) -> set:
+        """The requests whose blocks vLLM may free now (finished_sending): finished, and their
+        entry never published, or read by its last reader, withdrawn or expired, with no
+        decode engine copying (the entry's exclusive lock)."""
+        now = time.monotonic()
+        done = set()
+        for req_id, send in list(self._sends.items()):
+            if req_id in finished_req_ids:
+                send.finished = True
+            if send.fd is not None:
+                if not send.withdrawn:
+                    if os.fstat(send.fd).st_nlink == 0:
+                        send.withdrawn = True  # its last reader removed it
+                    elif now - send.time > self._options.ttl_seconds:
+                        self._withdraw(send)
+                        _count(expired_requests=1)
+                if not send.withdrawn:
+                    continue
+                try:
+                    fcntl.flock(send.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a decode engine copies its blocks still
+                os.close(send.fd)
+                send.fd = None
+            if send.finished:
+                del self._sends[req_id]
+                done.add(req_id)
+        return done
+
     def _abort(self, req_ids) -> None:
         for req_id in req_ids:
+            send = self._sends.get(req_id)
+            if send is not None and send.fd is not None and not send.withdrawn:
+                self._withdraw(send)
+                _count(aborted_requests=1)
             with self._lock:
                 published = self._published.pop(req_id, None)
             if published is None:
@@ -982,6 +1495,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             try:
                 entry = _read_entry(path)
                 segments = set()
+                if entry is not None and "cache" in entry:
+                    segments.add(os.path.join(self._options.directory,
+                                              os.path.basename(entry["cache"]["file"])))
+                    entry["layers"] = {}
                 for hexed in (entry or {}).get("layers", {}).values():
                     fields = expert_arena.decode_descriptor(bytes.fromhex(hexed))
                     where = self._options.spill_directory if fields.get("spilled") \
@@ -996,28 +1513,55 @@ class ExpertArenaConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids):
         """The asynchronous loads that ended since the last call, and those of them that
-        failed (in finished_recving too, as vLLM expects), taken together."""
+        failed (in finished_recving too, as vLLM expects), taken together; the requests whose
+        blocks in a shared KV cache this engine lets go of (finished_sending)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import \
             KVConnectorTransferResults
         with self._lock:
             done, self._recv_done = self._recv_done, set()
             failed, self._recv_failed = self._recv_failed, set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        sent = self._let_go_of_sends(finished_req_ids or ()) if self._sends else set()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done,
+                                          failed_recving=failed)
 
     def get_finished(self, finished_req_ids):
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving or None
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def _close_cache(self) -> None:
+        """Every entry of the shared KV cache withdrawn, the decode engines copying from it
+        waited for (a few seconds at most: what they copy after is theirs, from the file they
+        hold open), and the file removed."""
+        sends = [s for s in self._sends.values() if s.fd is not None]
+        self._sends = {}
+        deadline = time.monotonic() + 5
+        for send in sends:
+            if not send.withdrawn:
+                self._withdraw(send)
+            while True:
+                try:
+                    fcntl.flock(send.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+            os.close(send.fd)
+        if self._cache is not None:
+            self._cache.close()
+
     def stream_stats(self) -> dict:
-        """The producer's stream stats and pending blocks (worker side)."""
+        """The producer's stream stats and pending blocks (worker side): in a shared KV cache,
+        the requests whose blocks it holds for decode engines ("<req id>/cache")."""
         if self._producer is None or self._producer.closed:
             return {}
-        return {"stats": self._producer.stats(), "pending": self._producer.pending()}
+        held = ["%s/cache" % r for r, s in self._sends.items() if s.fd is not None]
+        return {"stats": self._producer.stats(), "pending": self._producer.pending() + held}
 
     def shutdown(self):
         if self._role == KVConnectorRole.SCHEDULER or self._closed:
@@ -1032,6 +1576,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 published, self._published = self._published, {}
             for keys, path, _ in published.values():
                 _remove_entry(path)
+            self._close_cache()
             self._producer.close()
         if self._consumer is not None:
             self._consumer.close()

@@ -208,6 +208,111 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+def _cache_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("ea-kvcache-"))
+
+
+def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, dirs, hosts):
+    """transfer "cache": the prefill engine's KV cache is a file of the stream directory, and
+    the decode engine copies each prompt's blocks straight out of it (no segment is made). The
+    prefill engine holds the blocks of every published prompt until a decode engine has read
+    them; its tokens and the decode engine's are plain vLLM's. Killed, it leaves its file and
+    the entries of the prompts nobody read: the next engine removes the file, and the
+    entries' blocks are recomputed."""
+    stream, spill = dirs
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
+                  transfer="cache")
+    every = PROMPTS + LATE_PROMPTS
+    saved = [p for p in every if _loadable(p)]
+    prefill = _start(role="kv_producer", prompts=every, hold=True, **common)
+    try:
+        reference, _ = _run(hosts[0], role="plain", prompts=every, **common)
+        produced = _answer(prefill)
+        assert produced["tokens"] == reference["tokens"]
+        assert produced["counters"]["saved_requests"] == len(saved), produced["counters"]
+        assert produced["counters"]["saved_blocks"] == sum(_loadable(p) // BLOCK for p in saved)
+        assert len(_entries(stream)) == len(saved), os.listdir(stream)
+        assert len(_cache_files(stream)) == 1 and _segments(stream) == [], os.listdir(stream)
+        # Every published prompt's blocks are held for a decode engine.
+        assert len(produced["pending"]) == len(saved), produced["pending"]
+
+        decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, **common)
+        assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
+        assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
+        counters = decoded["counters"]
+        assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in PROMPTS)
+        assert counters["loaded_requests"] == len([p for p in PROMPTS if _loadable(p)])
+        assert counters["load_error_blocks"] == 0, counters
+        assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
+    finally:
+        if prefill.poll() is None:
+            os.killpg(prefill.pid, signal.SIGKILL)
+        prefill.wait()
+    assert _cache_files(stream) and _entries(stream)
+
+    late, log = _run(hosts[0], role="kv_consumer", prompts=LATE_PROMPTS, **common)
+    assert late["tokens"] == reference["tokens"][len(PROMPTS):]
+    assert late["counters"]["loaded_blocks"] == 0
+    assert late["counters"]["load_error_blocks"] == \
+        sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
+    assert "the prefill engine whose KV cache it was is gone" in log, log[-6000:]
+    assert re.search(r"KV cache %s/ea-kvcache-\S+ is gone; recomputing" % re.escape(stream),
+                     log), log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_computed(
+        model, dirs, hosts):
+    """Index entries of a shared KV cache that name another file, a layer past the file's
+    end, blocks the cache does not have, another dtype or another layout: the decode engine
+    reads nothing through them, names each, and gives plain vLLM's tokens (computed)."""
+    stream, spill = dirs
+    prompts = PROMPTS[1:] + LATE_PROMPTS
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
+                  prompts=prompts, transfer="cache")
+    from expert_arena import vllm_kv
+
+    def damaged(entry, i):
+        layers = entry["layers"]
+        first = sorted(layers)[0]
+        one = lambda **c: dict(layers, **{first: dict(layers[first], **c)})  # noqa: E731
+        cases = [
+            (dict(entry, cache=dict(entry["cache"], file="../" + entry["cache"]["file"])),
+             "not a KV cache file of this connector's name"),
+            (dict(entry, cache=dict(entry["cache"], file="ea-kvcache-other-1-0123abcd")),
+             "not a KV cache file of this connector's name"),
+            (dict(entry, layers=one(offset=1 << 40)), "ends past the"),
+            (dict(entry, cache=dict(entry["cache"], blocks=[1 << 40] * 8)), "is not one of the "
+             "producer's"),
+            (dict(entry, layers=one(dtype="f16")), "the producer's KV is 'f16'"),
+            (dict(entry, layers=one(shape=[1] + layers[first]["shape"][1:])),
+             "is not one of the producer's 1"),
+        ]
+        return cases[i]
+
+    with _holding(hosts[0], role="kv_producer", **common) as produced:
+        whys = []
+        for i, p in enumerate(prompts):
+            digest = vllm_kv.prompt_digests(p[:_loadable(p)])[-1]
+            path = os.path.join(stream, "ea-kv-pytest-%s-r0.json" % digest)
+            with open(path) as f:
+                entry, why = damaged(json.load(f), i)
+            # Rewritten in place: the prefill engine's open file is this entry still.
+            with open(path, "r+") as f:
+                f.truncate(0)
+                f.write(json.dumps(entry))
+            whys.append(why)
+        decoded, log = _run(hosts[1], role="kv_consumer", **common)
+    assert decoded["tokens"] == produced["tokens"]
+    counters = decoded["counters"]
+    assert counters["loaded_blocks"] == 0, counters
+    assert counters["load_error_blocks"] == sum(_loadable(p) // BLOCK for p in prompts), counters
+    for why in whys:
+        assert why in log, (why, log[-6000:])
+    assert "Traceback" not in log, log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
 def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_behind(
         model, dirs, hosts):
     """The prefill engine is SIGKILLed inside the connector's save path: the first prompt
@@ -252,23 +357,30 @@ def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_be
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
-def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dirs, tmp_path,
-                                                                       hosts):
+@pytest.mark.parametrize("arch,transfer", [("Qwen3ForCausalLM", "segments"),
+                                           ("DeepseekV3ForCausalLM", "segments"),
+                                           ("DeepseekV3ForCausalLM", "cache")])
+def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, transfer, dirs,
+                                                                       tmp_path, hosts):
     """The layouts are taken from the KV caches vLLM registered: a dense model's, and
     DeepSeek-V3's MLA latent cache (one [blocks, block size, 576] tensor per layer instead of
     keys and values, in 16-token blocks). The decode engine gives plain vLLM's tokens with
-    every full block but the last token's loaded."""
+    every full block but the last token's loaded. With a shared KV cache too: MLA's layers
+    bind views of their own (a squeeze of the registered tensor), which write into the file
+    as well."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "python"))
     import vllm_families
     model_dir = vllm_families.tiny_checkpoint(arch, str(tmp_path / arch))
     stream, spill = dirs
     prompts = PROMPTS[1:4]
     common = dict(model=model_dir, directory=stream, spill_directory=spill, max_tokens=8,
-                  prompts=prompts)
+                  prompts=prompts, transfer=transfer)
     # The prefill engine computed every prompt itself: its tokens are plain vLLM's (saving
     # reads the cache only, as the Qwen3-MoE test checks against a plain engine).
     with _holding(hosts[0], role="kv_producer", **common) as produced:
+        if transfer == "cache":  # shared, not fallen back to the segments
+            assert len(_cache_files(stream)) == 1 and _segments(stream) == [], \
+                os.listdir(stream)
         decoded, _ = _run(hosts[1], role="kv_consumer", **common)
     assert decoded["tokens"] == produced["tokens"], (decoded, produced)
     # (vLLM's CPU MLA runs 16-token blocks whatever the engine asked for.)
@@ -280,12 +392,14 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, dir
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs, hosts):
-    """readers=2: one prefill's KV, in the prefill engine's segments once, is loaded by two
-    decode engines started together (each copies it into its own KV cache); the blocks are
-    freed when both have, and the entry goes with the second."""
+@pytest.mark.parametrize("transfer", ["segments", "cache"])
+def test_two_decode_engines_read_one_prefill_without_a_copy_each(transfer, model, dirs, hosts):
+    """readers=2: one prefill's KV, in the prefill engine's segments (or its shared KV cache)
+    once, is loaded by two decode engines started together (each copies it into its own KV
+    cache); the blocks are freed when both have, and the entry goes with the second."""
     stream, spill = dirs
-    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
+                  transfer=transfer)
     prompts = PROMPTS[1:4]
     prefill = _start(role="kv_producer", prompts=prompts, readers=2, hold=True, **common)
     try:
@@ -293,6 +407,8 @@ def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs, ho
         saved_blocks = sum(_loadable(p) // BLOCK for p in prompts)
         assert produced["counters"]["saved_blocks"] == saved_blocks, produced["counters"]
         segments = _segments(stream)
+        if transfer == "cache":  # the blocks are the prefill engine's KV cache's own
+            assert segments == [] and len(_cache_files(stream)) == 1, os.listdir(stream)
         for host in hosts:  # started together
             host.send(dict(role="kv_consumer", prompts=prompts, **common))
         results = [host.result(timeout=300) for host in hosts]
@@ -311,7 +427,10 @@ def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs, ho
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-def test_aborted_requests_leave_no_block_and_no_file(model, dirs, hosts):
+@pytest.mark.parametrize("transfer", ["segments", "cache"])
+def test_aborted_requests_leave_no_block_and_no_file(transfer, model, dirs, hosts):
+    """(With a shared KV cache the prefill engine holds a published prompt's blocks for a
+    decode engine: an abort withdraws its entry and lets go of them at the next step.)"""
     stream, spill = dirs
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(17, 120))]
@@ -320,7 +439,7 @@ def test_aborted_requests_leave_no_block_and_no_file(model, dirs, hosts):
     abort_at = [rng.randrange(0, 5) for _ in prompts]
     with _holding(hosts[0], model=model, role="kv_producer", directory=stream,
                   spill_directory=spill, prompts=prompts, abort_at=abort_at,
-                  max_tokens=64) as result:
+                  max_tokens=64, transfer=transfer) as result:
         counters = result["counters"]
         assert counters["saved_requests"] > 0, counters
         assert counters["aborted_requests"] == counters["saved_requests"], counters
@@ -355,13 +474,14 @@ def test_requests_aborted_while_their_kv_loads_leave_the_engine_right(model, dir
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-def test_blocks_no_decode_engine_loads_expire(model, dirs, hosts):
+@pytest.mark.parametrize("transfer", ["segments", "cache"])
+def test_blocks_no_decode_engine_loads_expire(transfer, model, dirs, hosts):
     stream, spill = dirs
     # ttl_seconds=0: what a step published has expired by the next step. Two tokens each: the
     # prefill step saves, the decode step after it finds the KV of the step before expired.
     with _holding(hosts[1], model=model, role="kv_producer", directory=stream,
                   spill_directory=spill, prompts=PROMPTS, max_tokens=2,
-                  ttl_seconds=0) as result:
+                  ttl_seconds=0, transfer=transfer) as result:
         counters = result["counters"]
         assert counters["saved_requests"] == len([q for q in PROMPTS if _loadable(q)])
         assert counters["expired_requests"] == counters["saved_requests"], counters
@@ -547,6 +667,10 @@ def _hostile_cases(entry, identity, forged, other_digest, unlisted, listed):
         (params(entry()), "served by None, not one of remote_producers"),
         (params(entry(layers=forged(unlisted))),
          "served by %r, not one of remote_producers" % unlisted),
+        # A shared KV cache's entry names a file of the decode engine's own host: never taken
+        # from a request.
+        (params(entry(cache={"file": "ea-kvcache-pytest-1-0123abcd", "blocks": [0, 1, 2]},
+                      layers={"l": {"offset": 0}})), "names a prefill engine's KV cache file"),
         ({"do_remote_prefill": True, "expert": deep}, None),  # not ours: no remote entry
         # Accepted by the scheduler, refused by the worker before anything is opened.
         (params(entry(layers=forged(listed))), "MAC does not hold"),
@@ -561,7 +685,8 @@ def test_hostile_kv_transfer_params_are_refused_by_name_and_the_prompts_computed
     """kv_transfer_params a client sends with its requests (vLLM's server passes them on) in
     every wrong form: other types, missing or wrong fields, counts out of range, another
     prompt's digest, another model's identity, deep junk, non-ASCII, descriptors that are not
-    descriptors, and ones naming an address outside remote_producers or forged for one in it.
+    descriptors, ones naming an address outside remote_producers or forged for one in it, and
+    a shared KV cache's entry (a file of this host).
     One decode engine serves every prompt with plain vLLM's tokens (computed), loads nothing,
     logs each refusal naming the request and why, and connects nowhere."""
     from expert_arena import _core, vllm_kv
@@ -570,7 +695,7 @@ def test_hostile_kv_transfer_params_are_refused_by_name_and_the_prompts_computed
     # one of size 3), one per case.
     rng = random.Random(43)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(97, 128))]
-               for _ in range(34)]
+               for _ in range(35)]
     common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
                   prompts=prompts)
     # The prefill engine's tokens are plain vLLM's (saving reads the cache only); its entries
@@ -690,3 +815,147 @@ def test_a_connector_cleans_only_the_files_of_its_own_name(tmp_path):
         (tmp_path / name).write_text("{")
     vllm_kv._remove_abandoned_temporaries(str(tmp_path), kv.owns)
     assert sorted(os.listdir(tmp_path)) == [theirs + ".tmp-12-34"]
+
+
+def _layouts(num_blocks):
+    """KV cache tensors as vLLM lays them out: views of one zeroed backing buffer (vLLM
+    0.32's allocate_kv_cache; big enough that malloc maps it by itself, and not a whole number
+    of pages): the CPU backend's layout (blocks first) at its start, a GPU backend's keys and
+    values first (FlashAttention's [2, blocks, ...]) inside it, MLA's latent cache at its very
+    end; and a small storage two layers share (a hybrid model's), from the heap."""
+    buf = torch.zeros((40 << 20) + 1008, dtype=torch.int8)
+
+    def at(offset, shape, dtype):
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if offset < 0:
+            offset = buf.numel() - n  # at the very end
+        return buf[offset:offset + n].view(dtype).view(shape)
+    shared = torch.zeros(2 * num_blocks * 4 * 64, dtype=torch.bfloat16)
+    return {
+        "cpu": (at(0, (num_blocks, 2, 16, 64), torch.bfloat16), 0),
+        "flash": (at(20 << 20, (2, num_blocks, 16, 2, 32), torch.float16), 1),
+        "mla": (at(-1, (num_blocks, 16, 72), torch.float32), 0),
+        "hybrid.a": (shared[:num_blocks * 256].view(num_blocks, 4, 64), 0),
+        "hybrid.b": (shared[num_blocks * 256:].view(num_blocks, 4, 64), 0),
+    }
+
+
+def test_a_shared_kv_cache_keeps_the_tensors_and_blocks_copy_out_of_it(tmp_path):
+    """transfer "cache": the prefill engine's KV cache tensors move into one file (same
+    shapes and strides, storages shared as vLLM shared them); what the engine writes is in the
+    file, and a decode engine's copy_cache_blocks puts producer blocks into other blocks of its
+    own cache, for every layout; a description that does not fit the file, blocks outside the
+    cache and a file truncated under the copy are errors naming what is wrong, never a SIGBUS."""
+    from expert_arena import vllm_kv
+    options = vllm_kv._Options({"directory": str(tmp_path), "name": "unit"})
+    caches = _layouts(12)
+    before = {n: (t.data_ptr(), t.shape, t.stride()) for n, (t, _) in caches.items()}
+    # A view of its own that a layer made before (MLA's squeeze, Mamba's state views): it is
+    # not among the tensors vLLM registers.
+    alias = caches["mla"][0].view(12, 16 * 72)
+    cache = vllm_kv._SharedCache(options, caches)
+    try:
+        assert os.path.basename(cache.path).startswith("ea-kvcache-unit-%d-" % os.getpid())
+        assert {n: (t.data_ptr(), t.shape, t.stride()) for n, (t, _) in caches.items()} == before
+        for name, (t, _) in caches.items():
+            assert not t.any(), name  # vLLM's zeros
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        # What the engine writes, through any view, is the file's (the bytes in a storage's
+        # first and last pages once an entry is published: sync_edges).
+        alias[5].fill_(3.5)
+        cache.sync_edges()
+        t = caches["cpu"][0]
+        with open(cache.path, "rb") as f:
+            f.seek(cache.layers["cpu"]["offset"] + 3 * t[0].numel() * 2)
+            assert f.read(t[3].numel() * 2) == t[3].view(torch.uint8).numpy().tobytes()
+            f.seek(cache.layers["mla"]["offset"] + 5 * 16 * 72 * 4)
+            assert f.read(16 * 72 * 4) == torch.full((16 * 72,), 3.5).numpy().tobytes()
+
+        src, dst = [3, 4, 5, 9, 0], [7, 8, 9, 1, 2]
+        fd = os.open(cache.path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for name, (t, dim) in caches.items():
+                mine = torch.zeros_like(t)
+                desc = cache.layers[name]
+                vllm_kv._check_cache_layer(name, desc, size, t.element_size())
+                n = vllm_kv.copy_cache_blocks(fd, desc, src, mine, dim, dst)
+                assert n == len(src) * t.select(dim, 0).numel() * t.element_size()
+                assert torch.equal(mine.index_select(dim, torch.tensor(dst)),
+                                   t.index_select(dim, torch.tensor(src))), name
+                untouched = [i for i in range(12) if i not in dst]
+                assert not mine.index_select(dim, torch.tensor(untouched)).any()
+
+            t, dim = caches["cpu"]
+            desc = cache.layers["cpu"]
+            for bad, why in [(dict(desc, offset=size), "ends past the %d bytes" % size),
+                             (dict(desc, offset=-1), "offset, shape, stride or dim"),
+                             (dict(desc, shape=[12, 2, 16]), "offset, shape, stride or dim"),
+                             (dict(desc, stride=[1 << 62] + desc["stride"][1:]), "ends past"),
+                             (dict(desc, dim=7), "offset, shape, stride or dim"),
+                             (dict(desc, stride=[2048, 1024, 1, 16]), "not contiguous"),
+                             ("x", "not described")]:
+                with pytest.raises(ValueError, match=why):
+                    vllm_kv._check_cache_layer("cpu", bad, size, 2)
+            with pytest.raises(ValueError, match="block 12 is not one of the producer's 12"):
+                vllm_kv.copy_cache_blocks(fd, desc, [12], torch.zeros_like(t), 0, [0])
+        finally:
+            os.close(fd)
+        # Truncated after the checks (only its owner could: here a copy of it, as this
+        # process's own cache is mapped onto the file): a short read.
+        shutil.copyfile(cache.path, tmp_path / "copy")
+        os.truncate(tmp_path / "copy", desc["offset"] + 2 * t[0].numel() * 2)
+        fd = os.open(tmp_path / "copy", os.O_RDONLY)
+        try:
+            with pytest.raises(ValueError, match="shorter than the entry says"):
+                vllm_kv.copy_cache_blocks(fd, desc, [1, 2, 3], torch.zeros_like(t), 0, [4, 5, 6])
+        finally:
+            os.close(fd)
+            os.unlink(tmp_path / "copy")
+    finally:
+        cache.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_kv_cache_that_does_not_fit_stays_private(tmp_path):
+    from expert_arena import vllm_kv
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs (root)")
+    mount = str(tmp_path / "small")
+    os.mkdir(mount)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", mount], check=True)
+    try:
+        options = vllm_kv._Options({"directory": mount, "name": "unit"})
+        caches = _layouts(12)
+        t = caches["cpu"][0]
+        t.fill_(1)  # (written before the move: not the case in vLLM, checked as it is)
+        with pytest.raises(OSError, match="has 1 MiB free, the KV cache takes"):
+            vllm_kv._SharedCache(options, caches)
+        assert bool((t == 1).all())
+        assert os.listdir(mount) == []
+    finally:
+        subprocess.run(["umount", mount], check=True)
+
+
+def test_a_killed_prefill_engines_cache_file_is_swept_and_a_live_ones_kept(tmp_path):
+    from expert_arena import vllm_kv
+    names = ["ea-kvcache-unit-%d-0123abcd" % i for i in (1, 2)]
+    for n in names:
+        (tmp_path / n).write_bytes(b"\0" * 4096)
+    other = tmp_path / "ea-kvcache-unit-b-3-0123abcd"  # another connector name's
+    other.write_bytes(b"")
+    # A live engine holds its file (a shared flock), from another process.
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; "
+                               "fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); "
+                               "sys.stdin.read()", str(tmp_path / names[1])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        vllm_kv._sweep_cache_files(str(tmp_path), "unit")
+        assert sorted(os.listdir(tmp_path)) == sorted([names[1], other.name])
+    finally:
+        holder.stdin.close()
+        holder.wait()

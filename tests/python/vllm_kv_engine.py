@@ -10,7 +10,8 @@ one after another, each request a line of stdin (engine_procs.serve, EngineHost)
                                "abort_at": null | [steps per prompt], "kill_in_save": null | N,
                                "listen": ADDR, "listen_token": T, "remote_token": T,
                                "remote_producers": [ADDR], "transfer_params": [{...}|null],
-                               "load": "async"|"sync", "then": [[ids]...]}'
+                               "load": "async"|"sync", "transfer": "cache"|"segments",
+                               "then": [[ids]...]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
 prompt i after abort_at[i] engine steps, then runs one short prompt to the end (the step that
@@ -27,7 +28,8 @@ import sys
 
 # The connector's options for prefill and decode engines on two hosts, and how the decode
 # engine loads, passed on as given.
-_PASSED_ON = ("listen", "listen_token", "remote_token", "remote_producers", "load")
+_PASSED_ON = ("listen", "listen_token", "remote_token", "remote_producers", "load",
+              "transfer")
 
 
 def _engine(args):
