@@ -261,6 +261,38 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+def test_a_shared_prefix_is_one_copy_in_the_prefill_engines_cache_read_by_each_prompt(
+        model, dirs, hosts):
+    """transfer "cache": prompts that share a 96-token prefix, computed one after another by
+    the prefill engine (vLLM's prefix caching gives the later ones the first one's blocks):
+    their entries name the same three blocks of its KV cache for the prefix, so the prefix is
+    held once, however many prompts and decode engines read it. A decode engine loads every
+    prompt with plain vLLM's tokens."""
+    stream, spill = dirs
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 512) for _ in range(3 * BLOCK)]
+    first = prefix + [rng.randrange(3, 512) for _ in range(40)]
+    later = [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (20, 50)]
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
+                  transfer="cache")
+    from expert_arena import vllm_kv
+    with _holding(hosts[0], role="kv_producer", prompts=[first], then=later,
+                  **common) as produced:
+        blocks = []
+        for p in [first] + later:
+            digest = vllm_kv.prompt_digests(p[:_loadable(p)])[-1]
+            with open(os.path.join(stream, "ea-kv-pytest-%s-r0.json" % digest)) as f:
+                blocks.append(json.load(f)["cache"]["blocks"])
+        assert all(b[:3] == blocks[0][:3] for b in blocks), blocks
+        assert len({b[3] for b in blocks if len(b) > 3}) == 2, blocks  # their own blocks
+        assert produced["then"]["cached"] == [3 * BLOCK] * 2, produced["then"]
+        decoded, _ = _run(hosts[1], role="kv_consumer", prompts=[first] + later, **common)
+    assert decoded["tokens"] == produced["tokens"] + produced["then"]["tokens"]
+    assert decoded["cached"] == [_loadable(p) for p in [first] + later], decoded
+    assert decoded["counters"]["load_error_blocks"] == 0, decoded["counters"]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
 def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_computed(
         model, dirs, hosts):
     """Index entries of a shared KV cache that name another file, a layer past the file's
