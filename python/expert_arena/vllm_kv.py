@@ -561,12 +561,19 @@ class _SharedCache:
         if free.f_bavail * free.f_frsize < total:
             raise OSError(errno.ENOSPC, "%s has %d MiB free, the KV cache takes %d MiB" % (
                 options.directory, free.f_bavail * free.f_frsize >> 20, total >> 20))
-        name = "ea-kvcache-%s-%d-%s" % (options.name, os.getpid(), secrets.token_hex(4))
-        path = os.path.join(options.directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
+        while True:
+            name = "ea-kvcache-%s-%d-%s" % (options.name, os.getpid(), secrets.token_hex(4))
+            path = os.path.join(options.directory, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)  # alive; released by the kernel at a kill
+            try:
+                if os.lstat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # swept (taken for a dead engine's) before it was locked: anew
+        try:
             os.ftruncate(fd, total)
             # The whole pages go back to the kernel first (zeros stay zeros), then the file's
             # pages are allocated: a full file system is an error here, with nothing moved
@@ -676,13 +683,15 @@ def _check_cache_layer(name, desc, file_size: int, elsize: int) -> None:
                          % _SHOWN.repr(name))
 
 
-def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_blocks) -> int:
+def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_blocks,
+                      staged: bool = False) -> int:
     """Copies blocks src_blocks[i] of one layer of a shared KV cache file (open at `fd`,
     described by `desc`, checked by _check_cache_layer) into `cache`'s blocks dst_blocks[i]
     along `dim`, with os.preadv: straight into a host cache, through a host tensor into a
-    device's. Returns the bytes copied; a file shorter than the entry says is a ValueError."""
+    device's (`staged` takes that way for a host cache too). Returns the bytes copied; a file
+    shorter than the entry says is a ValueError."""
     elsize = cache.element_size()
-    if cache.device.type == "cpu":
+    if cache.device.type == "cpu" and not staged:
         target = cache
         dst_ids = list(dst_blocks)
     else:

@@ -6,6 +6,7 @@ EXPERT_ARENA_REQUIRE_VLLM=1 (CI) makes a missing vLLM fail."""
 
 import contextlib
 import copy
+import itertools
 import json
 import os
 import random
@@ -214,17 +215,17 @@ def _cache_files(directory):
 
 def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, dirs, hosts):
     """transfer "cache": the prefill engine's KV cache is a file of the stream directory, and
-    the decode engine copies each prompt's blocks straight out of it (no segment is made). The
-    prefill engine holds the blocks of every published prompt until a decode engine has read
-    them; its tokens and the decode engine's are plain vLLM's. Killed, it leaves its file and
-    the entries of the prompts nobody read: the next engine removes the file, and the
-    entries' blocks are recomputed."""
+    the decode engines copy each prompt's blocks straight out of it (no segment is made). The
+    prefill engine holds the blocks of every published prompt until its readers (two decode
+    engines started together, readers=2) have read them; its tokens and theirs are plain
+    vLLM's. Killed, it leaves its file and the entries of the prompts nobody read: the next
+    engine removes the file, and the entries' blocks are recomputed."""
     stream, spill = dirs
     common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
                   transfer="cache")
     every = PROMPTS + LATE_PROMPTS
     saved = [p for p in every if _loadable(p)]
-    prefill = _start(role="kv_producer", prompts=every, hold=True, **common)
+    prefill = _start(role="kv_producer", prompts=every, hold=True, readers=2, **common)
     try:
         reference, _ = _run(hosts[0], role="plain", prompts=every, **common)
         produced = _answer(prefill)
@@ -236,14 +237,18 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
         # Every published prompt's blocks are held for a decode engine.
         assert len(produced["pending"]) == len(saved), produced["pending"]
 
-        decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, **common)
-        assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
-        assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
-        counters = decoded["counters"]
-        assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in PROMPTS)
-        assert counters["loaded_requests"] == len([p for p in PROMPTS if _loadable(p)])
-        assert counters["load_error_blocks"] == 0, counters
+        for host in hosts:  # started together
+            host.send(dict(role="kv_consumer", prompts=PROMPTS, **common))
+        for decoded in [host.result(timeout=300) for host in hosts]:
+            assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
+            assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
+            counters = decoded["counters"]
+            assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in PROMPTS)
+            assert counters["loaded_requests"] == len([p for p in PROMPTS if _loadable(p)])
+            assert counters["load_error_blocks"] == 0, counters
+        # Read by both: those entries and their claims are gone, the late ones wait.
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
+        assert _segments(stream) == []
     finally:
         if prefill.poll() is None:
             os.killpg(prefill.pid, signal.SIGKILL)
@@ -424,14 +429,13 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, tra
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
-@pytest.mark.parametrize("transfer", ["segments", "cache"])
-def test_two_decode_engines_read_one_prefill_without_a_copy_each(transfer, model, dirs, hosts):
-    """readers=2: one prefill's KV, in the prefill engine's segments (or its shared KV cache)
-    once, is loaded by two decode engines started together (each copies it into its own KV
-    cache); the blocks are freed when both have, and the entry goes with the second."""
+def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs, hosts):
+    """readers=2: one prefill's KV, in the prefill engine's segments once, is loaded by two
+    decode engines started together (each copies it into its own KV cache); the blocks are
+    freed when both have, and the entry goes with the second. (transfer "cache":
+    test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache.)"""
     stream, spill = dirs
-    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
-                  transfer=transfer)
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8)
     prompts = PROMPTS[1:4]
     prefill = _start(role="kv_producer", prompts=prompts, readers=2, hold=True, **common)
     try:
@@ -439,8 +443,6 @@ def test_two_decode_engines_read_one_prefill_without_a_copy_each(transfer, model
         saved_blocks = sum(_loadable(p) // BLOCK for p in prompts)
         assert produced["counters"]["saved_blocks"] == saved_blocks, produced["counters"]
         segments = _segments(stream)
-        if transfer == "cache":  # the blocks are the prefill engine's KV cache's own
-            assert segments == [] and len(_cache_files(stream)) == 1, os.listdir(stream)
         for host in hosts:  # started together
             host.send(dict(role="kv_consumer", prompts=prompts, **common))
         results = [host.result(timeout=300) for host in hosts]
@@ -909,11 +911,12 @@ def test_a_shared_kv_cache_keeps_the_tensors_and_blocks_copy_out_of_it(tmp_path)
         fd = os.open(cache.path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            for name, (t, dim) in caches.items():
+            # (staged: through a host tensor, the way a device cache takes)
+            for (name, (t, dim)), staged in itertools.product(caches.items(), (False, True)):
                 mine = torch.zeros_like(t)
                 desc = cache.layers[name]
                 vllm_kv._check_cache_layer(name, desc, size, t.element_size())
-                n = vllm_kv.copy_cache_blocks(fd, desc, src, mine, dim, dst)
+                n = vllm_kv.copy_cache_blocks(fd, desc, src, mine, dim, dst, staged=staged)
                 assert n == len(src) * t.select(dim, 0).numel() * t.element_size()
                 assert torch.equal(mine.index_select(dim, torch.tensor(dst)),
                                    t.index_select(dim, torch.tensor(src))), name
