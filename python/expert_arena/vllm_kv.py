@@ -141,6 +141,7 @@ _COUNTERS = {
     "saved_requests": 0, "saved_blocks": 0, "saved_bytes": 0,
     "loaded_requests": 0, "loaded_blocks": 0, "loaded_bytes": 0,
     "load_error_blocks": 0, "aborted_requests": 0, "expired_requests": 0,
+    "withdrawn_requests": 0,  # a shared cache's entries withdrawn at a preemption
 }
 
 
@@ -786,6 +787,9 @@ class ExpertArenaConnectorMetadata(KVConnectorMetadata):
     saves: list = dataclasses.field(default_factory=list)
     loads: list = dataclasses.field(default_factory=list)
     aborted: list = dataclasses.field(default_factory=list)  # request ids
+    # Requests vLLM preempted whose blocks a shared cache's entry names: vLLM freed those
+    # blocks, another request may write them in this very step.
+    preempted: list = dataclasses.field(default_factory=list)
 
 
 def scatter_blocks(cache, dim: int, block_ids, src) -> None:
@@ -1082,6 +1086,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 if self._options.transfer == "cache":
                     self._cache_saved.add(req_id)
             meta.aborted, self._aborted = self._aborted, []
+            preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+            meta.preempted = [r for r in preempted if r in self._cache_saved]
         return meta
 
     def request_finished(self, request, block_ids):
@@ -1165,6 +1171,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._producer is not None:
+            for req_id in meta.preempted:  # before this step's forward may write the blocks
+                send = self._sends.get(req_id)
+                if send is not None and send.fd is not None and not send.withdrawn:
+                    self._withdraw(send)
+                    _count(withdrawn_requests=1)
             self._abort(meta.aborted)
             self._expire()
         if self._consumer is None:
@@ -1315,6 +1326,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             for name, desc in layers.items():
                 tensor, dim = self._caches[name]
                 nbytes += copy_cache_blocks(cache_fd, desc, src, tensor, dim, load.block_ids)
+            if os.fstat(fd).st_size == 0:
+                # Withdrawn while this engine copied (its request preempted or aborted): the
+                # prefill engine may have written other KV into those blocks meanwhile.
+                raise ValueError("index entry %s was withdrawn while its blocks were copied"
+                                 % path)
             if turn == entry["readers"] - 1:
                 _remove_entry(path)  # its last reader: the producer lets go of the blocks
         except (OSError, ValueError) as e:
@@ -1477,8 +1493,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
 
     def _withdraw(self, send: _CacheSend) -> None:
         """The entry of `send` away (if it is still the one this engine wrote): no decode
-        engine starts on it now."""
+        engine starts on it now, and one that copies from it meanwhile sees it emptied when it
+        has copied (its last reader only removes it) and drops what it copied."""
         send.withdrawn = True
+        os.ftruncate(send.fd, 0)
         try:
             if os.lstat(send.path).st_ino == os.fstat(send.fd).st_ino:
                 _remove_entry(send.path)

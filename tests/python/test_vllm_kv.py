@@ -298,6 +298,32 @@ def test_a_shared_prefix_is_one_copy_in_the_prefill_engines_cache_read_by_each_p
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+def test_a_preempted_request_withdraws_the_blocks_its_entry_named(model, dirs, hosts):
+    """transfer "cache" in a prefill engine that goes on decoding in a KV cache of 16 blocks:
+    vLLM preempts a request after its prompt was published and gives its blocks to others;
+    its entry is withdrawn at the start of that step, before they are written again. The
+    finished requests' blocks are held for decode engines, so the last requests wait for them
+    until they expire (ttl_seconds: 2; a cache this small fills with held blocks). A decode
+    engine of the prompts then gives plain vLLM's tokens, loading what is still published."""
+    stream, spill = dirs
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(97, 128))] for _ in range(4)]
+    common = dict(model=model, directory=stream, spill_directory=spill, transfer="cache",
+                  prompts=prompts)
+    reference, _ = _run(hosts[1], role="plain", max_tokens=8, **common)
+    # (Without prefix caching a preempted request's blocks go to the next request at once,
+    # rather than back to it at its resumption.)
+    with _holding(hosts[0], role="kv_producer", max_tokens=100, ignore_eos=True,
+                  num_blocks=16, ttl_seconds=2, prefix_caching=False, **common) as produced:
+        assert produced["counters"]["saved_requests"] == len(prompts), produced["counters"]
+        counters = produced["counters"]
+        assert counters["withdrawn_requests"] > 0, counters  # preempted after their save
+        decoded, log = _run(hosts[1], role="kv_consumer", max_tokens=8, **common)
+    assert decoded["tokens"] == reference["tokens"], log[-6000:]
+    assert decoded["counters"]["load_error_blocks"] == 0, decoded["counters"]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
 def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_computed(
         model, dirs, hosts):
     """Index entries of a shared KV cache that name another file, a layer past the file's

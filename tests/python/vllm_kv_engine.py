@@ -11,6 +11,8 @@ one after another, each request a line of stdin (engine_procs.serve, EngineHost)
                                "listen": ADDR, "listen_token": T, "remote_token": T,
                                "remote_producers": [ADDR], "transfer_params": [{...}|null],
                                "load": "async"|"sync", "transfer": "cache"|"segments",
+                               "num_blocks": null | N, "ignore_eos": false,
+                               "prefix_caching": true|false (vLLM's default: true),
                                "then": [[ids]...]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
@@ -49,6 +51,10 @@ def _engine(args):
                                           "readers": args.get("readers", 1),
                                           **{k: args[k] for k in _PASSED_ON if k in args}},
         }
+    if args.get("num_blocks"):  # a KV cache this small: vLLM preempts requests
+        extra["num_gpu_blocks_override"] = args["num_blocks"]
+    if "prefix_caching" in args:  # off: a freed block goes to the next request as it is
+        extra["enable_prefix_caching"] = args["prefix_caching"]
     return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
                max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
                distributed_executor_backend="uni", **extra)
@@ -62,11 +68,11 @@ def _connector():
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
-def _generate(llm, prompts, max_tokens, transfer_params=None):
+def _generate(llm, prompts, max_tokens, transfer_params=None, ignore_eos=False):
     """Greedy tokens; transfer_params[i]: prompt i's kv_transfer_params (what a prefill engine
     on another host returned for it)."""
     from vllm import SamplingParams
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                              extra_args={"kv_transfer_params": transfer_params[i]}
                              if transfer_params and transfer_params[i] else None)
               for i in range(len(prompts))]
@@ -134,7 +140,7 @@ def run(args):
         raise RuntimeError("kill_in_save %d: the engine saved fewer layers" % args["kill_in_save"])
     else:
         result = _generate(llm, args["prompts"], args["max_tokens"],
-                           args.get("transfer_params"))
+                           args.get("transfer_params"), args.get("ignore_eos", False))
         if args.get("then"):  # after the prompts have finished (their blocks are cached)
             result["then"] = _generate(llm, args["then"], args["max_tokens"])
     result["counters"] = {k: v - before[k] for k, v in vllm_kv.counters().items()}
