@@ -506,6 +506,34 @@ _MADV_DONTNEED = 4
 _MADV_COLLAPSE = 25
 
 
+def _tmpfs_huge(directory: str):
+    """What makes a tmpfs directory's pages 2 MiB by itself ("huge=always", "huge=within_size"
+    of its mount, or "shmem_enabled=force"), or None."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            if "[force]" in f.read():
+                return "shmem_enabled=force"
+    except OSError:
+        pass
+    path = os.path.realpath(directory)
+    best, options = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                mount = fields[4].replace("\\040", " ")
+                tail = fields[fields.index("-") + 1:]
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) \
+                        and len(mount) >= len(best):
+                    best, options = mount, tail[2] if tail[0] == "tmpfs" else ""
+    except (OSError, ValueError, IndexError):
+        return None
+    for option in options.split(","):
+        if option in ("huge=always", "huge=within_size"):
+            return option
+    return None
+
+
 class _SharedCache:
     """The prefill engine's KV cache moved into one shared file (transfer "cache"): vLLM
     writes each layer's KV there itself, and a decode engine on this host copies a prompt's
@@ -608,6 +636,7 @@ class _SharedCache:
         # VMs. Where the kernel cannot, the cache stays on 4 KiB pages.
         self.huge_bytes = 0
         self.collapse_error = None
+        self.directory_huge = _tmpfs_huge(options.directory)
         self._stop = False
         huge = 2 << 20
         ranges = [(-(-first // huge) * huge, last // huge * huge) for first, last, _, _ in whole]
@@ -617,14 +646,20 @@ class _SharedCache:
         self._collapser.start()
 
     def _collapse(self, ranges) -> None:
+        """One 2 MiB page at a time, each collapsed at most once: on Linux 6.18 a collapse over
+        a page that is 2 MiB already makes later writes through the mapping miss the file
+        (docs/page-backing.md), hence also none on a tmpfs that makes 2 MiB pages itself."""
         start = time.monotonic()
-        piece = 64 << 20
+        piece = 2 << 20
+        if self.directory_huge:
+            self.collapse_error = "the tmpfs makes 2 MiB pages itself (%s)" % self.directory_huge
+            ranges = []
         for a, b in ranges:
             for at in range(a, b, piece):
                 if self._stop:
                     return
                 n = min(piece, b - at)
-                for attempt in range(4):  # EAGAIN: pages busy (being written, locked)
+                for attempt in range(4):  # EAGAIN: this page busy (being written, locked)
                     if _LIBC.madvise(at, n, _MADV_COLLAPSE) == 0:
                         self.huge_bytes += n
                         err = 0
@@ -641,6 +676,24 @@ class _SharedCache:
                     "%.1f s%s", self.huge_bytes >> 20, self.total >> 20,
                     time.monotonic() - start,
                     "" if self.collapse_error is None else " (%s)" % self.collapse_error)
+
+    def mismatch(self, caches: dict, block_ids):
+        """What differs between this engine's memory and the file in the first 4 KiB of a
+        save's first and last blocks of one layer (None: nothing): the file must be what the
+        engine computed (a kernel that lost writes to a collapsed page would show here)."""
+        name = next(iter(caches))
+        tensor, dim = caches[name]
+        elsize = tensor.element_size()
+        count, run, _ = _pieces(list(tensor.shape), list(tensor.stride()), dim, elsize)
+        for b in dict.fromkeys((block_ids[0], block_ids[-1])):
+            step = tensor.stride(dim) * elsize * b
+            n = min(run, 4096)
+            mine = ctypes.string_at(tensor.data_ptr() + step, n)
+            theirs = os.pread(self._fd, n, self.layers[name]["offset"] + step)
+            if mine != theirs:
+                return ("block %d of layer %s reads back from %s unlike the engine's memory "
+                        "(%d MiB on 2 MiB pages)" % (b, name, self.path, self.huge_bytes >> 20))
+        return None
 
     def sync_edges(self) -> None:
         """The bytes of each storage in its first and last pages (kept private) written into
@@ -1472,6 +1525,17 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if self._cache is None or os.path.exists(path):
                 continue
             self._cache.sync_edges()
+            problem = self._cache.mismatch(self._caches, save.block_ids)
+            if problem is not None:
+                # Never a silently wrong prompt: nothing more is published from this cache,
+                # and what was is withdrawn (decode engines compute those prompts).
+                logger.error("expert_arena.vllm_kv: %s; this engine publishes no KV from its "
+                             "cache any more", problem)
+                for other in self._sends.values():
+                    if other.fd is not None and not other.withdrawn:
+                        self._withdraw(other)
+                self._cache = None
+                continue
             elsize = {n: t.element_size() for n, (t, _) in self._caches.items()}
             entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
                      "identity": self._identity, "tokens": save.tokens, "created": time.time(),

@@ -932,6 +932,14 @@ def test_a_shared_kv_cache_keeps_the_tensors_and_blocks_copy_out_of_it(tmp_path)
             assert f.read(t[3].numel() * 2) == t[3].view(torch.uint8).numpy().tobytes()
             f.seek(cache.layers["mla"]["offset"] + 5 * 16 * 72 * 4)
             assert f.read(16 * 72 * 4) == torch.full((16 * 72,), 3.5).numpy().tobytes()
+        # What is published is checked against the engine's memory: a file that lost a write
+        # (a kernel's collapsed page) is found before an entry names it.
+        assert cache.mismatch(caches, [3, 5]) is None
+        with open(cache.path, "r+b") as f:
+            f.seek(cache.layers["cpu"]["offset"] + 5 * t[0].numel() * 2)
+            f.write(b"\x01")
+        assert "block 5 of layer cpu reads back from %s unlike" % cache.path in \
+            cache.mismatch(caches, [3, 5])
 
         src, dst = [3, 4, 5, 9, 0], [7, 8, 9, 1, 2]
         fd = os.open(cache.path, os.O_RDONLY)
@@ -981,12 +989,23 @@ def test_a_shared_kv_cache_keeps_the_tensors_and_blocks_copy_out_of_it(tmp_path)
 
 
 def test_a_kv_cache_that_does_not_fit_stays_private(tmp_path):
+    """(And a tmpfs that makes 2 MiB pages itself is known for one: no collapse there.)"""
     from expert_arena import vllm_kv
     if os.geteuid() != 0:
         pytest.skip("mounts a small tmpfs (root)")
     mount = str(tmp_path / "small")
     os.mkdir(mount)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", mount], check=True)
+    huge = str(tmp_path / "huge")
+    os.mkdir(huge)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,huge=within_size", "none", huge],
+                   check=True)
+    try:
+        assert vllm_kv._tmpfs_huge(huge) == "huge=within_size"
+        if "[force]" not in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read():
+            assert vllm_kv._tmpfs_huge(mount) is None
+    finally:
+        subprocess.run(["umount", huge], check=True)
     try:
         options = vllm_kv._Options({"directory": mount, "name": "unit"})
         caches = _layouts(12)
