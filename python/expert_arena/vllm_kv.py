@@ -120,7 +120,7 @@ _OPTIONS = {
     "transfer": "\"cache\": the prefill engine's KV cache is a file in `directory` that a "
                 "decode engine on this host copies a prompt's blocks from (one copy; the "
                 "prefill engine keeps those blocks until every reader has copied them, or they "
-                "expire); \"segments\" (default): the prefill engine copies each prompt's "
+                "expire, holding half its cache at most); \"segments\" (default): the prefill engine copies each prompt's "
                 "blocks into its stream segments as it saves them (two copies; its blocks "
                 "free at once; spills at the cap; what listen serves)",
     "load": "\"async\" (default): the decode engine copies a prompt's KV on a thread of its "
@@ -843,6 +843,7 @@ class ExpertArenaConnectorMetadata(KVConnectorMetadata):
     # Requests vLLM preempted whose blocks a shared cache's entry names: vLLM freed those
     # blocks, another request may write them in this very step.
     preempted: list = dataclasses.field(default_factory=list)
+    release: list = dataclasses.field(default_factory=list)  # held beyond half the cache
 
 
 def scatter_blocks(cache, dim: int, block_ids, src) -> None:
@@ -905,6 +906,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._saving: dict = {}          # req id -> [request, block ids]
             self._saved: dict = {}           # req id -> its entry's digest (None: no block)
             self._cache_saved: set = set()   # req ids of saves (transfer "cache")
+            self._held: dict = {}            # ... finished, their blocks held: id -> count
+            self._release: list = []         # ... to let go of before they are read
+            self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
             self._aborted: list = []
             self._refused: set = set()       # entries already refused (one warning each)
         else:
@@ -1078,9 +1082,12 @@ class ExpertArenaConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         failed = getattr(connector_output, "failed_recving", None)
-        if failed:
-            with self._lock:
+        sent = getattr(connector_output, "finished_sending", None)
+        with self._lock:
+            if failed:
                 self._load_failed.update(failed)
+            for req_id in sent or ():
+                self._held.pop(req_id, None)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         with self._lock:
@@ -1141,6 +1148,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             meta.aborted, self._aborted = self._aborted, []
             preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
             meta.preempted = [r for r in preempted if r in self._cache_saved]
+            meta.release, self._release = self._release, []
         return meta
 
     def request_finished(self, request, block_ids):
@@ -1156,6 +1164,18 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     digest = None
             delayed = request.request_id in self._cache_saved
             self._cache_saved.discard(request.request_id)
+            if delayed:
+                # Half the cache at most is held for decode engines: beyond, the oldest
+                # go as if expired, and the prefill engine never waits ttl_seconds for blocks
+                # of its own.
+                self._held[request.request_id] = len(block_ids or ())
+                excess = sum(self._held.values()) - self._num_blocks // 2
+                for req_id in list(self._held):
+                    if excess <= 0 or not self._num_blocks:
+                        break
+                    if req_id not in self._release:
+                        self._release.append(req_id)
+                        excess -= self._held[req_id]
         if delayed:
             # A decode engine copies its blocks straight from this engine's KV cache: they
             # stay this request's until the worker reports them read, withdrawn (an abort),
@@ -1230,6 +1250,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     self._withdraw(send)
                     _count(withdrawn_requests=1)
             self._abort(meta.aborted)
+            for req_id in meta.release:
+                send = self._sends.get(req_id)
+                if send is not None and send.fd is not None and not send.withdrawn:
+                    self._withdraw(send)
+                    _count(expired_requests=1)
             self._expire()
         if self._consumer is None:
             return

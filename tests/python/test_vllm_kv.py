@@ -302,9 +302,10 @@ def test_a_preempted_request_withdraws_the_blocks_its_entry_named(model, dirs, h
     """transfer "cache" in a prefill engine that goes on decoding in a KV cache of 16 blocks:
     vLLM preempts a request after its prompt was published and gives its blocks to others;
     its entry is withdrawn at the start of that step, before they are written again. The
-    finished requests' blocks are held for decode engines, so the last requests wait for them
-    until they expire (ttl_seconds: 2; a cache this small fills with held blocks). A decode
-    engine of the prompts then gives plain vLLM's tokens, loading what is still published."""
+    finished requests' blocks are held for decode engines up to half the cache: beyond, the
+    oldest are let go of (counted as expired), and the engine does not wait ttl_seconds
+    (600 here) for blocks of its own. A decode engine of the prompts then gives plain vLLM's
+    tokens, loading what is still published."""
     stream, spill = dirs
     rng = random.Random(17)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(97, 128))] for _ in range(4)]
@@ -314,10 +315,11 @@ def test_a_preempted_request_withdraws_the_blocks_its_entry_named(model, dirs, h
     # (Without prefix caching a preempted request's blocks go to the next request at once,
     # rather than back to it at its resumption.)
     with _holding(hosts[0], role="kv_producer", max_tokens=100, ignore_eos=True,
-                  num_blocks=16, ttl_seconds=2, prefix_caching=False, **common) as produced:
+                  num_blocks=16, prefix_caching=False, **common) as produced:
         assert produced["counters"]["saved_requests"] == len(prompts), produced["counters"]
         counters = produced["counters"]
         assert counters["withdrawn_requests"] > 0, counters  # preempted after their save
+        assert counters["expired_requests"] > 0, counters  # held beyond half the cache
         decoded, log = _run(hosts[1], role="kv_consumer", max_tokens=8, **common)
     assert decoded["tokens"] == reference["tokens"], log[-6000:]
     assert decoded["counters"]["load_error_blocks"] == 0, decoded["counters"]
