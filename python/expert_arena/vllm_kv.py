@@ -1371,13 +1371,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if len(blocks) < load.first + len(load.block_ids):
                 raise ValueError("index entry %s holds %d blocks, %d are needed" % (
                     path, len(blocks), load.first + len(load.block_ids)))
-            if self._layout_problem is not None:
-                raise ValueError(self._layout_problem)
-            layers = entry["layers"]
-            if set(layers) != set(self._caches):
-                raise ValueError("the producer's layers (%d) are not this engine's (%d): %s" % (
-                    len(layers), len(self._caches),
-                    _SHOWN.repr(sorted(set(layers) ^ set(self._caches)))))
+            layers = self._checked_layers(entry)
             cache_path = os.path.join(self._options.directory, cache["file"])
             try:
                 cache_fd = os.open(cache_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -1424,9 +1418,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
         return True
 
-    def _load_plan(self, entry, load: _Load) -> dict:
-        """{layer: (descriptor bytes,)} after checking every layer against this engine's KV
-        cache: a mismatch raises ValueError before any byte is copied."""
+    def _checked_layers(self, entry) -> dict:
+        """The entry's layers, if they are this engine's (else ValueError)."""
         if self._layout_problem is not None:
             raise ValueError(self._layout_problem)
         layers = entry["layers"]
@@ -1434,6 +1427,12 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             raise ValueError("the producer's layers (%d) are not this engine's (%d): %s" % (
                 len(layers), len(self._caches),
                 _SHOWN.repr(sorted(set(layers) ^ set(self._caches)))))
+        return layers
+
+    def _load_plan(self, entry, load: _Load) -> dict:
+        """{layer: (descriptor bytes,)} after checking every layer against this engine's KV
+        cache: a mismatch raises ValueError before any byte is copied."""
+        layers = self._checked_layers(entry)
         need = load.first + len(load.block_ids)
         plan = {}
         for name, hexed in layers.items():

@@ -149,6 +149,24 @@ def _entries(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("ea-kv-"))
 
 
+def _assert_loaded(decoded, tokens, prompts):
+    """A decode engine's answer: these tokens, every full block but the last token's loaded."""
+    assert decoded["tokens"] == tokens
+    assert decoded["cached"] == [_loadable(p) for p in prompts], decoded
+    counters = decoded["counters"]
+    assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in prompts)
+    assert counters["loaded_requests"] == len([p for p in prompts if _loadable(p)])
+    assert counters["load_error_blocks"] == 0, counters
+
+
+def _assert_recomputed(decoded, tokens, prompts):
+    """... these tokens, every full block reported unloadable (vLLM computed them)."""
+    assert decoded["tokens"] == tokens
+    assert decoded["counters"]["loaded_blocks"] == 0
+    assert decoded["counters"]["load_error_blocks"] == \
+        sum(_loadable(p) // BLOCK for p in prompts), decoded["counters"]
+
+
 def _segments(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("ea-stream-"))
 
@@ -183,12 +201,7 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
         # The decode engine: plain vLLM's tokens, every full block but the last token's from
         # the prefill engine (vLLM counts them as cached: computed elsewhere).
         decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, **common)
-        assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
-        assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
-        counters = decoded["counters"]
-        assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in PROMPTS)
-        assert counters["loaded_requests"] == len([p for p in PROMPTS if _loadable(p)])
-        assert counters["load_error_blocks"] == 0, counters
+        _assert_loaded(decoded, reference["tokens"][:len(PROMPTS)], PROMPTS)
         # Read once: the entries of the loaded prompts are gone, the late ones wait.
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
     finally:
@@ -201,10 +214,7 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
     # The next engine sweeps the killed engine's segments; the entries it finds name blocks
     # that are gone: reported to vLLM as load errors, which recomputes them, and removed.
     late, log = _run(hosts[0], role="kv_consumer", prompts=LATE_PROMPTS, **common)
-    assert late["tokens"] == reference["tokens"][len(PROMPTS):]
-    assert late["counters"]["loaded_blocks"] == 0
-    assert late["counters"]["load_error_blocks"] == \
-        sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
+    _assert_recomputed(late, reference["tokens"][len(PROMPTS):], LATE_PROMPTS)
     assert "recomputing" in log, log[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
@@ -240,12 +250,7 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
         for host in hosts:  # started together
             host.send(dict(role="kv_consumer", prompts=PROMPTS, **common))
         for decoded in [host.result(timeout=300) for host in hosts]:
-            assert decoded["tokens"] == reference["tokens"][:len(PROMPTS)]
-            assert decoded["cached"] == [_loadable(p) for p in PROMPTS], decoded
-            counters = decoded["counters"]
-            assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in PROMPTS)
-            assert counters["loaded_requests"] == len([p for p in PROMPTS if _loadable(p)])
-            assert counters["load_error_blocks"] == 0, counters
+            _assert_loaded(decoded, reference["tokens"][:len(PROMPTS)], PROMPTS)
         # Read by both: those entries and their claims are gone, the late ones wait.
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
         assert _segments(stream) == []
@@ -256,10 +261,7 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
     assert _cache_files(stream) and _entries(stream)
 
     late, log = _run(hosts[0], role="kv_consumer", prompts=LATE_PROMPTS, **common)
-    assert late["tokens"] == reference["tokens"][len(PROMPTS):]
-    assert late["counters"]["loaded_blocks"] == 0
-    assert late["counters"]["load_error_blocks"] == \
-        sum(_loadable(p) // BLOCK for p in LATE_PROMPTS), late["counters"]
+    _assert_recomputed(late, reference["tokens"][len(PROMPTS):], LATE_PROMPTS)
     assert "the prefill engine whose KV cache it was is gone" in log, log[-6000:]
     assert re.search(r"KV cache %s/ea-kvcache-\S+ is gone; recomputing" % re.escape(stream),
                      log), log[-6000:]
