@@ -36,17 +36,18 @@ segments; a killed producer's segments (and an entry it was writing, under a tem
 are swept by the next producer or consumer to start, and its entries are removed by the
 consumer that fails to load them or by the next producer.
 
-With transfer "cache", the prefill engine's KV cache tensors themselves live in a file of
-`directory` (ea-kvcache-NAME-PID-..., moved there when vLLM registers them: same shapes and
-strides, the private memory freed first) and an entry names the prompt's blocks in it: vLLM
-wrote them there, nothing is copied on the prefill side, and the decode engine copies each run
-of blocks straight from the file into its cache (os.preadv: one copy; a file truncated under it
-is a short read, never a SIGBUS). The prefill engine keeps those blocks (vLLM's delayed free,
-as with its NIXL connector) until the entry is read by its last reader, withdrawn (an abort) or
-expired, and no decode engine holds the entry's shared lock (flock) that it copies under; a
-prefix that several prompts share is then one copy in that cache, read by every decode engine
-of the host. A KV cache that does not fit the directory (or is on a device) stays private and
-the prompts go through the segments.
+With transfer "cache", the prefill engine's KV cache itself lives in a file of `directory`
+(ea-kvcache-NAME-PID-...: the pages of vLLM's buffer mapped onto it at the same addresses when
+vLLM registers the cache, the private ones given back first; _SharedCache) and an entry names
+the prompt's blocks in it: vLLM wrote them there, nothing is copied on the prefill side, and the
+decode engine copies each run of blocks straight from the file into its cache (os.preadv: one
+copy; a file truncated under it is a short read, never a SIGBUS). The prefill engine keeps
+those blocks (vLLM's delayed free, as with its NIXL connector) until the entry is read by its
+last reader, withdrawn (an abort, a preemption) or expired (ttl_seconds, or beyond half the
+cache held), and no decode engine holds the entry's shared lock (flock) that it copies under;
+a prefix that several prompts share is one copy in that cache, read by every decode engine of
+the host. A KV cache that does not fit the directory (or is on a device) stays private and the
+prompts go through the segments.
 
 Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
 segments through the stream's front door, and each finished request's kv_transfer_params carry
@@ -120,9 +121,10 @@ _OPTIONS = {
     "transfer": "\"cache\": the prefill engine's KV cache is a file in `directory` that a "
                 "decode engine on this host copies a prompt's blocks from (one copy; the "
                 "prefill engine keeps those blocks until every reader has copied them, or they "
-                "expire, holding half its cache at most); \"segments\" (default): the prefill engine copies each prompt's "
-                "blocks into its stream segments as it saves them (two copies; its blocks "
-                "free at once; spills at the cap; what listen serves)",
+                "expire, holding half its cache at most); \"segments\" (default): the "
+                "prefill engine copies each prompt's blocks into its stream segments as it "
+                "saves them (two copies; its blocks free at once; spills at the cap; what "
+                "listen serves)",
     "load": "\"async\" (default): the decode engine copies a prompt's KV on a thread of its "
             "own while its other requests run (the request waits for it, as with vLLM's NIXL "
             "connector); \"sync\": at the start of the step that computes the request, "
@@ -431,7 +433,7 @@ def _remove_abandoned_temporaries(directory: str, owns) -> None:
             _unlink(path)
 
 
-# ---------------------------------------------------------------- the shared KV cache (transfer "cache")
+# ------------------------------------------------- the shared KV cache (transfer "cache")
 
 # A prefill engine's KV cache as a file in the connector's directory:
 # ea-kvcache-<name>-<pid>-<8 hex>. Its engine holds a shared flock on it while it lives: a file
@@ -722,7 +724,8 @@ def _check_cache_layer(name, desc, file_size: int, elsize: int) -> None:
     if not isinstance(desc, dict):
         raise ValueError("layer %s of the cache is not described" % _SHOWN.repr(name))
     offset, shape, stride, dim = (desc.get(k) for k in ("offset", "shape", "stride", "dim"))
-    ints = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)  # noqa: E731
+    def ints(xs):
+        return isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
     if type(offset) is not int or offset < 0 or not ints(shape) or not ints(stride) \
             or len(shape) != len(stride) or not shape or type(dim) is not int \
             or not 0 <= dim < len(shape):

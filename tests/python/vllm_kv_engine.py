@@ -18,9 +18,10 @@ one after another, each request a line of stdin (engine_procs.serve, EngineHost)
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
 prompt i after abort_at[i] engine steps, then runs one short prompt to the end (the step that
 tells the connector's worker about the aborts), then greedy-decodes the prompts of "then" (their
-tokens and cached counts under "then"; without "abort_at" too, after the prompts); "kill_in_save" runs the prompts one after another
-and SIGKILLs the engine at the connector's N-th save_kv_layer call that has blocks to save (the
-layers before it written, its own and the ones after it not)."""
+tokens and cached counts under "then"; without "abort_at" too, after the prompts);
+"kill_in_save" runs the prompts one after another and SIGKILLs the engine at the connector's
+N-th save_kv_layer call that has blocks to save (the layers before it written, its own and the
+ones after it not)."""
 
 import json
 import os
