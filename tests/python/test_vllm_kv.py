@@ -167,6 +167,21 @@ def _assert_recomputed(decoded, tokens, prompts):
         sum(_loadable(p) // BLOCK for p in prompts), decoded["counters"]
 
 
+def _kill(process):
+    """SIGKILL to a prefill engine's process group, if it still runs, and its end awaited."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _decode_late(host, common, reference):
+    """A decode engine of LATE_PROMPTS after their prefill engine was killed: plain tokens,
+    every full block reported unloadable and computed. Returns what it logged."""
+    late, log = _run(host, role="kv_consumer", prompts=LATE_PROMPTS, **common)
+    _assert_recomputed(late, reference["tokens"][len(PROMPTS):], LATE_PROMPTS)
+    return log
+
+
 def _segments(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("ea-stream-"))
 
@@ -205,16 +220,12 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
         # Read once: the entries of the loaded prompts are gone, the late ones wait.
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
     finally:
-        if prefill.poll() is None:
-            # Killed holding the late prompts' blocks: its segments stay until a sweep.
-            os.killpg(prefill.pid, signal.SIGKILL)
-        prefill.wait()
+        _kill(prefill)  # holding the late prompts' blocks: its segments stay until a sweep
     assert _segments(stream) and _entries(stream)
 
     # The next engine sweeps the killed engine's segments; the entries it finds name blocks
     # that are gone: reported to vLLM as load errors, which recomputes them, and removed.
-    late, log = _run(hosts[0], role="kv_consumer", prompts=LATE_PROMPTS, **common)
-    _assert_recomputed(late, reference["tokens"][len(PROMPTS):], LATE_PROMPTS)
+    log = _decode_late(hosts[0], common, reference)
     assert "recomputing" in log, log[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
@@ -255,13 +266,10 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
         assert _segments(stream) == []
     finally:
-        if prefill.poll() is None:
-            os.killpg(prefill.pid, signal.SIGKILL)
-        prefill.wait()
+        _kill(prefill)
     assert _cache_files(stream) and _entries(stream)
 
-    late, log = _run(hosts[0], role="kv_consumer", prompts=LATE_PROMPTS, **common)
-    _assert_recomputed(late, reference["tokens"][len(PROMPTS):], LATE_PROMPTS)
+    log = _decode_late(hosts[0], common, reference)
     assert "the prefill engine whose KV cache it was is gone" in log, log[-6000:]
     assert re.search(r"KV cache %s/ea-kvcache-\S+ is gone; recomputing" % re.escape(stream),
                      log), log[-6000:]
