@@ -415,3 +415,39 @@ def test_release_after_an_event_holds_the_share_until_it_completes(stream_dir):
     finally:
         c.close()
         p.close()
+
+
+def test_a_loads_runs_are_read_and_copied_in_one_call_and_a_short_file_is_refused(tmp_path):
+    """The KV connector's copies (expert_arena.vllm_kv): runs (file offset or source address,
+    destination address, bytes) land bit-exact; a file that ends before a run is a ValueError
+    naming where, after the runs before it were read; a runs array of another form is
+    refused by name."""
+    core = expert_arena._core
+    data = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "cache"
+    path.write_bytes(data.tobytes())
+    out = np.zeros(1 << 20, dtype=np.uint8)
+    base = core.array_address(out)
+    runs = np.array([[4096, base, 8192], [0, base + 8192, 100], [(1 << 20) - 7, base + 9000, 7]],
+                    dtype=np.uint64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert core.read_runs(fd, runs) == 8192 + 100 + 7
+        assert (out[:8192] == data[4096:4096 + 8192]).all()
+        assert (out[8192:8292] == data[:100]).all() and (out[9000:9007] == data[-7:]).all()
+        assert not out[8292:9000].any() and not out[9007:].any()
+        past = np.array([[0, base, 16], [(1 << 20) - 8, base + 64, 16]], dtype=np.uint64)
+        with pytest.raises(ValueError, match=r"ends at offset 1048576, before the 16 bytes at "
+                                             r"offset 1048568 that run 1 reads"):
+            core.read_runs(fd, past)
+        with pytest.raises(ValueError, match="n x 3 uint64"):
+            core.read_runs(fd, np.zeros((2, 2), dtype=np.uint64))
+    finally:
+        os.close(fd)
+    copied = np.zeros(1 << 20, dtype=np.uint8)
+    to = core.array_address(copied)
+    assert core.copy_runs(np.array([[base, to + 5, 8192], [base + 9000, to, 5]],
+                                   dtype=np.uint64)) == 8197
+    assert (copied[5:8197] == out[:8192]).all() and (copied[:5] == data[-7:-2]).all()
+    with pytest.raises(ValueError, match="n x 3 uint64"):
+        core.copy_runs(np.zeros(3, dtype=np.uint64))
