@@ -73,6 +73,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import queue
@@ -740,22 +741,13 @@ def _check_cache_layer(name, desc, file_size: int, elsize: int) -> None:
                          % _SHOWN.repr(name))
 
 
-def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_blocks,
-                      staged: bool = False) -> int:
-    """Copies blocks src_blocks[i] of one layer of a shared KV cache file (open at `fd`,
-    described by `desc`, checked by _check_cache_layer) into `cache`'s blocks dst_blocks[i]
-    along `dim`, with os.preadv: straight into a host cache, through a host tensor into a
-    device's (`staged` takes that way for a host cache too). Returns the bytes copied; a file
-    shorter than the entry says is a ValueError."""
-    elsize = cache.element_size()
-    if cache.device.type == "cpu" and not staged:
-        target = cache
-        dst_ids = list(dst_blocks)
-    else:
-        shape = list(cache.shape)
-        shape[dim] = len(dst_blocks)
-        target = torch.empty(shape, dtype=cache.dtype)
-        dst_ids = list(range(len(dst_blocks)))
+def _block_runs(desc: dict, src_blocks, target, dim: int, dst_ids) -> list:
+    """[source offset, destination address, bytes] of every run that copies block
+    src_blocks[i] of a layer laid out as `desc` says (offset, shape, stride, dim; in bytes
+    from the source's start, a file or a tensor) into target's block dst_ids[i] along `dim`,
+    adjacent runs merged. ValueError when the layouts' blocks differ or a block is out of
+    range."""
+    elsize = target.element_size()
     src_count, run, src_steps = _pieces(desc["shape"], desc["stride"], desc["dim"], elsize)
     dst = _pieces(list(target.shape), list(target.stride()), dim, elsize)
     if dst is None or dst[:2] != (src_count, run):
@@ -766,12 +758,13 @@ def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_bloc
     src_block = desc["stride"][desc["dim"]] * elsize
     dst_block = target.stride(dim) * elsize
     base = target.data_ptr()
-    # (file offset, address, bytes) of every run, adjacent ones merged.
     runs = []
     for s, d in zip(src_blocks, dst_ids):
         if not 0 <= s < desc["shape"][desc["dim"]]:
             raise ValueError("block %d is not one of the producer's %d" % (
                 s, desc["shape"][desc["dim"]]))
+        if not 0 <= d < target.shape[dim]:
+            raise ValueError("block %d is not one of this engine's %d" % (d, target.shape[dim]))
         for so, do in zip(src_runs, dst_runs):
             off = desc["offset"] + s * src_block + so
             addr = base + d * dst_block + do
@@ -779,28 +772,42 @@ def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_bloc
                 runs[-1][2] += run
             else:
                 runs.append([off, addr, run])
-    total = 0
-    i = 0
-    while i < len(runs):
-        # One preadv per stretch of the file: the runs it fills may lie apart in the cache.
-        j = i + 1
-        while j < len(runs) and j - i < 1024 and runs[j][0] == runs[j - 1][0] + runs[j - 1][2]:
-            j += 1
-        buffers = [(ctypes.c_char * n).from_address(a) for _, a, n in runs[i:j]]
-        want = sum(n for _, _, n in runs[i:j])
-        got = os.preadv(fd, buffers, runs[i][0])
-        if got < want:  # a signal, or a file shorter than the entry: the rest run by run
-            for off, a, n in runs[i:j]:
-                done = min(got, n)
-                got -= done
-                while done < n:
-                    k = os.preadv(fd, [(ctypes.c_char * (n - done)).from_address(a + done)],
-                                  off + done)
-                    if k <= 0:
-                        raise ValueError("the cache file is shorter than the entry says")
-                    done += k
-        total += want
-        i = j
+    return runs
+
+
+def _runs_array(runs: list):
+    import numpy as np
+    return np.array(runs, dtype=np.uint64).reshape(-1, 3)
+
+
+def _read_runs(fd: int, runs: list) -> int:
+    """The runs (file offset, address, bytes) read from `fd` in one call without the GIL
+    (_core.read_runs); a file shorter than they say is a ValueError."""
+    try:
+        return expert_arena._core.read_runs(fd, _runs_array(runs))
+    except ValueError as e:
+        raise ValueError("the cache file is shorter than the entry says (%s)" % e) from None
+
+
+def _cache_target(cache, dim: int, dst_blocks, staged: bool):
+    """(where the blocks are copied to, its block ids): the cache itself when it is in host
+    memory, else (or `staged`) a host tensor of the blocks, scattered into the cache after."""
+    if cache.device.type == "cpu" and not staged:
+        return cache, list(dst_blocks)
+    shape = list(cache.shape)
+    shape[dim] = len(dst_blocks)
+    return torch.empty(shape, dtype=cache.dtype), list(range(len(dst_blocks)))
+
+
+def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_blocks,
+                      staged: bool = False) -> int:
+    """Copies blocks src_blocks[i] of one layer of a shared KV cache file (open at `fd`,
+    described by `desc`, checked by _check_cache_layer) into `cache`'s blocks dst_blocks[i]
+    along `dim`, every run read in one call without the GIL: straight into a host cache,
+    through a host tensor into a device's (`staged` takes that way for a host cache too).
+    Returns the bytes copied; a file shorter than the entry says is a ValueError."""
+    target, dst_ids = _cache_target(cache, dim, dst_blocks, staged)
+    total = _read_runs(fd, _block_runs(desc, src_blocks, target, dim, dst_ids))
     if target is not cache:
         scatter_blocks(cache, dim, list(dst_blocks), target.to(cache.device))
     return total
@@ -822,6 +829,41 @@ class _Load:
     # One per tensor-parallel rank: an index entry's path, or the entry itself when it came
     # with the request (kv_transfer_params of a prefill engine on another host).
     entries: list
+
+
+@dataclasses.dataclass
+class _Job:
+    """A load between its three steps: begun on the engine's thread (the entry read, checked
+    and claimed: every system call but the copy), copied (on the loader's thread when the load
+    is asynchronous), ended on the engine's thread (checked again, let go of)."""
+    load: _Load
+    path: Any                   # its local index entry; None: it came with the request
+    last_reader: bool = False   # this engine removes the entry once it copied
+    entry_fd: Any = None        # a shared cache's entry, locked (shared) until the end
+    cache_fd: Any = None        # the prefill engine's shared KV cache file
+    runs: list = dataclasses.field(default_factory=list)    # read from it: [offset, addr, n]
+    staged: list = dataclasses.field(default_factory=list)  # (device cache, dim, host blocks)
+    layers: list = dataclasses.field(default_factory=list)  # segments: (name, (desc, shape))
+    views: list = dataclasses.field(default_factory=list)   # ... opened, released at the end
+    nbytes: int = 0
+    error: Any = None           # what the copy raised
+
+    def close(self) -> None:
+        for view in self.views:
+            view.release()
+        self.views = []
+        for fd in (self.cache_fd, self.entry_fd):
+            if fd is not None:
+                os.close(fd)  # (an entry's lock with it)
+        self.cache_fd = self.entry_fd = None
+
+
+def _contiguous_strides(shape) -> list:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return strides
 
 
 @dataclasses.dataclass
@@ -926,7 +968,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._sends: dict = {}           # req id -> _CacheSend (transfer "cache")
             self._load_errors: set = set()
             self._loader = None              # the thread of asynchronous loads, once started
-            self._loads = None               # its queue of _Load (None: stop)
+            self._loads = None               # its queue of _Job (None: stop)
+            self._copied: list = []          # jobs it copied, ended by get_transfer_results
             self._recv_done: set = set()     # req ids whose asynchronous load ended
             self._recv_failed: set = set()   # ... and failed (their tokens are computed)
             self._closed = False
@@ -1262,163 +1305,219 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if self._consumer is None:
             return
         for load in meta.loads:
-            if self._async:
-                self._submit(load)
+            # Begun and ended on this thread; copied on the loader's for an asynchronous load,
+            # in one call without the GIL (_Job).
+            job = self._begin(load)
+            if job is None:
+                if self._async:
+                    with self._lock:
+                        self._recv_done.add(load.req_id)
+                        self._recv_failed.add(load.req_id)
+            elif self._async:
+                self._submit(job)
             else:
-                self._load(load)
+                self._copy(job)
+                self._end(job)
 
-    def _submit(self, load: _Load) -> None:
+    def _submit(self, job: _Job) -> None:
         with self._lock:
             if self._loader is None:
                 self._loads = queue.SimpleQueue()
                 self._loader = threading.Thread(target=self._load_loop, daemon=True,
                                                 name="expert_arena-kv-load")
                 self._loader.start()
-        self._loads.put(load)
+        self._loads.put(job)
 
     def _load_loop(self) -> None:
-        """The thread of asynchronous loads: each request's KV copied into its blocks (which
-        vLLM schedules nothing on until it is reported), then reported finished, or failed
-        (every one of its tokens is computed). Anything a load raises fails that request
-        only."""
+        """The thread of asynchronous loads: each job's bytes copied into its request's blocks
+        (which vLLM schedules nothing on until it is reported), then handed back to the
+        engine's thread, which ends it (get_transfer_results)."""
         while True:
-            load = self._loads.get()
-            if load is None:
+            job = self._loads.get()
+            if job is None:
                 return
-            try:
-                ok = self._load(load)
-            except Exception as e:  # noqa: BLE001 - the engine keeps serving; vLLM recomputes
-                logger.warning("expert_arena.vllm_kv: request %s: loading its KV failed (%s: "
-                               "%s); recomputing %d blocks", load.req_id, type(e).__name__,
-                               _SHOWN.repr(str(e)), len(load.block_ids))
-                self._failed(load, None)
-                ok = False
+            self._copy(job)
             with self._lock:
-                self._recv_done.add(load.req_id)
-                if not ok:
-                    self._recv_failed.add(load.req_id)
+                self._copied.append(job)
 
-    def _load(self, load: _Load) -> bool:
+    def _end_copied(self) -> None:
+        """Ends the asynchronous loads the loader copied since the last call: reported
+        finished, and failed where they did (every one of their tokens is computed)."""
+        with self._lock:
+            copied, self._copied = self._copied, []
+        for job in copied:
+            ok = self._end(job)
+            with self._lock:
+                self._recv_done.add(job.load.req_id)
+                if not ok:
+                    self._recv_failed.add(job.load.req_id)
+
+    def _begin(self, load: _Load):
+        """The load's entry read and checked against this engine's KV cache, its reader's
+        turn claimed, what to copy listed (_Job): every system call of a load but the copy,
+        on the engine's thread. None when it cannot load (logged, its blocks computed)."""
         source = load.entries[self._rank] if self._rank < len(load.entries) else None
         # A remote entry (checked by the scheduler) has no file here: no claim, nothing to
         # remove; the producer frees each block when its readers released it, or expires it.
         path = source if isinstance(source, str) else None
+        job = _Job(load=load, path=path)
         try:
-            entry = source if isinstance(source, dict) else _read_entry(path) if path else None
+            if path is None:
+                entry = source if isinstance(source, dict) else None
+            else:
+                try:
+                    job.entry_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    pass
+                entry = None if job.entry_fd is None else _parsed_entry(job.entry_fd, path)
+                if entry is not None and "cache" not in entry:
+                    # Only a shared cache's entry is held (with its lock) until the copy is
+                    # checked.
+                    os.close(job.entry_fd)
+                    job.entry_fd = None
             if entry is None:
                 raise ValueError("index entry %s is gone" % path)
             if "cache" in entry and path:
-                return self._load_cache(load, path)
-            plan = self._load_plan(entry, load)
-            turn = _claim(path, entry["readers"]) if path else 0
-            if turn is None:
-                raise ValueError("index entry %s was read by its %d readers already"
-                                 % (path, entry["readers"]))
+                self._begin_cache(job)
+            else:
+                self._begin_segments(job, entry)
         except (OSError, ValueError) as e:
             logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
                            load.req_id, e, len(load.block_ids))
+            job.close()
             self._failed(load, path)
-            return False
-        names = list(plan)
-        try:
-            views = self._consumer.open_many([plan[n][0] for n in names])
-        except (OSError, ValueError, RuntimeError) as e:
-            logger.warning("expert_arena.vllm_kv: request %s: the producer's KV cannot be "
-                           "opened (%s); recomputing %d blocks", load.req_id, e,
-                           len(load.block_ids))
-            self._failed(load, path)
-            return False
-        if path and turn == entry["readers"] - 1:
-            # Its last reader: the blocks go back to the producer as each layer is copied.
-            _remove_entry(path)
-        nbytes = 0
-        for name, view in zip(names, views):
-            cache, dim = self._caches[name]
-            with view:
-                src = view.torch().narrow(dim, load.first, len(load.block_ids))
-                scatter_blocks(cache, dim, load.block_ids, src.to(cache.device))
-                nbytes += src.numel() * src.element_size()
-                del src  # the share goes back when the view's last tensor does
-        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
-        return True
+            return None
+        return job
 
-    def _load_cache(self, load: _Load, path: str) -> bool:
-        """_load of an entry naming blocks of a prefill engine's shared KV cache: copied from
-        its file while holding the entry's shared lock (the prefill engine frees the blocks
-        only once it can lock the entry exclusively, after withdrawing it)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            fd = None
-        cache_fd = None
-        try:
-            if fd is None:
-                raise ValueError("index entry %s is gone" % path)
-            for _ in range(_LOCK_TRIES):
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(0.001)
-            else:
-                raise ValueError("index entry %s stays locked" % path)
-            if os.fstat(fd).st_nlink == 0:
-                raise ValueError("index entry %s was withdrawn (its request aborted or "
-                                 "expired)" % path)
-            entry = _parsed_entry(fd, path)
-            cache = entry.get("cache")
-            if not cache or not _owned_cache_file(cache["file"], self._options.name):
-                raise ValueError("index entry %s names %s, not a KV cache file of this "
-                                 "connector's name" % (path, _SHOWN.repr(cache and cache["file"])))
-            blocks = cache["blocks"]
-            if len(blocks) < load.first + len(load.block_ids):
-                raise ValueError("index entry %s holds %d blocks, %d are needed" % (
-                    path, len(blocks), load.first + len(load.block_ids)))
-            layers = self._checked_layers(entry)
-            cache_path = os.path.join(self._options.directory, cache["file"])
+    def _begin_segments(self, job: _Job, entry: dict) -> None:
+        plan = self._load_plan(entry, job.load)
+        turn = _claim(job.path, entry["readers"]) if job.path else 0
+        if turn is None:
+            raise ValueError("index entry %s was read by its %d readers already"
+                             % (job.path, entry["readers"]))
+        # Its last reader removes the entry: the blocks go back to the producer as this
+        # engine releases each layer's view.
+        job.last_reader = bool(job.path) and turn == entry["readers"] - 1
+        job.layers = list(plan.items())
+
+    def _begin_cache(self, job: _Job) -> None:
+        """_begin of an entry naming blocks of a prefill engine's shared KV cache, copied from
+        its file while this engine holds the entry's shared lock (the prefill engine frees the
+        blocks only once it can lock the entry exclusively, after withdrawing it)."""
+        path, load, fd = job.path, job.load, job.entry_fd
+        for _ in range(_LOCK_TRIES):
             try:
-                cache_fd = os.open(cache_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise ValueError("the producer's KV cache %s is gone" % cache_path) from None
-            size = os.fstat(cache_fd).st_size
-            for name, desc in layers.items():
-                tensor, dim = self._caches[name]
-                mine = self._layer_layout(tensor, dim)
-                dtype = expert_arena._stream_name(tensor.dtype)
-                _check_cache_layer(name, desc, size, tensor.element_size())
-                theirs = list(desc["shape"])
-                del theirs[desc["dim"]]
-                if desc.get("dtype") != dtype or theirs != mine:
-                    raise ValueError("layer %s: the producer's KV is %s %s blocks, this "
-                                     "engine's are %s %s" % (name, _SHOWN.repr(desc.get("dtype")),
-                                                              theirs, dtype, mine))
-            turn = _claim(path, entry["readers"])
-            if turn is None:
-                raise ValueError("index entry %s was read by its %d readers already"
-                                 % (path, entry["readers"]))
-            src = blocks[load.first:load.first + len(load.block_ids)]
-            nbytes = 0
-            for name, desc in layers.items():
-                tensor, dim = self._caches[name]
-                nbytes += copy_cache_blocks(cache_fd, desc, src, tensor, dim, load.block_ids)
-            if os.fstat(fd).st_size == 0:
-                # Withdrawn while this engine copied (its request preempted or aborted): the
-                # prefill engine may have written other KV into those blocks meanwhile.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.001)
+        else:
+            raise ValueError("index entry %s stays locked" % path)
+        if os.fstat(fd).st_nlink == 0:
+            raise ValueError("index entry %s was withdrawn (its request aborted or "
+                             "expired)" % path)
+        entry = _parsed_entry(fd, path)
+        cache = entry.get("cache")
+        if not cache or not _owned_cache_file(cache["file"], self._options.name):
+            raise ValueError("index entry %s names %s, not a KV cache file of this "
+                             "connector's name" % (path, _SHOWN.repr(cache and cache["file"])))
+        blocks = cache["blocks"]
+        if len(blocks) < load.first + len(load.block_ids):
+            raise ValueError("index entry %s holds %d blocks, %d are needed" % (
+                path, len(blocks), load.first + len(load.block_ids)))
+        layers = self._checked_layers(entry)
+        cache_path = os.path.join(self._options.directory, cache["file"])
+        try:
+            job.cache_fd = os.open(cache_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError("the producer's KV cache %s is gone" % cache_path) from None
+        size = os.fstat(job.cache_fd).st_size
+        for name, desc in layers.items():
+            tensor, dim = self._caches[name]
+            mine = self._layer_layout(tensor, dim)
+            dtype = expert_arena._stream_name(tensor.dtype)
+            _check_cache_layer(name, desc, size, tensor.element_size())
+            theirs = list(desc["shape"])
+            del theirs[desc["dim"]]
+            if desc.get("dtype") != dtype or theirs != mine:
+                raise ValueError("layer %s: the producer's KV is %s %s blocks, this "
+                                 "engine's are %s %s" % (name, _SHOWN.repr(desc.get("dtype")),
+                                                          theirs, dtype, mine))
+        src = blocks[load.first:load.first + len(load.block_ids)]
+        for name, desc in layers.items():
+            tensor, dim = self._caches[name]
+            target, dst_ids = _cache_target(tensor, dim, load.block_ids, False)
+            job.runs.extend(_block_runs(desc, src, target, dim, dst_ids))
+            if target is not tensor:  # a device's cache: through host memory
+                job.staged.append((tensor, dim, target))
+        turn = _claim(path, entry["readers"])
+        if turn is None:
+            raise ValueError("index entry %s was read by its %d readers already"
+                             % (path, entry["readers"]))
+        job.last_reader = turn == entry["readers"] - 1
+
+    def _copy(self, job: _Job) -> None:
+        """The job's bytes into this engine's KV cache: for a host cache every run in one
+        call without the GIL (the loader's thread then needs the GIL back once or twice, not
+        once per run from an engine whose step loop holds it). What fails is job.error."""
+        load = job.load
+        try:
+            if job.cache_fd is not None:
+                job.nbytes = _read_runs(job.cache_fd, job.runs)
+                for cache, dim, target in job.staged:
+                    scatter_blocks(cache, dim, load.block_ids, target.to(cache.device))
+                return
+            names = [name for name, _ in job.layers]
+            try:
+                job.views = self._consumer.open_many([plan[0] for _, plan in job.layers])
+            except (OSError, ValueError, RuntimeError) as e:
+                job.error = "the producer's KV cannot be opened (%s)" % e
+                return
+            runs = []
+            for name, view, (_, plan) in zip(names, job.views, job.layers):
+                cache, dim = self._caches[name]
+                shape = plan[1]
+                count = len(load.block_ids)
+                if cache.device.type == "cpu":
+                    desc = {"offset": 0, "shape": shape, "dim": dim,
+                            "stride": _contiguous_strides(shape)}
+                    base = view.address
+                    for off, addr, n in _block_runs(desc, range(load.first, load.first + count),
+                                                    cache, dim, load.block_ids):
+                        runs.append([base + off, addr, n])
+                else:
+                    src = view.torch().narrow(dim, load.first, count)
+                    scatter_blocks(cache, dim, load.block_ids, src.to(cache.device))
+                    del src  # the share goes back when the view's last tensor does
+                job.nbytes += count * math.prod(shape) // shape[dim] * cache.element_size()
+            if runs:
+                expert_arena._core.copy_runs(_runs_array(runs))
+        except Exception as e:  # noqa: BLE001 - the engine keeps serving; vLLM recomputes
+            job.error = "loading its KV failed (%s: %s)" % (type(e).__name__,
+                                                           _SHOWN.repr(str(e)))
+
+    def _end(self, job: _Job) -> bool:
+        """A copied job checked (a shared cache's entry withdrawn meanwhile: the prefill engine
+        may have written other KV into those blocks), its entry let go by its last reader, its
+        files closed and views released; False (logged, its blocks computed) if it failed."""
+        load, path = job.load, job.path
+        try:
+            if job.error is not None:
+                raise ValueError(job.error)
+            if job.entry_fd is not None and os.fstat(job.entry_fd).st_size == 0:
+                # Withdrawn while this engine copied (its request preempted or aborted).
                 raise ValueError("index entry %s was withdrawn while its blocks were copied"
                                  % path)
-            if turn == entry["readers"] - 1:
-                _remove_entry(path)  # its last reader: the producer lets go of the blocks
+            if job.last_reader:
+                _remove_entry(path)  # the producer lets go of the blocks
         except (OSError, ValueError) as e:
             logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
                            load.req_id, e, len(load.block_ids))
             self._failed(load, path)
             return False
         finally:
-            if cache_fd is not None:
-                os.close(cache_fd)
-            if fd is not None:
-                os.close(fd)  # (the lock with it)
-        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=nbytes)
+            job.close()
+        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=job.nbytes)
         return True
 
     def _checked_layers(self, entry) -> dict:
@@ -1433,8 +1532,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         return layers
 
     def _load_plan(self, entry, load: _Load) -> dict:
-        """{layer: (descriptor bytes,)} after checking every layer against this engine's KV
-        cache: a mismatch raises ValueError before any byte is copied."""
+        """{layer: (descriptor bytes, the blocks' shape)} after checking every layer against
+        this engine's KV cache: a mismatch raises ValueError before any byte is copied."""
         layers = self._checked_layers(entry)
         need = load.first + len(load.block_ids)
         plan = {}
@@ -1456,7 +1555,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if theirs[dim] < need:
                 raise ValueError("layer %s: the producer saved %d blocks, %d are needed" % (
                     name, theirs[dim], need))
-            plan[name] = (descriptor,)
+            plan[name] = (descriptor, theirs)
         return plan
 
     def _failed(self, load: _Load, path) -> None:
@@ -1689,6 +1788,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         blocks in a shared KV cache this engine lets go of (finished_sending)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import \
             KVConnectorTransferResults
+        self._end_copied()
         with self._lock:
             done, self._recv_done = self._recv_done, set()
             failed, self._recv_failed = self._recv_failed, set()
@@ -1743,6 +1843,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             # The loads queued before exit end first: the consumer closes after them.
             self._loads.put(None)
             self._loader.join(timeout=60)
+            self._end_copied()
         if self._producer is not None:
             with self._lock:
                 published, self._published = self._published, {}
