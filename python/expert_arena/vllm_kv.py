@@ -40,14 +40,14 @@ With transfer "cache", the prefill engine's KV cache itself lives in a file of `
 (ea-kvcache-NAME-PID-...: the pages of vLLM's buffer mapped onto it at the same addresses when
 vLLM registers the cache, the private ones given back first; _SharedCache) and an entry names
 the prompt's blocks in it: vLLM wrote them there, nothing is copied on the prefill side, and the
-decode engine copies each run of blocks straight from the file into its cache (os.preadv: one
-copy; a file truncated under it is a short read, never a SIGBUS). The prefill engine keeps
-those blocks (vLLM's delayed free, as with its NIXL connector) until the entry is read by its
-last reader, withdrawn (an abort, a preemption) or expired (ttl_seconds, or beyond half the
-cache held), and no decode engine holds the entry's shared lock (flock) that it copies under;
-a prefix that several prompts share is one copy in that cache, read by every decode engine of
-the host. A KV cache that does not fit the directory (or is on a device) stays private and the
-prompts go through the segments.
+decode engine copies each run of blocks straight from the file into its cache (pread, every
+run of a load in one call without the GIL: one copy; a file truncated under it is a short read,
+never a SIGBUS). The prefill engine keeps those blocks (vLLM's delayed free, as with its NIXL
+connector) until the entry is read by its last reader, withdrawn (an abort, a preemption) or
+expired (ttl_seconds, or beyond half the cache held), and no decode engine holds the entry's
+shared lock (flock) that it copies under; a prefix that several prompts share is one copy in
+that cache, read by every decode engine of the host. A KV cache that does not fit the
+directory (or is on a device) stays private and the prompts go through the segments.
 
 Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
 segments through the stream's front door, and each finished request's kv_transfer_params carry
@@ -246,6 +246,27 @@ def prompt_digests(token_ids) -> list:
     return out
 
 
+def tail_digest(token_ids) -> str:
+    """Hex digest of exactly these tokens (all of a prompt's tokens but its last): names an
+    entry's tail, the KV of the prompt's last, partial block."""
+    h = hashlib.sha256(b"expert_arena.vllm_kv/tail/1")
+    h.update(array.array("q", list(token_ids)).tobytes())
+    return h.hexdigest()[:40]
+
+
+def _tail_tokens(entry: dict, tokens: list, length: int, block_size: int) -> int:
+    """How many tokens past `length` (the entry's whole blocks, all of them loaded) this
+    prompt loads from the entry's tail: every one but the prompt's last (vLLM computes it for
+    its logits) when they are the tokens the entry's tail was computed for, else none."""
+    tail = entry.get("tail")
+    if tail is None or entry["tokens"] != length:
+        return 0
+    n = tail["tokens"]
+    if not 0 < n < block_size or length + n != len(tokens) - 1:
+        return 0
+    return n if tail["digest"] == tail_digest(tokens[:length + n]) else 0
+
+
 def _identity(vllm_config, kv_cache_config) -> dict:
     """What both engines must agree on for one's KV to be the other's (the scheduler's view;
     the worker checks the tensors themselves)."""
@@ -326,6 +347,10 @@ def _checked_entry(entry, where: str) -> dict:
                               or not isinstance(cache.get("blocks"), list)
                               or not all(type(b) is int for b in cache["blocks"])):
         raise ValueError("%s: its cache is not a file and blocks" % where)
+    tail = entry.get("tail")
+    if tail is not None and (not isinstance(tail, dict) or type(tail.get("tokens")) is not int
+                             or not isinstance(tail.get("digest"), str)):
+        raise ValueError("%s: its tail is not tokens and a digest" % where)
     kind = dict if cache is not None else str
     if type(tokens) is not int or tokens <= 0 or not isinstance(layers, dict) or not layers \
             or not isinstance(identity, dict) \
@@ -540,7 +565,7 @@ def _tmpfs_huge(directory: str):
 class _SharedCache:
     """The prefill engine's KV cache moved into one shared file (transfer "cache"): vLLM
     writes each layer's KV there itself, and a decode engine on this host copies a prompt's
-    blocks straight out of it (os.preadv into its own cache: one copy, and no mapping of
+    blocks straight out of it (pread into its own cache: one copy, and no mapping of
     another process's memory that a truncation could turn into SIGBUS).
 
     The move is of the memory, not of the tensors: the whole pages of each storage vLLM
@@ -630,7 +655,7 @@ class _SharedCache:
             _unlink(path)
             raise
         self.path, self._fd, self.total = path, fd, total
-        # On 2 MiB pages: a decode engine's preadv copies from them at 0.84-1.05x of a memcpy,
+        # On 2 MiB pages: a decode engine's pread copies from them at 0.84-1.05x of a memcpy,
         # from 4 KiB pages at 0.49-0.60x (bench/kv_connector_bench.py, --directory on a
         # huge=always tmpfs against /dev/shm), and the prefill engine's attention walks fewer
         # pages. A tmpfs mounted huge=always or within_size gave them already; elsewhere a
@@ -817,8 +842,9 @@ def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_bloc
 class _Save:
     req_id: str
     block_ids: list
-    tokens: int
-    digest: str
+    tokens: int   # of its whole blocks
+    digest: str   # of those tokens (the entry's name)
+    tail: Any = None  # {"tokens", "digest"}: the partial block after them (tail_digest)
 
 
 @dataclasses.dataclass
@@ -829,6 +855,7 @@ class _Load:
     # One per tensor-parallel rank: an index entry's path, or the entry itself when it came
     # with the request (kv_transfer_params of a prefill engine on another host).
     entries: list
+    tokens: int = 0  # loaded (the last block partial when the entry's tail is)
 
 
 @dataclasses.dataclass
@@ -1019,7 +1046,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 # vLLM computes it from scratch now; matching it again would load it again.
                 return 0, False
         tokens = list(request.prompt_token_ids or [])
-        # vLLM computes at least the prompt's last token itself (it needs its logits).
+        # vLLM computes at least the prompt's last token itself (it needs its logits). An
+        # entry is found by the whole blocks of a prefix; the tail after them is loaded too
+        # when it is this prompt's (_tail_tokens).
         limit = (len(tokens) - 1) // self._block_size * self._block_size
         if limit <= num_computed_tokens:
             return 0, False
@@ -1027,7 +1056,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         digests = prompt_digests(tokens[:limit])
         params = getattr(request, "kv_transfer_params", None)
         if isinstance(params, dict) and "expert_arena" in params:
-            return self._match_remote(request, params["expert_arena"], digests, limit,
+            return self._match_remote(request, params["expert_arena"], tokens, digests, limit,
                                       num_computed_tokens)
         for length in range(limit, num_computed_tokens, -self._block_size):
             digest = digests[length // HASH_TOKENS - 1]
@@ -1037,14 +1066,23 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 continue
             if not all(os.path.exists(p) for p in paths[1:]):
                 continue
-            with self._lock:
-                self._need_load[request.request_id] = (
-                    paths, num_computed_tokens // self._block_size,
-                    (length - num_computed_tokens) // self._block_size)
-            return length - num_computed_tokens, self._async
+            return self._matched(request, paths, length + _tail_tokens(
+                entry, tokens, length, self._block_size), num_computed_tokens)
         return 0, False
 
-    def _match_remote(self, request, params, digests, limit: int, num_computed_tokens: int):
+    def _matched(self, request, entries, tokens: int, num_computed_tokens: int):
+        """Loads tokens num_computed_tokens ... tokens of the request from `entries`: whole
+        blocks (the first already this engine's, from its prefix cache), and the last one
+        partial when the entry's tail is loaded (vLLM computes the rest of that block)."""
+        with self._lock:
+            self._need_load[request.request_id] = (
+                entries, num_computed_tokens // self._block_size,
+                -(-(tokens - num_computed_tokens) // self._block_size),
+                tokens - num_computed_tokens)
+        return tokens - num_computed_tokens, self._async
+
+    def _match_remote(self, request, params, tokens: list, digests, limit: int,
+                      num_computed_tokens: int):
         """get_num_new_matched_tokens for a request that came with a remote prefill engine's
         entries (kv_transfer_params, which a client of vLLM's server can send too: checked
         like a file, and only the remote_producers' addresses are fetched from)."""
@@ -1066,9 +1104,12 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     or length > limit:
                 raise ValueError("%d tokens do not fit this prompt's %d loadable tokens in "
                                  "blocks of %d" % (length, limit, self._block_size))
+            tail = _tail_tokens(entries[0], tokens, length, self._block_size)
             for i, e in enumerate(entries):
                 if e.get("digest") != digests[length // HASH_TOKENS - 1]:
                     raise ValueError("entry %d is the KV of other tokens than this prompt's" % i)
+                if e.get("tail") != entries[0].get("tail"):
+                    raise ValueError("entry %d's tail is not entry 0's" % i)
                 differences = _differences(self._identity, e["identity"])
                 if differences:
                     raise ValueError("entry %d: %s" % (i, "; ".join(differences)))
@@ -1087,13 +1128,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             logger.warning("expert_arena.vllm_kv: refusing the KV in the kv_transfer_params of "
                            "request %s: %s; computing the prompt", request.request_id, e)
             return 0, False
-        if length <= num_computed_tokens:
+        if length + tail <= num_computed_tokens:
             return 0, False
-        with self._lock:
-            self._need_load[request.request_id] = (
-                entries, num_computed_tokens // self._block_size,
-                (length - num_computed_tokens) // self._block_size)
-        return length - num_computed_tokens, self._async
+        return self._matched(request, entries, length + tail, num_computed_tokens)
 
     def _plain_text(self, request) -> bool:
         # The tokens alone do not identify a prompt with images or a LoRA adapter.
@@ -1142,10 +1179,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 # The request's blocks (the ones it holds already first): the load goes out
                 # with this step's metadata, whether or not the request runs in it (an
                 # asynchronous one waits for it).
-                entries, first, count = load
+                entries, first, count, tokens = load
                 block_ids = list(blocks.get_block_ids()[0])
                 self._ready_loads.append(_Load(request.request_id,
-                                               block_ids[first:first + count], first, entries))
+                                               block_ids[first:first + count], first, entries,
+                                               tokens))
             if self._saves_kv and self._plain_text(request) \
                     and request.request_id not in self._saved:
                 self._saving[request.request_id] = [request, None]
@@ -1155,7 +1193,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         with self._lock:
             meta.loads, self._ready_loads = self._ready_loads, []
             for load in meta.loads:
-                _count(matched_tokens=len(load.block_ids) * self._block_size)
+                _count(matched_tokens=load.tokens)
             for new in scheduler_output.scheduled_new_reqs:
                 block_ids = list(new.block_ids[0])
                 if new.req_id in self._saving:
@@ -1181,14 +1219,22 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                     continue  # a chunk of a longer prefill: saved with its last chunk
                 del self._saving[req_id]
                 self._saved[req_id] = None
-                # The blocks a decode engine of this prompt loads: it computes the last token.
-                full = (len(prompt) - 1) // self._block_size
+                # The blocks a decode engine of this prompt loads: every token but the last,
+                # which it computes (it needs its logits). The entry is named by its whole
+                # blocks (a decode engine finds a prefix of its own prompt by them); the
+                # partial block after them is its tail, loaded by a prompt of these tokens.
+                loadable = len(prompt) - 1
+                full = loadable // self._block_size
                 if full <= 0:
                     continue
-                digest = prompt_digests(prompt[:full * self._block_size])[-1]
+                whole = full * self._block_size
+                digest = prompt_digests(prompt[:whole])[-1]
+                tail = None
+                if loadable > whole:
+                    tail = {"tokens": loadable - whole, "digest": tail_digest(prompt[:loadable])}
                 self._saved[req_id] = digest
-                meta.saves.append(_Save(req_id, block_ids[:full], full * self._block_size,
-                                        digest))
+                meta.saves.append(_Save(req_id, block_ids[:full + (tail is not None)], whole,
+                                        digest, tail))
                 if self._options.transfer == "cache":
                     self._cache_saved.add(req_id)
             meta.aborted, self._aborted = self._aborted, []
@@ -1624,7 +1670,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 continue
             entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
                      "identity": self._identity, "tokens": save.tokens, "created": time.time(),
-                     "digest": save.digest,
+                     "digest": save.digest, **({"tail": save.tail} if save.tail else {}),
                      "readers": self._options.readers,
                      "layers": {n: d.hex() for n, d in state["layers"].items()}}
             try:
@@ -1665,7 +1711,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             elsize = {n: t.element_size() for n, (t, _) in self._caches.items()}
             entry = {"version": ENTRY_VERSION, "producer": self._producer.instance_name,
                      "identity": self._identity, "tokens": save.tokens, "created": time.time(),
-                     "digest": save.digest, "readers": self._options.readers,
+                     "digest": save.digest, **({"tail": save.tail} if save.tail else {}),
+                     "readers": self._options.readers,
                      "layers": {n: self._cache.layers[n] for n in self._caches},
                      "cache": {"file": os.path.basename(self._cache.path),
                                "blocks": list(save.block_ids)}}

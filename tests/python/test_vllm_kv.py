@@ -49,8 +49,19 @@ KILLED_PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (70, 100)]
 LAYERS = 2  # _tiny_qwen3_moe's num_hidden_layers
 
 
-def _loadable(prompt):
+def _whole(prompt):
+    """Tokens of the prompt's whole blocks before its last token: what names its entry."""
     return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def _loadable(prompt):
+    """Tokens a decode engine loads: every one but the last (the last block partial), when
+    the prompt has a whole block before its last token."""
+    return len(prompt) - 1 if _whole(prompt) else 0
+
+
+def _blocks(prompt):
+    return -(-_loadable(prompt) // BLOCK)
 
 
 def _tiny_qwen3_moe(out):
@@ -150,21 +161,21 @@ def _entries(directory):
 
 
 def _assert_loaded(decoded, tokens, prompts):
-    """A decode engine's answer: these tokens, every full block but the last token's loaded."""
+    """A decode engine's answer: these tokens, every token but the last loaded."""
     assert decoded["tokens"] == tokens
     assert decoded["cached"] == [_loadable(p) for p in prompts], decoded
     counters = decoded["counters"]
-    assert counters["loaded_blocks"] == sum(_loadable(p) // BLOCK for p in prompts)
+    assert counters["loaded_blocks"] == sum(_blocks(p) for p in prompts)
     assert counters["loaded_requests"] == len([p for p in prompts if _loadable(p)])
     assert counters["load_error_blocks"] == 0, counters
 
 
 def _assert_recomputed(decoded, tokens, prompts):
-    """... these tokens, every full block reported unloadable (vLLM computed them)."""
+    """... these tokens, every block it would load reported unloadable (vLLM computed them)."""
     assert decoded["tokens"] == tokens
     assert decoded["counters"]["loaded_blocks"] == 0
     assert decoded["counters"]["load_error_blocks"] == \
-        sum(_loadable(p) // BLOCK for p in prompts), decoded["counters"]
+        sum(_blocks(p) for p in prompts), decoded["counters"]
 
 
 def _kill(process):
@@ -176,7 +187,7 @@ def _kill(process):
 
 def _decode_late(host, common, reference):
     """A decode engine of LATE_PROMPTS after their prefill engine was killed: plain tokens,
-    every full block reported unloadable and computed. Returns what it logged."""
+    every block it would load reported unloadable and computed. Returns what it logged."""
     late, log = _run(host, role="kv_consumer", prompts=LATE_PROMPTS, **common)
     _assert_recomputed(late, reference["tokens"][len(PROMPTS):], LATE_PROMPTS)
     return log
@@ -200,7 +211,7 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
         assert produced["tokens"] == reference["tokens"]
         saved = [p for p in every if _loadable(p)]
         assert produced["counters"]["saved_requests"] == len(saved), produced["counters"]
-        assert produced["counters"]["saved_blocks"] == sum(_loadable(p) // BLOCK for p in saved)
+        assert produced["counters"]["saved_blocks"] == sum(_blocks(p) for p in saved)
         assert len(_entries(stream)) == len(saved), os.listdir(stream)
         assert _segments(stream)
 
@@ -213,7 +224,7 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
             log[-6000:]
         assert len(_entries(stream)) == len(saved)
 
-        # The decode engine: plain vLLM's tokens, every full block but the last token's from
+        # The decode engine: plain vLLM's tokens, every token but the last from
         # the prefill engine (vLLM counts them as cached: computed elsewhere).
         decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, **common)
         _assert_loaded(decoded, reference["tokens"][:len(PROMPTS)], PROMPTS)
@@ -252,7 +263,7 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
         produced = _answer(prefill)
         assert produced["tokens"] == reference["tokens"]
         assert produced["counters"]["saved_requests"] == len(saved), produced["counters"]
-        assert produced["counters"]["saved_blocks"] == sum(_loadable(p) // BLOCK for p in saved)
+        assert produced["counters"]["saved_blocks"] == sum(_blocks(p) for p in saved)
         assert len(_entries(stream)) == len(saved), os.listdir(stream)
         assert len(_cache_files(stream)) == 1 and _segments(stream) == [], os.listdir(stream)
         # Every published prompt's blocks are held for a decode engine.
@@ -295,11 +306,12 @@ def test_a_shared_prefix_is_one_copy_in_the_prefill_engines_cache_read_by_each_p
                   **common) as produced:
         blocks = []
         for p in [first] + later:
-            digest = vllm_kv.prompt_digests(p[:_loadable(p)])[-1]
+            digest = vllm_kv.prompt_digests(p[:_whole(p)])[-1]
             with open(os.path.join(stream, "ea-kv-pytest-%s-r0.json" % digest)) as f:
                 blocks.append(json.load(f)["cache"]["blocks"])
         assert all(b[:3] == blocks[0][:3] for b in blocks), blocks
-        assert len({b[3] for b in blocks if len(b) > 3}) == 2, blocks  # their own blocks
+        # Each one's fourth block its own: a whole one, or the tail after the prefix.
+        assert len({b[3] for b in blocks}) == 3, blocks
         assert produced["then"]["cached"] == [3 * BLOCK] * 2, produced["then"]
         decoded, _ = _run(hosts[1], role="kv_consumer", prompts=[first] + later, **common)
     assert decoded["tokens"] == produced["tokens"] + produced["then"]["tokens"]
@@ -368,7 +380,7 @@ def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_comput
     with _holding(hosts[0], role="kv_producer", **common) as produced:
         whys = []
         for i, p in enumerate(prompts):
-            digest = vllm_kv.prompt_digests(p[:_loadable(p)])[-1]
+            digest = vllm_kv.prompt_digests(p[:_whole(p)])[-1]
             path = os.path.join(stream, "ea-kv-pytest-%s-r0.json" % digest)
             with open(path) as f:
                 entry, why = damaged(json.load(f), i)
@@ -381,7 +393,7 @@ def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_comput
     assert decoded["tokens"] == produced["tokens"]
     counters = decoded["counters"]
     assert counters["loaded_blocks"] == 0, counters
-    assert counters["load_error_blocks"] == sum(_loadable(p) // BLOCK for p in prompts), counters
+    assert counters["load_error_blocks"] == sum(_blocks(p) for p in prompts), counters
     for why in whys:
         assert why in log, (why, log[-6000:])
     assert "Traceback" not in log, log[-6000:]
@@ -411,7 +423,7 @@ def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_be
             os.killpg(killed.pid, signal.SIGKILL)
             killed.wait()
     assert code == -signal.SIGKILL, _log(killed)[-6000:]
-    published, half = [vllm_kv.prompt_digests(p[:_loadable(p)])[-1] for p in KILLED_PROMPTS]
+    published, half = [vllm_kv.prompt_digests(p[:_whole(p)])[-1] for p in KILLED_PROMPTS]
     assert _entries(stream) == ["ea-kv-pytest-%s-r0.json" % published], os.listdir(stream)
     # Its segments hold the published prompt's layers and the half-saved prompt's first one.
     held = [expert_arena.inspect_segment(os.path.join(stream, s)) for s in _segments(stream)]
@@ -427,7 +439,7 @@ def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_be
     assert decoded["tokens"] == reference["tokens"]
     counters = decoded["counters"]
     assert counters["loaded_blocks"] == 0, counters
-    assert counters["load_error_blocks"] == _loadable(KILLED_PROMPTS[0]) // BLOCK, counters
+    assert counters["load_error_blocks"] == _blocks(KILLED_PROMPTS[0]), counters
     assert "cannot be opened" in log and "removing %s" % temporary in log, log[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
@@ -440,7 +452,7 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, tra
     """The layouts are taken from the KV caches vLLM registered: a dense model's, and
     DeepSeek-V3's MLA latent cache (one [blocks, block size, 576] tensor per layer instead of
     keys and values, in 16-token blocks). The decode engine gives plain vLLM's tokens with
-    every full block but the last token's loaded. With a shared KV cache too: MLA's layers
+    every token but the last loaded. With a shared KV cache too: MLA's layers
     bind views of their own (a squeeze of the registered tensor), which write into the file
     as well."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "python"))
@@ -461,9 +473,9 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, tra
     # (vLLM's CPU MLA runs 16-token blocks whatever the engine asked for.)
     block = decoded["block_size"]
     assert produced["block_size"] == block
-    loadable = [(len(p) - 1) // block * block for p in prompts]
+    loadable = [len(p) - 1 if len(p) > block else 0 for p in prompts]
     assert decoded["cached"] == loadable, decoded
-    assert decoded["counters"]["loaded_blocks"] == sum(n // block for n in loadable)
+    assert decoded["counters"]["loaded_blocks"] == sum(-(-n // block) for n in loadable)
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
@@ -478,7 +490,7 @@ def test_two_decode_engines_read_one_prefill_without_a_copy_each(model, dirs, ho
     prefill = _start(role="kv_producer", prompts=prompts, readers=2, hold=True, **common)
     try:
         produced = _answer(prefill)
-        saved_blocks = sum(_loadable(p) // BLOCK for p in prompts)
+        saved_blocks = sum(_blocks(p) for p in prompts)
         assert produced["counters"]["saved_blocks"] == saved_blocks, produced["counters"]
         segments = _segments(stream)
         for host in hosts:  # started together
@@ -569,6 +581,16 @@ def test_prompt_digests_name_prefixes_and_damaged_entries_are_refused_by_name(tm
     assert len(da) == 100 // vllm_kv.HASH_TOKENS
     assert da[:2] == db[:2] and all(x != y for x, y in zip(da[2:], db[2:]))
     assert vllm_kv.prompt_digests(a[:64]) == da[:4]
+    # An entry's tail (its last, partial block) is loaded only by a prompt whose tokens but
+    # its last are the ones it was computed for.
+    entry = {"tokens": 64, "tail": {"tokens": 20, "digest": vllm_kv.tail_digest(a[:84])}}
+    assert vllm_kv._tail_tokens(entry, a[:85], 64, 32) == 20
+    assert vllm_kv._tail_tokens(entry, b[:85], 64, 32) == 0  # b differs at token 40
+    assert vllm_kv._tail_tokens(entry, a[:83] + [7, 8], 64, 32) == 0  # another tail
+    assert vllm_kv._tail_tokens(entry, a[:86], 64, 32) == 0  # a longer prompt: whole blocks
+    assert vllm_kv._tail_tokens(entry, a[:85], 32, 32) == 0  # found at another length
+    assert vllm_kv._tail_tokens(entry, a[:85], 64, 16) == 0  # more than a block
+    assert vllm_kv._tail_tokens({"tokens": 64}, a[:85], 64, 32) == 0
 
     # What the decode engine reads from the shared directory is checked, never trusted.
     cases = {"not-json.json": b"{\"version\": 1, ",
@@ -668,15 +690,15 @@ def test_a_decode_engine_in_another_network_namespace_loads_through_the_front_do
                             transfer_params=params)
         assert wrong["tokens"] == produced["tokens"]
         assert wrong["counters"]["loaded_blocks"] == 0
-        assert wrong["counters"]["load_error_blocks"] == sum(n // BLOCK for n in loadable)
+        assert wrong["counters"]["load_error_blocks"] == sum(-(-n // BLOCK) for n in loadable)
         assert "token" in log, log[-6000:]
 
-        # The token: every full block but the last token's from the other namespace.
+        # The token: every token but the last from the other namespace.
         decoded, _ = decode(remote_token="t0ken", remote_producers=[producer],
                             transfer_params=params)
         assert decoded["tokens"] == produced["tokens"]
         assert decoded["cached"] == loadable, decoded
-        assert decoded["counters"]["loaded_blocks"] == sum(n // BLOCK for n in loadable)
+        assert decoded["counters"]["loaded_blocks"] == sum(-(-n // BLOCK) for n in loadable)
         assert decoded["counters"]["load_error_blocks"] == 0, decoded["counters"]
         assert os.listdir(elsewhere) == [], os.listdir(elsewhere)
     finally:
@@ -722,6 +744,8 @@ def _hostile_cases(entry, identity, forged, other_digest, unlisted, listed):
         (params(entry(tokens="64")), lacks),
         (params(entry(layers={"model.layers.0": 7})), lacks),
         (params(entry(readers=-1)), "readers -1 is not from 1 to"),
+        (params(entry(tail={"tokens": "7", "digest": "x"})), "its tail is not tokens and a"),
+        (params(entry(tail=[7, "x"])), "its tail is not tokens and a digest"),
         (params(entry(tokens=(1 << 63) - BLOCK)), fit),  # vLLM takes up to 2**64 - 1
         (params(entry(tokens=BLOCK + BLOCK // 2)), fit),
         (params(entry(digest=other_digest)), "the KV of other tokens"),
@@ -763,11 +787,10 @@ def test_hostile_kv_transfer_params_are_refused_by_name_and_the_prompts_computed
     logs each refusal naming the request and why, and connects nowhere."""
     from expert_arena import _core, vllm_kv
     stream, spill = dirs
-    # Prompts of three loadable blocks each (the forged descriptors' block dimension is the
-    # one of size 3), one per case.
+    # Prompts of three loadable blocks each and no tail (the forged descriptors' block
+    # dimension is the one of size 3), one per case.
     rng = random.Random(43)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(97, 128))]
-               for _ in range(35)]
+    prompts = [[rng.randrange(3, 512) for _ in range(3 * BLOCK + 1)] for _ in range(37)]
     common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
                   prompts=prompts)
     # The prefill engine's tokens are plain vLLM's (saving reads the cache only); its entries
