@@ -19,9 +19,9 @@ The model is a random Qwen3-MoE made here with transformers' class (bf16; --laye
 --head-size set the KV bytes per token, --hidden the compute). A prefill engine computes each
 prompt (max_tokens 1) and stays alive; then a decode engine, after one warm-up prompt, runs each
 prompt with max_tokens 1 and is timed around llm.generate (its load, its last block's compute
-and the first token), and its prompt tokens cached (vLLM's num_cached_tokens; NixlConnector's loads are not
-counted there) and its first token (against recompute's) are shown. Prompts
-are random, one set per length (--prompts of each), the same set for every connector.
+and the first token), and its prompt tokens cached (vLLM's num_cached_tokens; NixlConnector's
+loads are not counted there) and its first token (against recompute's) are shown. Prompts are
+random, one set per length (--prompts of each), the same set for every connector.
 
     .venv-vllm/bin/python bench/kv_engine_bench.py [--tokens 1024 4096 16384] [--prompts 3]
         [--connectors recompute,segments,cache,example,nixl] [--nixl DIR] [--layers 8]
@@ -263,9 +263,13 @@ def main():
         results = {}
         for connector in connectors:
             started = time.perf_counter()
-            results[connector] = _measure(args, connector, model, prompts, warmup, workdir)
-            print("%s: %.0f s" % (connector, time.perf_counter() - started), file=sys.stderr,
-                  flush=True)
+            try:
+                results[connector] = _measure(args, connector, model, prompts, warmup, workdir)
+            except RuntimeError as e:  # an engine that failed: its last line in the table
+                lines = [l for l in str(e).splitlines() if l.strip()]
+                results[connector] = {"failed": lines[-1][-160:] if lines else "?"}
+            print("%s: %.0f s %s" % (connector, time.perf_counter() - started,
+                                     results[connector]), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     kv_per_token = 2 * args.layers * args.kv_heads * args.head_size * 2
@@ -276,17 +280,21 @@ def main():
     print("|---|---|" + "---|" * (2 * len(connectors) - ("recompute" in connectors)))
     for k, tokens in enumerate(args.tokens):
         rows = slice(k * args.prompts, (k + 1) * args.prompts)
-        med = {c: statistics.median(results[c]["seconds"][rows]) for c in connectors}
+        med = {c: statistics.median(results[c]["seconds"][rows]) for c in connectors
+               if "failed" not in results[c]}
         cells = []
         for c in connectors:
+            if "failed" in results[c]:
+                cells.append("failed: %s" % results[c]["failed"])
+                continue
             cached = results[c]["cached"][rows]
             cells.append("%.3f s" % med[c] + ("" if c == "recompute" else
                                               " (%s)" % "/".join(map(str, cached))))
-            if "recompute" in results and (results[c]["first"][rows]
+            if "recompute" in med and (results[c]["first"][rows]
                                            != results["recompute"]["first"][rows]):
                 cells[-1] += " **first token differs from recompute's**"
-        ratios = ["%.1fx" % (med["recompute"] / med[c]) for c in connectors
-                  if c != "recompute" and "recompute" in med]
+        ratios = ["%.1fx" % (med["recompute"] / med[c]) if c in med else "-"
+                  for c in connectors if c != "recompute" and "recompute" in med]
         print("| %d | %.0f MiB | %s | %s |" % (tokens, tokens * kv_per_token / 2**20,
                                               " | ".join(cells), " | ".join(ratios)))
     print("\n    " + " ".join([os.path.basename(sys.executable)] + sys.argv))
