@@ -17,7 +17,7 @@ other blocks of the decode engine's cache:
   cache        what the connector does with transfer "cache": the prefill engine's cache
                tensors live in a shared file (_SharedCache, as vLLM's are moved there), nothing
                is copied on that side; a consumer in another process copies the blocks straight
-               from the file into its cache (copy_cache_blocks: os.preadv per run of blocks;
+               from the file into its cache (copy_cache_blocks: pread, one call for all runs;
                the consumer's time, opening the file included);
   example      ExampleConnector's I/O: the gathered layer saved with safetensors' save_file,
                read back with load_file and scattered, per layer, in a directory (default
@@ -26,9 +26,9 @@ other blocks of the decode engine's cache:
                backend, DRAM) READs each block of each layer from the prefill side's
                registered cache straight into its own cache's blocks, as NixlConnector does
                (descriptor lists prepared once per cache, one make_prepped_xfer per request).
-               PyPI's `nixl` meta package picks its wheel by the CUDA that torch was built for
-               (13 for .venv-vllm's torch, for which no nixl-cu13 1.5.2 exists), so --nixl
-               names a folder holding nixl-cu12's files (`nixl_cu12`), imported directly.
+               --nixl names a folder holding nixl-cu12's files (`nixl_cu12`), imported
+               directly (vLLM's NixlConnector itself, through PyPI's `nixl` meta package
+               with nixl-cu13: bench/kv_engine_bench.py).
 
     .venv-vllm/bin/python bench/kv_connector_bench.py [--tokens 1024 4096 16384] [--layers 8]
         [--kv-heads 8] [--head-size 128] [--dtype bfloat16] [--repeat 5] [--nixl DIR]
