@@ -189,7 +189,7 @@ def _env(args, side_port):
     return env
 
 
-def _measure(args, connector, model, prompts, warmup, workdir):
+def _measure(args, connector, model, prompts, warmup):
     job = {"model": model, "connector": connector, "max_model_len": max(args.tokens) + 256,
            "load": args.load,
            "prompts": prompts, "warmup": warmup}
@@ -264,7 +264,7 @@ def main():
         for connector in connectors:
             started = time.perf_counter()
             try:
-                results[connector] = _measure(args, connector, model, prompts, warmup, workdir)
+                results[connector] = _measure(args, connector, model, prompts, warmup)
             except RuntimeError as e:  # an engine that failed: its last line in the table
                 lines = [l for l in str(e).splitlines() if l.strip()]
                 results[connector] = {"failed": lines[-1][-160:] if lines else "?"}
