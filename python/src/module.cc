@@ -10,11 +10,12 @@
 // (which names the file and the cause); see RaiseStatus. Calls that read files, wait on locks
 // or copy tensors release the GIL; they hold their own reference to the C++ object meanwhile,
 // so another thread's close() cannot free it under them.
-#include <unistd.h>
+#include <fcntl.h>
 
 #include <cstring>
 
 #include "binding.h"
+#include "platform/file.h"
 #include "remote/core_identity.h"
 
 namespace {
@@ -90,6 +91,12 @@ PYBIND11_MODULE(_core, m) {
       "read_runs",
       [](int fd, const py::array_t<uint64_t, py::array::c_style>& runs) {
         const Runs r = CheckedRuns(runs, "read_runs");
+        // A descriptor of its own: the caller's stays open.
+        platform::UniqueFd file(::fcntl(fd, F_DUPFD_CLOEXEC, 0), "the file");
+        if (!file.valid()) {
+          PyErr_SetFromErrno(PyExc_OSError);
+          throw py::error_already_set();
+        }
         uint64_t total = 0;
         std::string problem;
         {
@@ -97,24 +104,16 @@ PYBIND11_MODULE(_core, m) {
           for (size_t i = 0; i < r.count && problem.empty(); ++i) {
             const uint64_t offset = r.at[3 * i], bytes = r.at[3 * i + 2];
             auto* to = reinterpret_cast<std::byte*>(static_cast<uintptr_t>(r.at[3 * i + 1]));
-            uint64_t done = 0;
-            while (done < bytes) {
-              const ssize_t n = ::pread(fd, to + done, bytes - done,
-                                        static_cast<off_t>(offset + done));
-              if (n < 0 && errno == EINTR) continue;
-              if (n < 0) {
-                problem = std::string("read failed: ") + std::strerror(errno);
-                break;
-              }
-              if (n == 0) {
-                problem = "the file ends at offset " + std::to_string(offset + done) +
-                          ", before the " + std::to_string(bytes) + " bytes at offset " +
-                          std::to_string(offset) + " that run " + std::to_string(i) + " reads";
-                break;
-              }
-              done += static_cast<uint64_t>(n);
+            Result<size_t> got = platform::ReadSome(file, offset, {to, bytes});
+            if (!got.ok()) {
+              problem = got.status().message();
+            } else if (*got != bytes) {
+              problem = "the file ends at offset " + std::to_string(offset + *got) +
+                        ", before the " + std::to_string(bytes) + " bytes at offset " +
+                        std::to_string(offset) + " that run " + std::to_string(i) + " reads";
+            } else {
+              total += bytes;
             }
-            total += done;
           }
         }
         if (!problem.empty()) throw py::value_error(problem);
