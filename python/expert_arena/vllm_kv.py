@@ -84,6 +84,7 @@ import threading
 import time
 from typing import Any
 
+import numpy
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -801,8 +802,7 @@ def _block_runs(desc: dict, src_blocks, target, dim: int, dst_ids) -> list:
 
 
 def _runs_array(runs: list):
-    import numpy as np
-    return np.array(runs, dtype=np.uint64).reshape(-1, 3)
+    return numpy.array(runs, dtype=numpy.uint64).reshape(-1, 3)
 
 
 def _read_runs(fd: int, runs: list) -> int:
@@ -1408,24 +1408,14 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         path = source if isinstance(source, str) else None
         job = _Job(load=load, path=path)
         try:
-            if path is None:
-                entry = source if isinstance(source, dict) else None
-            else:
-                try:
-                    job.entry_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    pass
-                entry = None if job.entry_fd is None else _parsed_entry(job.entry_fd, path)
-                if entry is not None and "cache" not in entry:
-                    # Only a shared cache's entry is held (with its lock) until the copy is
-                    # checked.
-                    os.close(job.entry_fd)
-                    job.entry_fd = None
+            entry = self._locked_entry(job) if path else \
+                source if isinstance(source, dict) else None
             if entry is None:
                 raise ValueError("index entry %s is gone" % path)
             if "cache" in entry and path:
-                self._begin_cache(job)
+                self._begin_cache(job, entry)
             else:
+                job.close()  # only a shared cache's entry is held (locked) until the end
                 self._begin_segments(job, entry)
         except (OSError, ValueError) as e:
             logger.warning("expert_arena.vllm_kv: request %s: %s; recomputing %d blocks",
@@ -1446,11 +1436,15 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         job.last_reader = bool(job.path) and turn == entry["readers"] - 1
         job.layers = list(plan.items())
 
-    def _begin_cache(self, job: _Job) -> None:
-        """_begin of an entry naming blocks of a prefill engine's shared KV cache, copied from
-        its file while this engine holds the entry's shared lock (the prefill engine frees the
-        blocks only once it can lock the entry exclusively, after withdrawing it)."""
-        path, load, fd = job.path, job.load, job.entry_fd
+    def _locked_entry(self, job: _Job) -> dict:
+        """The local entry of `job`, opened (job.entry_fd) and read under its shared lock: a
+        shared cache's is withdrawn only under an exclusive one (a segments entry is never
+        locked otherwise)."""
+        path = job.path
+        try:
+            job.entry_fd = fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError("index entry %s is gone" % path) from None
         for _ in range(_LOCK_TRIES):
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -1462,7 +1456,13 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if os.fstat(fd).st_nlink == 0:
             raise ValueError("index entry %s was withdrawn (its request aborted or "
                              "expired)" % path)
-        entry = _parsed_entry(fd, path)
+        return _parsed_entry(fd, path)
+
+    def _begin_cache(self, job: _Job, entry: dict) -> None:
+        """_begin of an entry naming blocks of a prefill engine's shared KV cache, copied from
+        its file while this engine holds the entry's shared lock (the prefill engine frees the
+        blocks only once it can lock the entry exclusively, after withdrawing it)."""
+        path, load = job.path, job.load
         cache = entry.get("cache")
         if not cache or not _owned_cache_file(cache["file"], self._options.name):
             raise ValueError("index entry %s names %s, not a KV cache file of this "
@@ -1513,14 +1513,13 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 for cache, dim, target in job.staged:
                     scatter_blocks(cache, dim, load.block_ids, target.to(cache.device))
                 return
-            names = [name for name, _ in job.layers]
             try:
                 job.views = self._consumer.open_many([plan[0] for _, plan in job.layers])
             except (OSError, ValueError, RuntimeError) as e:
                 job.error = "the producer's KV cannot be opened (%s)" % e
                 return
             runs = []
-            for name, view, (_, plan) in zip(names, job.views, job.layers):
+            for (name, plan), view in zip(job.layers, job.views):
                 cache, dim = self._caches[name]
                 shape = plan[1]
                 count = len(load.block_ids)
