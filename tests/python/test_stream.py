@@ -294,8 +294,12 @@ def test_a_killed_python_producers_segments_are_swept(stream_dir):
     info = expert_arena.inspect_segment(seen[0])
     assert info["ours"] and info["owner_pid"] == p.pid and info["owner_alive"]
     assert info["live_blocks"] > 0
-    # The owner is alive: nothing is removed.
-    assert expert_arena.sweep(stream_dir)["removed"] == []
+    # The owner is alive: the segments it holds stay. (One its grow-ahead thread is creating
+    # at that moment, not locked yet, may be removed: the producer makes it again under
+    # another name, src/stream/sweep.cc.)
+    live = expert_arena.sweep(stream_dir)
+    assert seen[0] in live["live"] and seen[0] not in live["removed"], live
+    seen = [s for s in seen if s not in live["removed"]]
     p.send_signal(signal.SIGKILL)
     p.wait(30)
     p.stdin.close()
