@@ -7,7 +7,10 @@
 // the consumer opens them all (OpenMany: the bytes come over UCX into its memory, xxh3 checked),
 // releases them (each release crosses the wire) and acknowledges on a second FIFO. The
 // producer times the round from its first put to the acknowledgement. Reported per shape: the
-// median round, and the payload's bytes over it in MiB/s (as ucx_perftest's MB/s column, 2^20).
+// median round, and the payload's bytes over it in MiB/s (as ucx_perftest's MB/s column, 2^20);
+// the medians of the round's parts: the puts (producer), the OpenMany (consumer: requests out,
+// bytes in, xxh3 checked) and the releases (consumer), the consumer's two sent back with its
+// acknowledgement.
 //
 // Usage: xstream_bench produce --listen ADDR:PORT --fifo DIR [--rounds N] [--dir D]
 //        xstream_bench consume --fifo DIR [--dir D]
@@ -106,8 +109,12 @@ int Produce(int argc, char** argv) {
   if (out < 0 || ack < 0) return 1;
   std::vector<std::byte> payload(64 << 20);
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = std::byte(i * 131 + (i >> 12));
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   for (const Shape& shape : kShapes) {
-    std::vector<double> times;
+    std::vector<double> times, puts, opens, releases;
     for (int r = 0; r < rounds + 2; ++r) {  // two warm-up rounds
       auto start = Clock::now();
       std::vector<std::string> descs;
@@ -125,22 +132,31 @@ int Produce(int argc, char** argv) {
         }
         descs.push_back(*d);
       }
+      const double put = std::chrono::duration<double>(Clock::now() - start).count();
       if (!SendMessage(out, std::to_string(descs.size()))) return 1;
       for (const auto& d : descs)
         if (!SendMessage(out, d)) return 1;
       std::string reply;
-      if (!ReadMessage(ack, &reply) || reply != "ok") {
+      double open = 0, release = 0;
+      if (!ReadMessage(ack, &reply) || std::sscanf(reply.c_str(), "ok %lf %lf", &open, &release) != 2) {
         std::fprintf(stderr, "consumer: %s\n", reply.c_str());
         return 1;
       }
-      if (r >= 2) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      if (r >= 2) {
+        times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+        puts.push_back(put);
+        opens.push_back(open);
+        releases.push_back(release);
+      }
     }
-    std::sort(times.begin(), times.end());
-    double median = times[times.size() / 2];
-    double bytes = static_cast<double>(shape.count) * static_cast<double>(shape.bytes);
+    const double round = median(times);
+    const double bytes = static_cast<double>(shape.count) * static_cast<double>(shape.bytes);
     std::printf(
-        "{\"shape\": \"%s\", \"rounds\": %d, \"median_round_ms\": %.3f, \"mib_per_s\": %.1f}\n",
-        shape.name, rounds, median * 1e3, bytes / median / 1048576.0);
+        "{\"shape\": \"%s\", \"rounds\": %d, \"median_round_ms\": %.3f, \"mib_per_s\": %.1f, "
+        "\"median_put_ms\": %.3f, \"median_open_ms\": %.3f, \"open_mib_per_s\": %.1f, "
+        "\"median_release_ms\": %.3f}\n",
+        shape.name, rounds, round * 1e3, bytes / round / 1048576.0, median(puts) * 1e3,
+        median(opens) * 1e3, bytes / median(opens) / 1048576.0, median(releases) * 1e3);
     std::fflush(stdout);
   }
   SendMessage(out, "0");
@@ -166,7 +182,9 @@ int Consume(int argc, char** argv) {
     for (auto& d : descs)
       if (!ReadMessage(in, &d)) return 1;
     std::vector<std::string_view> views(descs.begin(), descs.end());
+    const auto start = Clock::now();
     auto opened = consumer->OpenMany(views);
+    const auto fetched = Clock::now();
     if (!opened.ok()) {
       SendMessage(ack, opened.status().ToString());
       return 1;
@@ -178,7 +196,9 @@ int Consume(int argc, char** argv) {
       }
       t.Release();
     }
-    if (!SendMessage(ack, "ok")) return 1;
+    const double open = std::chrono::duration<double>(fetched - start).count();
+    const double release = std::chrono::duration<double>(Clock::now() - fetched).count();
+    if (!SendMessage(ack, "ok " + std::to_string(open) + " " + std::to_string(release))) return 1;
   }
 }
 

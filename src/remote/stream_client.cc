@@ -186,7 +186,8 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                     }
                     if (h.length != f->into.size() || length != f->into.size()) {
                       f->refusal = "the producer sent " + std::to_string(length) +
-                                   " bytes for a block of " + std::to_string(f->into.size());
+                                   " bytes (its header says " + std::to_string(h.length) +
+                                   ") for a block of " + std::to_string(f->into.size());
                       return UCS_OK;
                     }
                     if (rndv) {

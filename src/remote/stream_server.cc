@@ -153,6 +153,7 @@ class Server final : public StreamServer {
   void EndExpiredLocked();
   void Teardown();
   void PauseForTest();
+  void DamageForTest(StreamData& header, std::span<const std::byte>* bytes) const;
 
   StreamServerOptions options_;
   std::shared_ptr<spdlog::logger> log_;
@@ -176,6 +177,7 @@ class Server final : public StreamServer {
   std::deque<std::string> aborted_keys_;
   uint64_t next_hold_ = 0;
   DoorCounters counters_;  // a copy of the door's and dropped_, for counters()
+  std::string damage_;     // test only: EXPERT_ARENA_TEST_STREAM_DAMAGE
 };
 
 // Bounds of admitted consumers, in all and per address (the front door bounds handshakes).
@@ -297,6 +299,7 @@ void Server::Serve(OpenAsk& ask) {
   h.header.hold = h.id;
   h.header.length = bytes.size();
   h.header.xxh3 = FastXxh3(bytes.data(), bytes.size());
+  if (!damage_.empty()) DamageForTest(h.header, &bytes);
   ucp_request_param_t param{};
   h.send = ucp_am_send_nbx(c->ep, kStreamDataId, &h.header, sizeof h.header, bytes.data(),
                            bytes.size(), &param);
@@ -317,6 +320,15 @@ void Server::PauseForTest() {
   for (int i = 0; i < 600 && platform::StatPath(path).ok(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+}
+
+// Test only: EXPERT_ARENA_TEST_STREAM_DAMAGE makes this a producer that lies about every block
+// it sends: "xxh3" (a hash the bytes do not have), "short" (one byte fewer than the block),
+// "long" (a header that claims one byte more).
+void Server::DamageForTest(StreamData& header, std::span<const std::byte>* bytes) const {
+  if (damage_ == "xxh3") header.xxh3 ^= 1;
+  if (damage_ == "short" && !bytes->empty()) *bytes = bytes->first(bytes->size() - 1);
+  if (damage_ == "long") ++header.length;
 }
 
 void Server::EndLocked(std::list<Hold>::iterator it, bool spend, const char* why) {
@@ -565,6 +577,7 @@ Status Server::Start(const StreamServerOptions& options) {
                            " s: must be more than 0");
   }
   instance_ = options.instance_id != 0 ? options.instance_id : RandomId();
+  if (const char* damage = std::getenv("EXPERT_ARENA_TEST_STREAM_DAMAGE")) damage_ = damage;
   segment_prefix_ = options.segment_prefix;
   EA_ASSIGN_OR_RETURN(platform::SocketAddress listen, platform::ResolveHostPort(options.listen));
   ConsumerOptions co;

@@ -286,6 +286,46 @@ TEST_F(StreamLoopbackTest, OpenManyFetchesABatchBitExact) {
   EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
 }
 
+TEST_F(StreamLoopbackTest, AProducerLyingAboutItsBytesIsRefusedByName) {
+  // The server made hostile by a test hook (read when the producer starts), at an eager and a
+  // rendezvous size: each lie is refused by name and nothing is handed over. A damaged block's
+  // hold is given back at once; after a lie about its length the consumer drops the
+  // connection, and the producer ends the hold once the consumer is gone.
+  for (const size_t size : {size_t{1000}, size_t{6} << 20}) {
+    const std::string n = std::to_string(size);
+    const std::string of = ") for a block of " + n;
+    const std::vector<std::pair<std::string, std::string>> lies = {
+        {"xxh3", "the " + n + " bytes received do not match the producer's xxh3 (damaged in transit)"},
+        {"short", "the producer sent " + std::to_string(size - 1) + " bytes (its header says " + n + of},
+        {"long", "the producer sent " + n + " bytes (its header says " + std::to_string(size + 1) + of},
+    };
+    for (const auto& [lie, said] : lies) {
+      setenv("EXPERT_ARENA_TEST_STREAM_DAMAGE", lie.c_str(), 1);
+      auto producer = StreamProducer::Create(Producer());
+      unsetenv("EXPERT_ARENA_TEST_STREAM_DAMAGE");
+      ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+      auto bytes = TensorBytes(lie, size, 1);
+      auto desc = producer->Put("lied", bytes, {.dtype = "u8"});
+      ASSERT_TRUE(desc.ok());
+      {
+        auto consumer = StreamConsumer::Create(Consumer());
+        ASSERT_TRUE(consumer.ok());
+        auto t = consumer->Open(*desc);
+        ASSERT_FALSE(t.ok()) << lie << " " << size;
+        EXPECT_EQ(t.status().code(), StatusCode::kCorrupt)
+            << lie << " " << size << ": " << t.status().ToString();
+        EXPECT_NE(t.status().message().find(said), std::string::npos)
+            << lie << " " << size << ": " << t.status().ToString();
+        if (lie == "xxh3") {
+          EXPECT_TRUE(Eventually([&] { return RemoteHolders(*producer) == 0; })) << size;
+          EXPECT_EQ(Live(*producer), 1u) << "given back unspent: the block is still readable";
+        }
+      }
+      EXPECT_TRUE(Eventually([&] { return RemoteHolders(*producer) == 0; })) << lie << " " << size;
+    }
+  }
+}
+
 TEST_F(StreamLoopbackTest, ReleasedMemoryIsReusedButNeverUnderAHeldView) {
   auto producer = StreamProducer::Create(Producer());
   ASSERT_TRUE(producer.ok());
