@@ -1048,9 +1048,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself (it needs its logits). An
         # entry is found by the whole blocks of a prefix; the tail after them is loaded too
-        # when it is this prompt's (_tail_tokens).
+        # when it is this prompt's (_tail_tokens), alone when the whole blocks are this
+        # engine's already (its prefix cache: num_computed_tokens is `limit` then).
         limit = (len(tokens) - 1) // self._block_size * self._block_size
-        if limit <= num_computed_tokens:
+        if limit == 0 or limit < num_computed_tokens:
             return 0, False
         _count(lookups=1)
         digests = prompt_digests(tokens[:limit])
@@ -1058,7 +1059,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if isinstance(params, dict) and "expert_arena" in params:
             return self._match_remote(request, params["expert_arena"], tokens, digests, limit,
                                       num_computed_tokens)
-        for length in range(limit, num_computed_tokens, -self._block_size):
+        for length in range(limit, max(num_computed_tokens, 1) - 1, -self._block_size):
             digest = digests[length // HASH_TOKENS - 1]
             paths = [self._options.entry_path(digest, r) for r in range(self._tp_size)]
             entry = self._usable_entry(paths[0], length)
@@ -1066,8 +1067,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                 continue
             if not all(os.path.exists(p) for p in paths[1:]):
                 continue
-            return self._matched(request, paths, length + _tail_tokens(
-                entry, tokens, length, self._block_size), num_computed_tokens)
+            loaded = length + _tail_tokens(entry, tokens, length, self._block_size)
+            if loaded <= num_computed_tokens:  # no tail: this engine has its blocks
+                break
+            return self._matched(request, paths, loaded, num_computed_tokens)
         return 0, False
 
     def _matched(self, request, entries, tokens: int, num_computed_tokens: int):

@@ -320,6 +320,34 @@ def test_a_shared_prefix_is_one_copy_in_the_prefill_engines_cache_read_by_each_p
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+@pytest.mark.parametrize("transfer", ["segments", "cache"])
+def test_a_prompt_whose_whole_blocks_this_engine_has_loads_only_its_tail(transfer, model,
+                                                                         dirs, hosts):
+    """A decode engine that has a prompt's whole blocks in its own prefix cache (it decoded the
+    prompt before) loads only the entry's tail, the partial block after them, and computes the
+    last token alone: vLLM counts every token but the last cached, not only the whole blocks.
+    Its tokens are the prefill engine's (plain vLLM's)."""
+    stream, spill = dirs
+    prompts = [p for p in PROMPTS + LATE_PROMPTS if _loadable(p) > _whole(p)]
+    assert prompts
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
+                  transfer=transfer)
+    with _holding(hosts[0], role="kv_producer", prompts=prompts, readers=2,
+                  **common) as produced:
+        decoded, log = _run(hosts[1], role="kv_consumer", prompts=prompts, then=prompts,
+                            **common)
+    assert decoded["tokens"] == produced["tokens"], log[-6000:]
+    assert decoded["then"]["tokens"] == produced["tokens"], log[-6000:]
+    assert decoded["cached"] == [_loadable(p) for p in prompts], decoded
+    assert decoded["then"]["cached"] == [_loadable(p) for p in prompts], decoded["then"]
+    counters = decoded["counters"]
+    assert counters["loaded_requests"] == 2 * len(prompts), counters
+    # The second time one block each: the tail.
+    assert counters["loaded_blocks"] == sum(_blocks(p) + 1 for p in prompts), counters
+    assert counters["load_error_blocks"] == 0, counters
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
 def test_a_preempted_request_withdraws_the_blocks_its_entry_named(model, dirs, hosts):
     """transfer "cache" in a prefill engine that goes on decoding in a KV cache of 16 blocks:
     vLLM preempts a request after its prompt was published and gives its blocks to others;
