@@ -428,11 +428,15 @@ Result<platform::Mapping> StreamConsumer::Impl::RemoteMemory(uint64_t bytes) {
       return memory;
     }
   }
+  const bool huge = bytes % kHugePageBytes == 0;
   EA_ASSIGN_OR_RETURN(platform::Mapping memory,
-                      platform::Mapping::MapAnonymous(bytes, kHugePageBytes));
+                      platform::Mapping::MapAnonymous(
+                          bytes, huge ? kHugePageBytes : platform::BasePageSize()));
   // Transparent huge pages in "madvise" mode too; where the kernel refuses, 4 KiB pages.
-  (void)platform::AdviseRange(memory.data(), bytes, platform::Advice::kHugePage,
-                              "remote tensor memory");
+  if (huge) {
+    (void)platform::AdviseRange(memory.data(), bytes, platform::Advice::kHugePage,
+                                "remote tensor memory");
+  }
   return memory;
 }
 
@@ -465,9 +469,12 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
   std::vector<std::span<std::byte>> into(n);
   for (size_t i = 0; i < n; ++i) {
     views[i] = std::make_unique<RemoteView>();
-    // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data.
-    const uint64_t rounded = (std::max<uint64_t>(ds[i].length, 1) + kHugePageBytes - 1) /
-                             kHugePageBytes * kHugePageBytes;
+    // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data; a
+    // tensor under 1 MiB on base pages (a huge page each held 32x the memory of a 64 KiB one).
+    const uint64_t length = std::max<uint64_t>(ds[i].length, 1);
+    const uint64_t page =
+        length < kHugePageBytes / 2 ? platform::BasePageSize() : kHugePageBytes;
+    const uint64_t rounded = (length + page - 1) / page * page;
     auto memory = RemoteMemory(rounded);
     if (!memory.ok()) {
       *failed = i;
