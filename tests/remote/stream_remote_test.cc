@@ -100,6 +100,24 @@ class StreamLoopbackTest : public ::testing::Test {
     o.remote_timeout_seconds = 20;
     return o;
   }
+  // Puts one u8 tensor of each size (key PREFIX-i, TensorBytes' bytes, kept in *tensors):
+  // their descriptors, empty when a put failed (the test then fails on the count).
+  static std::vector<std::string> PutEach(StreamProducer& p, const std::string& prefix,
+                                          const std::vector<size_t>& sizes,
+                                          std::vector<std::vector<std::byte>>* tensors) {
+    std::vector<std::string> descs;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const std::string key = prefix + "-" + std::to_string(i);
+      tensors->push_back(TensorBytes(key, sizes[i], 1));
+      auto d = p.Put(key, tensors->back(), {.dtype = "u8"});
+      if (!d.ok()) {
+        ADD_FAILURE() << key << ": " << d.status().ToString();
+        return {};
+      }
+      descs.push_back(*d);
+    }
+    return descs;
+  }
   // Blocks the producer still holds, after settling.
   static size_t Live(StreamProducer& p) {
     auto pending = p.Pending();
@@ -262,15 +280,11 @@ TEST_F(StreamLoopbackTest, OpenManyFetchesABatchBitExact) {
   auto consumer = StreamConsumer::Create(Consumer());
   ASSERT_TRUE(consumer.ok());
   // Eager and rendezvous sizes in one batch.
+  std::vector<size_t> sizes(32, 64 << 10);
+  sizes.push_back(4 << 20);
   std::vector<std::vector<std::byte>> tensors;
-  std::vector<std::string> descs;
-  for (int i = 0; i < 33; ++i) {
-    const std::string key = "batch-" + std::to_string(i);
-    tensors.push_back(TensorBytes(key, i == 32 ? (4 << 20) : (64 << 10), 1));
-    auto d = producer->Put(key, tensors.back(), {.dtype = "u8"});
-    ASSERT_TRUE(d.ok());
-    descs.push_back(*d);
-  }
+  std::vector<std::string> descs = PutEach(*producer, "batch", sizes, &tensors);
+  ASSERT_EQ(descs.size(), sizes.size());
   std::vector<std::string_view> views(descs.begin(), descs.end());
   auto opened = consumer->OpenMany(views);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
@@ -347,13 +361,9 @@ TEST_F(StreamLoopbackTest, SmallRemoteTensorsAreNotEachAHugePage) {
   auto consumer = StreamConsumer::Create(Consumer());
   ASSERT_TRUE(consumer.ok());
   std::vector<std::vector<std::byte>> small;
-  std::vector<std::string> descs;
-  for (int i = 0; i < 16; ++i) {
-    small.push_back(TensorBytes("small-" + std::to_string(i), 64 << 10, 1));
-    auto d = producer->Put("small-" + std::to_string(i), small.back(), {.dtype = "u8"});
-    ASSERT_TRUE(d.ok());
-    descs.push_back(*d);
-  }
+  std::vector<std::string> descs =
+      PutEach(*producer, "small", std::vector<size_t>(16, 64 << 10), &small);
+  ASSERT_EQ(descs.size(), 16u);
   std::vector<std::string_view> views(descs.begin(), descs.end());
   const uint64_t before = AnonHugeKiB();
   auto opened = consumer->OpenMany(views);
