@@ -1059,7 +1059,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if isinstance(params, dict) and "expert_arena" in params:
             return self._match_remote(request, params["expert_arena"], tokens, digests, limit,
                                       num_computed_tokens)
-        for length in range(limit, max(num_computed_tokens, 1) - 1, -self._block_size):
+        # From the longest prefix down to the blocks this engine has (only a tail to load
+        # there), never an empty one.
+        shortest = max(num_computed_tokens, self._block_size)
+        for length in range(limit, shortest - 1, -self._block_size):
             digest = digests[length // HASH_TOKENS - 1]
             paths = [self._options.entry_path(digest, r) for r in range(self._tp_size)]
             entry = self._usable_entry(paths[0], length)

@@ -428,7 +428,7 @@ Result<platform::Mapping> StreamConsumer::Impl::RemoteMemory(uint64_t bytes) {
       return memory;
     }
   }
-  const bool huge = bytes % kHugePageBytes == 0;
+  const bool huge = bytes % kHugePageBytes == 0;  // OpenRemote rounds small tensors to base pages
   EA_ASSIGN_OR_RETURN(platform::Mapping memory,
                       platform::Mapping::MapAnonymous(
                           bytes, huge ? kHugePageBytes : platform::BasePageSize()));
@@ -472,10 +472,15 @@ Status StreamConsumer::Impl::OpenRemote(std::span<const std::string_view> encode
     // Our own memory on 2 MiB pages where the kernel gives them, like a segment's data; a
     // tensor under 1 MiB on base pages (a huge page each held 32x the memory of a 64 KiB one).
     const uint64_t length = std::max<uint64_t>(ds[i].length, 1);
-    const uint64_t page =
-        length < kHugePageBytes / 2 ? platform::BasePageSize() : kHugePageBytes;
-    const uint64_t rounded = (length + page - 1) / page * page;
-    auto memory = RemoteMemory(rounded);
+    const std::optional<uint64_t> rounded = AlignUp(
+        length, length < kHugePageBytes / 2 ? platform::BasePageSize() : kHugePageBytes);
+    if (!rounded) {
+      *failed = i;
+      return InvalidArgument("stream open of key " + QuoteForMessage(ds[i].key) +
+                             ": the descriptor's length of " + std::to_string(ds[i].length) +
+                             " bytes is more than memory can hold");
+    }
+    auto memory = RemoteMemory(*rounded);
     if (!memory.ok()) {
       *failed = i;
       return memory.status().WithContext("stream open of key " + QuoteForMessage(ds[i].key));

@@ -746,6 +746,17 @@ TEST_F(StreamLoopbackTest, RewrittenDescriptorIsRefused) {
   other.length /= 2;
   auto t = untrusting->Open(other.Encode());
   ASSERT_FALSE(t.ok());
+  // Lengths no memory can hold, one whose rounding up would wrap around: refused by name,
+  // nothing mapped or received.
+  for (const uint64_t length : {UINT64_MAX, UINT64_MAX - 4096, uint64_t{1} << 62}) {
+    other = *d;
+    other.offset = 0;
+    other.length = length;
+    auto huge = untrusting->Open(other.Encode());
+    ASSERT_FALSE(huge.ok()) << length;
+    EXPECT_NE(huge.status().message().find("signed"), std::string::npos)
+        << huge.status().ToString();
+  }
   auto genuine = consumer->Open(*desc);
   ASSERT_TRUE(genuine.ok()) << genuine.status().ToString();
   EXPECT_EQ(std::memcmp(genuine->bytes().data(), bytes.data(), bytes.size()), 0);
