@@ -30,8 +30,13 @@ other blocks of the decode engine's cache:
                directly (vLLM's NixlConnector itself, through PyPI's `nixl` meta package
                with nixl-cu13: bench/kv_engine_bench.py).
 
+The decode engine's own cache is on 2 MiB pages, as the connector's huge_pages (its default)
+puts it; --dst-pages 2m 4k adds the cache way into one left as torch allocated it (4 KiB pages
+where transparent huge pages are "madvise").
+
     .venv-vllm/bin/python bench/kv_connector_bench.py [--tokens 1024 4096 16384] [--layers 8]
-        [--kv-heads 8] [--head-size 128] [--dtype bfloat16] [--repeat 5] [--nixl DIR]
+        [--kv-heads 8] [--head-size 128] [--dtype bfloat16] [--repeat 5] [--dst-pages 2m 4k]
+        [--nixl DIR]
 
 Prints a Markdown table (median of --repeat rounds, GiB/s of the KV's bytes) and the command.
 Not part of CI.
@@ -49,7 +54,8 @@ import time
 import torch
 
 import expert_arena
-from expert_arena.vllm_kv import _Options, _SharedCache, copy_cache_blocks, scatter_blocks
+from expert_arena.vllm_kv import (_HostPages, _Options, _SharedCache, copy_cache_blocks,
+                                  scatter_blocks)
 
 
 def _cache(args, num_blocks):
@@ -57,10 +63,23 @@ def _cache(args, num_blocks):
             .to(args.dtype) for _ in range(args.layers)]
 
 
+def _decode_cache(args, num_blocks, pages):
+    """The decode engine's own cache, where the connector puts it: on 2 MiB pages ("2m", its
+    huge_pages option, the default) or as torch allocated it ("4k")."""
+    caches = _cache(args, num_blocks)
+    if pages == "2m":
+        moved = _HostPages({i: (c, 0) for i, c in enumerate(caches)}).start()
+        moved.wait()
+        if moved.huge_bytes != moved.total:
+            print("the decode cache: only %d of %d MiB on 2 MiB pages (%s)" % (
+                moved.huge_bytes >> 20, moved.total >> 20, moved.error), file=sys.stderr)
+    return caches
+
+
 def _consume(conn, directory, args, num_blocks):
     """The decode engine's side, in its own process: open, scatter, release."""
     torch.set_num_threads(args.threads)
-    caches = _cache(args, num_blocks)
+    caches = _decode_cache(args, num_blocks, args.dst_pages[0])
     consumer = expert_arena.StreamConsumer(directory, quiet=True)
     while True:
         msg = conn.recv()
@@ -78,11 +97,11 @@ def _consume(conn, directory, args, num_blocks):
     consumer.close()
 
 
-def _cache_reader(conn, args, num_blocks):
+def _cache_reader(conn, args, num_blocks, pages):
     """The decode engine's side of transfer "cache", in its own process: open the prefill
     engine's cache file, copy the blocks into its own cache."""
     torch.set_num_threads(args.threads)
-    caches = _cache(args, num_blocks)
+    caches = _decode_cache(args, num_blocks, pages)
     while True:
         msg = conn.recv()
         if msg is None:
@@ -97,7 +116,8 @@ def _cache_reader(conn, args, num_blocks):
 
 
 def _shared_cache(args, directory, src_caches, src_ids, dst_ids, num_blocks):
-    """Median seconds of the consumer's copy out of a shared cache holding src_caches."""
+    """Median seconds of the consumer's copy out of a shared cache holding src_caches, for
+    each of args.dst_pages (one reader each, in turns)."""
     # vLLM's zeroed buffer, moved into the file, then written (as the prefill engine does).
     buf = torch.zeros(len(src_caches) * src_caches[0].numel(), dtype=src_caches[0].dtype)
     caches = {"layer-%d" % i: (buf[i * c.numel():(i + 1) * c.numel()].view(c.shape), 0)
@@ -108,21 +128,26 @@ def _shared_cache(args, directory, src_caches, src_ids, dst_ids, num_blocks):
     shared.sync_edges()
     shared._collapser.join()  # the engine's start goes on meanwhile; timed after it
     args.cache_huge.append("%d/%d MiB" % (shared.huge_bytes >> 20, shared.total >> 20))
-    parent, child = multiprocessing.Pipe()
-    reader = multiprocessing.get_context("spawn").Process(target=_cache_reader,
-                                                          args=(child, args, num_blocks))
-    reader.start()
-    times = []
+    readers = {}
+    for pages in args.dst_pages:
+        parent, child = multiprocessing.Pipe()
+        reader = multiprocessing.get_context("spawn").Process(
+            target=_cache_reader, args=(child, args, num_blocks, pages))
+        reader.start()
+        readers[pages] = (parent, reader)
+    times = {pages: [] for pages in args.dst_pages}
     try:
         layers = [shared.layers["layer-%d" % i] for i in range(len(src_caches))]
         for _ in range(args.repeat):
-            parent.send((shared.path, layers, src_ids, dst_ids))
-            times.append(parent.recv())
+            for pages, (parent, _) in readers.items():
+                parent.send((shared.path, layers, src_ids, dst_ids))
+                times[pages].append(parent.recv())
     finally:
-        parent.send(None)
-        reader.join()
+        for parent, reader in readers.values():
+            parent.send(None)
+            reader.join()
         shared.close()
-    return statistics.median(times)
+    return {pages: statistics.median(t) for pages, t in times.items()}
 
 
 def _nixl_api(path):
@@ -271,8 +296,10 @@ def run(args, tokens, directory, example_dir):
     results["stream put"] = statistics.median(put_times)
     results["stream load"] = statistics.median(open_times)
 
-    results["cache"] = _shared_cache(args, directory, src_caches, src_ids.tolist(), dst_list,
-                                     num_blocks)
+    cache = _shared_cache(args, directory, src_caches, src_ids.tolist(), dst_list, num_blocks)
+    results["cache"] = cache[args.dst_pages[0]]
+    for pages in args.dst_pages[1:]:
+        results["cache " + pages] = cache[pages]
 
     from safetensors.torch import load_file, save_file
 
@@ -302,6 +329,10 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--directory", default="/dev/shm")
     parser.add_argument("--example-directory", default="/tmp")
+    parser.add_argument("--dst-pages", nargs="+", choices=["2m", "4k"], default=["2m"],
+                        help="the decode engine's own cache on 2 MiB pages (the connector's "
+                        "huge_pages, the default) or 4 KiB ones; the first for every way, "
+                        "the others for cache too (an extra column each)")
     parser.add_argument("--nixl", metavar="DIR", help="a folder holding nixl-cu12's files "
                         "(`nixl_cu12`): adds NIXL's READ of the blocks (module docstring)")
     args = parser.parse_args()
@@ -331,6 +362,13 @@ def main():
                                           r["nixl"] / r["cache"]) if nixl else ""))
     print("\nshared caches on 2 MiB pages: %s (directory %s)" % (", ".join(args.cache_huge),
                                                                args.directory))
+    for pages in args.dst_pages[1:]:
+        print("\ncache (load) into a decode cache on %s pages (the table's: %s):" % (
+            pages, args.dst_pages[0]))
+        for tokens, nbytes, r in rows:
+            print("  %d tokens: %.1f ms, %.2fx of memcpy; the table's %.2fx of it" % (
+                tokens, r["cache " + pages] * 1e3, r["memcpy"] / r["cache " + pages],
+                r["cache " + pages] / r["cache"]))
     print("\n    " + " ".join([os.path.basename(sys.executable)] + sys.argv))
     if args.nixl:
         sys.stdout.flush()

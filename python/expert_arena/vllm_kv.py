@@ -131,6 +131,10 @@ _OPTIONS = {
             "own while its other requests run (the request waits for it, as with vLLM's NIXL "
             "connector); \"sync\": at the start of the step that computes the request, "
             "which every request of that step waits for",
+    "huge_pages": "true (default): a decode engine's own KV cache, where it is host memory, "
+                  "moved onto 2 MiB pages by a thread as the engine starts (MADV_COLLAPSE, "
+                  "Linux 6.1+; loads into it run faster: docs/engines.md); false: left as "
+                  "vLLM allocated it",
 }
 _MAX_READERS = 64
 
@@ -146,6 +150,7 @@ _COUNTERS = {
     "loaded_requests": 0, "loaded_blocks": 0, "loaded_bytes": 0,
     "load_error_blocks": 0, "aborted_requests": 0, "expired_requests": 0,
     "withdrawn_requests": 0,  # a shared cache's entries withdrawn at a preemption
+    "kv_cache_huge_bytes": 0,  # of a decode engine's own KV cache moved onto 2 MiB pages
 }
 
 
@@ -216,6 +221,10 @@ class _Options:
         if self.transfer not in ("cache", "segments"):
             raise ValueError("expert_arena.vllm_kv: transfer %r must be \"cache\" or "
                              "\"segments\"" % (self.transfer,))
+        self.huge_pages = extra.get("huge_pages", True)
+        if type(self.huge_pages) is not bool:
+            raise ValueError("expert_arena.vllm_kv: huge_pages %r must be true or false"
+                             % (self.huge_pages,))
         if self.transfer == "cache" and self.listen is not None:
             raise ValueError("expert_arena.vllm_kv: listen serves the stream's segments to "
                              "other hosts: it needs transfer \"segments\"")
@@ -532,7 +541,115 @@ _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FIXED = 0x10
 _MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
+_HUGE = 2 << 20
+
+
+def _collapse_pages(ranges, stopped, done):
+    """MADV_COLLAPSE over [a, b) of each of `ranges` (2 MiB aligned), one 2 MiB page a call
+    (stopped() is asked before each; done(n) told of each page made), a busy page tried again
+    a few times. Returns None, or the last error (EINVAL: a kernel without MADV_COLLAPSE,
+    before Linux 6.1, which ends the work)."""
+    error = None
+    for a, b in ranges:
+        for at in range(a, b, _HUGE):
+            if stopped():
+                return error
+            n = min(_HUGE, b - at)
+            for attempt in range(4):  # EAGAIN: this page busy (being written, locked)
+                if _LIBC.madvise(at, n, _MADV_COLLAPSE) == 0:
+                    done(n)
+                    err = 0
+                    break
+                err = ctypes.get_errno()
+                if err != errno.EAGAIN:
+                    break
+                time.sleep(0.05 * (attempt + 1))
+            if err:
+                error = os.strerror(err)
+                if err == errno.EINVAL:
+                    return error
+    return error
+
+
+class _HostPages:
+    """A decode engine's own KV cache in host memory (vLLM's tensors, this process's
+    anonymous memory, which a kernel with transparent huge pages on "madvise" keeps on 4 KiB
+    pages) moved onto 2 MiB pages by a thread while the engine starts: a load writes each
+    block with one page walk per 2 MiB instead of 512 (bench/kv_connector_bench.py
+    --dst-pages 2m 4k measures the two; docs/engines.md has the figures). MADV_HUGEPAGE marks the ranges first (on a
+    kernel without MADV_COLLAPSE, before 6.1, khugepaged then collapses them in its own time);
+    collapsing anonymous memory in use is what khugepaged does all the time (the 6.18 quirk of
+    _SharedCache is a file's). Only the whole 2 MiB pages inside each tensor's bytes."""
+
+    def __init__(self, caches: dict):
+        spans = {}
+        for tensor, _ in caches.values():
+            if tensor.device.type != "cpu" or tensor.numel() == 0:
+                continue
+            extent = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+            first = tensor.data_ptr()
+            spans[first] = max(spans.get(first, 0), first + extent * tensor.element_size())
+        merged = []
+        for a, b in sorted(spans.items()):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.ranges = [(-(-a // _HUGE) * _HUGE, b // _HUGE * _HUGE) for a, b in merged]
+        self.ranges = [r for r in self.ranges if r[1] > r[0]]
+        self.total = sum(b - a for a, b in self.ranges)
+        self.huge_bytes = 0
+        self.error = None
+        self.seconds = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="expert_arena-kv-pages",
+                                        daemon=True)
+
+    def start(self) -> "_HostPages":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:  # behind the engine's own threads as it starts (this thread only)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
+        try:
+            self.error = self._collapse()
+        finally:
+            self.seconds = time.monotonic() - start
+        logger.info("expert_arena.vllm_kv: %d of %d MiB of this engine's KV cache on 2 MiB "
+                    "pages in %.1f s%s", self.huge_bytes >> 20, self.total >> 20,
+                    self.seconds, "" if self.error is None else " (%s)" % self.error)
+
+    def _collapse(self):
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+                if "[never]" in f.read():  # the host's operator turned them off: so be it
+                    return "transparent huge pages are off on this host (enabled: never)"
+        except OSError:
+            pass
+        for a, b in self.ranges:
+            if _LIBC.madvise(a, b - a, _MADV_HUGEPAGE) != 0:
+                return "MADV_HUGEPAGE: %s" % os.strerror(ctypes.get_errno())
+
+        def done(n):
+            self.huge_bytes += n
+            _count(kv_cache_huge_bytes=n)
+        return _collapse_pages(self.ranges, lambda: self._stop, done)
+
+    def wait(self, timeout=None) -> bool:
+        """True once the thread has ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _tmpfs_huge(directory: str):
@@ -679,28 +796,15 @@ class _SharedCache:
         a page that is 2 MiB already makes later writes through the mapping miss the file
         (docs/page-backing.md), hence also none on a tmpfs that makes 2 MiB pages itself."""
         start = time.monotonic()
-        piece = 2 << 20
         if self.directory_huge:
             self.collapse_error = "the tmpfs makes 2 MiB pages itself (%s)" % self.directory_huge
             ranges = []
-        for a, b in ranges:
-            for at in range(a, b, piece):
-                if self._stop:
-                    return
-                n = min(piece, b - at)
-                for attempt in range(4):  # EAGAIN: this page busy (being written, locked)
-                    if _LIBC.madvise(at, n, _MADV_COLLAPSE) == 0:
-                        self.huge_bytes += n
-                        err = 0
-                        break
-                    err = ctypes.get_errno()
-                    if err != errno.EAGAIN:
-                        break
-                    time.sleep(0.05 * (attempt + 1))
-                if err:
-                    self.collapse_error = os.strerror(err)
-                    if err == errno.EINVAL:  # a kernel without MADV_COLLAPSE
-                        break
+
+        def done(n):
+            self.huge_bytes += n
+        error = _collapse_pages(ranges, lambda: self._stop, done)
+        if error is not None:
+            self.collapse_error = error
         logger.info("expert_arena.vllm_kv: %d of %d MiB of the KV cache on 2 MiB pages in "
                     "%.1f s%s", self.huge_bytes >> 20, self.total >> 20,
                     time.monotonic() - start,
@@ -992,6 +1096,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._pending: dict = {}         # req id -> {"save": _Save, "layers": {name: desc}}
             self._published: dict = {}       # req id -> (keys, entry path, time)
             self._cache = None               # _SharedCache (transfer "cache", a producer)
+            self._host_pages = None          # _HostPages (a decode engine's own cache)
             self._sends: dict = {}           # req id -> _CacheSend (transfer "cache")
             self._load_errors: set = set()
             self._loader = None              # the thread of asynchronous loads, once started
@@ -1333,6 +1438,10 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             else:
                 logger.info("expert_arena.vllm_kv: the KV cache (%d MiB, %d layers) is %s",
                             self._cache.total >> 20, len(caches), self._cache.path)
+        if caches and self._loads_kv and self._cache is None and self._options.huge_pages:
+            pages = _HostPages(caches)
+            if pages.total:  # (a device's cache has no host pages)
+                self._host_pages = pages.start()
 
     def _layer_layout(self, tensor, dim):
         shape = list(tensor.shape)
@@ -1879,6 +1988,17 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         if self._cache is not None:
             self._cache.close()
 
+    def kv_cache_pages(self, wait_seconds: float = 0) -> dict:
+        """Where this engine's own KV cache stands on 2 MiB pages (worker side, a decode
+        engine; {} when it is not being moved): bytes, huge_bytes, seconds (None while the
+        thread works, which it is given up to wait_seconds to end), error."""
+        pages = self._host_pages
+        if pages is None:
+            return {}
+        pages.wait(wait_seconds)
+        return {"bytes": pages.total, "huge_bytes": pages.huge_bytes,
+                "seconds": pages.seconds, "error": pages.error}
+
     def stream_stats(self) -> dict:
         """The producer's stream stats and pending blocks (worker side): in a shared KV cache,
         the requests whose blocks it holds for decode engines ("<req id>/cache")."""
@@ -1905,6 +2025,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._producer.close()
         if self._consumer is not None:
             self._consumer.close()
+        if self._host_pages is not None:
+            self._host_pages.close()
         # An engine that ends before its process (vLLM's LLM made again in one process) lets go
         # of its KV cache tensors: nothing here refers to them any more.
         self._caches = {}

@@ -226,8 +226,11 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
 
         # The decode engine: plain vLLM's tokens, every token but the last from
         # the prefill engine (vLLM counts them as cached: computed elsewhere).
-        decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, **common)
+        # Its own KV cache goes onto 2 MiB pages on a thread while it starts and loads.
+        decoded, _ = _run(hosts[1], role="kv_consumer", prompts=PROMPTS, pages_wait=120,
+                          **common)
         _assert_loaded(decoded, reference["tokens"][:len(PROMPTS)], PROMPTS)
+        _assert_on_huge_pages(decoded)
         # Read once: the entries of the loaded prompts are gone, the late ones wait.
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
     finally:
@@ -239,6 +242,26 @@ def test_decode_engine_loads_what_the_prefill_engine_computed(load, model, dirs,
     log = _decode_late(hosts[0], common, reference)
     assert "recomputing" in log, log[-6000:]
     assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
+# Why a host may make no 2 MiB page (said by name): none free, a busy page, an operator's "never".
+_NO_HUGE_PAGES = ("Cannot allocate memory", "Resource temporarily unavailable",
+                  "transparent huge pages are off on this host (enabled: never)")
+
+
+def _assert_on_huge_pages(result):
+    """A decode engine's own KV cache (1 GiB of vLLM's host memory) on 2 MiB pages, as its
+    connector says and as the kernel's smaps says; on a host without 2 MiB blocks to spare,
+    the reason named."""
+    pages = result["kv_cache_pages"]
+    assert pages["seconds"] is not None, pages  # the thread ended
+    assert pages["bytes"] >= (1 << 30) - (4 << 20), pages
+    assert pages["kernel_huge_bytes"] == pages["huge_bytes"], pages
+    assert result["counters"]["kv_cache_huge_bytes"] == pages["huge_bytes"]
+    if pages["error"] is None:
+        assert pages["huge_bytes"] == pages["bytes"], pages
+    else:
+        assert pages["error"] in _NO_HUGE_PAGES, pages
 
 
 def _cache_files(directory):
@@ -917,6 +940,66 @@ def test_the_connector_options_are_checked(tmp_path):
     for bad in ("later", 1, None):
         with pytest.raises(ValueError, match='load .* must be "async" or "sync"'):
             vllm_kv._Options({"directory": d, "load": bad})
+    assert vllm_kv._Options({"directory": d}).huge_pages is True
+    assert vllm_kv._Options({"directory": d, "huge_pages": False}).huge_pages is False
+    for bad in ("false", 0, None):
+        with pytest.raises(ValueError, match="huge_pages .* must be true or false"):
+            vllm_kv._Options({"directory": d, "huge_pages": bad})
+
+
+def _smaps_anon_huge(ranges):
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                inside = any(a >= lo and b <= hi for lo, hi in ranges)
+            elif inside and head[0] == "AnonHugePages:":
+                total += int(head[1]) << 10
+    return total
+
+
+def test_a_decode_engines_own_cache_moves_onto_huge_pages_and_keeps_every_write():
+    """_HostPages: the whole 2 MiB pages inside the cache tensors' bytes (one storage's views
+    counted once, an unaligned start left out), collapsed on a thread while another thread
+    writes to them, as the engine's loads and forwards do: every byte is what was written
+    last, and the kernel's smaps counts what the connector says it made."""
+    from expert_arena import vllm_kv
+    import threading
+    buf = torch.randint(0, 1 << 30, ((40 << 20) // 4 + 123,), dtype=torch.int32)
+    views = {"a": (buf[123:].view(-1, 1024)[:5000], 0), "b": (buf[123:].view(-1, 1024), 0),
+             "c": (torch.zeros(3), 0)}  # under 2 MiB: nothing to collapse
+    first = buf[123:].data_ptr()
+    last = first + ((buf.numel() - 123) * 4)
+    want = buf.clone()
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            at = (i * 7919) % (buf.numel() - 4096)
+            buf[at:at + 4096] = i
+            want[at:at + 4096] = i
+            i += 1
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        pages = vllm_kv._HostPages(views).start()
+        assert pages.wait(120)
+    finally:
+        stop.set()
+        t.join()
+    huge = 2 << 20
+    assert pages.ranges == [(-(-first // huge) * huge, last // huge * huge)]
+    assert pages.total == pages.ranges[0][1] - pages.ranges[0][0] >= 36 << 20
+    assert torch.equal(buf, want)
+    assert _smaps_anon_huge(pages.ranges) == pages.huge_bytes
+    if pages.error is None:
+        assert pages.huge_bytes == pages.total
+    else:
+        assert pages.error in _NO_HUGE_PAGES
+    pages.close()
 
 
 def test_a_connector_cleans_only_the_files_of_its_own_name(tmp_path):

@@ -32,7 +32,7 @@ import sys
 # The connector's options for prefill and decode engines on two hosts, and how the decode
 # engine loads, passed on as given.
 _PASSED_ON = ("listen", "listen_token", "remote_token", "remote_producers", "load",
-              "transfer")
+              "transfer", "huge_pages")
 
 
 def _engine(args):
@@ -67,6 +67,25 @@ def _connector():
     except ImportError:
         return None
     return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _kv_cache_pages(connector, wait_seconds):
+    """What the connector says of this engine's own KV cache's 2 MiB pages (after waiting up
+    to wait_seconds for its thread), and what the kernel says: AnonHugePages of the mappings
+    over those ranges (MADV_HUGEPAGE made each range a mapping of its own)."""
+    pages = connector.kv_cache_pages(wait_seconds)
+    ranges = connector._host_pages.ranges if pages else []
+    kernel, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                inside = any(a >= lo and b <= hi for lo, hi in ranges)
+            elif inside and head[0] == "AnonHugePages:":
+                kernel += int(head[1]) << 10
+    pages["kernel_huge_bytes"] = kernel
+    return pages
 
 
 def _generate(llm, prompts, max_tokens, transfer_params=None, ignore_eos=False):
@@ -144,8 +163,10 @@ def run(args):
                            args.get("transfer_params"), args.get("ignore_eos", False))
         if args.get("then"):  # after the prompts have finished (their blocks are cached)
             result["then"] = _generate(llm, args["then"], args["max_tokens"])
-    result["counters"] = {k: v - before[k] for k, v in vllm_kv.counters().items()}
     connector = _connector()
+    if connector is not None and args.get("pages_wait"):
+        result["kv_cache_pages"] = _kv_cache_pages(connector, args["pages_wait"])
+    result["counters"] = {k: v - before[k] for k, v in vllm_kv.counters().items()}
     if connector is not None:
         stream = connector.stream_stats()
         result["pending"] = stream.get("pending", [])
