@@ -6,6 +6,9 @@ CPU engines (each its own process) on one host, in one run:
   segments   expert_arena.vllm_kv, transfer "segments" (the prefill engine's stream segments);
   cache      expert_arena.vllm_kv, transfer "cache" (read from the prefill engine's KV cache,
              which lives in a shared file);
+  segments-4k, cache-4k  the same with huge_pages false: the decode engine's own KV cache
+             left on the pages torch gave it (4 KiB where transparent huge pages are
+             "madvise"); without -4k it is moved onto 2 MiB pages, and timed once it is;
   example    vLLM's ExampleConnector (safetensors files in --example-directory);
   nixl       vLLM's NixlConnector (UCX, kv_buffer_device "cpu"; the prefill engine's
              kv_transfer_params handed to the decode engine, as vLLM's proxy does); needs
@@ -75,14 +78,16 @@ def _free_port():
 
 def _transfer_config(job):
     connector, role = job["connector"], job["role"]
-    if connector in ("segments", "cache"):
+    transfer, _, pages = connector.partition("-")
+    if transfer in ("segments", "cache"):
         return {"kv_connector": "ExpertArenaConnector",
                 "kv_connector_module_path": "expert_arena.vllm_kv",
                 "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
                 "kv_connector_extra_config": {"directory": job["directory"],
                                               "spill_directory": job["directory"],
-                                              "name": "bench", "transfer": connector,
+                                              "name": "bench", "transfer": transfer,
                                               "load": job["load"],
+                                              "huge_pages": pages != "4k",
                                               "segment_bytes": 256 << 20,
                                               "max_segments": 16}}
     if connector == "example":
@@ -116,6 +121,10 @@ def _engine(job):
     result = {"seconds": [], "cached": [], "params": [], "first": []}
     if job["role"] == "decode":  # one prompt first: the engine's first forward is slower
         run(job["warmup"], None)
+        if job["connector"] in ("segments", "cache"):
+            # Its KV cache on 2 MiB pages (huge_pages): timed once the thread is done.
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+            result["pages"] = get_kv_transfer_group().kv_cache_pages(600)
     for i, prompt in enumerate(job["prompts"]):
         params = job["params"][i] if job.get("params") else None
         if job["role"] == "prefill" and job["connector"] == "nixl":
@@ -297,6 +306,13 @@ def main():
                   for c in connectors if c != "recompute" and "recompute" in med]
         print("| %d | %.0f MiB | %s | %s |" % (tokens, tokens * kv_per_token / 2**20,
                                               " | ".join(cells), " | ".join(ratios)))
+    for c in connectors:
+        pages = results[c].get("pages")
+        if pages:
+            print("\n%s: the decode engine's KV cache, %d of %d MiB on 2 MiB pages in %.1f s "
+                  "(timed after)%s" % (c, pages["huge_bytes"] >> 20, pages["bytes"] >> 20,
+                                        pages["seconds"] or -1,
+                                        "" if pages["error"] is None else ": " + pages["error"]))
     print("\n    " + " ".join([os.path.basename(sys.executable)] + sys.argv))
 
 
