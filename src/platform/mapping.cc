@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -263,7 +264,16 @@ Status AdviseRange(void* data, uint64_t length, Advice advice, const std::string
       flag = MADV_DONTNEED;
       break;
   }
-  while (::madvise(data, length, flag) != 0) {
+  // Advice that frees nothing goes to the kernel by its system call number, not through libc's
+  // madvise: UCX, loaded in an engine that streams from or fills from other hosts, rewrites that
+  // function in place as it starts (UCX_MEM_MMAP_HOOK_MODE=bistro), and a thread inside it
+  // meanwhile can crash (an engine did, at address 0, with the Python package's collapse
+  // thread). MADV_DONTNEED still goes through libc: UCX's memory events must hear of it.
+  const auto call = [&] {
+    if (advice == Advice::kDontNeed) return ::madvise(data, length, flag);
+    return static_cast<int>(::syscall(SYS_madvise, data, length, flag));
+  };
+  while (call() != 0) {
     // MADV_POPULATE_* returns EINTR when a signal arrives mid-way; the rest is still wanted.
     if (errno == EINTR) continue;
     return ErrnoStatus(errno, AdviceName(advice), what);
