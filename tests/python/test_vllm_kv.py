@@ -947,19 +947,6 @@ def test_the_connector_options_are_checked(tmp_path):
             vllm_kv._Options({"directory": d, "huge_pages": bad})
 
 
-def _smaps_anon_huge(ranges):
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5:
-                a, b = (int(x, 16) for x in head[0].split("-"))
-                inside = any(a >= lo and b <= hi for lo, hi in ranges)
-            elif inside and head[0] == "AnonHugePages:":
-                total += int(head[1]) << 10
-    return total
-
-
 def test_a_decode_engines_own_cache_moves_onto_huge_pages_and_keeps_every_write():
     """_HostPages: the whole 2 MiB pages inside the cache tensors' bytes (one storage's views
     counted once, an unaligned start left out), collapsed on a thread while another thread
@@ -967,6 +954,7 @@ def test_a_decode_engines_own_cache_moves_onto_huge_pages_and_keeps_every_write(
     last, and the kernel's smaps counts what the connector says it made."""
     from expert_arena import vllm_kv
     import threading
+    from vllm_kv_engine import anon_huge_bytes
     buf = torch.randint(0, 1 << 30, ((40 << 20) // 4 + 123,), dtype=torch.int32)
     views = {"a": (buf[123:].view(-1, 1024)[:5000], 0), "b": (buf[123:].view(-1, 1024), 0),
              "c": (torch.zeros(3), 0)}  # under 2 MiB: nothing to collapse
@@ -994,7 +982,7 @@ def test_a_decode_engines_own_cache_moves_onto_huge_pages_and_keeps_every_write(
     assert pages.ranges == [(-(-first // huge) * huge, last // huge * huge)]
     assert pages.total == pages.ranges[0][1] - pages.ranges[0][0] >= 36 << 20
     assert torch.equal(buf, want)
-    assert _smaps_anon_huge(pages.ranges) == pages.huge_bytes
+    assert anon_huge_bytes(pages.ranges) == pages.huge_bytes
     if pages.error is None:
         assert pages.huge_bytes == pages.total
     else:

@@ -69,13 +69,9 @@ def _connector():
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
-def _kv_cache_pages(connector, wait_seconds):
-    """What the connector says of this engine's own KV cache's 2 MiB pages (after waiting up
-    to wait_seconds for its thread), and what the kernel says: AnonHugePages of the mappings
-    over those ranges (MADV_HUGEPAGE made each range a mapping of its own)."""
-    pages = connector.kv_cache_pages(wait_seconds)
-    ranges = connector._host_pages.ranges if pages else []
-    kernel, inside = 0, False
+def anon_huge_bytes(ranges):
+    """AnonHugePages of this process's mappings that lie inside one of `ranges` (smaps)."""
+    total, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
@@ -83,8 +79,16 @@ def _kv_cache_pages(connector, wait_seconds):
                 a, b = (int(x, 16) for x in head[0].split("-"))
                 inside = any(a >= lo and b <= hi for lo, hi in ranges)
             elif inside and head[0] == "AnonHugePages:":
-                kernel += int(head[1]) << 10
-    pages["kernel_huge_bytes"] = kernel
+                total += int(head[1]) << 10
+    return total
+
+
+def _kv_cache_pages(connector, wait_seconds):
+    """What the connector says of this engine's own KV cache's 2 MiB pages (after waiting up
+    to wait_seconds for its thread), and what the kernel says: AnonHugePages of the mappings
+    over those ranges (MADV_HUGEPAGE made each range a mapping of its own)."""
+    pages = connector.kv_cache_pages(wait_seconds)
+    pages["kernel_huge_bytes"] = anon_huge_bytes(connector._host_pages.ranges if pages else [])
     return pages
 
 
