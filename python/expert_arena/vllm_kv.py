@@ -75,8 +75,8 @@ import json
 import logging
 import math
 import mmap
-import platform
 import os
+import platform
 import queue
 import re
 import reprlib
@@ -595,8 +595,9 @@ class _HostPages:
     anonymous memory, which a kernel with transparent huge pages on "madvise" keeps on 4 KiB
     pages) moved onto 2 MiB pages by a thread while the engine starts: a load writes each
     block with one page walk per 2 MiB instead of 512 (bench/kv_connector_bench.py
-    --dst-pages 2m 4k measures the two; docs/engines.md has the figures). MADV_HUGEPAGE marks the ranges first (on a
-    kernel without MADV_COLLAPSE, before 6.1, khugepaged then collapses them in its own time);
+    --dst-pages 2m 4k measures the two; docs/engines.md has the figures). MADV_HUGEPAGE marks
+    the ranges first (on a kernel without MADV_COLLAPSE, before 6.1, khugepaged then collapses
+    them in its own time);
     collapsing anonymous memory in use is what khugepaged does all the time (the 6.18 quirk of
     _SharedCache is a file's). Only the whole 2 MiB pages inside each tensor's bytes."""
 
