@@ -4,18 +4,21 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/escape.h"
 #include "common/units.h"
 #include "platform/file.h"
 #include "platform/file_locks.h"
+#include "platform/guarded_copy.h"
 #include "platform/mapping.h"
 #include "platform/memory_copy.h"
 #include "platform/ofd_lock.h"
@@ -411,6 +414,92 @@ TEST(CopyNonTemporal, CopiesEveryAlignmentAndSize) {
     for (size_t k = 0; k < dst; ++k) ASSERT_EQ(to[k], std::byte{0x5a});
     ASSERT_EQ(to[dst + n], std::byte{0x5a}) << n;
   }
+}
+
+// A file's owner truncating it under a reader's mapping: the guarded copy returns an error
+// naming the run (the runs before it copied) where a plain memcpy would end the process.
+TEST(GuardedCopyTest, TruncationUnderTheMappingIsAnErrorNamingTheRun) {
+  testing::ScopedPath path("guarded");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  std::vector<std::byte> data(4 << 20);
+  std::mt19937 rng(9);
+  for (std::byte& b : data) b = static_cast<std::byte>(rng());
+  ASSERT_OK(WriteFull(fd, 0, data));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<MappedFileSource> source,
+                       MappedFileSource::Open(fd.get(), "the file", 0.05));
+  EXPECT_EQ(source->size(), data.size());
+  EXPECT_TRUE(source->WaitPopulated(30));
+  std::vector<std::byte> out(data.size());
+  std::vector<CopyRun> runs = {{4096, out.data(), 8192}, {0, out.data() + 8192, 100}};
+  ASSERT_OK_AND_ASSIGN(uint64_t copied, source->Copy(runs));
+  EXPECT_EQ(copied, 8292u);
+  EXPECT_EQ(std::memcmp(out.data(), data.data() + 4096, 8192), 0);
+  EXPECT_EQ(std::memcmp(out.data() + 8192, data.data(), 100), 0);
+  std::vector<CopyRun> past = {{(4 << 20) - 8, out.data(), 16}};
+  EXPECT_EQ(source->Copy(past).status().code(), StatusCode::kInvalidArgument);
+
+  ASSERT_EQ(::ftruncate(fd.get(), 1 << 20), 0);
+  std::vector<CopyRun> across = {{0, out.data(), 4096}, {1 << 20, out.data(), 2 << 20}};
+  Result<uint64_t> torn = source->Copy(across);
+  ASSERT_FALSE(torn.ok());
+  EXPECT_EQ(torn.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(torn.status().message().find("the file lost pages under the copy (truncated by its "
+                                         "owner): run 1 (2097152 bytes at offset 1048576)"),
+            std::string::npos)
+      << torn.status().message();
+  // The thread goes on copying what is there.
+  std::vector<CopyRun> inside = {{0, out.data(), 1 << 20}};
+  ASSERT_OK_AND_ASSIGN(copied, source->Copy(inside));
+  EXPECT_EQ(copied, 1u << 20);
+
+  // Removed: the watcher lets go of the mapping.
+  ASSERT_EQ(::unlink(path.path().c_str()), 0);
+  for (int i = 0; i < 200 && source->mapped(); ++i) ::usleep(50 * 1000);
+  EXPECT_FALSE(source->mapped());
+  EXPECT_EQ(source->Copy(inside).status().code(), StatusCode::kNotFound);
+}
+
+// Threads copying at once, each with its own guard, while the owner truncates and grows the
+// file: every copy ends whole or as the error, none ends the process.
+TEST(GuardedCopyTest, ConcurrentCopiesUnderTruncationEachEndWholeOrWithTheError) {
+  testing::ScopedPath path("guarded-threads");
+  ASSERT_OK_AND_ASSIGN(UniqueFd fd, OpenFile(path.path(), RW()));
+  constexpr uint64_t kSize = 2 << 20;
+  ASSERT_OK(WriteFull(fd, 0, std::vector<std::byte>(kSize, std::byte{7})));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<MappedFileSource> source,
+                       MappedFileSource::Open(fd.get(), "the file"));
+  std::atomic<bool> stop{false};
+  std::atomic<int> whole{0}, torn{0}, other{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 3; ++t) {
+    readers.emplace_back([&] {
+      std::vector<std::byte> out(kSize);
+      std::vector<CopyRun> runs = {{0, out.data(), kSize}};
+      for (int i = 0; i < 2000 && !stop.load(); ++i) {
+        Result<uint64_t> r = source->Copy(runs);
+        if (r.ok()) {
+          ++whole;
+        } else if (r.status().code() == StatusCode::kCorrupt) {
+          ++torn;
+        } else {
+          ++other;
+        }
+      }
+    });
+  }
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_EQ(::ftruncate(fd.get(), 4096), 0);
+    ::usleep(200);
+    ASSERT_EQ(::ftruncate(fd.get(), kSize), 0);
+    ::usleep(200);
+  }
+  stop = true;
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_GT(whole.load() + torn.load(), 0);
+  std::vector<std::byte> out(kSize);
+  std::vector<CopyRun> runs = {{0, out.data(), kSize}};
+  EXPECT_TRUE(source->Copy(runs).ok());
 }
 
 TEST(LastLevelCacheBytes, IsACacheSizeOrUnknown) {
