@@ -40,9 +40,10 @@ With transfer "cache", the prefill engine's KV cache itself lives in a file of `
 (ea-kvcache-NAME-PID-...: the pages of vLLM's buffer mapped onto it at the same addresses when
 vLLM registers the cache, the private ones given back first; _SharedCache) and an entry names
 the prompt's blocks in it: vLLM wrote them there, nothing is copied on the prefill side, and the
-decode engine copies each run of blocks straight from the file into its cache (pread, every
-run of a load in one call without the GIL: one copy; a file truncated under it is a short read,
-never a SIGBUS). The prefill engine keeps those blocks (vLLM's delayed free, as with its NIXL
+decode engine copies each run of blocks straight from the file into its cache (out of the file
+mapped once and kept while it exists, _core.MappedFile; every run of a load in one call
+without the GIL: one copy; a file truncated under the mapping is a load error naming the run,
+never a SIGBUS; pread where it cannot be mapped). The prefill engine keeps those blocks (vLLM's delayed free, as with its NIXL
 connector) until the entry is read by its last reader, withdrawn (an abort, a preemption) or
 expired (ttl_seconds, or beyond half the cache held), and no decode engine holds the entry's
 shared lock (flock) that it copies under; a prefix that several prompts share is one copy in
@@ -149,6 +150,7 @@ _COUNTERS = {
     "lookups": 0, "matched_tokens": 0, "refused": 0,
     "saved_requests": 0, "saved_blocks": 0, "saved_bytes": 0,
     "loaded_requests": 0, "loaded_blocks": 0, "loaded_bytes": 0,
+    "loaded_mapped_bytes": 0,  # of those, copied out of a prefill engine's cache file mapped
     "load_error_blocks": 0, "aborted_requests": 0, "expired_requests": 0,
     "withdrawn_requests": 0,  # a shared cache's entries withdrawn at a preemption
     "kv_cache_huge_bytes": 0,  # of a decode engine's own KV cache moved onto 2 MiB pages
@@ -927,10 +929,14 @@ def _runs_array(runs: list):
     return numpy.array(runs, dtype=numpy.uint64).reshape(-1, 3)
 
 
-def _read_runs(fd: int, runs: list) -> int:
-    """The runs (file offset, address, bytes) read from `fd` in one call without the GIL
-    (_core.read_runs); a file shorter than they say is a ValueError."""
+def _read_runs(fd: int, runs: list, source=None) -> int:
+    """The runs (file offset, address, bytes) read from `fd` in one call without the GIL:
+    copied out of `source`, the file mapped (_core.MappedFile), when given, else with pread
+    (_core.read_runs); a file shorter than they say (truncated under the copy too) is a
+    ValueError."""
     try:
+        if source is not None:
+            return source.copy_runs(_runs_array(runs))
         return expert_arena._core.read_runs(fd, _runs_array(runs))
     except ValueError as e:
         raise ValueError("the cache file is shorter than the entry says (%s)" % e) from None
@@ -947,14 +953,15 @@ def _cache_target(cache, dim: int, dst_blocks, staged: bool):
 
 
 def copy_cache_blocks(fd: int, desc: dict, src_blocks, cache, dim: int, dst_blocks,
-                      staged: bool = False) -> int:
+                      staged: bool = False, source=None) -> int:
     """Copies blocks src_blocks[i] of one layer of a shared KV cache file (open at `fd`,
     described by `desc`, checked by _check_cache_layer) into `cache`'s blocks dst_blocks[i]
     along `dim`, every run read in one call without the GIL: straight into a host cache,
-    through a host tensor into a device's (`staged` takes that way for a host cache too).
+    through a host tensor into a device's (`staged` takes that way for a host cache too);
+    out of `source`, the file mapped (_core.MappedFile), when given, else with pread.
     Returns the bytes copied; a file shorter than the entry says is a ValueError."""
     target, dst_ids = _cache_target(cache, dim, dst_blocks, staged)
-    total = _read_runs(fd, _block_runs(desc, src_blocks, target, dim, dst_ids))
+    total = _read_runs(fd, _block_runs(desc, src_blocks, target, dim, dst_ids), source)
     if target is not cache:
         scatter_blocks(cache, dim, list(dst_blocks), target.to(cache.device))
     return total
@@ -990,6 +997,8 @@ class _Job:
     last_reader: bool = False   # this engine removes the entry once it copied
     entry_fd: Any = None        # a shared cache's entry, locked (shared) until the end
     cache_fd: Any = None        # the prefill engine's shared KV cache file
+    source: Any = None          # ... mapped (_core.MappedFile), or None: read with pread
+    mapped: bool = False        # copied out of `source`
     runs: list = dataclasses.field(default_factory=list)    # read from it: [offset, addr, n]
     staged: list = dataclasses.field(default_factory=list)  # (device cache, dim, host blocks)
     layers: list = dataclasses.field(default_factory=list)  # segments: (name, (desc, shape))
@@ -1001,6 +1010,7 @@ class _Job:
         for view in self.views:
             view.release()
         self.views = []
+        self.source = None
         for fd in (self.cache_fd, self.entry_fd):
             if fd is not None:
                 os.close(fd)  # (an entry's lock with it)
@@ -1115,6 +1125,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._published: dict = {}       # req id -> (keys, entry path, time)
             self._cache = None               # _SharedCache (transfer "cache", a producer)
             self._host_pages = None          # _HostPages (a decode engine's own cache)
+            self._mapped: dict = {}          # (st_dev, st_ino) -> _core.MappedFile
             self._sends: dict = {}           # req id -> _CacheSend (transfer "cache")
             self._load_errors: set = set()
             self._loader = None              # the thread of asynchronous loads, once started
@@ -1610,7 +1621,9 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             job.cache_fd = os.open(cache_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ValueError("the producer's KV cache %s is gone" % cache_path) from None
-        size = os.fstat(job.cache_fd).st_size
+        st = os.fstat(job.cache_fd)
+        size = st.st_size
+        job.source = self._mapped_cache(job.cache_fd, st, cache_path)
         for name, desc in layers.items():
             tensor, dim = self._caches[name]
             mine = self._layer_layout(tensor, dim)
@@ -1635,6 +1648,24 @@ class ExpertArenaConnector(KVConnectorBase_V1):
                              % (path, entry["readers"]))
         job.last_reader = turn == entry["readers"] - 1
 
+    def _mapped_cache(self, fd: int, st, path: str):
+        """The prefill engine's KV cache file at `fd` mapped in this engine (one mapping per
+        file, kept while it exists: its runs are then copied at memory speed, where a pread
+        copies at about 0.65x of that), or None (it is read with pread)."""
+        for key in [k for k, m in self._mapped.items() if not m.mapped]:
+            del self._mapped[key]  # its file was removed: the mapping was let go
+        key = (st.st_dev, st.st_ino)
+        source = self._mapped.get(key)
+        if source is None or source.size != st.st_size:
+            try:
+                source = expert_arena._core.MappedFile(fd, "the producer's KV cache %s" % path)
+            except (OSError, ValueError) as e:
+                logger.warning("expert_arena.vllm_kv: %s cannot be mapped (%s); it is read "
+                               "with pread", path, e)
+                source = None
+            self._mapped[key] = source
+        return source
+
     def _copy(self, job: _Job) -> None:
         """The job's bytes into this engine's KV cache: for a host cache every run in one
         call without the GIL (the loader's thread then needs the GIL back once or twice, not
@@ -1642,7 +1673,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
         load = job.load
         try:
             if job.cache_fd is not None:
-                job.nbytes = _read_runs(job.cache_fd, job.runs)
+                job.nbytes = _read_runs(job.cache_fd, job.runs, job.source)
+                job.mapped = job.source is not None
                 for cache, dim, target in job.staged:
                     scatter_blocks(cache, dim, load.block_ids, target.to(cache.device))
                 return
@@ -1695,7 +1727,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             return False
         finally:
             job.close()
-        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=job.nbytes)
+        _count(loaded_requests=1, loaded_blocks=len(load.block_ids), loaded_bytes=job.nbytes,
+               loaded_mapped_bytes=job.nbytes if job.mapped else 0)
         return True
 
     def _checked_layers(self, entry) -> dict:
@@ -2045,6 +2078,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             self._consumer.close()
         if self._host_pages is not None:
             self._host_pages.close()
+        self._mapped = {}
         # An engine that ends before its process (vLLM's LLM made again in one process) lets go
         # of its KV cache tensors: nothing here refers to them any more.
         self._caches = {}

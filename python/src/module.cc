@@ -13,9 +13,11 @@
 #include <fcntl.h>
 
 #include <cstring>
+#include <vector>
 
 #include "binding.h"
 #include "platform/file.h"
+#include "platform/guarded_copy.h"
 #include "remote/core_identity.h"
 
 namespace {
@@ -140,6 +142,51 @@ PYBIND11_MODULE(_core, m) {
       py::arg("runs"),
       "Internal: for each row (source address, destination address, bytes) of `runs` "
       "(uint64, n x 3), copies the bytes; the GIL released. Returns the bytes copied.");
+  // A prefill engine's shared KV cache file, mapped in a decode engine (expert_arena.vllm_kv):
+  // its runs copied at memory speed, a truncation under the copy an error (guarded_copy.h).
+  py::class_<platform::MappedFileSource, std::shared_ptr<platform::MappedFileSource>>(
+      m, "MappedFile",
+      "Internal: all of a file mapped read-only, its pages mapped in on a thread, let go of "
+      "once the file is removed (checked every watch_seconds)")
+      .def(py::init([](int fd, const std::string& what, double watch_seconds) {
+             auto opened = [&] {
+               py::gil_scoped_release release;
+               return platform::MappedFileSource::Open(fd, what, watch_seconds);
+             }();
+             return Take(std::move(opened));
+           }),
+           py::arg("fd"), py::arg("what"), py::arg("watch_seconds") = 1.0)
+      .def_property_readonly("size", &platform::MappedFileSource::size)
+      .def_property_readonly("mapped", &platform::MappedFileSource::mapped)
+      .def(
+          "wait_populated",
+          [](const platform::MappedFileSource& self, double seconds) {
+            py::gil_scoped_release release;
+            return self.WaitPopulated(seconds);
+          },
+          py::arg("seconds"))
+      .def(
+          "copy_runs",
+          [](const std::shared_ptr<platform::MappedFileSource>& self,
+             const py::array_t<uint64_t, py::array::c_style>& runs) {
+            const Runs r = CheckedRuns(runs, "copy_runs");
+            std::vector<platform::CopyRun> copies(r.count);
+            for (size_t i = 0; i < r.count; ++i) {
+              copies[i] = {r.at[3 * i],
+                           reinterpret_cast<std::byte*>(static_cast<uintptr_t>(r.at[3 * i + 1])),
+                           r.at[3 * i + 2]};
+            }
+            Result<uint64_t> copied = [&] {
+              py::gil_scoped_release release;
+              return self->Copy(copies);
+            }();
+            return Take(std::move(copied));
+          },
+          py::arg("runs"),
+          "For each row (file offset, address, bytes) of `runs` (uint64, n x 3), copies the "
+          "file's bytes to that address; the GIL released. A run past the file's size, or a "
+          "page the file lost under the copy (truncated), is a ValueError naming the run; a "
+          "file removed and let go a FileNotFoundError. Returns the bytes copied.");
   m.def(
       "_core_identity",
       [](bool plugin) {

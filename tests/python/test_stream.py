@@ -455,3 +455,103 @@ def test_a_loads_runs_are_read_and_copied_in_one_call_and_a_short_file_is_refuse
     assert (copied[5:8197] == out[:8192]).all() and (copied[:5] == data[-7:-2]).all()
     with pytest.raises(ValueError, match="n x 3 uint64"):
         core.copy_runs(np.zeros(3, dtype=np.uint64))
+
+
+def test_a_mapped_file_copies_its_runs_and_a_truncation_under_it_is_an_error(tmp_path):
+    """The KV connector's copies out of a prefill engine's cache file mapped in the decode
+    engine (_core.MappedFile): runs land bit-exact; a run past the file is refused by name; a
+    file its owner truncates under the mapping (before or during a copy) is a ValueError naming
+    the run, never a SIGBUS, and the process copies on; a removed file's mapping is let go."""
+    core = expert_arena._core
+    size = 4 << 20
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "cache"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    try:
+        source = core.MappedFile(fd, "the test's cache", watch_seconds=0.05)
+        assert source.size == size and source.mapped and source.wait_populated(30)
+        out = np.zeros(size, dtype=np.uint8)
+        base = core.array_address(out)
+        runs = np.array([[4096, base, 8192], [0, base + 8192, 100], [size - 7, base + 9000, 7]],
+                        dtype=np.uint64)
+        assert source.copy_runs(runs) == 8192 + 100 + 7
+        assert (out[:8192] == data[4096:4096 + 8192]).all()
+        assert (out[8192:8292] == data[:100]).all() and (out[9000:9007] == data[-7:]).all()
+        with pytest.raises(ValueError, match="run 1 reads 16 bytes at offset %d of the test's "
+                                             "cache, which has %d" % (size - 8, size)):
+            source.copy_runs(np.array([[0, base, 16], [size - 8, base, 16]], dtype=np.uint64))
+        with pytest.raises(ValueError, match="n x 3 uint64"):
+            source.copy_runs(np.zeros((2, 2), dtype=np.uint64))
+
+        os.ftruncate(fd, 1 << 20)
+        with pytest.raises(ValueError, match=r"the test's cache lost pages under the copy "
+                                             r"\(truncated by its owner\): run 1 \(2097152 "
+                                             r"bytes at offset 1048576\) reads past its end"):
+            source.copy_runs(np.array([[0, base, 4096], [1 << 20, base, 2 << 20]],
+                                      dtype=np.uint64))
+        out[:] = 0
+        assert source.copy_runs(np.array([[0, base, 1 << 20]], dtype=np.uint64)) == 1 << 20
+        assert (out[:1 << 20] == data[:1 << 20]).all()
+
+        # Truncated and grown again while copies run: each copy ends whole or as an error,
+        # and once the owner stopped the file copies whole again.
+        stop = threading.Event()
+
+        def owner():
+            for _ in range(100):
+                if stop.is_set():
+                    break
+                os.ftruncate(fd, 1 << 20)
+                stop.wait(0.0005)
+                os.ftruncate(fd, size)
+                stop.wait(0.0005)
+        t = threading.Thread(target=owner)
+        t.start()
+        try:
+            for _ in range(2000):
+                if not t.is_alive():
+                    break
+                try:
+                    assert source.copy_runs(np.array([[0, base, size]], dtype=np.uint64)) == size
+                except ValueError as e:
+                    assert "run 0 (%d bytes at offset 0) reads past its end" % size in str(e)
+        finally:
+            stop.set()
+            t.join()
+        assert source.copy_runs(np.array([[0, base, size]], dtype=np.uint64)) == size
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    for _ in range(200):
+        if not source.mapped:
+            break
+        threading.Event().wait(0.05)
+    assert not source.mapped
+    with pytest.raises(FileNotFoundError, match="the test's cache was removed"):
+        source.copy_runs(np.array([[0, base, 1]], dtype=np.uint64))
+
+
+def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process(tmp_path):
+    """The guarded copies' SIGBUS handler passes on what is not theirs: a touch of a truncated
+    mapping elsewhere in the process ends it by SIGBUS, as it would have."""
+    script = (
+        "import mmap, os, numpy as np, expert_arena\n"
+        "p = %r\n"
+        "open(p, 'wb').write(b'x' * 8192)\n"
+        "fd = os.open(p, os.O_RDWR)\n"
+        "source = expert_arena._core.MappedFile(fd, 'f')\n"
+        "out = np.zeros(16, dtype=np.uint8)\n"
+        "to = expert_arena._core.array_address(out)\n"
+        "assert source.copy_runs(np.array([[0, to, 16]], dtype=np.uint64)) == 16\n"
+        "m = mmap.mmap(fd, 8192)\n"
+        "os.ftruncate(fd, 0)\n"
+        "print('touching', flush=True)\n"
+        "m[5000]\n"
+        "print('survived', flush=True)\n" % str(tmp_path / "f"))
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(), timeout=120,
+                          capture_output=True, text=True)
+    assert done.stdout == "touching\n", (done.stdout, done.stderr)
+    # (An interpreter under AddressSanitizer: its handler, the one before, reports and exits.)
+    assert done.returncode == -signal.SIGBUS or (
+        done.returncode != 0 and "AddressSanitizer: BUS" in done.stderr), done.stderr

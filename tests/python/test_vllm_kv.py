@@ -296,6 +296,9 @@ def test_decode_engine_copies_from_the_prefill_engines_shared_kv_cache(model, di
             host.send(dict(role="kv_consumer", prompts=PROMPTS, **common))
         for decoded in [host.result(timeout=300) for host in hosts]:
             _assert_loaded(decoded, reference["tokens"][:len(PROMPTS)], PROMPTS)
+            # Out of the prefill engine's file mapped in the decode engine (not pread).
+            counters = decoded["counters"]
+            assert counters["loaded_mapped_bytes"] == counters["loaded_bytes"] > 0, counters
         # Read by both: those entries and their claims are gone, the late ones wait.
         assert len(_entries(stream)) == len(LATE_PROMPTS), _entries(stream)
         assert _segments(stream) == []
@@ -1080,12 +1083,16 @@ def test_a_shared_kv_cache_keeps_the_tensors_and_blocks_copy_out_of_it(tmp_path)
         fd = os.open(cache.path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            # (staged: through a host tensor, the way a device cache takes)
-            for (name, (t, dim)), staged in itertools.product(caches.items(), (False, True)):
+            mapped = expert_arena._core.MappedFile(fd, "the cache")
+            # (staged: through a host tensor, the way a device cache takes; source: out of the
+            # file mapped, as the connector copies, or with pread)
+            for (name, (t, dim)), staged, source in itertools.product(
+                    caches.items(), (False, True), (None, mapped)):
                 mine = torch.zeros_like(t)
                 desc = cache.layers[name]
                 vllm_kv._check_cache_layer(name, desc, size, t.element_size())
-                n = vllm_kv.copy_cache_blocks(fd, desc, src, mine, dim, dst, staged=staged)
+                n = vllm_kv.copy_cache_blocks(fd, desc, src, mine, dim, dst, staged=staged,
+                                              source=source)
                 assert n == len(src) * t.select(dim, 0).numel() * t.element_size()
                 assert torch.equal(mine.index_select(dim, torch.tensor(dst)),
                                    t.index_select(dim, torch.tensor(src))), name
@@ -1108,13 +1115,18 @@ def test_a_shared_kv_cache_keeps_the_tensors_and_blocks_copy_out_of_it(tmp_path)
         finally:
             os.close(fd)
         # Truncated after the checks (only its owner could: here a copy of it, as this
-        # process's own cache is mapped onto the file): a short read.
+        # process's own cache is mapped onto the file): a short read, or out of the mapping
+        # the pages it lost, never a SIGBUS.
         shutil.copyfile(cache.path, tmp_path / "copy")
-        os.truncate(tmp_path / "copy", desc["offset"] + 2 * t[0].numel() * 2)
         fd = os.open(tmp_path / "copy", os.O_RDONLY)
         try:
-            with pytest.raises(ValueError, match="shorter than the entry says"):
-                vllm_kv.copy_cache_blocks(fd, desc, [1, 2, 3], torch.zeros_like(t), 0, [4, 5, 6])
+            mapped = expert_arena._core.MappedFile(fd, "the copy")
+            os.truncate(tmp_path / "copy", desc["offset"] + 2 * t[0].numel() * 2)
+            for source in (None, mapped):
+                with pytest.raises(ValueError, match="shorter than the entry says"):
+                    vllm_kv.copy_cache_blocks(fd, desc, [1, 2, 3], torch.zeros_like(t), 0,
+                                              [4, 5, 6], source=source)
+            del mapped
         finally:
             os.close(fd)
             os.unlink(tmp_path / "copy")
