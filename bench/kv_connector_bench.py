@@ -17,8 +17,10 @@ other blocks of the decode engine's cache:
   cache        what the connector does with transfer "cache": the prefill engine's cache
                tensors live in a shared file (_SharedCache, as vLLM's are moved there), nothing
                is copied on that side; a consumer in another process copies the blocks straight
-               from the file into its cache (copy_cache_blocks: pread, one call for all runs;
-               the consumer's time, opening the file included);
+               from the file into its cache (copy_cache_blocks out of the file mapped once,
+               as the connector does, one call for all runs; --cache-copy adds pread: the
+               consumer's time, opening the file included; the first load, which maps the
+               file, is printed apart);
   example      ExampleConnector's I/O: the gathered layer saved with safetensors' save_file,
                read back with load_file and scattered, per layer, in a directory (default
                /tmp, the connector's default);
@@ -36,7 +38,7 @@ where transparent huge pages are "madvise").
 
     .venv-vllm/bin/python bench/kv_connector_bench.py [--tokens 1024 4096 16384] [--layers 8]
         [--kv-heads 8] [--head-size 128] [--dtype bfloat16] [--repeat 5] [--dst-pages 2m 4k]
-        [--nixl DIR]
+        [--cache-copy mapped pread] [--nixl DIR]
 
 Prints a Markdown table (median of --repeat rounds, GiB/s of the KV's bytes) and the command.
 Not part of CI.
@@ -97,11 +99,14 @@ def _consume(conn, directory, args, num_blocks):
     consumer.close()
 
 
-def _cache_reader(conn, args, num_blocks, pages):
+def _cache_reader(conn, args, num_blocks, pages, how):
     """The decode engine's side of transfer "cache", in its own process: open the prefill
-    engine's cache file, copy the blocks into its own cache."""
+    engine's cache file, copy the blocks into its own cache: out of the file mapped once
+    (`how` "mapped", as the connector does: the first load maps it, a thread maps its pages
+    in) or with pread ("pread", the connector's way where a file cannot be mapped)."""
     torch.set_num_threads(args.threads)
     caches = _decode_cache(args, num_blocks, pages)
+    sources = {}
     while True:
         msg = conn.recv()
         if msg is None:
@@ -109,15 +114,21 @@ def _cache_reader(conn, args, num_blocks, pages):
         path, layers, src, dst = msg
         start = time.perf_counter()
         fd = os.open(path, os.O_RDONLY)
+        source = None
+        if how == "mapped":
+            source = sources.get(path)
+            if source is None:
+                source = sources[path] = expert_arena._core.MappedFile(fd, path)
         for cache, desc in zip(caches, layers):
-            copy_cache_blocks(fd, desc, src, cache, 0, dst)
+            copy_cache_blocks(fd, desc, src, cache, 0, dst, source=source)
         os.close(fd)
         conn.send(time.perf_counter() - start)
 
 
 def _shared_cache(args, directory, src_caches, src_ids, dst_ids, num_blocks):
     """Median seconds of the consumer's copy out of a shared cache holding src_caches, for
-    each of args.dst_pages (one reader each, in turns)."""
+    each way (decode cache pages, copy) of args.cache_ways (one reader each, in turns), and
+    each way's first load."""
     # vLLM's zeroed buffer, moved into the file, then written (as the prefill engine does).
     buf = torch.zeros(len(src_caches) * src_caches[0].numel(), dtype=src_caches[0].dtype)
     caches = {"layer-%d" % i: (buf[i * c.numel():(i + 1) * c.numel()].view(c.shape), 0)
@@ -129,25 +140,25 @@ def _shared_cache(args, directory, src_caches, src_ids, dst_ids, num_blocks):
     shared._collapser.join()  # the engine's start goes on meanwhile; timed after it
     args.cache_huge.append("%d/%d MiB" % (shared.huge_bytes >> 20, shared.total >> 20))
     readers = {}
-    for pages in args.dst_pages:
+    for way in args.cache_ways:
         parent, child = multiprocessing.Pipe()
         reader = multiprocessing.get_context("spawn").Process(
-            target=_cache_reader, args=(child, args, num_blocks, pages))
+            target=_cache_reader, args=(child, args, num_blocks) + way)
         reader.start()
-        readers[pages] = (parent, reader)
-    times = {pages: [] for pages in args.dst_pages}
+        readers[way] = (parent, reader)
+    times = {way: [] for way in args.cache_ways}
     try:
         layers = [shared.layers["layer-%d" % i] for i in range(len(src_caches))]
         for _ in range(args.repeat):
-            for pages, (parent, _) in readers.items():
+            for way, (parent, _) in readers.items():
                 parent.send((shared.path, layers, src_ids, dst_ids))
-                times[pages].append(parent.recv())
+                times[way].append(parent.recv())
     finally:
         for parent, reader in readers.values():
             parent.send(None)
             reader.join()
         shared.close()
-    return {pages: statistics.median(t) for pages, t in times.items()}
+    return {way: (statistics.median(t), t[0]) for way, t in times.items()}
 
 
 def _nixl_api(path):
@@ -297,9 +308,9 @@ def run(args, tokens, directory, example_dir):
     results["stream load"] = statistics.median(open_times)
 
     cache = _shared_cache(args, directory, src_caches, src_ids.tolist(), dst_list, num_blocks)
-    results["cache"] = cache[args.dst_pages[0]]
-    for pages in args.dst_pages[1:]:
-        results["cache " + pages] = cache[pages]
+    results["cache"], results["cache first"] = cache[args.cache_ways[0]]
+    for way in args.cache_ways[1:]:
+        results["cache %s %s" % way] = cache[way][0]
 
     from safetensors.torch import load_file, save_file
 
@@ -333,11 +344,17 @@ def main():
                         help="the decode engine's own cache on 2 MiB pages (the connector's "
                         "huge_pages, the default) or 4 KiB ones; the first for every way, "
                         "the others for cache too (an extra column each)")
+    parser.add_argument("--cache-copy", nargs="+", choices=["mapped", "pread"],
+                        default=["mapped", "pread"], help="how the decode engine copies out "
+                        "of the shared cache: the connector's mapping of the file, or pread; "
+                        "the first for the table, the others an extra line each")
     parser.add_argument("--nixl", metavar="DIR", help="a folder holding nixl-cu12's files "
                         "(`nixl_cu12`): adds NIXL's READ of the blocks (module docstring)")
     args = parser.parse_args()
     args.dtype = getattr(torch, args.dtype)
     args.cache_huge = []  # how much of each shared cache was on 2 MiB pages
+    args.cache_ways = ([(args.dst_pages[0], c) for c in args.cache_copy] +
+                       [(p, args.cache_copy[0]) for p in args.dst_pages[1:]])
     torch.set_num_threads(args.threads)
     directory = tempfile.mkdtemp(prefix="ea-kvbench-", dir=args.directory)
     example_dir = tempfile.mkdtemp(prefix="ea-kvbench-", dir=args.example_directory)
@@ -362,13 +379,15 @@ def main():
                                           r["nixl"] / r["cache"]) if nixl else ""))
     print("\nshared caches on 2 MiB pages: %s (directory %s)" % (", ".join(args.cache_huge),
                                                                args.directory))
-    for pages in args.dst_pages[1:]:
-        print("\ncache (load) into a decode cache on %s pages (the table's: %s):" % (
-            pages, args.dst_pages[0]))
+    print("the table's cache (load) is %s into a decode cache on %s pages; its first load "
+          "(the file mapped then): %s" % (args.cache_ways[0][1], args.cache_ways[0][0], ", ".join(
+              "%.1f ms" % (r["cache first"] * 1e3) for _, _, r in rows)))
+    for way in args.cache_ways[1:]:
+        print("\ncache (load), %s into a decode cache on %s pages:" % (way[1], way[0]))
         for tokens, nbytes, r in rows:
+            t = r["cache %s %s" % way]
             print("  %d tokens: %.1f ms, %.2fx of memcpy; the table's %.2fx of it" % (
-                tokens, r["cache " + pages] * 1e3, r["memcpy"] / r["cache " + pages],
-                r["cache " + pages] / r["cache"]))
+                tokens, t * 1e3, r["memcpy"] / t, t / r["cache"]))
     print("\n    " + " ".join([os.path.basename(sys.executable)] + sys.argv))
     if args.nixl:
         sys.stdout.flush()
