@@ -335,7 +335,19 @@ def _read_entry(path: str):
         os.close(fd)
 
 
+def _own_file(fd: int, what: str) -> os.stat_result:
+    """The fstat of `fd`, or ValueError when another user owns the file: a user who can write
+    to the directory (/dev/shm is everyone's) must not hand this engine an entry or a cache
+    that it would load as a prompt's KV (the stream's segments are refused alike)."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise ValueError("%s belongs to uid %d, not to this engine's uid %d: another user's "
+                         "file is not read" % (what, st.st_uid, os.geteuid()))
+    return st
+
+
 def _parsed_entry(fd: int, path: str):
+    _own_file(fd, "index entry %s" % path)
     data = os.pread(fd, _ENTRY_LIMIT + 1, 0)
     if len(data) > _ENTRY_LIMIT:
         raise ValueError("index entry %s is larger than %d bytes" % (path, _ENTRY_LIMIT))
@@ -381,6 +393,8 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except PermissionError:
+        pass  # another user's file in a sticky directory (/dev/shm): not this engine's
 
 
 def _claims(path: str) -> list:
@@ -459,6 +473,8 @@ def _remove_abandoned_temporaries(directory: str, owns) -> None:
         except OSError:
             continue  # renamed or removed meanwhile, or not ours to open
         try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue  # another user's: not this engine's to judge (nor to remove)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # Still this file under this name (not one made since under the same name).
             abandoned = os.fstat(fd).st_ino == os.lstat(path).st_ino
@@ -499,6 +515,8 @@ def _sweep_cache_files(directory: str, connector_name: str) -> None:
         except OSError:
             continue
         try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue  # another user's: not this engine's to judge (nor to remove)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             abandoned = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except (BlockingIOError, FileNotFoundError):
@@ -1621,7 +1639,7 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             job.cache_fd = os.open(cache_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ValueError("the producer's KV cache %s is gone" % cache_path) from None
-        st = os.fstat(job.cache_fd)
+        st = _own_file(job.cache_fd, "the producer's KV cache %s" % cache_path)
         size = st.st_size
         job.source = self._mapped_cache(job.cache_fd, st, cache_path)
         for name, desc in layers.items():
@@ -1975,6 +1993,11 @@ class ExpertArenaConnector(KVConnectorBase_V1):
             if not self._options.owns(name) or not name.endswith(".json"):
                 continue
             path = os.path.join(self._options.directory, name)
+            try:
+                if os.lstat(path).st_uid != os.geteuid():
+                    continue  # another user's: never read, not this engine's to remove
+            except FileNotFoundError:
+                continue
             try:
                 entry = _read_entry(path)
                 segments = set()

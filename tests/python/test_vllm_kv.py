@@ -454,6 +454,48 @@ def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_comput
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+def test_entries_and_caches_of_another_user_are_refused_and_the_prompts_computed(
+        model, dirs, hosts):
+    """Another user who can write to the directory (/dev/shm is everyone's) hands the decode
+    engine nothing: an index entry of theirs, and an entry of ours naming a KV cache file of
+    theirs (a copy of the prefill engine's), are refused by name before any byte is read; the
+    prompts are computed, plain vLLM's tokens; no engine removes or sweeps their files."""
+    if os.geteuid() != 0:
+        pytest.skip("gives files to another user (root)")
+    stream, spill = dirs
+    prompts = PROMPTS[1:3]
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=4,
+                  prompts=prompts, transfer="cache")
+    from expert_arena import vllm_kv
+    nobody = 65534
+    with _holding(hosts[0], role="kv_producer", **common) as produced:
+        paths = [os.path.join(stream, "ea-kv-pytest-%s-r0.json"
+                              % vllm_kv.prompt_digests(p[:_whole(p)])[-1]) for p in prompts]
+        os.chown(paths[0], nobody, -1)
+        with open(paths[1]) as f:
+            entry = json.load(f)
+        theirs = "ea-kvcache-pytest-%d-0badf00d" % os.getpid()
+        shutil.copyfile(os.path.join(stream, entry["cache"]["file"]),
+                        os.path.join(stream, theirs))
+        os.chown(os.path.join(stream, theirs), nobody, -1)
+        entry["cache"]["file"] = theirs
+        with open(paths[1], "r+") as f:  # in place: the prefill engine's open file
+            f.truncate(0)
+            f.write(json.dumps(entry))
+        decoded, log = _run(hosts[1], role="kv_consumer", **common)
+    assert decoded["tokens"] == produced["tokens"]
+    assert decoded["counters"]["loaded_blocks"] == 0, decoded["counters"]
+    assert "index entry %s belongs to uid %d, not to this engine's uid 0" % (
+        paths[0], nobody) in log, log[-6000:]
+    assert "the producer's KV cache %s belongs to uid %d" % (
+        os.path.join(stream, theirs), nobody) in log, log[-6000:]
+    assert "Traceback" not in log, log[-6000:]
+    # The cache file no engine made stays (the prefill engine's exit removed the entries it
+    # published, the one given away too, and its own cache file).
+    assert os.listdir(stream) == [theirs]
+    os.unlink(os.path.join(stream, theirs))
+
+
 def test_a_prefill_engine_killed_in_a_save_leaves_nothing_to_load_and_nothing_behind(
         model, dirs, hosts):
     """The prefill engine is SIGKILLed inside the connector's save path: the first prompt
@@ -1012,6 +1054,56 @@ def test_a_connector_cleans_only_the_files_of_its_own_name(tmp_path):
         (tmp_path / name).write_text("{")
     vllm_kv._remove_abandoned_temporaries(str(tmp_path), kv.owns)
     assert sorted(os.listdir(tmp_path)) == [theirs + ".tmp-12-34"]
+
+
+_AS_ANOTHER_USER = """
+import os, sys, types
+from expert_arena import vllm_kv
+d = sys.argv[1]
+options = vllm_kv._Options({"directory": d, "spill_directory": d, "name": "pytest"})
+vllm_kv._sweep_cache_files(d, "pytest")
+vllm_kv._remove_abandoned_temporaries(d, options.owns)
+vllm_kv.ExpertArenaConnector._remove_orphan_entries(types.SimpleNamespace(_options=options))
+entry = options.entry_path("ab" * 20, 0)
+try:
+    vllm_kv._read_entry(entry)
+except ValueError as e:
+    print(e)
+vllm_kv._remove_entry(entry)
+print("done")
+"""
+
+
+def test_the_files_of_another_user_in_a_shared_directory_are_left_alone(tmp_path):
+    """A connector that runs as one user, in a sticky directory (/dev/shm) where another user
+    left files of its name (an entry that is not JSON, a temporary, a cache file, a claim):
+    its cleanups at start skip them and go on (removing one would fail: a prefill engine's
+    start that raised there crashed the engine), and an entry of theirs is refused by name."""
+    if os.geteuid() != 0:
+        pytest.skip("runs a connector as another user (root)")
+    from expert_arena import vllm_kv
+    shared = tempfile.mkdtemp(prefix="ea-pytest-sticky-", dir="/dev/shm")
+    try:
+        os.chmod(shared, 0o1777)
+        options = vllm_kv._Options({"directory": shared, "name": "pytest"})
+        entry = options.entry_path("ab" * 20, 0)
+        left = [entry, entry + ".read1", entry + ".tmp-1-2",
+                os.path.join(shared, "ea-kvcache-pytest-1-0badf00d")]
+        for path in left:
+            with open(path, "w") as f:
+                f.write("{")
+        nobody = 65534
+        done = subprocess.run(
+            [sys.executable, "-c", _AS_ANOTHER_USER, shared], capture_output=True, text=True,
+            timeout=300, env=dict(child_env(), HOME="/tmp"),
+            preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)))
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert done.stdout.splitlines() == [
+            "index entry %s belongs to uid 0, not to this engine's uid %d: another user's "
+            "file is not read" % (entry, nobody), "done"], (done.stdout, done.stderr[-4000:])
+        assert sorted(os.listdir(shared)) == sorted(os.path.basename(p) for p in left)
+    finally:
+        shutil.rmtree(shared)
 
 
 def _layouts(num_blocks):
