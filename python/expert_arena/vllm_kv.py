@@ -20,8 +20,9 @@ copied and removes the entry; a tensor it cannot open (its producer was killed a
 block was aborted or expired) is reported to vLLM (get_block_ids_with_load_errors), which
 recomputes those tokens.
 
-What is compared before any byte is copied: the model, its dtype and the KV cache's dtype,
-block size, tensor-parallel size and rank, KV heads and head size (the scheduler, from the
+What is compared before any byte is copied: the model and its effective configuration
+(hf_overrides applied), revision, quantization, vLLM's version, its dtype and the KV cache's
+dtype and scales, block size, tensor-parallel size and rank, KV heads and head size (the scheduler, from the
 entry), and every layer's name, dtype and per-block shape and the block dimension (the worker,
 from the KV cache tensors vLLM registered, never an assumed layout). A mismatch is refused
 with a warning naming both sides, and those tokens are computed.
@@ -280,19 +281,40 @@ def _tail_tokens(entry: dict, tokens: list, length: int, block_size: int) -> int
     return n if tail["digest"] == tail_digest(tokens[:length + n]) else 0
 
 
+# Per engine: KV cache scales an engine computes from its own first batch
+# (calculate_kv_scales with a quantized cache) are its own, so its KV is nobody else's.
+_ENGINE_SCALES = "computed by engine %s" % secrets.token_hex(8)
+
+
 def _identity(vllm_config, kv_cache_config) -> dict:
     """What both engines must agree on for one's KV to be the other's (the scheduler's view;
-    the worker checks the tensors themselves)."""
+    the worker checks the tensors themselves): the model as vLLM runs it (its effective
+    configuration, hf_overrides applied: RoPE's settings shape every key; its revision and
+    quantization: the weights that compute the KV), vLLM's version, the KV cache's dtype, its
+    scales, block size and parallel layout."""
+    import vllm
+    from .vllm import _digest, effective_config
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
+    quantized_cache = str(cache.cache_dtype) not in ("auto", "bfloat16", "float16", "float32")
     out = {
         "model": str(model.model),
+        "config": _digest(effective_config(model))[:32],
+        "revision": str(model.revision),
+        "quantization": str(model.quantization),
+        "vllm": str(vllm.__version__),
         "dtype": str(model.dtype),
         "cache_dtype": str(cache.cache_dtype),
+        "kv_scales": _ENGINE_SCALES if quantized_cache and getattr(
+            cache, "calculate_kv_scales", False) else "from the checkpoint",
         "block_size": int(cache.block_size),
         "tensor_parallel_size": int(parallel.tensor_parallel_size),
         "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
+        # (A context-parallel rank holds a slice of every block's tokens.)
+        "context_parallel": "%d/%d" % (
+            int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+            int(getattr(parallel, "decode_context_parallel_size", 1) or 1)),
     }
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     specs = []

@@ -454,6 +454,31 @@ def test_damaged_shared_cache_entries_are_refused_by_name_and_the_prompts_comput
     assert os.listdir(stream) == [] and os.listdir(spill) == []
 
 
+# (transformers 5 keeps rope_theta in rope_parameters, which is what vLLM reads.)
+@pytest.mark.parametrize("overrides", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, {"rms_norm_eps": 1e-3}])
+def test_a_decode_engine_of_another_configuration_computes_the_prompts_itself(
+        overrides, model, dirs, hosts):
+    """The same checkpoint under hf_overrides (RoPE's theta, which shapes every key; a norm's
+    epsilon, which shapes every layer's input) is another model: its decode engine refuses
+    the prefill engine's KV by name and gives plain vLLM's tokens under the override. (A
+    tiny random model's greedy tokens hardly depend on either: loading the KV is what the
+    test catches.)"""
+    stream, spill = dirs
+    prompts = PROMPTS[1:3]
+    common = dict(model=model, directory=stream, spill_directory=spill, max_tokens=8,
+                  prompts=prompts)
+    reference, _ = _run(hosts[0], role="plain", hf_overrides=overrides, **common)
+    with _holding(hosts[0], role="kv_producer", **common) as produced:
+        assert produced["counters"]["saved_requests"] == len(prompts)
+        decoded, log = _run(hosts[1], role="kv_consumer", hf_overrides=overrides, **common)
+    assert decoded["tokens"] == reference["tokens"]
+    assert decoded["counters"]["loaded_blocks"] == 0, decoded["counters"]
+    assert re.search(r"refusing the KV of \S+ \(producer \S+\): config: '[0-9a-f]{32}' here, "
+                     r"'[0-9a-f]{32}' in the producer", log), log[-6000:]
+    assert os.listdir(stream) == [] and os.listdir(spill) == []
+
+
 def test_entries_and_caches_of_another_user_are_refused_and_the_prompts_computed(
         model, dirs, hosts):
     """Another user who can write to the directory (/dev/shm is everyone's) hands the decode

@@ -13,6 +13,7 @@ one after another, each request a line of stdin (engine_procs.serve, EngineHost)
                                "load": "async"|"sync", "transfer": "cache"|"segments",
                                "num_blocks": null | N, "ignore_eos": false,
                                "prefix_caching": true|false (vLLM's default: true),
+                               "hf_overrides": null | {...},
                                "then": [[ids]...]}'
 
 Every engine greedy-decodes each prompt; "abort_at" instead adds the prompts together, aborts
@@ -56,6 +57,8 @@ def _engine(args):
         extra["num_gpu_blocks_override"] = args["num_blocks"]
     if "prefix_caching" in args:  # off: a freed block goes to the next request as it is
         extra["enable_prefix_caching"] = args["prefix_caching"]
+    if args.get("hf_overrides"):  # another configuration of the same checkpoint
+        extra["hf_overrides"] = args["hf_overrides"]
     return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
                max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
                distributed_executor_backend="uni", **extra)
