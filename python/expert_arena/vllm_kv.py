@@ -22,10 +22,11 @@ recomputes those tokens.
 
 What is compared before any byte is copied: the model and its effective configuration
 (hf_overrides applied), revision, quantization, vLLM's version, its dtype and the KV cache's
-dtype and scales, block size, tensor-parallel size and rank, KV heads and head size (the scheduler, from the
-entry), and every layer's name, dtype and per-block shape and the block dimension (the worker,
-from the KV cache tensors vLLM registered, never an assumed layout). A mismatch is refused
-with a warning naming both sides, and those tokens are computed.
+dtype and scales, block size, parallel sizes and rank, KV heads and head size (the scheduler,
+from the entry), and every layer's name, dtype and per-block shape and the block dimension
+(the worker, from the KV cache tensors vLLM registered, never an assumed layout). A mismatch
+is refused with a warning naming both sides, and those tokens are computed. An entry or a
+cache file another user owns is refused by name.
 
 Lifetimes: a block is read by `readers` decode engines (default 1; each takes its turn by
 creating <entry>.read<k> exclusively, the last removes the entry), each zero-copy from the one
@@ -44,12 +45,13 @@ the prompt's blocks in it: vLLM wrote them there, nothing is copied on the prefi
 decode engine copies each run of blocks straight from the file into its cache (out of the file
 mapped once and kept while it exists, _core.MappedFile; every run of a load in one call
 without the GIL: one copy; a file truncated under the mapping is a load error naming the run,
-never a SIGBUS; pread where it cannot be mapped). The prefill engine keeps those blocks (vLLM's delayed free, as with its NIXL
-connector) until the entry is read by its last reader, withdrawn (an abort, a preemption) or
-expired (ttl_seconds, or beyond half the cache held), and no decode engine holds the entry's
-shared lock (flock) that it copies under; a prefix that several prompts share is one copy in
-that cache, read by every decode engine of the host. A KV cache that does not fit the
-directory (or is on a device) stays private and the prompts go through the segments.
+never a SIGBUS; pread where it cannot be mapped). The prefill engine keeps those blocks
+(vLLM's delayed free, as with its NIXL connector) until the entry is read by its last reader,
+withdrawn (an abort, a preemption) or expired (ttl_seconds, or beyond half the cache held),
+and no decode engine holds the entry's shared lock (flock) that it copies under; a prefix
+that several prompts share is one copy in that cache, read by every decode engine of the
+host. A KV cache that does not fit the directory (or is on a device) stays private and the
+prompts go through the segments.
 
 Across hosts: a prefill engine with `listen` (and `listen_token` or `token_file`) serves its
 segments through the stream's front door, and each finished request's kv_transfer_params carry
