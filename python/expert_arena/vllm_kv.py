@@ -1692,8 +1692,8 @@ class ExpertArenaConnector(KVConnectorBase_V1):
 
     def _mapped_cache(self, fd: int, st, path: str):
         """The prefill engine's KV cache file at `fd` mapped in this engine (one mapping per
-        file, kept while it exists: its runs are then copied at memory speed, where a pread
-        copies at about 0.65x of that), or None (it is read with pread)."""
+        file, kept while it exists: its runs are then copied at memcpy's speed, without a
+        system call per run), or None (it is read with pread)."""
         for key in [k for k, m in self._mapped.items() if not m.mapped]:
             del self._mapped[key]  # its file was removed: the mapping was let go
         key = (st.st_dev, st.st_ino)
