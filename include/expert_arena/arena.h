@@ -278,6 +278,11 @@ struct WritableTensor {
   std::string_view dtype;
   std::span<const uint64_t> shape;
   std::span<std::byte> bytes;
+  // With EngineArenaSpec::pages_as_written: makes the pages under `bytes` (and waits for
+  // them); call it before writing them. An error (a filesystem that filled up meanwhile) is
+  // returned here, never a SIGBUS at the write. Returns at once where the pages were made
+  // before fill.
+  std::function<Status()> make_pages;
 };
 
 struct EngineArenaSpec {
@@ -306,6 +311,14 @@ struct EngineArenaSpec {
   // identity every engine is refused with the first failure (no crash loop). false: published
   // as soon as it is filled.
   bool confirm_after_run = false;
+  // The pages are made as fill asks for them (WritableTensor::make_pages before each tensor is
+  // written), not all before fill: an engine that lets go of its own copy of each tensor once
+  // it is written hands that memory to the next tensors' pages, so the build holds the model
+  // about once rather than twice, and on a VM whose free memory the host takes back the pages
+  // come from memory still backed (2026-12-07: 0.2 s against 2.6-3.6 s for 3 GiB). Applies
+  // where the pages are made in pieces (tmpfs on 4 KiB pages, 2 MiB pages asked for);
+  // elsewhere (hugetlbfs, tmpfs huge=) they are made before fill as without it.
+  bool pages_as_written = false;
 };
 
 // A part of an arena's data region: [offset, offset + bytes), offsets as Arena::data()'s.

@@ -26,6 +26,9 @@ class ArenaFiller {
   // is removed and nothing is published.
   virtual Result<load::LoadResult> Fill(const load::LoadRequest& request,
                                         format::ArenaTable& table) = 0;
+  // Whether the pages are made as the filler asks for them (request.permit_pages), not all
+  // before Fill: an engine's writer that lets go of its own copy of each tensor once written.
+  virtual bool PagesAsWritten() const { return false; }
 };
 
 // The model files of a spec, read by the loader (load::LoadTensors).

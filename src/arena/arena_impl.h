@@ -124,6 +124,7 @@ class EngineFiller final : public ArenaFiller {
                                 format::ArenaTable& table) override {
     return FillEngineArena(spec_, request, table);
   }
+  bool PagesAsWritten() const override { return spec_.pages_as_written; }
 
  private:
   const EngineArenaSpec& spec_;

@@ -236,8 +236,19 @@ Result<load::LoadResult> FillEngineArena(const EngineArenaSpec& spec,
     if (t.arena_offset > request.data.size() || t.bytes > request.data.size() - t.arena_offset) {
       return Internal("engine tensor " + t.name + " lies outside the data region");
     }
-    views.push_back(WritableTensor{t.name, t.dtype, t.shape,
-                                   request.data.subspan(t.arena_offset, t.bytes)});
+    WritableTensor view{t.name, t.dtype, t.shape, request.data.subspan(t.arena_offset, t.bytes),
+                        nullptr};
+    if (request.permit_pages && request.ready_front != nullptr) {
+      // Paced pages: this tensor's are made when its writer asks, not before fill.
+      const uint64_t end = request.ready_base + t.arena_offset + t.bytes;
+      view.make_pages = [&request, end] {
+        request.permit_pages(end);
+        return request.ready_front->WaitFor(end);
+      };
+    } else {
+      view.make_pages = [] { return Status::Ok(); };
+    }
+    views.push_back(std::move(view));
   }
   Status filled = Internal("fill did not run");
   try {

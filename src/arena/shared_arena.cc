@@ -685,7 +685,8 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   if (!room.ok()) return fail(room);
   auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
                                PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
-                               options.pages_alongside_load, &*placement);
+                               options.pages_alongside_load || filler.PagesAsWritten(),
+                               &*placement, filler.PagesAsWritten());
   if (!backed.ok()) {
     return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
   }
@@ -700,6 +701,7 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   };
 
   std::span<std::byte> header = impl->mapping.bytes().first(layout->header_bytes);
+  if (pages != nullptr) pages->Permit(layout->header_bytes);
   Status s = pages != nullptr ? pages->front().WaitFor(layout->header_bytes) : Status::Ok();
   if (!s.ok()) return stop_pages(s);
   s = format::EncodeHeader(impl->table, *layout, format::FileState::kLoading, pid, ticks, created,
@@ -720,6 +722,9 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   if (pages != nullptr) {
     request.ready_front = &pages->front();
     request.ready_base = impl->data_offset;
+    if (filler.PagesAsWritten()) {
+      request.permit_pages = [pages](uint64_t end) { pages->Permit(end); };
+    }
   }
   auto loaded = filler.Fill(request, impl->table);
   // A load that failed stops the pages at once (a failure of the pages reaches the load as

@@ -64,6 +64,9 @@ struct LoadRequest {
   // fails the load with its error.
   const ReadyFront* ready_front = nullptr;
   uint64_t ready_base = 0;
+  // With ready_front, where the filler paces the pages (ArenaFiller::PagesAsWritten): lets
+  // the pages of [0, end) of the front's coordinates be made; they are made only once asked.
+  std::function<void(uint64_t)> permit_pages;
   // Tests only: runs once after the sources are opened and the reads planned, before any
   // read (e.g. to truncate a source under the loader).
   std::function<void()> after_plan_for_testing;

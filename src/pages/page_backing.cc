@@ -247,17 +247,22 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
 
 namespace {
 constexpr uint64_t kBackgroundPiece = 64 * kMiB;
+// Paced pieces run this far ahead of what the writer asked for: every worker busy while it
+// copies (one piece at a time made the pages half as fast on two cores), at the cost of this
+// much more memory at the build's peak.
+constexpr uint64_t kPacedAhead = 4 * kBackgroundPiece;
 }  // namespace
 
 BackgroundPages::BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes,
                                  std::string what, bool collapse, unsigned threads,
-                                 unsigned interleave_nodes)
+                                 unsigned interleave_nodes, bool paced)
     : fd_(fd),
       data_(data),
       bytes_(bytes),
       what_(std::move(what)),
       collapse_(collapse),
       interleave_nodes_(interleave_nodes),
+      paced_(paced),
       start_(std::chrono::steady_clock::now()) {
   const size_t pieces = (bytes + kBackgroundPiece - 1) / kBackgroundPiece;
   done_.assign(pieces, 0);
@@ -272,7 +277,11 @@ BackgroundPages::BackgroundPages(const platform::UniqueFd* fd, std::byte* data, 
 }
 
 BackgroundPages::~BackgroundPages() {
-  stop_.store(true);
+  {
+    std::lock_guard lock(mu_);
+    stop_.store(true);
+  }
+  permit_cv_.notify_all();
   for (auto& t : workers_) t.join();
   front_.Fail(Internal(what_ + ": making its pages was stopped"));
 }
@@ -339,39 +348,68 @@ std::string BackgroundPages::Note(std::chrono::steady_clock::time_point load_don
   }
   const double tail =
       std::max(0.0, std::chrono::duration<double>(load_done - finished_at_).count());
-  return std::string(platform::Kernel().has(platform::KernelFeature::kCollapse)
-                         ? "; MADV_COLLAPSE "
-                         : "; MADV_HUGEPAGE and a first touch per 2 MiB ") +
-         FormatDuration(seconds_) + " alongside the load, which ended " + FormatDuration(tail) +
-         " after it" + SlowCollapseHint(seconds_, bytes_);
+  const std::string how = platform::Kernel().has(platform::KernelFeature::kCollapse)
+                              ? "; MADV_COLLAPSE "
+                              : "; MADV_HUGEPAGE and a first touch per 2 MiB ";
+  if (paced_) {
+    return how + FormatDuration(seconds_) + " as the engine wrote" +
+           SlowCollapseHint(seconds_, bytes_);
+  }
+  return how + FormatDuration(seconds_) + " alongside the load, which ended " +
+         FormatDuration(tail) + " after it" + SlowCollapseHint(seconds_, bytes_);
+}
+
+void BackgroundPages::Permit(uint64_t end) {
+  {
+    std::lock_guard lock(mu_);
+    if (end <= permitted_) return;
+    permitted_ = end;
+  }
+  permit_cv_.notify_all();
 }
 
 void BackgroundPages::Work() {
   for (size_t i; !stop_.load() && (i = next_.fetch_add(1)) < done_.size();) {
     const uint64_t offset = i * kBackgroundPiece;
     const uint64_t length = std::min(kBackgroundPiece, bytes_ - offset);
+    if (paced_) {
+      std::unique_lock lock(mu_);
+      permit_cv_.wait(lock, [&] { return stop_.load() || permitted_ + kPacedAhead > offset; });
+      if (stop_.load()) return;
+    }
     fault_points::BeforePagePiece(i);
+    if (paced_) {
+      std::lock_guard lock(mu_);
+      if (active_++ == 0) active_since_ = std::chrono::steady_clock::now();
+    }
     Status s = MakePiece(offset, length);
     std::lock_guard lock(mu_);
+    if (paced_ && --active_ == 0) {
+      busy_seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - active_since_).count();
+    }
     if (!s.ok()) {
       if (fatal_.ok()) {
         fatal_ = s.WithContext("bytes " + std::to_string(offset) + "+" + std::to_string(length));
       }
       front_.Fail(fatal_);
       stop_.store(true);
+      permit_cv_.notify_all();
       return;
     }
     done_[i] = 1;
     while (done_prefix_ < done_.size() && done_[done_prefix_] != 0) ++done_prefix_;
     if (done_prefix_ == done_.size()) {
       finished_at_ = std::chrono::steady_clock::now();
-      seconds_ = std::chrono::duration<double>(finished_at_ - start_).count();
+      seconds_ = paced_ ? busy_seconds_
+                        : std::chrono::duration<double>(finished_at_ - start_).count();
     }
     front_.Advance(std::min(bytes_, done_prefix_ * kBackgroundPiece));
   }
 }
 
 Status BackgroundPages::Finish() {
+  Permit(bytes_);
   for (auto& t : workers_) t.join();
   workers_.clear();
   std::lock_guard lock(mu_);
@@ -395,7 +433,7 @@ Status BackedFile::FinishPages() {
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
                                   const std::string& what, bool pages_in_background,
-                                  const PagePlacement* placement) {
+                                  const PagePlacement* placement, bool paced) {
   const bool allocate_in_pieces =
       (source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise) &&
       mode != HugePages::kOff && available_bytes >= bytes;
@@ -468,7 +506,8 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
           platform::AdviseRange(file.mapping.data(), bytes, platform::Advice::kHugePage, what);
       if (!advise.ok()) file.huge.note += "; " + advise.message();
       file.pages = std::make_unique<BackgroundPages>(&fd, file.mapping.data(), bytes, what,
-                                                     /*collapse=*/true, 0, interleave_nodes);
+                                                     /*collapse=*/true, 0, interleave_nodes,
+                                                     paced);
       return file;
     }
     EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -111,22 +112,31 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
 // piece is allocated, so a filesystem that fills up meanwhile is an error (the front fails
 // with it), never a SIGBUS.
 //
-// Thread-safety: front() may be waited on from any thread; Finish, Note and the destructor
-// from the owner only. The destructor stops the pieces not started yet and joins.
+// `paced`: a piece is made only once Permit() reached within 256 MiB of it, so the pages come
+// as the writer asks for them rather than all at once: an engine that frees its own copy of
+// each tensor after writing it holds the model about once at the build's peak, not twice.
+//
+// Thread-safety: front() may be waited on and Permit called from any thread; Finish, Note and
+// the destructor from the owner only. The destructor stops the pieces not started yet and
+// joins.
 class BackgroundPages {
  public:
   BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes, std::string what,
-                  bool collapse, unsigned threads = 0, unsigned interleave_nodes = 1);
+                  bool collapse, unsigned threads = 0, unsigned interleave_nodes = 1,
+                  bool paced = false);
   ~BackgroundPages();
   BackgroundPages(const BackgroundPages&) = delete;
   BackgroundPages& operator=(const BackgroundPages&) = delete;
 
   const ReadyFront& front() const { return front_; }
-  // Waits for every piece. The error of the first piece that could not be allocated or
-  // populated (fatal: the file is not whole); collapse failures are not (see
-  // collapse_problem).
+  // Paced: lets the pieces that hold any of [0, end) be made (never back).
+  void Permit(uint64_t end);
+  // Permits every piece, then waits for every piece. The error of the first piece that could
+  // not be allocated or populated (fatal: the file is not whole); collapse failures are not
+  // (see collapse_problem).
   Status Finish();
-  // After Finish: seconds from the start to the last piece, and the first collapse failure
+  // After Finish: seconds from the start to the last piece (paced: the time while any
+  // piece was being made), and the first collapse failure
   // (OK when every piece is on 2 MiB pages or none was asked for).
   double seconds() const { return seconds_; }
   std::chrono::steady_clock::time_point finished_at() const { return finished_at_; }
@@ -147,11 +157,19 @@ class BackgroundPages {
   std::string what_;
   bool collapse_;
   unsigned interleave_nodes_;
+  bool paced_;
   std::chrono::steady_clock::time_point start_;
   ReadyFront front_;
   std::atomic<size_t> next_{0};
   std::atomic<bool> stop_{false};
   std::mutex mu_;
+  std::condition_variable permit_cv_;
+  uint64_t permitted_ = 0;     // paced: bytes [0, permitted_) asked for, guarded by mu_
+  // Paced: the time when any piece was being made, summed; pieces in the making and since
+  // when some were. Guarded by mu_.
+  double busy_seconds_ = 0;
+  unsigned active_ = 0;
+  std::chrono::steady_clock::time_point active_since_;
   std::vector<uint8_t> done_;  // per piece, guarded by mu_
   size_t done_prefix_ = 0;     // pieces done front to back, guarded by mu_
   Status fatal_;               // guarded by mu_
@@ -190,7 +208,8 @@ struct BackedFile {
 // removes the file on failure.
 // `pages_in_background`: on 4 KiB tmpfs with room for the file and 2 MiB pages asked for,
 // return as soon as the file is sized and mapped, with the pages made by BackgroundPages
-// (BackedFile::pages); elsewhere it changes nothing. `fd` must outlive the BackedFile.
+// (BackedFile::pages); elsewhere it changes nothing. `paced`: those pages are made as the
+// writer permits them (BackgroundPages). `fd` must outlive the BackedFile.
 // `placement` (null: first touch): on tmpfs the file is sized and mapped, its shared policy
 // set (mbind), and only then allocated; on hugetlbfs it is allocated under the thread policy
 // (set_mempolicy). A placement other than first touch elsewhere, or one the kernel refuses, is
@@ -198,6 +217,6 @@ struct BackedFile {
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
                                   const std::string& what, bool pages_in_background = false,
-                                  const PagePlacement* placement = nullptr);
+                                  const PagePlacement* placement = nullptr, bool paced = false);
 
 }  // namespace expert_arena::pages

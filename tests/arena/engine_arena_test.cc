@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -387,6 +388,74 @@ TEST(EngineArenaSpecTest, BadDeclarationsAreRefusedNamingTheTensor) {
   auto threw = Arena::OpenEngine(spec, Options(dir.File("x.arena")));
   EXPECT_NE(threw.status().message().find("boom"), std::string::npos);
   EXPECT_TRUE(dir.entries().empty());
+}
+
+// Bytes of the file at `path` that are allocated (tmpfs: its pages).
+uint64_t AllocatedBytes(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : 0;
+}
+
+// pages_as_written: the pages of a tensor are made when the fill asks for them, so an engine
+// that frees its own copy of each tensor once written holds the model once, not twice.
+TEST(EngineArenaPagesTest, PagesAreMadeAsTheFillAsksForThem) {
+  ScopedArenaDir dir("engine-pages");
+  const std::string path = dir.File("paced.arena");
+  constexpr uint64_t kEach = 128ull << 20;
+  constexpr int kCount = 6;
+  // The pages run up to 256 MiB ahead of the last ask, in 64 MiB pieces.
+  constexpr uint64_t kAhead = (256ull + 128) << 20;
+  EngineArenaSpec spec;
+  spec.identity = "paced";
+  spec.pages_as_written = true;
+  spec.declare = []() -> Result<std::vector<EngineTensor>> {
+    std::vector<EngineTensor> out;
+    for (int i = 0; i < kCount; ++i) {
+      out.push_back({"t" + std::to_string(i), "U8", {kEach}, kEach, 0});
+    }
+    return out;
+  };
+  std::vector<uint64_t> before, after;
+  spec.fill = [&](std::span<const WritableTensor> views) -> Status {
+    for (size_t i = 0; i < views.size(); ++i) {
+      before.push_back(AllocatedBytes(path));
+      EA_RETURN_IF_ERROR(views[i].make_pages());
+      after.push_back(AllocatedBytes(path));
+      std::memset(views[i].bytes.data(), static_cast<int>(0x40 + i), views[i].bytes.size());
+    }
+    return Status::Ok();
+  };
+  auto arena = Arena::OpenEngine(spec, Options(path));
+  ASSERT_TRUE(arena.ok()) << arena.status().message();
+  for (size_t i = 0; i < kCount; ++i) {
+    TensorView v = arena->tensor(i);
+    ASSERT_EQ(v.bytes.size(), kEach);
+    EXPECT_EQ(v.bytes.front(), static_cast<std::byte>(0x40 + i));
+    EXPECT_EQ(v.bytes.back(), static_cast<std::byte>(0x40 + i));
+  }
+  const std::string note = arena->report().huge_note;
+  if (note.find("as the engine wrote") == std::string::npos) {
+    GTEST_SKIP() << "pages made before fill here (not 4 KiB tmpfs with 2 MiB pages): " << note;
+  }
+  // Before the first tensor asked, the pages ahead of the header at most; each ask made its
+  // tensor's pages, and never all of the file's before the last ones were asked for.
+  ASSERT_EQ(before.size(), static_cast<size_t>(kCount));
+  EXPECT_LE(before[0], kAhead) << note;
+  for (size_t i = 0; i < kCount; ++i) {
+    EXPECT_GE(after[i], (i + 1) * kEach) << i;
+    EXPECT_LE(after[i], (i + 1) * kEach + kAhead) << i;
+  }
+}
+
+// A fill that writes without asking for the pages still publishes its bytes: the pages left
+// are made once fill returns, around what it wrote.
+TEST(EngineArenaPagesTest, AFillThatNeverAsksStillPublishesItsBytes) {
+  ScopedArenaDir dir("engine-pages-unasked");
+  EngineArenaSpec spec = Spec("unasked", {}, 3, nullptr, 40ull << 20);
+  spec.pages_as_written = true;
+  auto arena = Arena::OpenEngine(spec, Options(dir.File("unasked.arena")));
+  ASSERT_TRUE(arena.ok()) << arena.status().message();
+  EXPECT_TRUE(HoldsPattern(*arena, 3));
 }
 
 }  // namespace
