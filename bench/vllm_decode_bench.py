@@ -45,16 +45,36 @@ ENGINE = textwrap.dedent("""
     if setting != "plain":
         extra = {"load_format": "expert_arena", "model_loader_extra_config":
                  {"arena_dir": arena_dir, "dense_gemm": setting}}
+    import threading
+    def held():
+        # This engine's private memory and the arena's pages (which RSS would count once per
+        # mapping): what a memory limit sees of the start.
+        size = 0
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                size = int(line.split()[1]) * 1024
+        for name in os.listdir(arena_dir) if setting != "plain" else ():
+            try:
+                size += os.stat(os.path.join(arena_dir, name)).st_blocks * 512
+            except OSError:
+                pass
+        return size
+    peak, started_up = [0], threading.Event()
+    def watch():
+        while not started_up.wait(0.01):
+            peak[0] = max(peak[0], held())
+    threading.Thread(target=watch, daemon=True).start()
     started = time.monotonic()
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=256,
               max_num_seqs=16, seed=0, **extra)
     ready = time.monotonic() - started
+    started_up.set()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     def prompts(n):
         return [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 3 for j in range(8)]}
                 for i in range(n)]
     llm.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    result = {"ready_s": ready}
+    result = {"ready_s": ready, "start_peak_gib": peak[0] / 2**30}
     for batch in (1, 16):
         t = time.monotonic()
         llm.generate(prompts(batch), params, use_tqdm=False)
@@ -180,7 +200,7 @@ def main():
           "median (1 / 16) | ready s | Pss MiB | arena private MiB |\n"
           "|---|---|---|---|---|---|---|---|")
     med = {s: {k: statistics.median(x[k] for x in rows[s]) for k in
-               ("tok_s_1", "tok_s_16", "ready_s", "pss_mib")} for s in settings}
+               ("tok_s_1", "tok_s_16", "ready_s", "pss_mib", "start_peak_gib")} for s in settings}
     for s in settings:
         private = [x["arena_private_mib"] for x in rows[s] if "arena_private_mib" in x]
         per_round = ["%.2fx / %.2fx" % tuple(statistics.median(
@@ -195,12 +215,15 @@ def main():
         built = [x for x in rows[s] if x.get("role") == "loaded" and "pages_s" in x]
         if built:
             print("\n%s, %d building engine(s): ready %s s against plain's median %.1f s "
-                  "(%.2fx); medians: %s" % (
+                  "(%.2fx); medians: %s; memory at the start's peak (private and the arena's "
+                  "pages) %.2f GiB against plain's %.2f GiB" % (
                       s, len(built), ", ".join("%.1f" % x["ready_s"] for x in built),
                       med["plain"]["ready_s"],
                       statistics.median(x["ready_s"] for x in built) / med["plain"]["ready_s"],
                       ", ".join("%s %.2f" % (k[:-2], statistics.median(x[k] for x in built))
-                                for k in steps)))
+                                for k in steps),
+                      statistics.median(x["start_peak_gib"] for x in built),
+                      med["plain"]["start_peak_gib"]))
     for s in settings if args.profile else ():
         print("\n%s, batch 1, %d tokens: operator, own CPU ms, calls" % (s, args.tokens))
         for name, ms, count in profiles[s]:

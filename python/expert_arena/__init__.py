@@ -400,7 +400,8 @@ def attach(path, gpu="none", *, gpu_required=False, allow_foreign_owner=False,
 def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu="none",
                 gpu_required=False, huge="auto", wait_timeout=600.0, file_mode=0o600,
                 allow_foreign_owner=False, pin_budget_bytes=0, quiet=False,
-                allow_world_writable=False, confirm_after_run=False) -> Arena:
+                allow_world_writable=False, confirm_after_run=False,
+                pages_as_written=True) -> Arena:
     """An arena of tensors this engine makes itself (fused, repacked, quantized): attaches when
     one of `identity` over the checkpoint `files` is published at `path` (waiting for an engine
     that is building it), else this engine builds it and publishes it (docs/engine-arenas.md).
@@ -409,7 +410,14 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
     (name, dtype, shape, bytes, alignment) tuples (dtype a safetensors name: "F32", "BF16",
     ...; alignment 0 for the default), then `fill(writer)`, which writes every tensor with
     `writer.write(index, buffer)` (a C-contiguous buffer of exactly its bytes; the writer is
-    void once fill returns). An exception from either propagates and publishes nothing.
+    void once fill returns). An exception from either propagates and publishes nothing. The
+    arena's pages are made as the tensors are written (on tmpfs on 4 KiB pages, where 2 MiB
+    pages are made in pieces): an engine that lets go of its own copy of each tensor once
+    written gives that memory to the next tensors' pages and holds the model about once, not
+    twice (`pages_as_written=False`: all made before fill, as a C++ spec's default).
+    `writer.buffer(index)` is a tensor's bytes in the arena (a memoryview, writable
+    until fill returns, then read-only, valid while the arena is open): the engine's copy of a
+    tensor can be moved onto them once written (what shared_module and the vLLM loader do).
     `identity` names what makes the tensors what they are beyond the checkpoint (the engine
     and its version, the transform's settings, dtype, rank and world size); `files` are the
     checkpoint files or directories, fingerprinted by the library.
@@ -423,7 +431,7 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
                                  int(alignment), declare, fill, gpu, bool(gpu_required), huge,
                                  float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                                  int(pin_budget_bytes), bool(quiet), bool(allow_world_writable),
-                                 bool(confirm_after_run))
+                                 bool(confirm_after_run), bool(pages_as_written))
     finally:
         _emit_logs()
     return Arena(core)
@@ -436,7 +444,7 @@ def _declare_module(torch, module, built):
 
 
 def _fill_module(torch, built, writer):
-    _binder.fill(built, writer)
+    _binder.fill(built, writer, release=True)
 
 
 def _bind_module(torch, module, arena):
@@ -526,10 +534,14 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
     def fill(writer):
         _fill_module(torch, built, writer)
 
-    arena = open_engine(path, identity, declare, fill, files, alignment=alignment, gpu=gpu,
-                        huge=huge, wait_timeout=wait_timeout, file_mode=file_mode,
-                        allow_foreign_owner=allow_foreign_owner, quiet=quiet,
-                        confirm_after_run=confirm != "filled")
+    try:
+        arena = open_engine(path, identity, declare, fill, files, alignment=alignment, gpu=gpu,
+                            huge=huge, wait_timeout=wait_timeout, file_mode=file_mode,
+                            allow_foreign_owner=allow_foreign_owner, quiet=quiet,
+                            confirm_after_run=confirm != "filled")
+    except BaseException:
+        _binder.forget_released(built)
+        raise
     module = built.pop("module", None)
     built.clear()
     # Private tensors to free: the builder's own, or make()'s where it cannot build on meta.

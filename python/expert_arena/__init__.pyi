@@ -79,6 +79,7 @@ def attach(path: _Path, gpu: str = ..., *, gpu_required: bool = ...,
 class EngineWriter:
     def __len__(self) -> int: ...
     def write(self, index: int, source: Any) -> None: ...
+    def buffer(self, index: int) -> memoryview: ...
 
 def open_engine(path: _Path, identity: str,
                 declare: Optional[Callable[[], Sequence[Tuple[str, str, Sequence[int], int, int]]]],
@@ -88,7 +89,8 @@ def open_engine(path: _Path, identity: str,
                 file_mode: int = ..., allow_foreign_owner: bool = ...,
                 pin_budget_bytes: int = ..., quiet: bool = ...,
                 allow_world_writable: bool = ...,
-                confirm_after_run: bool = ...) -> Arena: ...
+                confirm_after_run: bool = ...,
+                pages_as_written: bool = ...) -> Arena: ...
 
 def shared_module(path: _Path, make: Callable[[], Any], load: Callable[[Any], Any], *,
                   identity: str, files: Sequence[_Path] = ..., gpu: str = ..., huge: str = ...,

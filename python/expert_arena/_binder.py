@@ -133,17 +133,50 @@ def declare(module, built, constructed=None, engine=None):
     return table
 
 
-def fill(built, writer):
-    """Writes what declare() listed."""
+def fill(built, writer, release=False):
+    """Writes what declare() listed. `release`: each tensor in the CPU's memory whose bytes lie
+    as they are published (dense, in storage order) is then moved onto its bytes in the arena
+    (its `data` set to them), so the engine's own copy is freed as the build goes wherever
+    nothing else holds it, and its memory becomes the next tensors' pages: the build holds the
+    model about once, not twice. The module is bound to the arena's views afterwards as
+    before; a build that fails leaves the moved tensors empty (forget_released), never over
+    memory that is gone."""
     import numpy as np
     import torch
     entries = built["entries"]
-    for i, (_, (t, order)) in enumerate(entries):
-        flat = t.detach().permute(order).to("cpu").contiguous().reshape(-1)
-        if flat.dtype != torch.uint8:
-            flat = flat.view(torch.uint8)
-        writer.write(i, flat.numpy())
-    writer.write(len(entries), np.frombuffer(built["manifest"], dtype=np.uint8))
+    released = built.setdefault("released", [])
+    try:
+        for i, (_, (t, order)) in enumerate(entries):
+            flat = t.detach().permute(order).to("cpu").contiguous().reshape(-1)
+            if flat.dtype != torch.uint8:
+                flat = flat.view(torch.uint8)
+            writer.write(i, flat.numpy())
+            del flat
+            if release and _lies_as_published(t, order):
+                with torch.no_grad():
+                    t.data = torch.frombuffer(writer.buffer(i), dtype=torch.uint8).view(
+                        t.dtype).as_strided(t.shape, t.stride())
+                released.append(t)
+        writer.write(len(entries), np.frombuffer(built["manifest"], dtype=np.uint8))
+    except BaseException:
+        forget_released(built)
+        raise
+
+
+def _lies_as_published(t, order):
+    import torch
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0 and
+            not t.is_quantized and t.permute(order).is_contiguous())
+
+
+def forget_released(built):
+    """After a failed build: the tensors fill() moved onto the arena's bytes become empty
+    (the arena's memory goes with the failure), so that a module kept past it raises at
+    their use rather than reading unmapped memory."""
+    import torch
+    for t in built.pop("released", ()):
+        with torch.no_grad():
+            t.data = torch.empty(0, dtype=t.dtype)
 
 
 def _manifest_doc(arena):

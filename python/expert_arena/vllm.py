@@ -598,16 +598,22 @@ def _loader_class():
 
             def fill(writer):
                 marks["fill"] = time.monotonic()
-                _binder.fill(built, writer)
+                # On the CPU the builder's tensors move onto the arena's bytes as they are
+                # written (its own copies freed as it goes: the model held once, not twice).
+                _binder.fill(built, writer, release=on_cpu)
                 marks["filled"] = time.monotonic()
 
             os.makedirs(self.settings.arena_dir, exist_ok=True)
-            arena = expert_arena.open_engine(
-                path, identity, declare, fill, files, gpu=gpu, huge=self.settings.huge,
-                wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
-                allow_foreign_owner=self.settings.allow_foreign_owner,
-                allow_world_writable=self.settings.allow_world_writable, quiet=True,
-                confirm_after_run=True)
+            try:
+                arena = expert_arena.open_engine(
+                    path, identity, declare, fill, files, gpu=gpu, huge=self.settings.huge,
+                    wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
+                    allow_foreign_owner=self.settings.allow_foreign_owner,
+                    allow_world_writable=self.settings.allow_world_writable, quiet=True,
+                    confirm_after_run=True)
+            except BaseException:
+                _binder.forget_released(built)
+                raise
             model = built.pop("model", None)
             built.clear()
             marks["opened"] = time.monotonic()
@@ -672,7 +678,8 @@ def _loader_class():
             steps = {}
             if "filled" in marks:
                 # Where a build's time went: vLLM's own load and post-processing (as in plain
-                # vLLM), the arena's pages, the copy, checksums and header, the binding.
+                # vLLM), the arena's file (its pages too where they are not made as written),
+                # the copy, checksums and header, the binding.
                 steps = {"load_and_process_s": marks["declared"] - marks["declare"],
                          "pages_s": marks["fill"] - marks["declared"],
                          "copy_s": marks["filled"] - marks["fill"],
@@ -681,7 +688,8 @@ def _loader_class():
             model.expert_arena_start = dict(steps, ready_s=ready - started)
             logger.info("%s: model ready in %.2f s (%s): %s", LOAD_FORMAT, ready - started,
                         "built and published: vLLM's load and post-processing %.2f s, the "
-                        "arena's pages %.2f s, the copy %.2f s, checksums %.2f s, binding %.2f s"
+                        "arena's file %.2f s, the copy (its pages made as it went) %.2f s, "
+                        "checksums %.2f s, binding %.2f s"
                         % tuple(steps.values()) if steps else
                         "attached: no checkpoint tensor read, no transform run",
                         "its parameters and buffers are the arena's pages" if on_cpu else

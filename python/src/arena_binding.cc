@@ -459,11 +459,35 @@ class PyEngineWriter {
                                          std::to_string(length) + " bytes given, " +
                                          std::to_string(t.bytes.size()) + " declared");
     }
+    Status pages = Status::Ok();
     {
       py::gil_scoped_release release;
-      std::memcpy(t.bytes.data(), buffer.buf, length);
+      pages = t.make_pages ? t.make_pages() : Status::Ok();
+      if (pages.ok()) std::memcpy(t.bytes.data(), buffer.buf, length);
     }
     PyBuffer_Release(&buffer);
+    if (!pages.ok()) RaiseStatus(pages.WithContext("engine arena tensor " + std::string(t.name)));
+  }
+
+  // A writable memoryview of tensor `index`'s bytes in the arena, its pages made: for a
+  // tensor the engine lets go of once written (its storage moved onto these bytes). Valid
+  // while the arena is open; writable only until fill returns (read-only afterwards).
+  py::object Buffer(size_t index) {
+    std::span<const WritableTensor> views = Views();
+    if (index >= views.size()) {
+      throw py::index_error("engine arena writer: tensor index " + std::to_string(index) +
+                            " of " + std::to_string(views.size()));
+    }
+    const WritableTensor& t = views[index];
+    Status pages = Status::Ok();
+    {
+      py::gil_scoped_release release;
+      pages = t.make_pages ? t.make_pages() : Status::Ok();
+    }
+    if (!pages.ok()) RaiseStatus(pages.WithContext("engine arena tensor " + std::string(t.name)));
+    return py::reinterpret_steal<py::object>(
+        PyMemoryView_FromMemory(reinterpret_cast<char*>(t.bytes.data()),
+                                static_cast<Py_ssize_t>(t.bytes.size()), PyBUF_WRITE));
   }
 
  private:
@@ -483,7 +507,8 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
                         py::object fill, const std::string& gpu, bool gpu_required,
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
                         bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
-                        bool allow_world_writable, bool confirm_after_run) {
+                        bool allow_world_writable, bool confirm_after_run,
+                        bool pages_as_written) {
   const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
@@ -491,6 +516,7 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
   options.allow_world_writable = allow_world_writable;
   EngineArenaSpec spec;
   spec.confirm_after_run = confirm_after_run;
+  spec.pages_as_written = pages_as_written;
   spec.identity = FsBytes(identity_object, "identity");
   spec.files = FsBytesList(file_objects, "a checkpoint file");
   spec.alignment = alignment;
@@ -607,12 +633,14 @@ void BindArena(py::module_& m) {
         py::arg("allow_world_writable") = false, py::arg("peer_allow_no_token") = false);
   py::class_<PyEngineWriter>(m, "EngineWriter")
       .def("__len__", &PyEngineWriter::Length)
-      .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"));
+      .def("write", &PyEngineWriter::Write, py::arg("index"), py::arg("source"))
+      .def("buffer", &PyEngineWriter::Buffer, py::arg("index"));
   m.def("open_engine", &OpenEngineArena, py::arg("path"), py::arg("identity"), py::arg("files"),
         py::arg("alignment"), py::arg("declare"), py::arg("fill"), py::arg("gpu"),
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
-        py::arg("allow_world_writable") = false, py::arg("confirm_after_run") = false);
+        py::arg("allow_world_writable") = false, py::arg("confirm_after_run") = false,
+        py::arg("pages_as_written") = true);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
         py::arg("changed"));

@@ -206,6 +206,114 @@ def test_open_engine_checks_what_fill_writes(shm_path):
     assert not os.path.exists(other)
 
 
+PEAK_ENGINE = textwrap.dedent("""
+    import json, os, sys, threading
+    import torch
+    import expert_arena
+
+    path = sys.argv[1]
+    MiB = 1 << 20
+    COUNT, EACH = 64, 16 * MiB
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.empty(EACH // 2, dtype=torch.bfloat16),
+                                    requires_grad=False) for _ in range(COUNT)])
+
+    def rss(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    def held():
+        # What the build holds: this process's private memory and the arena's pages (RSS would
+        # count the arena twice where it is mapped twice).
+        try:
+            pages = os.stat(path).st_blocks * 512
+        except FileNotFoundError:
+            pages = 0
+        return rss("RssAnon") + pages
+
+    base, peak, done = [], [0], threading.Event()
+
+    def watch():
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], held())
+
+    def load(m):
+        with torch.no_grad():
+            for i, p in enumerate(m.w):
+                p.fill_(i + 1)
+        base.append(held())  # the model is loaded: from here on the build's own memory
+        threading.Thread(target=watch, daemon=True).start()
+
+    m = expert_arena.shared_module(path, Big, load, identity="peak test", confirm="filled",
+                                   quiet=True)
+    done.set()
+    start, size = m.expert_arena.data_range()
+    print(json.dumps({
+        "model": COUNT * EACH, "over": peak[0] - base[0],
+        "note": m.expert_arena.report.get("huge_note", ""),
+        "values": [float(p[0]) for p in m.w] + [float(p[-1]) for p in m.w],
+        "in_arena": all(start <= p.data_ptr() < start + size for p in m.w)}))
+""")
+
+
+def test_the_builder_holds_its_module_about_once_not_twice(shm_path):
+    """shared_module's build moves each private tensor onto the arena's bytes once written (its
+    own copy freed as the build goes) and the arena's pages are made as it writes: the build
+    adds a tensor and a piece of pages to the loaded module's memory, not a second model (which
+    a pod's memory limit would have to hold)."""
+    path = shm_path("engine-peak")
+    p = subprocess.run([sys.executable, "-c", PEAK_ENGINE, path], capture_output=True,
+                       text=True, timeout=300, env=child_env())
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["in_arena"] and r["values"] == [float(i + 1) for i in range(64)] * 2, r
+    if "as the engine wrote" not in r["note"]:
+        pytest.skip("pages made before the fill here (not 4 KiB tmpfs with 2 MiB pages): "
+                    + r["note"])
+    # Before: the whole arena on top of the loaded module (1.0x of it, 1 GiB). Now: a 16 MiB
+    # tensor and the pages made ahead of the writes (up to 256 MiB and a 64 MiB piece).
+    assert r["over"] < 0.6 * r["model"], r
+
+
+def test_a_build_that_fails_mid_fill_leaves_the_moved_tensors_empty(shm_path):
+    """Tensors moved onto the arena's bytes before a failure must not point at memory that the
+    failed build unmapped: they are left empty (an error at their use, never a crash), the rest
+    untouched, and nothing is published."""
+    from expert_arena import _binder
+    path = shm_path("engine-fails-mid-fill")
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    before = [t.detach().clone() for t in m.parameters()]
+    built = {}
+
+    class FailsAtTheThird:
+        def __init__(self, writer):
+            self.writer = writer
+
+        def write(self, i, b):
+            if i == 2:
+                raise RuntimeError("the disk caught fire")
+            self.writer.write(i, b)
+
+        def buffer(self, i):
+            return self.writer.buffer(i)
+
+    with pytest.raises(RuntimeError, match="the disk caught fire"):
+        expert_arena.open_engine(path, "fails mid fill", lambda: _binder.declare(m, built),
+                                 lambda w: _binder.fill(built, FailsAtTheThird(w),
+                                                        release=True), quiet=True)
+    assert not os.path.exists(path)
+    params = list(m.parameters())
+    assert [t.numel() for t in params[:2]] == [0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(params[2:], before[2:]))
+    with pytest.raises(RuntimeError):
+        m(torch.ones(1, 64))
+
+
 HF_ENGINE = textwrap.dedent("""
     import json, sys, warnings
     warnings.simplefilter("ignore")
