@@ -319,6 +319,13 @@ struct EngineArenaSpec {
   // where the pages are made in pieces (tmpfs on 4 KiB pages, 2 MiB pages asked for);
   // elsewhere (hugetlbfs, tmpfs huge=) they are made before fill as without it.
   bool pages_as_written = false;
+  // With pages_as_written: the bytes of the engine's own memory that fill frees as it writes
+  // (its copy of each tensor let go once written; 0: none). A memory cgroup's limit is then
+  // checked against what the build holds at its peak (the arena's pages less these, plus the
+  // largest tensor and the pages made ahead of the writes) rather than the whole arena on top
+  // of the engine's memory. Read once declare returned (declare may set it). Overstating it
+  // turns a refusal into an OOM kill part-way: count only what is freed for certain.
+  uint64_t freed_as_written = 0;
 };
 
 // A part of an arena's data region: [offset, offset + bytes), offsets as Arena::data()'s.

@@ -401,7 +401,7 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
                 gpu_required=False, huge="auto", wait_timeout=600.0, file_mode=0o600,
                 allow_foreign_owner=False, pin_budget_bytes=0, quiet=False,
                 allow_world_writable=False, confirm_after_run=False,
-                pages_as_written=True) -> Arena:
+                pages_as_written=True, freed_as_written=0) -> Arena:
     """An arena of tensors this engine makes itself (fused, repacked, quantized): attaches when
     one of `identity` over the checkpoint `files` is published at `path` (waiting for an engine
     that is building it), else this engine builds it and publishes it (docs/engine-arenas.md).
@@ -418,6 +418,9 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
     `writer.buffer(index)` is a tensor's bytes in the arena (a memoryview, writable
     until fill returns, then read-only, valid while the arena is open): the engine's copy of a
     tensor can be moved onto them once written (what shared_module and the vLLM loader do).
+    `freed_as_written`: the bytes of this engine's own memory that fill frees for certain as it
+    writes (a number, or a callable asked once declare returned): a memory cgroup's limit is
+    then checked against the build's peak rather than the whole arena on top of that memory.
     `identity` names what makes the tensors what they are beyond the checkpoint (the engine
     and its version, the transform's settings, dtype, rank and world size); `files` are the
     checkpoint files or directories, fingerprinted by the library.
@@ -431,7 +434,8 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
                                  int(alignment), declare, fill, gpu, bool(gpu_required), huge,
                                  float(wait_timeout), int(file_mode), bool(allow_foreign_owner),
                                  int(pin_budget_bytes), bool(quiet), bool(allow_world_writable),
-                                 bool(confirm_after_run), bool(pages_as_written))
+                                 bool(confirm_after_run), bool(pages_as_written),
+                                 freed_as_written)
     finally:
         _emit_logs()
     return Arena(core)
@@ -538,7 +542,8 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
         arena = open_engine(path, identity, declare, fill, files, alignment=alignment, gpu=gpu,
                             huge=huge, wait_timeout=wait_timeout, file_mode=file_mode,
                             allow_foreign_owner=allow_foreign_owner, quiet=quiet,
-                            confirm_after_run=confirm != "filled")
+                            confirm_after_run=confirm != "filled",
+                            freed_as_written=lambda: built.get("freed", 0))
     except BaseException:
         _binder.forget_released(built)
         raise

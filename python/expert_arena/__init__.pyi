@@ -90,7 +90,8 @@ def open_engine(path: _Path, identity: str,
                 pin_budget_bytes: int = ..., quiet: bool = ...,
                 allow_world_writable: bool = ...,
                 confirm_after_run: bool = ...,
-                pages_as_written: bool = ...) -> Arena: ...
+                pages_as_written: bool = ...,
+                freed_as_written: Union[int, Callable[[], int]] = ...) -> Arena: ...
 
 def shared_module(path: _Path, make: Callable[[], Any], load: Callable[[Any], Any], *,
                   identity: str, files: Sequence[_Path] = ..., gpu: str = ..., huge: str = ...,

@@ -125,6 +125,7 @@ def declare(module, built, constructed=None, engine=None):
     manifest = json.dumps(doc, sort_keys=True).encode()
     built["entries"] = list(tensors.items())
     built["manifest"] = manifest
+    built["freed"] = _freed_by_release(tensors.values())
     table = []
     for name, (t, order) in built["entries"]:
         table.append((name, dtype_name(t.dtype), [t.shape[d] for d in order],
@@ -161,6 +162,32 @@ def fill(built, writer, release=False):
     except BaseException:
         forget_released(built)
         raise
+
+
+def _freed_by_release(entries):
+    """The bytes fill(release=True) frees for certain: the CPU storages whose every holder is a
+    tensor it moves (torch's count of the storage's holders says none else holds it). 0 where
+    torch cannot count them (before 2.0)."""
+    import torch
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or not hasattr(torch.Tensor, "untyped_storage"):
+        return 0
+    groups = collections.defaultdict(list)
+    for t, order in entries:
+        if t.device.type == "cpu" and t.numel() > 0 and t.layout == torch.strided:
+            groups[t.untyped_storage().data_ptr()].append(_lies_as_published(t, order))
+    freed = 0
+    for t, order in entries:
+        if t.device.type != "cpu" or t.numel() == 0 or t.layout != torch.strided:
+            continue
+        members = groups.pop(t.untyped_storage().data_ptr(), None)
+        if members is None or not all(members):
+            continue
+        storage = t.untyped_storage()
+        # Each moved tensor holds the storage once, and so does `storage` here.
+        if use_count(storage._cdata) == len(members) + 1:
+            freed += storage.nbytes()
+    return freed
 
 
 def _lies_as_published(t, order):

@@ -610,15 +610,21 @@ def _loader_class():
                     wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
                     allow_foreign_owner=self.settings.allow_foreign_owner,
                     allow_world_writable=self.settings.allow_world_writable, quiet=True,
-                    confirm_after_run=True)
+                    confirm_after_run=True,
+                    freed_as_written=lambda: built.get("freed", 0) if on_cpu else 0)
             except BaseException:
                 _binder.forget_released(built)
                 raise
             model = built.pop("model", None)
+            freed = built.get("freed", 0) if on_cpu and model is not None else 0
             built.clear()
             marks["opened"] = time.monotonic()
             report = arena.report
             logger.info("%s: %s", LOAD_FORMAT, report["start_line"])
+            if freed:
+                logger.info("%s: the build freed %.2f GiB of this engine's own tensors as it "
+                            "wrote them into the arena (the model held once, not twice)",
+                            LOAD_FORMAT, freed / 2**30)
             try:
                 return self._bind_and_run(vllm_config, model_config, prefix, arena, model,
                                           device, offloader, started, marks)

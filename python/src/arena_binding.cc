@@ -508,7 +508,7 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
                         bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
                         bool allow_world_writable, bool confirm_after_run,
-                        bool pages_as_written) {
+                        bool pages_as_written, py::object freed_as_written) {
   const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
@@ -536,6 +536,10 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
         t.alignment = entry[4].cast<uint64_t>();
         out.push_back(std::move(t));
       }
+      // The bytes fill frees as it writes: a number, or a callable asked once declare returned.
+      py::object freed =
+          PyCallable_Check(freed_as_written.ptr()) ? freed_as_written() : freed_as_written;
+      spec.freed_as_written = freed.is_none() ? 0 : freed.cast<uint64_t>();
       return out;
     } catch (py::error_already_set& e) {
       raised.emplace(std::move(e));
@@ -640,7 +644,7 @@ void BindArena(py::module_& m) {
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
         py::arg("allow_world_writable") = false, py::arg("confirm_after_run") = false,
-        py::arg("pages_as_written") = true);
+        py::arg("pages_as_written") = true, py::arg("freed_as_written") = 0);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
         py::arg("changed"));

@@ -125,6 +125,9 @@ class EngineFiller final : public ArenaFiller {
     return FillEngineArena(spec_, request, table);
   }
   bool PagesAsWritten() const override { return spec_.pages_as_written; }
+  uint64_t FreedAsWritten() const override {
+    return spec_.pages_as_written ? spec_.freed_as_written : 0;
+  }
 
  private:
   const EngineArenaSpec& spec_;

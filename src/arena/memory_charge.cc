@@ -19,7 +19,8 @@ std::string Name(const platform::CgroupLevel& level) {
 }  // namespace
 
 Result<std::string> CheckArenaCharge(const platform::FilesystemInfo& fs, uint64_t new_bytes,
-                                     const std::string& path, spdlog::logger& log) {
+                                     const std::string& path, spdlog::logger& log,
+                                     uint64_t spared) {
   const bool hugetlbfs = fs.kind == platform::FsKind::kHugetlbfs;
   if (!hugetlbfs && fs.kind != platform::FsKind::kTmpfs) return std::string();
   auto limits = hugetlbfs ? platform::ReadHugetlbCgroupLimits(fs.block_bytes)
@@ -34,9 +35,12 @@ Result<std::string> CheckArenaCharge(const platform::FilesystemInfo& fs, uint64_
   if (!limits->found) return std::string();
   const std::string what =
       hugetlbfs ? "hugetlbfs pages of " + FormatBytes(fs.block_bytes) : "tmpfs pages";
-  const std::string how = path + " needs " + FormatBytes(new_bytes) + " of new " + what +
-                          ", charged to the " + limits->controller +
-                          " cgroup of the process that loads it";
+  const std::string how =
+      path + " needs " + FormatBytes(new_bytes) + " of new " + what +
+      (spared > 0 ? " at the build's peak (the arena's " + FormatBytes(new_bytes + spared) +
+                        ", less the engine's own memory it frees as it writes)"
+                  : std::string()) +
+      ", charged to the " + limits->controller + " cgroup of the process that loads it";
   if (limits->tightest_high) {
     const platform::CgroupLevel& h = *limits->tightest_high;
     uint64_t kept = h.usage - std::min(h.usage, h.reclaimable);
@@ -57,8 +61,8 @@ Result<std::string> CheckArenaCharge(const platform::FilesystemInfo& fs, uint64_
   const uint64_t room = t.Room();
   if (new_bytes <= room) {
     return std::string("charged to ") + limits->controller + " cgroup " + limits->own_path + " (" +
-           FormatBytes(new_bytes) + " of " + FormatBytes(room) + " left under " + t.limit_file +
-           " of " + t.path + ")";
+           FormatBytes(new_bytes) + (spared > 0 ? " at the build's peak" : "") + " of " +
+           FormatBytes(room) + " left under " + t.limit_file + " of " + t.path + ")";
   }
   const uint64_t kept = t.usage - std::min(t.usage, t.reclaimable);
   std::string message = how + ", but " + Name(t) + " has " + t.limit_file + " " + Limit(t.limit) +

@@ -23,7 +23,10 @@ namespace expert_arena::arena {
 // the kernel can reclaim); kNoSpace with the message when they do not fit. A memory.high below
 // the need is logged as a warning (the kernel throttles there; tmpfs pages cannot be reclaimed
 // without swap) but not refused. Cgroup files that cannot be read are logged and not refused.
+// `spared`: bytes of the arena that the loader's own memory freed as it writes pays for
+// (new_bytes is then what it holds at its peak); said in the messages.
 Result<std::string> CheckArenaCharge(const platform::FilesystemInfo& fs, uint64_t new_bytes,
-                                     const std::string& path, spdlog::logger& log);
+                                     const std::string& path, spdlog::logger& log,
+                                     uint64_t spared = 0);
 
 }  // namespace expert_arena::arena

@@ -637,7 +637,20 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   // Before the first page is written (the stub header below makes one): would the pages
   // this load makes fit the cgroup they are charged to? The file is new and empty, so every
   // page of it is made here.
-  auto charge = CheckArenaCharge(fs, layout->file_bytes, path, log);
+  // An engine that frees its own copy of each tensor as it writes, with the pages made as it
+  // writes, holds at its peak the arena less what it freed (plus the largest tensor and the
+  // pages made ahead), not the arena on top of its memory.
+  uint64_t charged = layout->file_bytes;
+  uint64_t freed = filler.FreedAsWritten();
+  if (freed > 0 && pages::PagesInPieces(options.huge, PageSourceFor(fs.kind, fs.tmpfs_huge),
+                                        layout->file_bytes, fs.available_bytes)) {
+    uint64_t largest = 0;
+    for (const format::TensorRecord& t : impl->table.tensors) largest = std::max(largest, t.bytes);
+    freed = std::min(freed, layout->file_bytes);
+    charged = std::min(layout->file_bytes,
+                       layout->file_bytes - freed + largest + pages::kPacedPagesAheadBytes);
+  }
+  auto charge = CheckArenaCharge(fs, charged, path, log, layout->file_bytes - charged);
   if (!charge.ok()) return fail(charge.status());
   const uint32_t pid = static_cast<uint32_t>(platform::CurrentPid());
   auto start_time = platform::ProcessStartTime(platform::CurrentPid());

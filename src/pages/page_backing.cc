@@ -251,7 +251,13 @@ constexpr uint64_t kBackgroundPiece = 64 * kMiB;
 // copies (one piece at a time made the pages half as fast on two cores), at the cost of this
 // much more memory at the build's peak.
 constexpr uint64_t kPacedAhead = 4 * kBackgroundPiece;
+static_assert(kPacedAhead + kBackgroundPiece == kPacedPagesAheadBytes);
 }  // namespace
+
+bool PagesInPieces(HugePages mode, PageSource source, uint64_t bytes, uint64_t available_bytes) {
+  return (source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise) &&
+         mode != HugePages::kOff && available_bytes >= bytes;
+}
 
 BackgroundPages::BackgroundPages(const platform::UniqueFd* fd, std::byte* data, uint64_t bytes,
                                  std::string what, bool collapse, unsigned threads,
@@ -434,9 +440,7 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
                                   HugePages mode, PageSource source, uint64_t available_bytes,
                                   const std::string& what, bool pages_in_background,
                                   const PagePlacement* placement, bool paced) {
-  const bool allocate_in_pieces =
-      (source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise) &&
-      mode != HugePages::kOff && available_bytes >= bytes;
+  const bool allocate_in_pieces = PagesInPieces(mode, source, bytes, available_bytes);
   const bool tmpfs = source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise ||
                      source == PageSource::kTmpfsHuge;
   bool place = placement != nullptr && placement->policy != platform::MemPolicy::kDefault;
@@ -501,13 +505,16 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
     auto blocks = platform::FreeHugeBlocks();
     if (blocks.ok()) free_blocks = *blocks;
     file.huge = DecideHugePages(mode, source, bytes, free_blocks);
-    if (file.huge.ask) {
-      Status advise =
-          platform::AdviseRange(file.mapping.data(), bytes, platform::Advice::kHugePage, what);
-      if (!advise.ok()) file.huge.note += "; " + advise.message();
+    if (file.huge.ask || paced) {
+      if (file.huge.ask) {
+        Status advise =
+            platform::AdviseRange(file.mapping.data(), bytes, platform::Advice::kHugePage, what);
+        if (!advise.ok()) file.huge.note += "; " + advise.message();
+      }
+      // Paced without 2 MiB pages: the pieces are allocated on 4 KiB pages as asked for.
       file.pages = std::make_unique<BackgroundPages>(&fd, file.mapping.data(), bytes, what,
-                                                     /*collapse=*/true, 0, interleave_nodes,
-                                                     paced);
+                                                     /*collapse=*/file.huge.ask, 0,
+                                                     interleave_nodes, paced);
       return file;
     }
     EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));

@@ -100,6 +100,15 @@ HugeDecision ApplyHugePages(HugePages mode, PageSource source, std::byte* data, 
                             const platform::UniqueFd* allocate = nullptr,
                             unsigned interleave_nodes = 1);
 
+// Whether AllocateAndMap makes the pages of such a file in pieces (4 KiB tmpfs with room for
+// it, 2 MiB pages not refused): then, asked for `paced` pages, it makes none before the
+// writer asks.
+bool PagesInPieces(HugePages mode, PageSource source, uint64_t bytes, uint64_t available_bytes);
+
+// How far paced pages may be made ahead of the writer's last ask, at most (4 pieces ahead, and
+// the piece the ask ends in).
+inline constexpr uint64_t kPacedPagesAheadBytes = 320ull << 20;
+
 // Makes the pages of a mapping on background threads, in 64 MiB pieces taken front to back.
 // For a file that is sized but not allocated, mapped at `data` from offset 0 (`fd` set): one
 // small page per 2 MiB, then MADV_COLLAPSE (when `collapse`), then the whole piece allocated
@@ -208,8 +217,8 @@ struct BackedFile {
 // removes the file on failure.
 // `pages_in_background`: on 4 KiB tmpfs with room for the file and 2 MiB pages asked for,
 // return as soon as the file is sized and mapped, with the pages made by BackgroundPages
-// (BackedFile::pages); elsewhere it changes nothing. `paced`: those pages are made as the
-// writer permits them (BackgroundPages). `fd` must outlive the BackedFile.
+// (BackedFile::pages); elsewhere it changes nothing. `paced`: where PagesInPieces, the pages
+// are made as the writer permits them (BackgroundPages), on 2 MiB pages or 4 KiB ones. `fd` must outlive the BackedFile.
 // `placement` (null: first touch): on tmpfs the file is sized and mapped, its shared policy
 // set (mbind), and only then allocated; on hugetlbfs it is allocated under the thread policy
 // (set_mempolicy). A placement other than first touch elsewhere, or one the kernel refuses, is

@@ -280,6 +280,33 @@ def test_the_builder_holds_its_module_about_once_not_twice(shm_path):
     assert r["over"] < 0.6 * r["model"], r
 
 
+def test_the_builder_says_only_what_it_frees_for_certain():
+    """What fill(release=True) will free, told to the memory check (freed_as_written): the
+    storages that only the tensors it moves hold. A storage something else also holds (a view
+    kept elsewhere), or one shared with a tensor that cannot move, is not counted: overstating
+    it would turn the check's refusal into an OOM kill part-way."""
+    from expert_arena import _binder
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.ones(256, 64), requires_grad=False)
+    m.b = torch.nn.Parameter(torch.ones(128, 64), requires_grad=False)
+    m.c = torch.nn.Parameter(torch.ones(64, 64), requires_grad=False)
+    m.c_t = m.c.t()  # a tensor attribute over c's storage: both move, both counted
+    built = {}
+    _binder.declare(m, built)
+    if not TORCH2:
+        assert built["freed"] == 0  # torch 1.13 cannot count a storage's holders
+        return
+    assert built["freed"] == (256 + 128 + 64) * 64 * 4
+    kept_elsewhere = m.b.detach()[:1]  # noqa: F841 -- another holder of b's storage
+    _binder.declare(m, built)
+    assert built["freed"] == (256 + 64) * 64 * 4
+    # A view of an intermediate keeps it as its base, which holds the storage when the view
+    # moves: not counted either.
+    m.c_t = m.c.detach().t()
+    _binder.declare(m, built)
+    assert built["freed"] == 256 * 64 * 4
+
+
 def test_a_build_that_fails_mid_fill_leaves_the_moved_tensors_empty(shm_path):
     """Tensors moved onto the arena's bytes before a failure must not point at memory that the
     failed build unmapped: they are left empty (an error at their use, never a crash), the rest
