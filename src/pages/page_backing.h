@@ -218,7 +218,8 @@ struct BackedFile {
 // `pages_in_background`: on 4 KiB tmpfs with room for the file and 2 MiB pages asked for,
 // return as soon as the file is sized and mapped, with the pages made by BackgroundPages
 // (BackedFile::pages); elsewhere it changes nothing. `paced`: where PagesInPieces, the pages
-// are made as the writer permits them (BackgroundPages), on 2 MiB pages or 4 KiB ones. `fd` must outlive the BackedFile.
+// are made as the writer permits them (BackgroundPages), on 2 MiB pages or 4 KiB ones. `fd`
+// must outlive the BackedFile.
 // `placement` (null: first touch): on tmpfs the file is sized and mapped, its shared policy
 // set (mbind), and only then allocated; on hugetlbfs it is allocated under the thread policy
 // (set_mempolicy). A placement other than first touch elsewhere, or one the kernel refuses, is
