@@ -312,12 +312,10 @@ struct EngineArenaSpec {
   // as soon as it is filled.
   bool confirm_after_run = false;
   // The pages are made as fill asks for them (WritableTensor::make_pages before each tensor is
-  // written), not all before fill: an engine that lets go of its own copy of each tensor once
-  // it is written hands that memory to the next tensors' pages, so the build holds the model
-  // about once rather than twice, and on a VM whose free memory the host takes back the pages
-  // come from memory still backed (2026-12-07: 0.2 s against 2.6-3.6 s for 3 GiB). Applies
-  // where the pages are made in pieces (tmpfs on 4 KiB pages, 2 MiB pages asked for);
-  // elsewhere (hugetlbfs, tmpfs huge=) they are made before fill as without it.
+  // written; up to 320 MiB ahead), not all before fill: an engine that lets go of its own copy
+  // of each tensor once it is written holds the model about once at the build's peak rather
+  // than twice. Applies where the pages are made in pieces (tmpfs on 4 KiB pages with room for
+  // the file); elsewhere (hugetlbfs, tmpfs huge=) they are made before fill as without it.
   bool pages_as_written = false;
   // With pages_as_written: the bytes of the engine's own memory that fill frees as it writes
   // (its copy of each tensor let go once written; 0: none). A memory cgroup's limit is then
