@@ -19,6 +19,7 @@
 #include "common/units.h"
 #include "format/arena_format.h"
 #include "common/fast_xxh3.h"
+#include "common/ready_front.h"
 #include "platform/file.h"
 
 namespace expert_arena::arena {
