@@ -172,21 +172,17 @@ def _freed_by_release(entries):
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None or not hasattr(torch.Tensor, "untyped_storage"):
         return 0
-    groups = collections.defaultdict(list)
+    groups = collections.defaultdict(list)  # storage address -> [(tensor, moves)]
     for t, order in entries:
         if t.device.type == "cpu" and t.numel() > 0 and t.layout == torch.strided:
-            groups[t.untyped_storage().data_ptr()].append(_lies_as_published(t, order))
+            groups[t.untyped_storage().data_ptr()].append((t, _lies_as_published(t, order)))
     freed = 0
-    for t, order in entries:
-        if t.device.type != "cpu" or t.numel() == 0 or t.layout != torch.strided:
-            continue
-        members = groups.pop(t.untyped_storage().data_ptr(), None)
-        if members is None or not all(members):
-            continue
-        storage = t.untyped_storage()
-        # Each moved tensor holds the storage once, and so does `storage` here.
-        if use_count(storage._cdata) == len(members) + 1:
-            freed += storage.nbytes()
+    for members in groups.values():
+        if all(moves for _, moves in members):
+            storage = members[0][0].untyped_storage()
+            # Each moved tensor holds the storage once, and so does `storage` here.
+            if use_count(storage._cdata) == len(members) + 1:
+                freed += storage.nbytes()
     return freed
 
 

@@ -442,12 +442,7 @@ class PyEngineWriter {
 
   // Copies a C-contiguous buffer of exactly the tensor's bytes into tensor `index`.
   void Write(size_t index, py::object source) {
-    std::span<const WritableTensor> views = Views();
-    if (index >= views.size()) {
-      throw py::index_error("engine arena writer: tensor index " + std::to_string(index) +
-                            " of " + std::to_string(views.size()));
-    }
-    const WritableTensor& t = views[index];
+    const WritableTensor& t = At(index);
     Py_buffer buffer;
     if (PyObject_GetBuffer(source.ptr(), &buffer, PyBUF_C_CONTIGUOUS) != 0) {
       throw py::error_already_set();
@@ -473,12 +468,7 @@ class PyEngineWriter {
   // tensor the engine lets go of once written (its storage moved onto these bytes). Valid
   // while the arena is open; writable only until fill returns (read-only afterwards).
   py::object Buffer(size_t index) {
-    std::span<const WritableTensor> views = Views();
-    if (index >= views.size()) {
-      throw py::index_error("engine arena writer: tensor index " + std::to_string(index) +
-                            " of " + std::to_string(views.size()));
-    }
-    const WritableTensor& t = views[index];
+    const WritableTensor& t = At(index);
     Status pages = Status::Ok();
     {
       py::gil_scoped_release release;
@@ -491,6 +481,15 @@ class PyEngineWriter {
   }
 
  private:
+  const WritableTensor& At(size_t index) const {
+    std::span<const WritableTensor> views = Views();
+    if (index >= views.size()) {
+      throw py::index_error("engine arena writer: tensor index " + std::to_string(index) +
+                            " of " + std::to_string(views.size()));
+    }
+    return views[index];
+  }
+
   std::span<const WritableTensor> Views() const {
     if (!state_->valid) {
       throw py::value_error("engine arena writer used after fill returned: the arena is published");
@@ -539,7 +538,12 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
       // The bytes fill frees as it writes: a number, or a callable asked once declare returned.
       py::object freed =
           PyCallable_Check(freed_as_written.ptr()) ? freed_as_written() : freed_as_written;
-      spec.freed_as_written = freed.is_none() ? 0 : freed.cast<uint64_t>();
+      try {
+        spec.freed_as_written = freed.is_none() ? 0 : freed.cast<uint64_t>();
+      } catch (const py::cast_error&) {
+        return InvalidArgument("freed_as_written must be a number of bytes (0 or more), got " +
+                               py::repr(freed).cast<std::string>());
+      }
       return out;
     } catch (py::error_already_set& e) {
       raised.emplace(std::move(e));

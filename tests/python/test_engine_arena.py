@@ -182,6 +182,8 @@ def test_open_engine_checks_what_fill_writes(shm_path):
             writer.write(0, b"12345")
         with pytest.raises(IndexError):
             writer.write(2, b"")
+        with pytest.raises(IndexError):
+            writer.buffer(2)
         writer.write(0, np.arange(4, dtype=np.float32))
         writer.write(1, b"xyz")
 
@@ -193,6 +195,13 @@ def test_open_engine_checks_what_fill_writes(shm_path):
         assert a.info("b")["file_offset"] % 64 == 0
     with pytest.raises(ValueError, match="after fill returned"):
         kept[0].write(1, b"xyz")
+    with pytest.raises(ValueError, match="after fill returned"):
+        kept[0].buffer(1)
+    # What the engine says it frees is a number of bytes, refused by name otherwise.
+    for bad in (-1, "lots", lambda: -5):
+        with pytest.raises(ValueError, match="freed_as_written must be a number of bytes"):
+            expert_arena.open_engine(shm_path("engine-freed"), "writer-test-freed",
+                                     lambda: declared, fill, quiet=True, freed_as_written=bad)
     # Another engine attaches without calling either.
     with expert_arena.open_engine(path, "writer-test", None, None, quiet=True) as b:
         assert b.report["role"] == "attached" and b.numpy("a").tolist() == [0, 1, 2, 3]
