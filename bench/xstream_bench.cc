@@ -12,7 +12,7 @@
 // bytes in, xxh3 checked) and the releases (consumer), the consumer's two sent back with its
 // acknowledgement.
 //
-// Usage: xstream_bench produce --listen ADDR:PORT --fifo DIR [--rounds N] [--dir D]
+// Usage: xstream_bench produce --listen ADDR:PORT --fifo DIR [--rounds N] [--dir D] [--only I]
 //        xstream_bench consume --fifo DIR [--dir D]
 // (DIR holds the two FIFOs, made by the script; the producer prints one JSON line per shape.)
 #include <fcntl.h>
@@ -113,7 +113,10 @@ int Produce(int argc, char** argv) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
+  // --only N: that shape alone (0, 1, 2 as in kShapes), for a profile of one shape.
+  const int only = std::stoi(Arg(argc, argv, "--only", "-1"));
   for (const Shape& shape : kShapes) {
+    if (only >= 0 && &shape != &kShapes[only % 3]) continue;
     std::vector<double> times, puts, opens, releases;
     for (int r = 0; r < rounds + 2; ++r) {  // two warm-up rounds
       auto start = Clock::now();

@@ -49,6 +49,8 @@ struct Fetching {
   void* rndv = nullptr;  // a rendezvous descriptor to receive
   ucs_status_ptr_t receive = nullptr;
   bool landed = false;
+  bool hashed = false;  // `hash` is the xxh3 of the bytes landed (taken while they are hot)
+  uint64_t hash = 0;
   bool done = false;
   StreamDone done_msg{};
   std::string done_text;
@@ -132,6 +134,7 @@ class Peer final : public StreamPeer {
   ucs_status_t failure_ = UCS_OK;
   bool welcomed_ = false;
   StreamWelcome welcome_{};
+  uint32_t features_ = 0;  // kStreamFeature*, from the welcome
   std::string welcome_text_;
   uint64_t next_request_ = 0;
   std::map<uint64_t, Fetching*> fetching_;  // the opens in flight, by request id
@@ -163,8 +166,15 @@ Status Peer::Connect(const StreamPeerOptions& options) {
           return UCS_OK;
         self->welcomed_ = true;
         std::memcpy(&self->welcome_, data, sizeof self->welcome_);
-        self->welcome_text_ = Printable(static_cast<const char*>(data) + sizeof(StreamWelcome),
-                                        length - sizeof(StreamWelcome));
+        const char* rest = static_cast<const char*>(data) + sizeof(StreamWelcome);
+        const size_t rest_bytes = length - sizeof(StreamWelcome);
+        if (self->welcome_.status == static_cast<uint32_t>(StreamStatus::kOk)) {
+          // What the producer takes beyond version 2's messages (absent from older ones).
+          if (rest_bytes >= sizeof self->features_)
+            std::memcpy(&self->features_, rest, sizeof self->features_);
+        } else {
+          self->welcome_text_ = Printable(rest, rest_bytes);
+        }
         return UCS_OK;
       }));
   EA_RETURN_IF_ERROR(
@@ -195,6 +205,8 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                       return UCS_INPROGRESS;  // received in Fetch with ucp_am_recv_data_nbx
                     }
                     if (length > 0) std::memcpy(f->into.data(), data, length);
+                    f->hash = FastXxh3(f->into.data(), f->into.size());
+                    f->hashed = true;
                     f->landed = true;
                     return UCS_OK;
                   }));
@@ -214,6 +226,27 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                     f->done_msg = d;
                     f->done_text = Printable(static_cast<const char*>(data) + sizeof d,
                                              std::min<size_t>(d.text_bytes, length - sizeof d));
+                    return UCS_OK;
+                  }));
+  EA_RETURN_IF_ERROR(
+      set_handler(kStreamDoneManyId,
+                  [](void* arg, const void*, size_t, void* data, size_t length,
+                     const ucp_am_recv_param_t* param) -> ucs_status_t {
+                    auto* self = static_cast<Peer*>(arg);
+                    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+                        length != sizeof(StreamDoneMany))
+                      return UCS_OK;
+                    StreamDoneMany d{};
+                    std::memcpy(&d, data, sizeof d);
+                    if (d.status != static_cast<uint32_t>(StreamStatus::kOk) ||
+                        d.count > self->fetching_.size())
+                      return UCS_OK;
+                    for (uint32_t i = 0; i < d.count; ++i) {
+                      Fetching* f = self->FindFetching(d.first_request + i);
+                      if (f == nullptr || f->done) continue;
+                      f->done = true;
+                      f->done_msg = StreamDone{f->request, d.status, 0};
+                    }
                     return UCS_OK;
                   }));
 
@@ -311,22 +344,41 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
     ~Clear() { map.clear(); }
   } clear{fetching_};
   const auto deadline = Clock::now() + Seconds(options_.timeout_seconds);
-  // Every open goes out before any answer is awaited: one round trip for the batch.
-  std::vector<std::vector<std::byte>> msgs(n);
-  std::vector<ucs_status_ptr_t> sends(n, nullptr);
+  // Every open goes out before any answer is awaited: one round trip for the batch. A producer
+  // that takes batches gets them as few messages (each under kStreamMaxOpenManyBytes) and
+  // answers each with one "done"; an older one gets a message per open.
+  const bool batches = (features_ & kStreamFeatureOpenMany) != 0;
+  std::vector<std::vector<std::byte>> msgs;
+  std::vector<uint32_t> ids;
+  auto append = [](std::vector<std::byte>& m, const void* p, size_t bytes) {
+    const auto* b = static_cast<const std::byte*>(p);
+    m.insert(m.end(), b, b + bytes);
+  };
   for (size_t i = 0; i < n; ++i) {
-    msgs[i].resize(sizeof(StreamOpen) + descriptors[i].size());
+    const size_t record = sizeof(StreamOpen) + descriptors[i].size();
+    if (!batches || msgs.empty() || ids.back() != kStreamOpenManyId ||
+        msgs.back().size() + record > kStreamMaxOpenManyBytes) {
+      msgs.emplace_back();
+      ids.push_back(batches ? kStreamOpenManyId : kStreamOpenId);
+      if (batches) {
+        StreamOpenMany head{0, 0};
+        append(msgs.back(), &head, sizeof head);
+      }
+    }
     StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()), 0};
-    std::memcpy(msgs[i].data(), &open, sizeof open);
-    std::memcpy(msgs[i].data() + sizeof open, descriptors[i].data(), descriptors[i].size());
+    append(msgs.back(), &open, sizeof open);
+    append(msgs.back(), descriptors[i].data(), descriptors[i].size());
+    if (batches) reinterpret_cast<StreamOpenMany*>(msgs.back().data())->count++;
+  }
+  std::vector<ucs_status_ptr_t> sends(msgs.size(), nullptr);
+  for (size_t i = 0; i < msgs.size(); ++i) {
     ucp_request_param_t send{};
     send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     send.flags = UCP_AM_SEND_FLAG_REPLY;
-    sends[i] = ucp_am_send_nbx(ep_, kStreamOpenId, nullptr, 0, msgs[i].data(), msgs[i].size(),
-                               &send);
+    sends[i] = ucp_am_send_nbx(ep_, ids[i], nullptr, 0, msgs[i].data(), msgs[i].size(), &send);
   }
   Status sent = Status::Ok();
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < sends.size(); ++i) {
     Status s = ucx_->Wait(sends[i], deadline, "stream open request to " + peer);
     if (sent.ok() && !s.ok()) sent = s;
   }
@@ -368,6 +420,8 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
             return all(Gone("mid-transfer"));
           }
           f.landed = true;
+          f.hash = FastXxh3(f.into.data(), f.into.size());
+          f.hashed = true;
         }
       }
       if (f.header && !f.refusal.empty() &&
@@ -402,7 +456,7 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
       out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.done_text));
       continue;
     }
-    if (FastXxh3(f.into.data(), f.into.size()) != f.data.xxh3) {
+    if ((f.hashed ? f.hash : FastXxh3(f.into.data(), f.into.size())) != f.data.xxh3) {
       // Give the hold back unspent: the bytes were damaged on the way, not read.
       StreamRelease r{f.data.hold, 0, 0};
       ucp_request_param_t param{};

@@ -17,6 +17,7 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -69,6 +70,16 @@ struct OpenAsk {
   ucp_ep_h ep = nullptr;
   StreamOpen open{};
   std::string descriptor;
+  uint64_t batch = 0;  // a kStreamOpenManyId message's (Batch::id), 0 for a single open
+};
+
+// A batch of opens from one message: answered with one StreamDoneMany once every data send of
+// it completed (StreamDone per request instead when a key was aborted meanwhile).
+struct Batch {
+  uint64_t id = 0;
+  ucp_ep_h ep = nullptr;
+  uint64_t first_request = 0;
+  uint32_t count = 0;
 };
 
 struct ReleaseAsk {
@@ -83,6 +94,7 @@ struct Hold {
   std::string key;
   std::string segment;
   uint32_t slot = 0;
+  uint64_t batch = 0;  // OpenAsk::batch
   std::unique_ptr<StreamTensor> tensor;
   StreamData header{};
   ucs_status_ptr_t send = nullptr;
@@ -149,6 +161,7 @@ class Server final : public StreamServer {
   void Send(Conn& c, uint32_t id, std::vector<std::byte> header, std::vector<std::byte> body);
   void Refuse(Conn& c, uint64_t request, const std::string& why);
   void Serve(OpenAsk& ask);
+  void AnswerBatchesLocked();
   void EndLocked(std::list<Hold>::iterator it, bool spend, const char* why);
   void EndExpiredLocked();
   void Teardown();
@@ -170,6 +183,9 @@ class Server final : public StreamServer {
   // Filled by UCX callbacks (on the thread), consumed by Tend (on the thread).
   std::vector<OpenAsk> opens_;
   std::vector<ReleaseAsk> releases_;
+  std::list<Batch> batches_;  // in the order of their ids
+  uint64_t next_batch_ = 0;
+  uint64_t served_batches_ = 0;  // every batch up to this id had its opens served
   std::list<Conn> conns_;
   std::list<Outgoing> outgoing_;
   std::mutex mu_;  // holds_
@@ -178,6 +194,7 @@ class Server final : public StreamServer {
   uint64_t next_hold_ = 0;
   DoorCounters counters_;  // a copy of the door's and dropped_, for counters()
   std::string damage_;     // test only: EXPERT_ARENA_TEST_STREAM_DAMAGE
+  bool no_features_ = false;  // test only: EXPERT_ARENA_TEST_STREAM_NO_FEATURES (an older server)
 };
 
 // Bounds of admitted consumers, in all and per address (the front door bounds handshakes).
@@ -222,10 +239,12 @@ void Server::Send(Conn& c, uint32_t id, std::vector<std::byte> header,
 
 template <typename T>
 std::vector<std::byte> Bytes(const T& v, const std::string& text = "") {
-  const auto* head = reinterpret_cast<const std::byte*>(&v);
-  const auto* tail = reinterpret_cast<const std::byte*>(text.data());
-  std::vector<std::byte> out(head, head + sizeof v);
-  out.insert(out.end(), tail, tail + text.size());
+  std::vector<std::byte> out(sizeof v + text.size());
+  auto* p = reinterpret_cast<char*>(out.data());
+  const auto* head = reinterpret_cast<const char*>(&v);
+  // Byte by byte, not memcpy or insert: g++ 12 at -O3 drew a bogus -Warray-bounds from both.
+  for (size_t i = 0; i < sizeof v; ++i) p[i] = head[i];
+  for (size_t i = 0; i < text.size(); ++i) p[sizeof v + i] = text[i];
   return out;
 }
 
@@ -292,6 +311,7 @@ void Server::Serve(OpenAsk& ask) {
   h.key = d->key;
   h.segment = d->segment;
   h.slot = d->slot;
+  h.batch = ask.batch;
   h.tensor = std::make_unique<StreamTensor>(std::move(tensor).value());
   auto bytes = h.tensor->bytes();
   h.header.request = request;
@@ -300,7 +320,13 @@ void Server::Serve(OpenAsk& ask) {
   h.header.length = bytes.size();
   h.header.xxh3 = FastXxh3(bytes.data(), bytes.size());
   if (!damage_.empty()) DamageForTest(h.header, &bytes);
+  // A small block goes eager: rendezvous costs a round trip per block before its bytes move,
+  // a 64 KiB block's round took 1.14x as long with it (xstream_bench, docs/cross-host.md).
   ucp_request_param_t param{};
+  if (bytes.size() <= kStreamEagerMaxBytes) {
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+  }
   h.send = ucp_am_send_nbx(c->ep, kStreamDataId, &h.header, sizeof h.header, bytes.data(),
                            bytes.size(), &param);
   h.sending = true;
@@ -360,6 +386,67 @@ void Server::EndExpiredLocked() {
   }
 }
 
+// A batch whose data sends all completed gets its answer: one StreamDoneMany, or, when a key
+// of it was aborted during the transfer, one StreamDone per hold (refused for the aborted ones)
+// as for single opens, so the consumer never takes an aborted key's bytes as done. A batch
+// whose connection is going is dropped (its holds end as single opens' do then). A batch whose
+// opens are not all served yet (it arrived during this Tend) waits.
+void Server::AnswerBatchesLocked() {
+  for (auto b = batches_.begin(); b != batches_.end();) {
+    if (b->id > served_batches_) break;
+    Conn* c = Find(b->ep);
+    if (c == nullptr) {
+      for (Hold& h : holds_)
+        if (h.batch == b->id) h.batch = 0;
+      b = batches_.erase(b);
+      continue;
+    }
+    bool sending = false;
+    bool aborted = false;
+    for (const Hold& h : holds_) {
+      if (h.batch != b->id) continue;
+      sending = sending || h.sending;
+      aborted = aborted || h.aborted;
+    }
+    if (sending) {
+      ++b;
+      continue;
+    }
+    for (auto it = holds_.begin(); it != holds_.end();) {
+      auto next = std::next(it);
+      Hold& h = *it;
+      if (h.batch != b->id) {
+        it = next;
+        continue;
+      }
+      h.batch = 0;
+      if (aborted) {
+        StreamDone done{h.request, static_cast<uint32_t>(StreamStatus::kOk), 0};
+        std::string text;
+        if (h.aborted) {
+          text = "key " + QuoteForMessage(h.key) +
+                 " was aborted by the producer during the transfer";
+          done.status = static_cast<uint32_t>(StreamStatus::kRefused);
+          done.text_bytes = static_cast<uint32_t>(text.size());
+        }
+        Send(*c, kStreamDoneId, {}, Bytes(done, text));
+      }
+      if (h.aborted) {
+        EndLocked(it, true, "aborted");
+      } else {
+        h.served = true;
+        h.served_at = Clock::now();
+      }
+      it = next;
+    }
+    if (!aborted) {
+      StreamDoneMany done{b->first_request, b->count, static_cast<uint32_t>(StreamStatus::kOk)};
+      Send(*c, kStreamDoneManyId, {}, Bytes(done));
+    }
+    b = batches_.erase(b);
+  }
+}
+
 void Server::Tend() {
   const auto now = Clock::now();
   for (Conn& c : conns_) {
@@ -372,12 +459,22 @@ void Server::Tend() {
       text = "bad hello (another version of expert-arena?)";
       log_->warn("stream server {}: consumer {} refused: {}", address_, c.peer, text);
     }
-    Send(c, kStreamWelcomeId, {}, Bytes(w, text));
+    std::vector<std::byte> body = Bytes(w, text);
+    if (c.hello_ok && !no_features_) {
+      const uint32_t features = kStreamFeatureOpenMany;
+      const size_t at = body.size();
+      body.resize(at + sizeof features);  // (not insert(): a bogus -Warray-bounds from g++ 12)
+      std::memcpy(body.data() + at, &features, sizeof features);
+    }
+    Send(c, kStreamWelcomeId, {}, std::move(body));
     c.welcomed = true;
   }
   std::vector<OpenAsk> opens;
   opens.swap(opens_);
-  for (OpenAsk& ask : opens) Serve(ask);
+  for (OpenAsk& ask : opens) {
+    Serve(ask);
+    served_batches_ = std::max(served_batches_, ask.batch);
+  }
   if (!opens.empty()) PauseForTest();
   std::lock_guard lock(mu_);
   for (const ReleaseAsk& r : releases_) {
@@ -429,6 +526,10 @@ void Server::Tend() {
         it = next;
         continue;
       }
+      if (h.batch != 0) {  // answered with its batch, below
+        it = next;
+        continue;
+      }
       StreamDone done{h.request, static_cast<uint32_t>(StreamStatus::kOk), 0};
       std::string text;
       if (h.aborted) {
@@ -447,6 +548,7 @@ void Server::Tend() {
     }
     it = next;
   }
+  AnswerBatchesLocked();
   EndExpiredLocked();
   for (auto it = conns_.begin(); it != conns_.end();) {
     Conn& c = *it;
@@ -486,6 +588,15 @@ void Server::Tend() {
     if (c.failed) {
       log_->info("stream server {}: consumer {} disconnected ({}){}", address_, c.peer,
                  ucs_status_string(c.failure), sending ? "" : "; its holds were released");
+    }
+    for (auto b = batches_.begin(); b != batches_.end();) {
+      if (b->ep != c.ep && b->ep != c.reply_ep) {
+        ++b;
+        continue;
+      }
+      for (Hold& h : holds_)
+        if (h.batch == b->id) h.batch = 0;
+      b = batches_.erase(b);
     }
     CloseEndpoint(*ucx_, c.ep, true, Clock::now() + std::chrono::seconds(2));
     it = conns_.erase(it);
@@ -578,6 +689,7 @@ Status Server::Start(const StreamServerOptions& options) {
   }
   instance_ = options.instance_id != 0 ? options.instance_id : RandomId();
   if (const char* damage = std::getenv("EXPERT_ARENA_TEST_STREAM_DAMAGE")) damage_ = damage;
+  no_features_ = std::getenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES") != nullptr;
   segment_prefix_ = options.segment_prefix;
   EA_ASSIGN_OR_RETURN(platform::SocketAddress listen, platform::ResolveHostPort(options.listen));
   ConsumerOptions co;
@@ -629,6 +741,31 @@ Status Server::Start(const StreamServerOptions& options) {
         ask.descriptor.assign(static_cast<const char*>(data) + sizeof ask.open,
                               ask.open.descriptor_bytes);
         self->opens_.push_back(std::move(ask));
+        return UCS_OK;
+      }));
+  // (An older server, for tests, has no handler: a batch sent to it anyway would go unanswered.)
+  if (!no_features_) EA_RETURN_IF_ERROR(set_handler(
+      kStreamOpenManyId,
+      [](void* arg, const void*, size_t, void* data, size_t length,
+         const ucp_am_recv_param_t* param) -> ucs_status_t {
+        auto* self = static_cast<Server*>(arg);
+        if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+        if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_OK;
+        std::vector<StreamOpenRecord> records;
+        if (!ParseOpenMany(std::span(static_cast<const std::byte*>(data), length), &records))
+          return UCS_OK;  // malformed: dropped whole, as a malformed single open is
+        Batch& b = self->batches_.emplace_back();
+        b.id = ++self->next_batch_;
+        b.ep = param->reply_ep;
+        b.first_request = records.front().open.request;
+        b.count = static_cast<uint32_t>(records.size());
+        for (const StreamOpenRecord& r : records) {
+          OpenAsk& ask = self->opens_.emplace_back();
+          ask.ep = param->reply_ep;
+          ask.open = r.open;
+          ask.descriptor.assign(r.descriptor);
+          ask.batch = b.id;
+        }
         return UCS_OK;
       }));
   EA_RETURN_IF_ERROR(set_handler(kStreamReleaseId,

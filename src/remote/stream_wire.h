@@ -10,11 +10,24 @@
 //   producer -> consumer  kStreamDoneId: StreamDone (+ text), once the data send completed: kOk,
 //                         or kRefused when the key was aborted meanwhile
 //   consumer -> producer  kStreamReleaseId: StreamRelease (spend the share, or give it back)
+// A producer whose welcome carries kStreamFeatureOpenMany (a uint32 after StreamWelcome; an
+// older consumer ignores it) also takes a batch of opens in one message, and answers it with one
+// "done" for the batch once every data send of it completed:
+//   consumer -> producer  kStreamOpenManyId: StreamOpenMany, then `count` records, each a
+//                         StreamOpen and its descriptor (at most kStreamMaxOpenManyBytes in all)
+//   producer -> consumer  kStreamDoneManyId: StreamDoneMany (kOk for the records' requests that
+//                         were served; a batch with a key aborted mid-transfer gets one
+//                         StreamDone per request instead, as single opens do)
 // Fixed-size little-endian structs; every length is checked against the message's size.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <span>
+#include <string_view>
 #include <type_traits>
+#include <vector>
 
 namespace expert_arena::remote {
 
@@ -26,6 +39,13 @@ inline constexpr uint32_t kStreamOpenId = 0x4553;
 inline constexpr uint32_t kStreamDataId = 0x4554;
 inline constexpr uint32_t kStreamDoneId = 0x4555;
 inline constexpr uint32_t kStreamReleaseId = 0x4556;
+inline constexpr uint32_t kStreamOpenManyId = 0x4557;
+inline constexpr uint32_t kStreamDoneManyId = 0x4558;
+inline constexpr uint32_t kStreamFeatureOpenMany = 1u << 0;
+// A batch message stays well under UCX's eager limits (the server takes no rendezvous open).
+inline constexpr uint32_t kStreamMaxOpenManyBytes = 16u << 10;
+// A block up to this size is sent eager (UCP_AM_SEND_FLAG_EAGER), whatever UCX's threshold.
+inline constexpr uint64_t kStreamEagerMaxBytes = 256u << 10;
 inline constexpr uint32_t kStreamMaxTokenBytes = 256;
 inline constexpr uint32_t kStreamMaxDescriptorBytes = 4096;
 inline constexpr uint32_t kStreamMaxTextBytes = 1024;
@@ -74,9 +94,53 @@ struct StreamRelease {
   uint32_t reserved;
 };
 
+struct StreamOpenMany {
+  uint32_t count;
+  uint32_t reserved;
+};
+
+struct StreamDoneMany {
+  uint64_t first_request;  // the batch's first record's request
+  uint32_t count;          // its records: requests first_request .. first_request + count - 1
+  uint32_t status;         // kOk
+};
+
+struct StreamOpenRecord {
+  StreamOpen open;
+  std::string_view descriptor;  // into the message
+};
+
+// The records of a kStreamOpenManyId message, or false when it is malformed in any way (a
+// count that the bytes do not hold, a descriptor past the end or over the limit, bytes left
+// over, requests not consecutive): the server drops such a message whole.
+inline bool ParseOpenMany(std::span<const std::byte> message, std::vector<StreamOpenRecord>* out) {
+  out->clear();
+  StreamOpenMany head{};
+  if (message.size() < sizeof head || message.size() > kStreamMaxOpenManyBytes) return false;
+  std::memcpy(&head, message.data(), sizeof head);
+  size_t at = sizeof head;
+  if (head.count == 0 || head.count > (message.size() - at) / sizeof(StreamOpen)) return false;
+  for (uint32_t i = 0; i < head.count; ++i) {
+    StreamOpenRecord r{};
+    if (message.size() - at < sizeof r.open) return false;
+    std::memcpy(&r.open, message.data() + at, sizeof r.open);
+    at += sizeof r.open;
+    if (r.open.descriptor_bytes > kStreamMaxDescriptorBytes ||
+        r.open.descriptor_bytes > message.size() - at)
+      return false;
+    if (i > 0 && r.open.request != out->front().open.request + i) return false;
+    r.descriptor = std::string_view(reinterpret_cast<const char*>(message.data() + at),
+                                    r.open.descriptor_bytes);
+    at += r.open.descriptor_bytes;
+    out->push_back(r);
+  }
+  return at == message.size();
+}
+
 static_assert(sizeof(StreamHello) == 32 && sizeof(StreamWelcome) == 24);
 static_assert(sizeof(StreamOpen) == 24 && sizeof(StreamData) == 40);
 static_assert(sizeof(StreamDone) == 16 && sizeof(StreamRelease) == 16);
+static_assert(sizeof(StreamOpenMany) == 8 && sizeof(StreamDoneMany) == 16);
 static_assert(std::is_trivially_copyable_v<StreamData>);
 
 }  // namespace expert_arena::remote
