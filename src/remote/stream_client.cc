@@ -387,6 +387,11 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
     Abandon();
     return all(gone ? Gone("before the open was sent") : sent);
   }
+  // The wait polls while messages come (and for kSpin after the last one) rather than sleeping
+  // on the event fd between them: a batch of small eager blocks arrives as many messages, and a
+  // wake-up per message cost up to 1.6x in the round (xstream_bench, 32 x 64 KiB).
+  constexpr auto kSpin = std::chrono::microseconds(200);
+  auto last_message = Clock::now();
   auto finished = [](const Fetching& f) {
     return (f.header && !f.refusal.empty()) || (f.landed && f.done);
   };
@@ -444,7 +449,8 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
                           std::to_string(options_.timeout_seconds) +
                           " s (the producer stalled)"));
     }
-    ucx_->Progress(busy ? 0 : 5);
+    const bool spin = busy || Clock::now() - last_message < kSpin;
+    if (ucx_->Progress(spin ? 0 : 5)) last_message = Clock::now();
   }
   fetching_.clear();
   for (Fetching& f : fs) {
