@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -297,6 +298,8 @@ Status Peer::Connect(const StreamPeerOptions& options) {
     ucx_->Progress(10);
   }
   if (!welcomed_) return Gone("before answering the hello");
+  // Test only: a consumer of an earlier release, which takes no feature of the producer's.
+  if (std::getenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES") != nullptr) features_ = 0;
   if (welcome_.magic != kStreamMagic || welcome_.version != kStreamVersion) {
     return Unsupported("stream producer at " + peer + " speaks another protocol version (" +
                        std::to_string(welcome_.version) + ", this is " +

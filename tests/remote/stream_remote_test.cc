@@ -277,19 +277,24 @@ TEST_F(StreamLoopbackTest, AbortDuringTheTransferFailsTheOpen) {
 }
 
 // A batch goes as few messages (each under kStreamMaxOpenManyBytes) to a producer that takes
-// them, and a message per open to one that does not (a producer of an earlier release, made here
-// by a test hook read when it starts: it has no handler for batches, so a batch sent to it
-// would go unanswered and the open time out). Both bit-exact.
-class OpenManyTest : public StreamLoopbackTest, public ::testing::WithParamInterface<bool> {};
+// them, and a message per open to one that does not: a producer of an earlier release (made
+// here by a test hook read when it starts: it has no handler for batches, so a batch sent to it
+// would go unanswered and the open time out), and from a consumer of an earlier release (a
+// hook read when it connects: it sends single opens, which the producer answers one by one).
+// Each bit-exact.
+enum class Older { kNeither, kProducer, kConsumer };
+class OpenManyTest : public StreamLoopbackTest, public ::testing::WithParamInterface<Older> {};
 
 TEST_P(OpenManyTest, FetchesABatchBitExact) {
-  const bool older_producer = GetParam();
-  if (older_producer) setenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES", "1", 1);
+  const Older older = GetParam();
+  if (older == Older::kProducer) setenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES", "1", 1);
   auto producer = StreamProducer::Create(Producer());
   unsetenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES");
   ASSERT_TRUE(producer.ok());
   auto consumer = StreamConsumer::Create(Consumer());
   ASSERT_TRUE(consumer.ok());
+  // The consumer connects at its first remote open.
+  if (older == Older::kConsumer) setenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES", "1", 1);
   // Eager and rendezvous sizes in one batch, and more descriptors than one message holds.
   std::vector<size_t> sizes(100, 64 << 10);
   sizes.push_back(300 << 10);
@@ -299,6 +304,7 @@ TEST_P(OpenManyTest, FetchesABatchBitExact) {
   ASSERT_EQ(descs.size(), sizes.size());
   std::vector<std::string_view> views(descs.begin(), descs.end());
   auto opened = consumer->OpenMany(views);
+  unsetenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES");
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   ASSERT_EQ(opened->size(), tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -312,8 +318,13 @@ TEST_P(OpenManyTest, FetchesABatchBitExact) {
   EXPECT_TRUE(Eventually([&] { return Live(*producer) == 0; }));
 }
 
-INSTANTIATE_TEST_SUITE_P(Producers, OpenManyTest, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "Older" : "Current"; });
+INSTANTIATE_TEST_SUITE_P(Versions, OpenManyTest,
+                         ::testing::Values(Older::kNeither, Older::kProducer, Older::kConsumer),
+                         [](const auto& info) {
+                           return info.param == Older::kNeither    ? "Current"
+                                  : info.param == Older::kProducer ? "OlderProducer"
+                                                                   : "OlderConsumer";
+                         });
 
 TEST_F(StreamLoopbackTest, AProducerLyingAboutItsBytesIsRefusedByName) {
   // The server made hostile by a test hook (read when the producer starts), at an eager and a
