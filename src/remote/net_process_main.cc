@@ -183,11 +183,8 @@ int Main(int argc, char** argv) {
   if (!platform::DieWithParent(parent).ok()) return 1;
   signal(SIGINT, SIG_IGN);
   signal(SIGPIPE, SIG_IGN);
-  // UCX's TCP in segments of 256 KiB instead of 64 KiB, before UCX is loaded: what this process
-  // sends goes in a quarter of the fragments (docs/cross-host.md, Benchmark: the sender's size
-  // is what counts; peers of any size interoperate). Its own process, so no engine's UCX
-  // changes; the operator's setting wins.
-  setenv("UCX_TCP_SEG_SIZE", "256k", /*overwrite=*/0);
+  // UCX's tcp segment sizes stay UCX's: a sender's segment above a receiver's aborts the
+  // receiver inside UCX, and consumers' engines run UCX (docs/cross-host.md, UCX settings).
   if (!platform::SetNonBlocking(fd).ok()) return 1;
   auto log = ResolveLogger(nullptr);
   const std::string mode = argv[1];
