@@ -352,33 +352,34 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
   // answers each with one "done"; an older one gets a message per open.
   const bool batches = (features_ & kStreamFeatureOpenMany) != 0;
   std::vector<std::vector<std::byte>> msgs;
-  std::vector<uint32_t> ids;
+  std::vector<uint32_t> counts;  // of each batch message's records
   auto append = [](std::vector<std::byte>& m, const void* p, size_t bytes) {
     const auto* b = static_cast<const std::byte*>(p);
     m.insert(m.end(), b, b + bytes);
   };
   for (size_t i = 0; i < n; ++i) {
     const size_t record = sizeof(StreamOpen) + descriptors[i].size();
-    if (!batches || msgs.empty() || ids.back() != kStreamOpenManyId ||
-        msgs.back().size() + record > kStreamMaxOpenManyBytes) {
+    if (!batches || msgs.empty() || msgs.back().size() + record > kStreamMaxOpenManyBytes) {
       msgs.emplace_back();
-      ids.push_back(batches ? kStreamOpenManyId : kStreamOpenId);
-      if (batches) {
-        StreamOpenMany head{0, 0};
-        append(msgs.back(), &head, sizeof head);
-      }
+      counts.push_back(0);
+      if (batches) msgs.back().resize(sizeof(StreamOpenMany));  // its head, written below
     }
     StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()), 0};
     append(msgs.back(), &open, sizeof open);
     append(msgs.back(), descriptors[i].data(), descriptors[i].size());
-    if (batches) reinterpret_cast<StreamOpenMany*>(msgs.back().data())->count++;
+    ++counts.back();
   }
   std::vector<ucs_status_ptr_t> sends(msgs.size(), nullptr);
   for (size_t i = 0; i < msgs.size(); ++i) {
+    if (batches) {
+      const StreamOpenMany head{counts[i], 0};
+      std::memcpy(msgs[i].data(), &head, sizeof head);
+    }
     ucp_request_param_t send{};
     send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     send.flags = UCP_AM_SEND_FLAG_REPLY;
-    sends[i] = ucp_am_send_nbx(ep_, ids[i], nullptr, 0, msgs[i].data(), msgs[i].size(), &send);
+    sends[i] = ucp_am_send_nbx(ep_, batches ? kStreamOpenManyId : kStreamOpenId, nullptr, 0,
+                               msgs[i].data(), msgs[i].size(), &send);
   }
   Status sent = Status::Ok();
   for (size_t i = 0; i < sends.size(); ++i) {
