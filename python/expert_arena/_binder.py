@@ -68,6 +68,15 @@ def dtype_name(dtype):
     return name.upper()
 
 
+def torch_dtype_of(name):
+    """The torch dtype of an arena dtype name ("F32", "BF16", ...)."""
+    from . import _load_torch
+    for dtype, stream_name in _load_torch()._STREAM_NAMES.items():
+        if stream_name.upper() == name:
+            return dtype
+    raise TypeError("expert_arena: arena dtype %s has no torch dtype" % name)
+
+
 def _storage_order(t):
     """The permutation that makes `t` C-contiguous without moving a byte (its dimensions by
     decreasing stride), or None when its elements are not one dense block (a slice with gaps,
@@ -116,6 +125,12 @@ def declare(module, built, constructed=None, engine=None):
         layouts[entry.name], order = _layout(entry)
         if constructed is not None and entry.name not in constructed:
             layouts[entry.name]["made"] = True
+        before = constructed.get(entry.name) if isinstance(constructed, dict) else None
+        if before is not None and [before[k] for k in ("dtype", "shape", "stride")] != \
+                [layouts[entry.name][k] for k in ("dtype", "shape", "stride")]:
+            # Post-processing gave it another layout (a repacked conv weight, a weight it
+            # released): an engine built on the meta device takes the arena's (take_processed).
+            layouts[entry.name]["constructed"] = before
         tensors[entry.name] = (entry.tensor, order)
     for name, names in aliases.items():
         layouts[name]["aliases"] = names
@@ -377,6 +392,31 @@ def _owner(module, name):
         return (module.get_submodule(owner_name) if owner_name else module), leaf
     except AttributeError:
         return None, leaf
+
+
+def constructed_layouts(module):
+    """{name: {dtype, shape, stride}} of what `module` holds before its post-processing, for
+    declare()."""
+    return {e.name: {"dtype": dtype_name(e.tensor.dtype), "shape": list(e.tensor.shape),
+                     "stride": list(e.tensor.stride())} for e in module_tensors(module)}
+
+
+def take_processed(module, layouts):
+    """Gives each parameter or buffer of `module` (built on the meta device) that the building
+    engine's post-processing gave another layout (the manifest's "constructed" is the layout it
+    was built with, which this one still has) the arena's layout, so that it binds the arena's
+    tensor; the post-processing that runs again on it sees what the builder's left."""
+    import torch
+    for entry in module_tensors(module):
+        layout = layouts.get(entry.arena_name)
+        before = layout.get("constructed") if layout else None
+        t = entry.tensor
+        if before is None or entry.kind == "attribute" or not t.is_meta or \
+                [dtype_name(t.dtype), list(t.shape), list(t.stride())] != \
+                [before.get(k) for k in ("dtype", "shape", "stride")]:
+            continue
+        t.data = torch.empty_strided(layout["shape"], layout["stride"], device="meta",
+                                     dtype=torch_dtype_of(layout["dtype"]))
 
 
 def unbind_made(module, layouts):

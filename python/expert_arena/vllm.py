@@ -186,9 +186,22 @@ def identity_fields(vllm_config, model_config):
                             getattr(getattr(parallel, "eplb_config", None),
                                     "num_redundant_experts", 0))),
         ("lora", str(vllm_config.lora_config is not None)),
+        # The attention backend asked for, and the CPU features vLLM's CPU build chooses its
+        # post-processing by: AMX (its AMX MLA backend), AVX-512 BF16 (the conv weights of
+        # gated delta nets prepacked): arenas travel between hosts (peer fill).
+        ("attention_backend", str(getattr(getattr(vllm_config, "attention_config", None),
+                                          "backend", None))),
+        ("cpu_features", _cpu_features() if current_platform.is_cpu() else "-"),
         ("cpu_gemm", "torch-linear-on-arena" if current_platform.is_cpu() else "-"),
         ("cpu_moe", _cpu_moe_kernel() if current_platform.is_cpu() else "-"),
     ]
+
+
+def _cpu_features():
+    import torch
+    return "amx=%d avx512_bf16=%d" % (
+        bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+        bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()))
 
 
 def _cpu_moe_kernel():
@@ -707,17 +720,32 @@ def _loader_class():
             """vLLM's default load and post-processing, CPU GEMMs kept on their weights; with
             the names of the tensors the model held before its post-processing."""
             loader = DefaultModelLoader(self._default_load_config())
-            constructed = set()
+            constructed = {}
             load_weights = loader.load_weights
 
             def load_and_list(model, model_config):
                 load_weights(model, model_config)
-                constructed.update(e.name for e in _binder.module_tensors(model))
+                constructed.update(_binder.constructed_layouts(model))
 
             loader.load_weights = load_and_list
             with _gemm_on_shared_weights():
                 model = loader.load_model(vllm_config=vllm_config, model_config=model_config,
                                           prefix=prefix)
+            # A weight post-processing emptied after deriving state it keeps outside the
+            # module tree (vLLM's AMX MLA packs W_UK and W_UV into its backend object from
+            # kv_b_proj, then releases kv_b_proj): an engine that attaches could derive that
+            # state from nothing. Refused before anything is published.
+            released = sorted(e.name for e in _binder.module_tensors(model)
+                              if e.tensor.numel() == 0 and e.name in constructed and
+                              0 not in constructed[e.name]["shape"])
+            if released:
+                raise RuntimeError(
+                    "%s: vLLM's post-processing emptied %s after deriving its own state from "
+                    "it (kept outside the model's modules: vLLM's AMX MLA attention backend "
+                    "does this with kv_b_proj), so engines could not attach to the arena; "
+                    "choose another attention backend (on the CPU: --attention-backend "
+                    "CPU_MLA) or load this model without --load-format %s"
+                    % (LOAD_FORMAT, ", ".join(released[:4]), LOAD_FORMAT))
             unsupported = sorted({
                 type(m.quant_method).__name__ for m in model.modules()
                 if getattr(m, "quant_method", None) is not None and
@@ -768,6 +796,7 @@ def _loader_class():
             # parameters by it) it makes again below, in place when it finds them: the
             # building engine lets go of its own, as an attaching one never had them.
             _binder.unbind_made(model, layouts)
+            _binder.take_processed(model, layouts)
             entries = _binder.module_tensors(model)
             try:
                 absent = _binder.check(entries, layouts, where, absent_kinds=())
