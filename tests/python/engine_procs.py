@@ -135,14 +135,15 @@ class EngineHost:
 
     def submit(self, model_dir, load_format, arena_dir, dtype="float32", hold=False,
                offload_gb=0, compile=False, hf_overrides=None, prompt_len=None,
-               loader_options=None):
+               loader_options=None, engine=None):
         """Starts a vllm_engine.py engine and returns at once (result() waits for its answer):
         engines of two hosts submitted together start at the same time. loader_options: more
-        of the expert_arena loader's --model-loader-extra-config."""
+        of the expert_arena loader's --model-loader-extra-config. engine: more LLM() arguments
+        (over vllm_families.ENGINE_ARGS)."""
         self.send(dict(model_dir=model_dir, load_format=load_format, arena_dir=arena_dir,
                        dtype=dtype, tp=1, offload=offload_gb, compile=compile, fail=None,
                        overrides=hf_overrides, prompt_len=prompt_len or 5, hold=hold,
-                       loader_options=loader_options))
+                       loader_options=loader_options, engine=engine))
 
     def result(self, timeout=240):
         result = answer(self.p, timeout)

@@ -278,6 +278,28 @@ def test_a_quantized_checkpoint_is_refused_by_name_and_nothing_is_published(host
     assert os.listdir(arena_dir) == []
 
 
+def test_an_mla_backend_that_empties_a_weight_is_refused_by_name(hosts, arena_dir, tmp_path):
+    """vLLM's AMX MLA backend (taken on CPUs with AMX unless another is asked for) packs W_UK
+    and W_UV from kv_b_proj into its own object, outside the model's modules, then empties
+    kv_b_proj: an engine attaching could derive them from nothing. The building engine refuses
+    it by name before anything is published; the plain engine runs it. (Other tests run
+    DeepSeek on vLLM's reference CPU_MLA backend: vllm_families.ENGINE_ARGS.)"""
+    import torch
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX: vLLM takes its reference MLA backend")
+    # AMX MLA packs qk_nope_head_dim as input features (16 is refused) and runs bfloat16 only.
+    model = vllm_families.tiny_checkpoint("DeepseekV3ForCausalLM", str(tmp_path / "ds3"),
+                                          qk_nope_head_dim=64)
+    amx = {"attention_backend": None}
+    plain = hosts[0].run(model, "auto", arena_dir, dtype="bfloat16", engine=amx)
+    assert len(plain["tokens"]) == PROMPT_TOKENS
+    refused = hosts[1].attempt(model, "expert_arena", arena_dir, dtype="bfloat16", engine=amx)
+    assert "post-processing emptied model.layers.0.self_attn.kv_b_proj.weight" in \
+        refused["error"], refused
+    assert "--attention-backend CPU_MLA" in refused["error"], refused
+    assert os.listdir(arena_dir) == []
+
+
 def _overwrite_tensor_bytes(safetensors_path, fill):
     """Overwrites every tensor byte of a safetensors file in place with `fill` (one byte
     repeated, or the bytes returned before), keeping its header, size and modification time

@@ -582,7 +582,8 @@ def test_a_dense_model_and_mla_decode_what_the_prefill_engine_computed(arch, tra
     stream, spill = dirs
     prompts = PROMPTS[1:4]
     common = dict(model=model_dir, directory=stream, spill_directory=spill, max_tokens=8,
-                  prompts=prompts, transfer=transfer)
+                  prompts=prompts, transfer=transfer,
+                  dtype=vllm_families.DTYPE.get(arch, "float32"))
     # The prefill engine computed every prompt itself: its tokens are plain vLLM's (saving
     # reads the cache only, as the Qwen3-MoE test checks against a plain engine).
     with _holding(hosts[0], role="kv_producer", **common) as produced:

@@ -21,6 +21,10 @@ import signal
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tools", "python"))
+import vllm_families  # noqa: E402  (ENGINE_ARGS: what a family's engines get)
+
 
 def inspect(model):
     """Runs in the worker (here: this process): where the model's tensors lie (parameters,
@@ -104,7 +108,8 @@ def run(opts):
               max_model_len=max(128, prompt_len + 16), max_num_seqs=4,
               hf_overrides=opts["overrides"], seed=0, tensor_parallel_size=tp,
               distributed_executor_backend="uni" if tp == 1 else "mp",
-              cpu_offload_gb=opts["offload"], **extra)
+              cpu_offload_gb=opts["offload"], **extra,
+              **dict(vllm_families.engine_args(opts["model_dir"]), **(opts.get("engine") or {})))
     ready = time.monotonic() - started
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)

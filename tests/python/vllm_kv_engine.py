@@ -29,6 +29,10 @@ import os
 import signal
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tools", "python"))
+import vllm_families  # noqa: E402  (ENGINE_ARGS: what a family's engines get)
+
 
 # The connector's options for prefill and decode engines on two hosts, and how the decode
 # engine loads, passed on as given.
@@ -59,9 +63,10 @@ def _engine(args):
         extra["enable_prefix_caching"] = args["prefix_caching"]
     if args.get("hf_overrides"):  # another configuration of the same checkpoint
         extra["hf_overrides"] = args["hf_overrides"]
-    return LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=256,
-               max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
-               distributed_executor_backend="uni", **extra)
+    return LLM(model=args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True,
+               max_model_len=256, max_num_seqs=16, seed=0, block_size=args.get("block_size", 32),
+               distributed_executor_backend="uni", **extra,
+               **vllm_families.engine_args(args["model"]))
 
 
 def _connector():

@@ -80,6 +80,24 @@ EXTRA = {
 # delta net runs only in bfloat16 there ("CPU GDN attention requires BF16").
 DTYPE = {"Qwen3NextForCausalLM": "bfloat16"}
 
+# Engine arguments a family gets beyond the defaults: DeepSeek's MLA on vLLM's reference CPU
+# backend on every CPU. Where the CPU has AMX vLLM would take its AMX MLA backend, which runs only
+# bfloat16 and empties kv_b_proj after packing W_UK and W_UV into its own object, so the
+# expert_arena loader refuses it by name (tests/python/test_vllm.py tests that refusal there).
+ENGINE_ARGS = {"DeepseekV2ForCausalLM": {"attention_backend": "CPU_MLA"},
+               "DeepseekV3ForCausalLM": {"attention_backend": "CPU_MLA"}}
+
+
+def engine_args(model_dir):
+    """ENGINE_ARGS of the architecture the checkpoint at model_dir names ({} for others)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return {}
+    return dict(ENGINE_ARGS.get(archs[0], {})) if archs else {}
+
+
 # What a family's configuration derives itself (left out of TINY for it).
 DERIVED = {
     "DeepseekV2ForCausalLM": ("head_dim",),
@@ -256,7 +274,7 @@ def engine(model_dir, load_format, arena_dir, hold, dtype):
     extra = {"model_loader_extra_config": {"arena_dir": arena_dir}} \
         if load_format == "expert_arena" else {}
     llm = LLM(model=model_dir, load_format=load_format, dtype=dtype, enforce_eager=True,
-              max_model_len=128, max_num_seqs=4, seed=0, **extra)
+              max_model_len=128, max_num_seqs=4, seed=0, **extra, **engine_args(model_dir))
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        SamplingParams(temperature=0.0, max_tokens=TOKENS), use_tqdm=False)
     result = {"tokens": list(out[0].outputs[0].token_ids)}
