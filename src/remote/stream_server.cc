@@ -160,6 +160,7 @@ class Server final : public StreamServer {
   }
   void Send(Conn& c, uint32_t id, std::vector<std::byte> header, std::vector<std::byte> body);
   void Refuse(Conn& c, uint64_t request, const std::string& why);
+  void SendDone(Conn& c, const Hold& h);
   void Serve(OpenAsk& ask);
   void AnswerBatchesLocked();
   void EndLocked(std::list<Hold>::iterator it, bool spend, const char* why);
@@ -246,6 +247,19 @@ std::vector<std::byte> Bytes(const T& v, const std::string& text = "") {
   for (size_t i = 0; i < sizeof v; ++i) p[i] = head[i];
   for (size_t i = 0; i < text.size(); ++i) p[sizeof v + i] = text[i];
   return out;
+}
+
+// A hold's "done", once its data send completed: ok, or refused when its key was aborted
+// meanwhile.
+void Server::SendDone(Conn& c, const Hold& h) {
+  StreamDone done{h.request, static_cast<uint32_t>(StreamStatus::kOk), 0};
+  std::string text;
+  if (h.aborted) {
+    text = "key " + QuoteForMessage(h.key) + " was aborted by the producer during the transfer";
+    done.status = static_cast<uint32_t>(StreamStatus::kRefused);
+    done.text_bytes = static_cast<uint32_t>(text.size());
+  }
+  Send(c, kStreamDoneId, {}, Bytes(done, text));
 }
 
 void Server::Refuse(Conn& c, uint64_t request, const std::string& why) {
@@ -421,15 +435,7 @@ void Server::AnswerBatchesLocked() {
       }
       h.batch = 0;
       if (aborted) {
-        StreamDone done{h.request, static_cast<uint32_t>(StreamStatus::kOk), 0};
-        std::string text;
-        if (h.aborted) {
-          text = "key " + QuoteForMessage(h.key) +
-                 " was aborted by the producer during the transfer";
-          done.status = static_cast<uint32_t>(StreamStatus::kRefused);
-          done.text_bytes = static_cast<uint32_t>(text.size());
-        }
-        Send(*c, kStreamDoneId, {}, Bytes(done, text));
+        SendDone(*c, h);
       }
       if (h.aborted) {
         EndLocked(it, true, "aborted");
@@ -530,14 +536,7 @@ void Server::Tend() {
         it = next;
         continue;
       }
-      StreamDone done{h.request, static_cast<uint32_t>(StreamStatus::kOk), 0};
-      std::string text;
-      if (h.aborted) {
-        text = "key " + QuoteForMessage(h.key) + " was aborted by the producer during the transfer";
-        done.status = static_cast<uint32_t>(StreamStatus::kRefused);
-        done.text_bytes = static_cast<uint32_t>(text.size());
-      }
-      Send(*h.conn, kStreamDoneId, {}, Bytes(done, text));
+      SendDone(*h.conn, h);
       if (h.aborted) {
         EndLocked(it, true, "aborted");
         it = next;
