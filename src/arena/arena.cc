@@ -326,7 +326,7 @@ Result<Arena> Finish(std::unique_ptr<Arena::Impl> impl, const ArenaOptions& opti
   // entries: a warning, not only a part of the start line (and a metric: `expert-arena
   // metrics`' expert_arena_arena_page_size_bytes).
   // (hugetlbfs pages are huge by construction.)
-  if (options.huge != HugePages::kOff && r.backing == "tmpfs" &&
+  if (options.huge != HugePages::kOff && r.backing == "tmpfs" && impl->late_collapse == nullptr &&
       2 * r.huge_bytes < r.mapped_bytes) {
     log.warn("expert-arena: {} fell back to 4 KiB pages: {} of {} on 2 MiB pages{}; see "
              "docs/page-backing.md to get 2 MiB pages (free memory, a hugetlbfs mount)",

@@ -14,6 +14,7 @@
 #include "expert_arena/arena.h"
 #include "format/arena_format.h"
 #include "format/arena_table.h"
+#include "pages/page_backing.h"
 #include "gpu/gpu.h"
 #include "load/loader.h"
 #include "platform/file.h"
@@ -51,6 +52,9 @@ struct Arena::Impl {
   uint32_t build_attempt = 0;
   std::string first_failure;  // of the failed build this one replaced
   uint64_t mapping_alignment = 0;
+  // The 2 MiB pages of an engine-made arena on 4 KiB tmpfs, made after its build (see
+  // pages::LateCollapse). Last: stopped and joined before anything above goes.
+  std::unique_ptr<pages::LateCollapse> late_collapse;
 
   std::span<const std::byte> data() const {
     return {mapping.data() + data_offset, table.data_bytes};

@@ -582,9 +582,33 @@ Status Replace(const std::string& path, const std::string& held, spdlog::logger&
   return platform::UnlinkPath(path);
 }
 
+namespace {
+
+// Starts a LateCollapse of the data region of `impl`'s mapping when part of it is not on
+// 2 MiB pages (the header stays on small pages: it is rewritten when a build ends). `advise`:
+// the mapping has no MADV_HUGEPAGE yet (a tmpfs with huge=never collapses only where it was
+// given). Returns whether it started.
+bool CollapseDataLater(Arena::Impl& impl, const std::string& path, bool advise) {
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) return false;
+  const uint64_t begin = (impl.data_offset + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  if (begin >= impl.mapping.size()) return false;
+  std::byte* data = impl.mapping.data() + begin;
+  const uint64_t length = (impl.mapping.size() - begin) / kHugePageBytes * kHugePageBytes;
+  auto huge = platform::HugeBytesInRange(data, length);
+  if (length == 0 || (huge.ok() && *huge >= length)) return false;
+  if (advise && !platform::AdviseRange(data, length, platform::Advice::kHugePage, path).ok()) {
+    return false;
+  }
+  impl.late_collapse = std::make_unique<pages::LateCollapse>(data, length, path);
+  return true;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
                                             const platform::FilesystemInfo& fs, bool writable,
-                                            const FillWait& wait, const std::string& path) {
+                                            HugePages huge, const FillWait& wait,
+                                            const std::string& path) {
   EA_ASSIGN_OR_RETURN(bool user,
                       platform::TryLockByte(file.fd, kUserByte, platform::LockMode::kShared));
   if (!user) return Internal(path + ": USER held exclusively while FILL was free");
@@ -612,6 +636,22 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
   impl->report.backing = platform::FsKindName(fs.kind);
   impl->report.huge_note = fs.kind == platform::FsKind::kHugetlbfs ? "hugetlbfs" : "";
   impl->report.page_bytes = HugePageBytesOf(fs);
+  // On plain 4 KiB tmpfs, an arena not (yet) whole on 2 MiB pages: its builder is still making
+  // them after its build, or stopped before it made them all, or memory was short then. This
+  // engine makes the rest; the kernel skips a page already made or being made by another.
+  // (Not on a tmpfs mounted huge=: MADV_COLLAPSE over its 2 MiB folios loses later writes,
+  // docs/page-backing.md; not under a GPU registration, which pins the small pages.)
+  // As a loader would (--huge auto holds back where free 2 MiB blocks are short).
+  if (huge != HugePages::kOff && !writable &&
+      PageSourceFor(fs.kind, fs.tmpfs_huge) == pages::PageSource::kTmpfs) {
+    auto blocks = platform::FreeHugeBlocks();
+    if (pages::DecideHugePages(huge, pages::PageSource::kTmpfs, impl->mapping.size(),
+                               blocks.ok() ? *blocks : 0)
+            .ask &&
+        CollapseDataLater(*impl, path, /*advise=*/true)) {
+      impl->report.huge_note = "the rest made in the background (MADV_COLLAPSE at nice 19)";
+    }
+  }
   return impl;
 }
 
@@ -699,7 +739,8 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   auto backed = AllocateAndMap(fd, layout->file_bytes, alignment, options.huge,
                                PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
                                options.pages_alongside_load || filler.PagesAsWritten(),
-                               &*placement, filler.PagesAsWritten());
+                               &*placement, filler.PagesAsWritten(),
+                               /*collapse_after_fill=*/!MapWritableForGpu(options));
   if (!backed.ok()) {
     return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
   }
@@ -803,6 +844,10 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
   impl->report.bytes_read = loaded->bytes_read + plan.metadata_bytes_read;
   impl->report.wait_seconds = wait.Seconds();
   impl->report.waited_for_pid = wait.waited_for;
+  if (backed->collapse_after_fill) {
+    // Every byte is written and read-only now: its 2 MiB pages come while the engine starts.
+    (void)CollapseDataLater(*impl, path, /*advise=*/false);
+  }
   return impl;
 }
 
@@ -895,7 +940,8 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     }
     switch (decision.step) {
       case Step::kAttach:
-        return Attach(std::move(file), std::move(found), fs, writable, wait, path);
+        return Attach(std::move(file), std::move(found), fs, writable,
+                      MapWritableForGpu(options) ? HugePages::kOff : options.huge, wait, path);
       case Step::kPlanUnlocked:
         // Plan it without holding any lock (closing the file drops FILL), then decide again.
         found = FileFindings();

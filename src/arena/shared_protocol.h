@@ -134,10 +134,12 @@ Status TakeUserExclusive(const ArenaFile& file, const std::string& busy);
 // Unlinks the stale file (USER held exclusively), saying what it held. The caller opens again.
 Status Replace(const std::string& path, const std::string& held, spdlog::logger& log);
 
-// Maps the published file (holding FILL), takes USER shared and lets FILL go.
+// Maps the published file (holding FILL), takes USER shared and lets FILL go. `huge` (auto or
+// on): on plain tmpfs the 2 MiB pages the file lacks are made in the background (LateCollapse).
 Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
                                             const platform::FilesystemInfo& fs, bool writable,
-                                            const FillWait& wait, const std::string& path);
+                                            HugePages huge, const FillWait& wait,
+                                            const std::string& path);
 
 // Loads the empty file (holding FILL and USER exclusively) by `plan` with `filler`: layout,
 // cgroup charge, NUMA placement, pages, the loading header, the fill, the check that the writes

@@ -439,7 +439,8 @@ Status BackedFile::FinishPages() {
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
                                   const std::string& what, bool pages_in_background,
-                                  const PagePlacement* placement, bool paced) {
+                                  const PagePlacement* placement, bool paced,
+                                  bool collapse_after_fill) {
   const bool allocate_in_pieces = PagesInPieces(mode, source, bytes, available_bytes);
   const bool tmpfs = source == PageSource::kTmpfs || source == PageSource::kTmpfsAdvise ||
                      source == PageSource::kTmpfsHuge;
@@ -512,9 +513,19 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
         if (!advise.ok()) file.huge.note += "; " + advise.message();
       }
       // Paced without 2 MiB pages: the pieces are allocated on 4 KiB pages as asked for.
-      file.pages = std::make_unique<BackgroundPages>(&fd, file.mapping.data(), bytes, what,
-                                                     /*collapse=*/file.huge.ask, 0,
-                                                     interleave_nodes, paced);
+      // Collapsed after the fill: the same, and a LateCollapse once written. Not under an
+      // interleave policy: a collapse of written small pages puts each 2 MiB page on one node
+      // of its choosing, where the seeded collapse follows the policy (SeedPageOffset).
+      file.collapse_after_fill = paced && collapse_after_fill && file.huge.ask &&
+                                 interleave_nodes == 1 &&
+                                 platform::Kernel().has(platform::KernelFeature::kCollapse);
+      if (file.collapse_after_fill) {
+        file.huge.note += "; MADV_COLLAPSE after the build, in the background at nice 19 (the "
+                          "engine writes into 4 KiB pages)";
+      }
+      file.pages = std::make_unique<BackgroundPages>(
+          &fd, file.mapping.data(), bytes, what,
+          /*collapse=*/file.huge.ask && !file.collapse_after_fill, 0, interleave_nodes, paced);
       return file;
     }
     EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
@@ -526,6 +537,59 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
   // piece failed). Before any byte is written through the mapping.
   if (allocate_in_pieces) EA_RETURN_IF_ERROR(platform::AllocateFile(fd, bytes));
   return file;
+}
+
+LateCollapse::LateCollapse(std::byte* data, uint64_t bytes, std::string what)
+    : data_(data), bytes_(bytes), what_(std::move(what)), owner_(platform::CurrentPid()) {
+  thread_ = std::thread([this] { Work(); });
+}
+
+LateCollapse::~LateCollapse() {
+  stop_.store(true);
+  if (!thread_.joinable()) return;
+  // A forked child has the parent's thread object but not its thread (glibc reclaimed its
+  // stack at the fork): nothing to wait for, and a join would free that stack again.
+  if (platform::CurrentPid() == owner_) {
+    thread_.join();
+  } else {
+    thread_.detach();
+  }
+}
+
+void LateCollapse::Work() {
+  platform::LowerThreadPriority(19);
+  const auto start = std::chrono::steady_clock::now();
+  // One 2 MiB page per call: the kernel collapses each on its own anyway, and a destructor
+  // (the engine closing the arena, or exiting) waits for one page at most.
+  constexpr uint64_t kPiece = kHugePageBytes;
+  Status first = Status::Ok();
+  for (uint64_t at = 0; at < bytes_ && !stop_.load(); at += kPiece) {
+    const uint64_t length = std::min(kPiece, bytes_ - at);
+    Status c = platform::AdviseRange(data_ + at, length, platform::Advice::kCollapse, what_);
+    if (!c.ok() && c.code() == StatusCode::kBusy) {
+      c = platform::AdviseRange(data_ + at, length, platform::Advice::kCollapse, what_);
+    }
+    if (!c.ok() && first.ok()) {
+      first = c.WithContext("bytes " + std::to_string(at) + "+" + std::to_string(length));
+    }
+  }
+  {
+    std::lock_guard lock(mu_);
+    problem_ = first;
+    seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    done_.store(true);
+  }
+  done_cv_.notify_all();
+}
+
+void LateCollapse::Wait() {
+  std::unique_lock lock(mu_);
+  done_cv_.wait(lock, [this] { return done_.load(); });
+}
+
+Status LateCollapse::problem() const {
+  std::lock_guard lock(mu_);
+  return problem_;
 }
 
 }  // namespace expert_arena::pages

@@ -188,6 +188,46 @@ class BackgroundPages {
   std::vector<std::thread> workers_;
 };
 
+// Collapses a mapping of a shared file whose pages are all made (and written) to 2 MiB pages
+// on one background thread at the lowest CPU priority (nice 19), 2 MiB at a time front to
+// back: the 2 MiB pages of an engine-made arena on 4 KiB tmpfs, made after its build instead
+// of before each write. On a VM whose free memory the host took back a 2 MiB page costs
+// 1-2 s/GiB to make, more than the whole copy of the engine's tensors, and an engine does not
+// need them to start: they replace the small pages under every mapping of the file (any
+// process's) as each piece is done. A collapse that fails leaves its piece on 4 KiB pages
+// (the first failure is kept). The mapping must outlive it; the destructor stops between
+// pieces and joins (in a process forked meanwhile, where the thread does not exist, it only
+// lets go of it).
+class LateCollapse {
+ public:
+  LateCollapse(std::byte* data, uint64_t bytes, std::string what);
+  ~LateCollapse();
+  LateCollapse(const LateCollapse&) = delete;
+  LateCollapse& operator=(const LateCollapse&) = delete;
+
+  bool done() const { return done_.load(); }
+  // Waits until every piece was tried (tests and tools; an engine never waits).
+  void Wait();
+  // After done(): seconds from the start to the last piece and the first failure.
+  double seconds() const { return seconds_; }
+  Status problem() const;
+
+ private:
+  void Work();
+
+  std::byte* data_;
+  uint64_t bytes_;
+  std::string what_;
+  pid_t owner_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> done_{false};
+  mutable std::mutex mu_;
+  std::condition_variable done_cv_;
+  Status problem_;  // guarded by mu_
+  double seconds_ = 0;
+  std::thread thread_;
+};
+
 // A shared file allocated, mapped writable and, per the rule above, on 2 MiB pages.
 struct BackedFile {
   platform::Mapping mapping;
@@ -197,6 +237,10 @@ struct BackedFile {
   // written only where pages->front() says they are ready, and FinishPages is called before
   // the file is published.
   std::unique_ptr<BackgroundPages> pages;
+  // Set when the pages are made on 4 KiB pages as written and collapsed to 2 MiB pages after
+  // the build (AllocateAndMap's `collapse_after_fill`): the owner starts a LateCollapse of the
+  // mapping once the file is written.
+  bool collapse_after_fill = false;
   // Why the NUMA placement asked for was not applied ("auto" only; "" when it was, or none).
   std::string numa_note;
 
@@ -224,9 +268,13 @@ struct BackedFile {
 // set (mbind), and only then allocated; on hugetlbfs it is allocated under the thread policy
 // (set_mempolicy). A placement other than first touch elsewhere, or one the kernel refuses, is
 // an error unless it is not `required` (then BackedFile::numa_note says why it was not applied).
+// `collapse_after_fill` (with `paced`, 2 MiB pages asked for, MADV_COLLAPSE, no interleave): the
+// paced pieces are made on 4 KiB pages and BackedFile::collapse_after_fill asks the owner for a
+// LateCollapse once written (the writer never waits for a 2 MiB page).
 Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, uint64_t alignment,
                                   HugePages mode, PageSource source, uint64_t available_bytes,
                                   const std::string& what, bool pages_in_background = false,
-                                  const PagePlacement* placement = nullptr, bool paced = false);
+                                  const PagePlacement* placement = nullptr, bool paced = false,
+                                  bool collapse_after_fill = false);
 
 }  // namespace expert_arena::pages

@@ -1,6 +1,8 @@
 #include "platform/system_info.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/sysmacros.h>
@@ -206,6 +208,11 @@ Result<uint64_t> ProcessStartTime(pid_t pid) {
 }
 
 pid_t CurrentPid() { return ::getpid(); }
+
+void LowerThreadPriority(int nice) {
+  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+  (void)::setpriority(PRIO_PROCESS, tid, nice);
+}
 
 std::string HugetlbPoolName(uint64_t page_bytes) {
   return "hugepages-" + std::to_string(page_bytes >> 10) + "kB";

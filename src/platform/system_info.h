@@ -67,6 +67,9 @@ Result<uint64_t> PinnedBytes();
 // against pid reuse.
 Result<uint64_t> ProcessStartTime(pid_t pid);
 pid_t CurrentPid();
+// Lowers the calling thread's CPU priority to `nice` (setpriority on its thread id): for work
+// that may wait behind everything else. Best effort.
+void LowerThreadPriority(int nice);
 
 // The hugetlb pool for 2 MiB pages (/sys/kernel/mm/hugepages/hugepages-2048kB).
 struct HugetlbPool {

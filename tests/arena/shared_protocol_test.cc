@@ -298,7 +298,7 @@ TEST_F(SharedProtocolTest, AttachTakesUserSharedAndLetsFillGo) {
   platform::FilesystemInfo fs = *platform::StatFilesystem(dir_.path());
   FillWait wait = WaitOf(5);
   ASSERT_OK_AND_ASSIGN(auto impl, arena::Attach(std::move(file), std::move(found), fs, false,
-                                                wait, options_.shared_path));
+                                                HugePages::kOff, wait, options_.shared_path));
   EXPECT_EQ(impl->report.role, ArenaRole::kAttached);
   EXPECT_EQ(impl->report.wait_seconds, 0.0);
   ASSERT_OK_AND_ASSIGN(arena::ArenaFileInfo info, arena::InspectArenaFile(options_.shared_path,

@@ -88,6 +88,7 @@ class PiecesFixture {
   }
   const platform::UniqueFd& fd() const { return fd_; }
   const platform::Mapping& mapping() const { return mapping_; }
+  platform::Mapping& mutable_mapping() { return mapping_; }
   const std::string& path() const { return path_->path(); }
 
  private:
@@ -218,6 +219,56 @@ TEST(BackgroundPagesTest, DestroyedEarlyStops) {
   ASSERT_EQ(fstat(f.fd().get(), &st), 0);
   EXPECT_LT(static_cast<uint64_t>(st.st_blocks) * 512, bytes)
       << "it stopped before the last pieces (ready at " << ready << ")";
+}
+
+// LateCollapse over a file whose pages are all made and written (an engine-made arena after
+// its build): every 2 MiB of it ends on a 2 MiB page with the bytes written, under a
+// read-only mapping as an arena's is.
+TEST(LateCollapseTest, WrittenPagesEndOnTwoMiBPagesWithTheirBytes) {
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) {
+    GTEST_SKIP() << "no MADV_COLLAPSE in this kernel";
+  }
+  const uint64_t bytes = 130 * kMiB;
+  PiecesFixture f(256 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_OK(f.Prepare());
+  ASSERT_OK(platform::AllocateFile(f.fd(), bytes));
+  std::byte* data = f.mapping().data();
+  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kHugePage, "test"));
+  for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * 7);
+  ASSERT_OK_AND_ASSIGN(uint64_t before, platform::HugeBytesInRange(data, bytes));
+  EXPECT_EQ(before, 0u) << "written into 4 KiB pages";
+  ASSERT_OK(f.mutable_mapping().MakeReadOnly());
+  LateCollapse late(data, bytes, f.path());
+  late.Wait();
+  EXPECT_TRUE(late.done());
+  EXPECT_OK(late.problem());
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
+  EXPECT_EQ(huge, bytes);
+  uint64_t wrong = 0;
+  for (uint64_t i = 0; i < bytes; i += 512) {
+    wrong += data[i] != static_cast<std::byte>(i / 512 * 7);
+  }
+  EXPECT_EQ(wrong, 0u);
+}
+
+// Destroyed at once (the engine closed its arena): it stops after the page in the making,
+// long before the end.
+TEST(LateCollapseTest, DestroyedEarlyStops) {
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) {
+    GTEST_SKIP() << "no MADV_COLLAPSE in this kernel";
+  }
+  const uint64_t bytes = 512 * kMiB;
+  PiecesFixture f(600 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_OK(f.Prepare());
+  ASSERT_OK(platform::AllocateFile(f.fd(), bytes));
+  std::byte* data = f.mapping().data();
+  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kHugePage, "test"));
+  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateWrite, "test"));
+  { LateCollapse late(data, bytes, f.path()); }
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
+  EXPECT_LT(huge, bytes);
 }
 
 }  // namespace
