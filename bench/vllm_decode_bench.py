@@ -4,7 +4,8 @@ Each round starts one engine per setting, each a process of its own, one after a
 round begins with the next setting, so that going first falls on each alike): plain vLLM
 (--load-format auto), the arena with dense_gemm "shared" (the default: torch's linear on the
 arena's dense weights) and the arena with dense_gemm "packed" (each engine packs its dense
-weights privately for vLLM's CPU GEMM, as plain vLLM does; the experts stay shared). The first
+weights privately for vLLM's CPU GEMM, as plain vLLM does; the experts stay shared), or
+"after": "shared" with huge_after_build (2 MiB pages made after the build). The first
 arena engine builds the arena, every later one attaches. Each engine warms up, then decodes
 `--tokens` tokens greedily (ignore_eos) for one prompt (batch 1) and for 16 prompts at once
 (batch 16): tokens/s is batch x tokens over the wall time of that generate call. The engine
@@ -19,7 +20,7 @@ or --model DIR, a checkpoint made before (kept).
     .venv-vllm/bin/python bench/vllm_decode_bench.py [--rounds 3] [--tokens 64]
         [--hidden 2048 --layers 10 --experts 40 --moe-intermediate 768] [--work-dir DIR]
         [--settings plain,shared,packed] [--model DIR] [--arena-root DIR] [--rebuild]
-        [--profile N]
+        [--profile N] [--settle S]
 
 Needs PYTHONPATH=build/python and the package installed in vLLM's environment (its plugin
 entry point), as the vLLM tests do. Not part of CI. Removes its checkpoint and arenas.
@@ -39,12 +40,13 @@ ENGINE = textwrap.dedent("""
     import json, os, sys, time
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
-    model_dir, arena_dir, setting, tokens, profile = sys.argv[1:6]
-    tokens, profile = int(tokens), int(profile)
+    model_dir, arena_dir, setting, tokens, profile, settle = sys.argv[1:7]
+    tokens, profile, settle = int(tokens), int(profile), float(settle)
     extra = {}
     if setting != "plain":
         extra = {"load_format": "expert_arena", "model_loader_extra_config":
-                 {"arena_dir": arena_dir, "dense_gemm": setting}}
+                 {"arena_dir": arena_dir, "dense_gemm": "shared" if setting == "after"
+                  else setting, "huge_after_build": setting == "after"}}
     import threading
     def held():
         # This engine's private memory and the arena's pages (which RSS would count once per
@@ -79,6 +81,32 @@ ENGINE = textwrap.dedent("""
         t = time.monotonic()
         llm.generate(prompts(batch), params, use_tqdm=False)
         result["tok_s_%d" % batch] = batch * tokens / (time.monotonic() - t)
+    def pmd_mapped():
+        # This process's mappings of the arena's file on 2 MiB page table entries: the
+        # largest (the views' mapping once the arena's own left the page tables).
+        sizes, inside = [0], False
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                inside = setting != "plain" and line.rstrip().split(" ")[-1].startswith(
+                    arena_dir)
+                sizes.append(0)
+            elif inside and head[0] in ("FilePmdMapped:", "ShmemPmdMapped:"):
+                sizes[-1] += int(head[1]) * 1024
+        return max(sizes)
+    result["arena_pmd_mib"] = pmd_mapped() / 2**20
+    if settle:
+        # Decoded again once the arena's 2 MiB pages had time to be made (on 4 KiB tmpfs an
+        # engine-made arena gets them after its build, in the background).
+        time.sleep(settle)
+        # Warmed up again as at the start: what the first decodes paid (pages faulted back
+        # in where a 2 MiB page replaced them) is not counted.
+        llm.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        for batch in (1, 16):
+            t = time.monotonic()
+            llm.generate(prompts(batch), params, use_tqdm=False)
+            result["settled_tok_s_%d" % batch] = batch * tokens / (time.monotonic() - t)
+        result["settled_arena_pmd_mib"] = pmd_mapped() / 2**20
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
             if line.startswith("Pss:"):
@@ -126,12 +154,13 @@ def make_checkpoint(out, args):
                if f.endswith(".safetensors"))
 
 
-def run_engine(model_dir, arena_dir, setting, tokens, timeout, profile=0):
+def run_engine(model_dir, arena_dir, setting, tokens, timeout, profile=0, settle=0):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_KVCACHE_SPACE="2")
     p = subprocess.run([sys.executable, "-c", ENGINE, model_dir, arena_dir, setting,
-                        str(tokens), str(profile)], capture_output=True, text=True, env=env,
+                        str(tokens), str(profile), str(settle)], capture_output=True,
+                        text=True, env=env,
                        timeout=timeout)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -155,19 +184,23 @@ def main():
     ap.add_argument("--arena-root", default="/dev/shm")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--settings", default="plain,shared,packed", help="comma-separated, "
-                    "from plain, shared, packed (plain is always run: the ratios are to it)")
+                    "from plain, shared, packed, after (shared with huge_after_build; plain "
+                    "is always run: the ratios are to it)")
     ap.add_argument("--rebuild", action="store_true", help="remove the arenas before each "
                     "arena engine, so that every one builds (the builder's start, with where "
                     "its time went) instead of only the first")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="the last round's "
                     "engines decode once more under torch's profiler: their N costliest "
                     "operators (own CPU time, ms) are printed side by side")
+    ap.add_argument("--settle", type=float, default=0, metavar="S", help="each engine "
+                    "decodes again S seconds after its first decodes (settled_tok_s_1/16): "
+                    "an engine-made arena on 4 KiB tmpfs gets its 2 MiB pages after the build")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.work_dir or "/var/tmp")
     arenas = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.arena_root)
     settings = ["plain"] + [s for s in args.settings.split(",") if s and s != "plain"]
     for s in settings:
-        if s not in ("plain", "shared", "packed"):
+        if s not in ("plain", "shared", "packed", "after"):
             ap.error("unknown setting %r" % s)
     rows = {s: [] for s in settings}
     profiles = {}
@@ -189,7 +222,7 @@ def main():
                     for name in os.listdir(arenas):
                         os.unlink(os.path.join(arenas, name))
                 result = run_engine(model, arenas, s, args.tokens, args.timeout,
-                                    args.profile if last else 0)
+                                    args.profile if last else 0, args.settle)
                 profiles[s] = result.pop("profile", [])
                 rows[s].append(result)
                 print("round %d %-6s %s" % (r + 1, s, json.dumps(result)), flush=True)
@@ -224,6 +257,16 @@ def main():
                                 for k in steps),
                       statistics.median(x["start_peak_gib"] for x in built),
                       med["plain"]["start_peak_gib"]))
+    for s in settings if args.settle else ():
+        print("\n%s, %.0f s later: batch 1 / 16 %.1f / %.1f tok/s (%.2fx / %.2fx of plain's, "
+              "per-round medians); arena on 2 MiB page table entries %.0f MiB, at the first "
+              "decodes %.0f MiB" % (
+                  s, args.settle, *(statistics.median(x["settled_tok_s_%d" % b] for x in rows[s])
+                                    for b in (1, 16)),
+                  *(statistics.median(x["settled_tok_s_%d" % b] / p["settled_tok_s_%d" % b]
+                                      for x, p in zip(rows[s], rows["plain"])) for b in (1, 16)),
+                  statistics.median(x["settled_arena_pmd_mib"] for x in rows[s]),
+                  statistics.median(x["arena_pmd_mib"] for x in rows[s])))
     for s in settings if args.profile else ():
         print("\n%s, batch 1, %d tokens: operator, own CPU ms, calls" % (s, args.tokens))
         for name, ms, count in profiles[s]:

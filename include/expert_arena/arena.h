@@ -324,6 +324,14 @@ struct EngineArenaSpec {
   // of the engine's memory. Read once declare returned (declare may set it). Overstating it
   // turns a refusal into an OOM kill part-way: count only what is freed for certain.
   uint64_t freed_as_written = 0;
+  // With pages_as_written, on tmpfs on 4 KiB pages (no GPU registration, no interleave): the
+  // engine writes into 4 KiB pages and the arena's 2 MiB pages are made after the build, on a
+  // thread at nice 19 (MADV_COLLAPSE), not before each write. On a VM whose host takes free
+  // memory back a 2 MiB page costs 1-2 s/GiB to make: the build ends that much sooner, and the
+  // engine reads a part of the arena on 4 KiB pages, and is slowed where a page is being made,
+  // until the thread is done (docs/engine-arenas.md). An engine that attaches with it makes the
+  // 2 MiB pages the file still lacks (its builder stopped before making them all).
+  bool huge_after_build = false;
 };
 
 // A part of an arena's data region: [offset, offset + bytes), offsets as Arena::data()'s.

@@ -91,13 +91,15 @@ def open_engine(path: _Path, identity: str,
                 allow_world_writable: bool = ...,
                 confirm_after_run: bool = ...,
                 pages_as_written: bool = ...,
-                freed_as_written: Union[int, Callable[[], int]] = ...) -> Arena: ...
+                freed_as_written: Union[int, Callable[[], int]] = ...,
+                huge_after_build: bool = ...) -> Arena: ...
 
 def shared_module(path: _Path, make: Callable[[], Any], load: Callable[[Any], Any], *,
                   identity: str, files: Sequence[_Path] = ..., gpu: str = ..., huge: str = ...,
                   wait_timeout: float = ..., file_mode: int = ...,
                   allow_foreign_owner: bool = ..., quiet: bool = ...,
-                  alignment: int = ..., confirm: str = ...) -> Any: ...
+                  alignment: int = ..., confirm: str = ...,
+                  huge_after_build: bool = ...) -> Any: ...
 
 class PrivateCopyError(RuntimeError): ...
 

@@ -68,6 +68,9 @@ _OPTIONS = {
     "dense_gemm": "CPU engines: shared (torch's linear on the arena's dense weights) or packed "
                   "(each engine packs its dense 2-D weights privately for vLLM's CPU GEMM, as "
                   "plain vLLM does; the experts stay shared) (default shared)",
+    "huge_after_build": "on tmpfs on 4 KiB pages: write the arena into 4 KiB pages and make "
+                        "its 2 MiB pages after the build, in the background (a shorter build "
+                        "where they are slow to make, reads slowed until done) (default false)",
 }
 
 
@@ -90,6 +93,7 @@ class Settings:
     gpu: str = "auto"
     allow_world_writable: bool = False
     dense_gemm: str = "shared"
+    huge_after_build: bool = False
 
     @classmethod
     def parse(cls, extra):
@@ -121,13 +125,17 @@ class Settings:
         if not isinstance(allow, bool):
             raise ValueError("%s: allow_foreign_owner must be true or false, got %r"
                              % (LOAD_FORMAT, allow))
+        after = extra.get("huge_after_build", False)
+        if not isinstance(after, bool):
+            raise ValueError("%s: huge_after_build must be true or false, got %r"
+                             % (LOAD_FORMAT, after))
         dense = str(extra.get("dense_gemm", "shared"))
         if dense not in ("shared", "packed"):
             raise ValueError("%s: dense_gemm is shared or packed, got %r" % (LOAD_FORMAT, dense))
         return cls(arena_dir=os.fspath(extra.get("arena_dir", "/dev/shm")), huge=huge,
                    wait_timeout=timeout, file_mode=int(mode), allow_foreign_owner=allow,
                    gpu=str(extra.get("gpu", "auto")), allow_world_writable=world,
-                   dense_gemm=dense)
+                   dense_gemm=dense, huge_after_build=after)
 
 
 def _digest(value):
@@ -623,7 +631,7 @@ def _loader_class():
                     wait_timeout=self.settings.wait_timeout, file_mode=self.settings.file_mode,
                     allow_foreign_owner=self.settings.allow_foreign_owner,
                     allow_world_writable=self.settings.allow_world_writable, quiet=True,
-                    confirm_after_run=True,
+                    confirm_after_run=True, huge_after_build=self.settings.huge_after_build,
                     freed_as_written=lambda: built.get("freed", 0) if on_cpu else 0)
             except BaseException:
                 _binder.forget_released(built)

@@ -507,7 +507,8 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
                         const std::string& huge, double wait_timeout, uint32_t file_mode,
                         bool allow_foreign_owner, uint64_t pin_budget_bytes, bool quiet,
                         bool allow_world_writable, bool confirm_after_run,
-                        bool pages_as_written, py::object freed_as_written) {
+                        bool pages_as_written, py::object freed_as_written,
+                        bool huge_after_build) {
   const std::string path = FsBytes(path_object, "path");
   ArenaOptions options = MakeArenaOptions(path, gpu, gpu_required, huge, wait_timeout, file_mode,
                                           allow_foreign_owner, pin_budget_bytes, "auto", quiet,
@@ -516,6 +517,7 @@ PyArena OpenEngineArena(const py::object& path_object, const py::object& identit
   EngineArenaSpec spec;
   spec.confirm_after_run = confirm_after_run;
   spec.pages_as_written = pages_as_written;
+  spec.huge_after_build = huge_after_build;
   spec.identity = FsBytes(identity_object, "identity");
   spec.files = FsBytesList(file_objects, "a checkpoint file");
   spec.alignment = alignment;
@@ -648,7 +650,8 @@ void BindArena(py::module_& m) {
         py::arg("gpu_required"), py::arg("huge"), py::arg("wait_timeout"), py::arg("file_mode"),
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
         py::arg("allow_world_writable") = false, py::arg("confirm_after_run") = false,
-        py::arg("pages_as_written") = true, py::arg("freed_as_written") = 0);
+        py::arg("pages_as_written") = true, py::arg("freed_as_written") = 0,
+        py::arg("huge_after_build") = false);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
         py::arg("changed"));

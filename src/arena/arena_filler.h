@@ -29,6 +29,8 @@ class ArenaFiller {
   // Whether the pages are made as the filler asks for them (request.permit_pages), not all
   // before Fill: an engine's writer that lets go of its own copy of each tensor once written.
   virtual bool PagesAsWritten() const { return false; }
+  // EngineArenaSpec::huge_after_build.
+  virtual bool HugeAfterBuild() const { return false; }
   // With PagesAsWritten: the bytes of its own memory it frees as it writes (the memory check
   // counts the build's peak, not the arena on top of them).
   virtual uint64_t FreedAsWritten() const { return 0; }

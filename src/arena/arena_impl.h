@@ -129,6 +129,7 @@ class EngineFiller final : public ArenaFiller {
     return FillEngineArena(spec_, request, table);
   }
   bool PagesAsWritten() const override { return spec_.pages_as_written; }
+  bool HugeAfterBuild() const override { return spec_.huge_after_build; }
   uint64_t FreedAsWritten() const override {
     return spec_.pages_as_written ? spec_.freed_as_written : 0;
   }

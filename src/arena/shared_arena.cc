@@ -740,7 +740,8 @@ Result<std::unique_ptr<Arena::Impl>> LoadFresh(ArenaFile file, source::ModelPlan
                                PageSourceFor(fs.kind, fs.tmpfs_huge), fs.available_bytes, path,
                                options.pages_alongside_load || filler.PagesAsWritten(),
                                &*placement, filler.PagesAsWritten(),
-                               /*collapse_after_fill=*/!MapWritableForGpu(options));
+                               /*collapse_after_fill=*/filler.HugeAfterBuild() &&
+                                   !MapWritableForGpu(options));
   if (!backed.ok()) {
     return fail(NoSpaceMessage(backed.status(), fs, layout->file_bytes, path));
   }
@@ -941,7 +942,11 @@ Result<std::unique_ptr<Arena::Impl>> OpenShared(ModelWant* want, const ArenaOpti
     switch (decision.step) {
       case Step::kAttach:
         return Attach(std::move(file), std::move(found), fs, writable,
-                      MapWritableForGpu(options) ? HugePages::kOff : options.huge, wait, path);
+                      want != nullptr && want->filler != nullptr &&
+                              want->filler->HugeAfterBuild() && !MapWritableForGpu(options)
+                          ? options.huge
+                          : HugePages::kOff,
+                      wait, path);
       case Step::kPlanUnlocked:
         // Plan it without holding any lock (closing the file drops FILL), then decide again.
         found = FileFindings();

@@ -135,7 +135,8 @@ Status TakeUserExclusive(const ArenaFile& file, const std::string& busy);
 Status Replace(const std::string& path, const std::string& held, spdlog::logger& log);
 
 // Maps the published file (holding FILL), takes USER shared and lets FILL go. `huge` (auto or
-// on): on plain tmpfs the 2 MiB pages the file lacks are made in the background (LateCollapse).
+// on; EngineArenaSpec::huge_after_build): on plain tmpfs the 2 MiB pages the file lacks are made
+// in the background (LateCollapse).
 Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
                                             const platform::FilesystemInfo& fs, bool writable,
                                             HugePages huge, const FillWait& wait,

@@ -569,6 +569,10 @@ void LateCollapse::Work() {
     if (!c.ok() && c.code() == StatusCode::kBusy) {
       c = platform::AdviseRange(data_ + at, length, platform::Advice::kCollapse, what_);
     }
+    // The collapse maps the new page here; an engine may read through another mapping of the
+    // file (Python's views), where the arena's own left the page tables so that RSS counts
+    // the arena once. The next read through this one maps it again (one fault per 2 MiB).
+    (void)platform::AdviseRange(data_ + at, length, platform::Advice::kDontNeed, what_);
     if (!c.ok() && first.ok()) {
       first = c.WithContext("bytes " + std::to_string(at) + "+" + std::to_string(length));
     }

@@ -14,6 +14,7 @@
 
 #include "expert_arena/arena.h"
 #include "gtest/gtest.h"
+#include "platform/mapping.h"
 #include "platform/system_info.h"
 #include "test_util.h"
 
@@ -473,13 +474,14 @@ std::pair<const std::byte*, uint64_t> WholeBlocks(const Arena& arena) {
   return {reinterpret_cast<const std::byte*>(begin), end > begin ? end - begin : 0};
 }
 
-// On 4 KiB tmpfs an engine-made arena's 2 MiB pages come after its build, on a thread of its
-// own at nice 19 (the fill waits for no 2 MiB page): once made they are under the engine's
-// read-only mapping, with the bytes it wrote.
+// With huge_after_build, on 4 KiB tmpfs an engine-made arena's 2 MiB pages come after its
+// build, on a thread of its own at nice 19 (the fill waits for no 2 MiB page): once made they
+// are under the engine's read-only mapping, with the bytes it wrote.
 TEST(EngineArenaPagesTest, TwoMiBPagesComeAfterTheBuild) {
   ScopedArenaDir dir("engine-late-collapse");
   EngineArenaSpec spec = Spec("late", {}, 5, nullptr, 40ull << 20);
   spec.pages_as_written = true;
+  spec.huge_after_build = true;
   auto arena = Arena::OpenEngine(spec, Options(dir.File("late.arena")));
   ASSERT_TRUE(arena.ok()) << arena.status().message();
   const std::string note = arena->report().huge_note;
@@ -491,6 +493,9 @@ TEST(EngineArenaPagesTest, TwoMiBPagesComeAfterTheBuild) {
   uint64_t huge = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
+    // Each page made leaves the mapping's page tables: read them back in first.
+    ASSERT_OK(platform::AdviseRange(const_cast<std::byte*>(blocks), length,
+                                    platform::Advice::kPopulateRead, "test"));
     auto h = platform::HugeBytesInRange(blocks, length);
     ASSERT_TRUE(h.ok()) << h.status().message();
     huge = *h;
@@ -504,13 +509,15 @@ TEST(EngineArenaPagesTest, TwoMiBPagesComeAfterTheBuild) {
 }
 
 // An engine that closes its arena, or exits, while the 2 MiB pages are being made waits for
-// one page at most, and the file keeps every byte for the next engine; a child forked
-// meanwhile (where the thread does not exist) closes its copy without waiting for it.
+// one page at most, and the file keeps every byte for the next engine, which makes the 2 MiB
+// pages still missing; a child forked meanwhile (where the thread does not exist) closes its
+// copy and exits.
 TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing) {
   ScopedArenaDir dir("engine-late-close");
   const std::string path = dir.File("close.arena");
   EngineArenaSpec spec = Spec("late-close", {}, 9, nullptr, 128ull << 20);
   spec.pages_as_written = true;
+  spec.huge_after_build = true;
   bool late = false;
   {
     auto arena = Arena::OpenEngine(spec, Options(path));
@@ -535,7 +542,9 @@ TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing)
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   }  // closed here, most likely before every 2 MiB page was made
   Counted counted;
-  auto again = Arena::OpenEngine(Spec("late-close", {}, 9, &counted, 128ull << 20), Options(path));
+  EngineArenaSpec attach = Spec("late-close", {}, 9, &counted, 128ull << 20);
+  attach.huge_after_build = true;
+  auto again = Arena::OpenEngine(attach, Options(path));
   ASSERT_TRUE(again.ok()) << again.status().message();
   EXPECT_EQ(again->report().role, ArenaRole::kAttached);
   EXPECT_EQ(counted.filled, 0);
@@ -546,6 +555,9 @@ TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing)
   uint64_t huge = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
+    // Each page made leaves the mapping's page tables: read them back in first.
+    ASSERT_OK(platform::AdviseRange(const_cast<std::byte*>(blocks), length,
+                                    platform::Advice::kPopulateRead, "test"));
     auto h = platform::HugeBytesInRange(blocks, length);
     ASSERT_TRUE(h.ok()) << h.status().message();
     if ((huge = *h) == length) break;

@@ -734,6 +734,10 @@ def test_the_extra_config_is_checked():
         Settings.parse({"arena_dirr": "/dev/shm"})
     with pytest.raises(ValueError, match="huge is auto, on or off"):
         Settings.parse({"huge": "yes"})
+    assert Settings.parse({"huge_after_build": True}).huge_after_build
+    assert not Settings().huge_after_build
+    with pytest.raises(ValueError, match="huge_after_build must be true or false"):
+        Settings.parse({"huge_after_build": "yes"})
     # A mode with a setuid, setgid, sticky or execute bit never reaches a file.
     for mode in ("4777", 0o2660, "0700"):
         with pytest.raises(ValueError, match="file_mode .* has bits outside 0o666"):
