@@ -474,6 +474,25 @@ std::pair<const std::byte*, uint64_t> WholeBlocks(const Arena& arena) {
   return {reinterpret_cast<const std::byte*>(begin), end > begin ? end - begin : 0};
 }
 
+// The bytes of [blocks, blocks+length) on 2 MiB pages once all are, or after 60 s (read back
+// in each time: a page made leaves the page tables of the mapping that made it).
+uint64_t HugeOnceMade(const std::byte* blocks, uint64_t length) {
+  uint64_t huge = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    Status read = platform::AdviseRange(const_cast<std::byte*>(blocks), length,
+                                        platform::Advice::kPopulateRead, "test");
+    auto h = platform::HugeBytesInRange(blocks, length);
+    if (!read.ok() || !h.ok()) {
+      ADD_FAILURE() << read.ToString() << "; " << h.status().ToString();
+      return 0;
+    }
+    if ((huge = *h) == length) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return huge;
+}
+
 // With huge_after_build, on 4 KiB tmpfs an engine-made arena's 2 MiB pages come after its
 // build, on a thread of its own at nice 19 (the fill waits for no 2 MiB page): once made they
 // are under the engine's read-only mapping, with the bytes it wrote.
@@ -490,18 +509,7 @@ TEST(EngineArenaPagesTest, TwoMiBPagesComeAfterTheBuild) {
   }
   const auto [blocks, length] = WholeBlocks(*arena);
   ASSERT_GE(length, 100ull << 20);
-  uint64_t huge = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline) {
-    // Each page made leaves the mapping's page tables: read them back in first.
-    ASSERT_OK(platform::AdviseRange(const_cast<std::byte*>(blocks), length,
-                                    platform::Advice::kPopulateRead, "test"));
-    auto h = platform::HugeBytesInRange(blocks, length);
-    ASSERT_TRUE(h.ok()) << h.status().message();
-    huge = *h;
-    if (huge == length) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  const uint64_t huge = HugeOnceMade(blocks, length);
   auto free_blocks = platform::FreeHugeBlocks();
   EXPECT_EQ(huge, length) << "free 2 MiB blocks: " << (free_blocks.ok() ? *free_blocks : 0)
                           << "; " << note;
@@ -552,17 +560,7 @@ TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing)
   if (!late) GTEST_SKIP() << "2 MiB pages not made after the build here";
   // What the first engine left on 4 KiB pages this one makes (skipped where it made all).
   const auto [blocks, length] = WholeBlocks(*again);
-  uint64_t huge = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline) {
-    // Each page made leaves the mapping's page tables: read them back in first.
-    ASSERT_OK(platform::AdviseRange(const_cast<std::byte*>(blocks), length,
-                                    platform::Advice::kPopulateRead, "test"));
-    auto h = platform::HugeBytesInRange(blocks, length);
-    ASSERT_TRUE(h.ok()) << h.status().message();
-    if ((huge = *h) == length) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  const uint64_t huge = HugeOnceMade(blocks, length);
   EXPECT_EQ(huge, length) << again->report().huge_note;
   EXPECT_TRUE(HoldsPattern(*again, 9));
 }
