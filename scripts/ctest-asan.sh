@@ -54,10 +54,9 @@ fi
 
 log=$(mktemp -t expert-arena-ctest-asan.XXXXXX)
 trap 'rm -f "$log"' EXIT
+# (Not LSAN_OPTIONS=log_threads=1, which would name the thread the tracer died on: it writes
+# into every process's output, and tests read their children's.)
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-# Each thread's stack and TLS as the tracer reaches it: the last one before a crash is where
-# it died (shown only for a failed test).
-export LSAN_OPTIONS=log_threads=1
 rc=0
 ctest --preset asan "$@" 2>&1 | tee "$log" || rc=$?
 ((rc == 0)) && exit 0
