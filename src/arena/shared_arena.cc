@@ -638,10 +638,10 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
   impl->report.page_bytes = HugePageBytesOf(fs);
   // On plain 4 KiB tmpfs, an arena not (yet) whole on 2 MiB pages: its builder is still making
   // them after its build, or stopped before it made them all, or memory was short then. This
-  // engine makes the rest; the kernel skips a page already made or being made by another.
-  // (Not on a tmpfs mounted huge=: MADV_COLLAPSE over its 2 MiB folios loses later writes,
+  // engine makes the rest, deciding as a loader would (--huge auto holds back where free 2 MiB
+  // blocks are short); the kernel skips a page already made or being made by another. (Not on
+  // a tmpfs mounted huge=: MADV_COLLAPSE over its 2 MiB folios loses later writes,
   // docs/page-backing.md; not under a GPU registration, which pins the small pages.)
-  // As a loader would (--huge auto holds back where free 2 MiB blocks are short).
   if (huge != HugePages::kOff && !writable &&
       PageSourceFor(fs.kind, fs.tmpfs_huge) == pages::PageSource::kTmpfs) {
     auto blocks = platform::FreeHugeBlocks();

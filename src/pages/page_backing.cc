@@ -558,7 +558,6 @@ LateCollapse::~LateCollapse() {
 
 void LateCollapse::Work() {
   platform::LowerThreadPriority(19);
-  const auto start = std::chrono::steady_clock::now();
   // One 2 MiB page per call: the kernel collapses each on its own anyway, and a destructor
   // (the engine closing the arena, or exiting) waits for one page at most.
   constexpr uint64_t kPiece = kHugePageBytes;
@@ -580,7 +579,6 @@ void LateCollapse::Work() {
   {
     std::lock_guard lock(mu_);
     problem_ = first;
-    seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     done_.store(true);
   }
   done_cv_.notify_all();

@@ -210,8 +210,7 @@ class LateCollapse {
   bool done() const { return done_.load(); }
   // Waits until every piece was tried (tests and tools; an engine never waits).
   void Wait();
-  // After done(): seconds from the start to the last piece and the first failure.
-  double seconds() const { return seconds_; }
+  // After done(): the first failure.
   Status problem() const;
 
  private:
@@ -226,7 +225,6 @@ class LateCollapse {
   mutable std::mutex mu_;
   std::condition_variable done_cv_;
   Status problem_;  // guarded by mu_
-  double seconds_ = 0;
   std::thread thread_;
 };
 

@@ -82,6 +82,13 @@ class PiecesFixture {
     EA_ASSIGN_OR_RETURN(mapping_, platform::Mapping::MapFile(fd_, bytes_, true, kHugePageBytes));
     return Status::Ok();
   }
+  // The file allocated whole (4 KiB pages) and its mapping asking for 2 MiB ones: an
+  // engine-made arena's before LateCollapse.
+  Status PrepareForLateCollapse() {
+    EA_RETURN_IF_ERROR(Prepare());
+    EA_RETURN_IF_ERROR(platform::AllocateFile(fd_, bytes_));
+    return platform::AdviseRange(mapping_.data(), bytes_, platform::Advice::kHugePage, "test");
+  }
   Result<double> Collapse() {
     EA_RETURN_IF_ERROR(Prepare());
     return CollapseParallel(mapping_.data(), bytes_, path_->path(), false, 2, &fd_);
@@ -221,20 +228,18 @@ TEST(BackgroundPagesTest, DestroyedEarlyStops) {
       << "it stopped before the last pieces (ready at " << ready << ")";
 }
 
+constexpr char kNoCollapse[] = "no MADV_COLLAPSE in this kernel";
+
 // LateCollapse over a file whose pages are all made and written (an engine-made arena after
 // its build): every 2 MiB of it ends on a 2 MiB page with the bytes written, under a
 // read-only mapping as an arena's is.
 TEST(LateCollapseTest, WrittenPagesEndOnTwoMiBPagesWithTheirBytes) {
-  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) {
-    GTEST_SKIP() << "no MADV_COLLAPSE in this kernel";
-  }
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
   const uint64_t bytes = 130 * kMiB;
   PiecesFixture f(256 * kMiB, bytes);
   if (!f.ok()) GTEST_SKIP() << f.skip_reason();
-  ASSERT_OK(f.Prepare());
-  ASSERT_OK(platform::AllocateFile(f.fd(), bytes));
+  ASSERT_OK(f.PrepareForLateCollapse());
   std::byte* data = f.mapping().data();
-  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kHugePage, "test"));
   for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * 7);
   ASSERT_OK_AND_ASSIGN(uint64_t before, platform::HugeBytesInRange(data, bytes));
   EXPECT_EQ(before, 0u) << "written into 4 KiB pages";
@@ -259,16 +264,12 @@ TEST(LateCollapseTest, WrittenPagesEndOnTwoMiBPagesWithTheirBytes) {
 // Destroyed at once (the engine closed its arena): it stops after the page in the making,
 // long before the end.
 TEST(LateCollapseTest, DestroyedEarlyStops) {
-  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) {
-    GTEST_SKIP() << "no MADV_COLLAPSE in this kernel";
-  }
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
   const uint64_t bytes = 512 * kMiB;
   PiecesFixture f(600 * kMiB, bytes);
   if (!f.ok()) GTEST_SKIP() << f.skip_reason();
-  ASSERT_OK(f.Prepare());
-  ASSERT_OK(platform::AllocateFile(f.fd(), bytes));
+  ASSERT_OK(f.PrepareForLateCollapse());
   std::byte* data = f.mapping().data();
-  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kHugePage, "test"));
   ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateWrite, "test"));
   { LateCollapse late(data, bytes, f.path()); }
   ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test"));
