@@ -521,6 +521,11 @@ Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
                                     impl.report.path);
       }
     }
+    if (impl.late_collapse) {
+      // The 2 MiB pages still being made go under the views as 2 MiB entries too.
+      impl.late_collapse->AlsoMapIn(impl.copy_on_write.data() +
+                                    (impl.late_collapse->data() - impl.mapping.data()));
+    }
     if (impl.registration && impl.registration->report().registered_bytes > 0) {
       // Registered read-only: pinning with write intent would copy every page of a private
       // mapping. Pages a write copied later are not the pinned ones: a device copy then reads

@@ -545,7 +545,11 @@ LateCollapse::LateCollapse(std::byte* data, uint64_t bytes, std::string what)
 }
 
 LateCollapse::~LateCollapse() {
-  stop_.store(true);
+  {
+    std::lock_guard lock(mu_);
+    stop_.store(true);
+  }
+  stop_cv_.notify_all();
   if (!thread_.joinable()) return;
   // A forked child has the parent's thread object but not its thread (glibc reclaimed its
   // stack at the fork): nothing to wait for, and a join would free that stack again.
@@ -556,26 +560,65 @@ LateCollapse::~LateCollapse() {
   }
 }
 
+bool LateCollapse::StoppedWithin(std::chrono::milliseconds wait) {
+  std::unique_lock lock(mu_);
+  return stop_cv_.wait_for(lock, wait, [this] { return stop_.load(); });
+}
+
 void LateCollapse::Work() {
   platform::LowerThreadPriority(19);
   // One 2 MiB page per call: the kernel collapses each on its own anyway, and a destructor
   // (the engine closing the arena, or exiting) waits for one page at most.
   constexpr uint64_t kPiece = kHugePageBytes;
+  // A piece the kernel calls busy (EAGAIN: a page of it locked, off the LRU or referenced
+  // elsewhere, as for seconds after another engine exits) is tried again after 1, 2, 4 and
+  // 8 s, then left on 4 KiB pages.
+  constexpr int kPasses = 5;
+  std::vector<uint64_t> pending;
+  for (uint64_t at = 0; at < bytes_; at += kPiece) pending.push_back(at);
+  // The pieces made before the views were seen: mapped there at the end.
+  std::vector<uint64_t> before_views;
   Status first = Status::Ok();
-  for (uint64_t at = 0; at < bytes_ && !stop_.load(); at += kPiece) {
-    const uint64_t length = std::min(kPiece, bytes_ - at);
-    Status c = platform::AdviseRange(data_ + at, length, platform::Advice::kCollapse, what_);
-    if (!c.ok() && c.code() == StatusCode::kBusy) {
-      c = platform::AdviseRange(data_ + at, length, platform::Advice::kCollapse, what_);
+  Status busy = Status::Ok();
+  for (int pass = 0; pass < kPasses && !pending.empty(); ++pass) {
+    if (pass > 0 && StoppedWithin(std::chrono::milliseconds(1000 << (pass - 1)))) break;
+    std::vector<uint64_t> again;
+    for (uint64_t at : pending) {
+      if (stop_.load()) break;
+      const uint64_t length = std::min(kPiece, bytes_ - at);
+      Status c = platform::AdviseRange(data_ + at, length, platform::Advice::kCollapse, what_);
+      // The collapse maps the new page here; an engine reads through another mapping of the
+      // file (Python's views), where the arena's own left the page tables so that RSS counts
+      // the arena once. The next read through this one maps it again (one fault per 2 MiB).
+      (void)platform::AdviseRange(data_ + at, length, platform::Advice::kDontNeed, what_);
+      if (!c.ok()) c = c.WithContext("bytes " + std::to_string(at) + "+" + std::to_string(length));
+      if (c.code() == StatusCode::kBusy) {
+        again.push_back(at);
+        busy = c;
+        continue;
+      }
+      if (!c.ok()) {
+        if (first.ok()) first = c;
+        continue;
+      }
+      if (std::byte* views = views_.load(); views != nullptr) {
+        // The page exists now: this only puts one 2 MiB entry where the views had 512 (or
+        // none); a block with a private page refuses (EINVAL) and stays as it is.
+        (void)platform::AdviseRange(views + at, length, platform::Advice::kCollapse, what_);
+      } else {
+        before_views.push_back(at);
+      }
     }
-    // The collapse maps the new page here; an engine may read through another mapping of the
-    // file (Python's views), where the arena's own left the page tables so that RSS counts
-    // the arena once. The next read through this one maps it again (one fault per 2 MiB).
-    (void)platform::AdviseRange(data_ + at, length, platform::Advice::kDontNeed, what_);
-    if (!c.ok() && first.ok()) {
-      first = c.WithContext("bytes " + std::to_string(at) + "+" + std::to_string(length));
+    pending = std::move(again);
+  }
+  if (std::byte* views = views_.load(); views != nullptr) {
+    for (uint64_t at : before_views) {
+      if (stop_.load()) break;
+      const uint64_t length = std::min(kPiece, bytes_ - at);
+      (void)platform::AdviseRange(views + at, length, platform::Advice::kCollapse, what_);
     }
   }
+  if (first.ok() && !pending.empty() && !stop_.load()) first = busy;
   {
     std::lock_guard lock(mu_);
     problem_ = first;

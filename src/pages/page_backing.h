@@ -195,11 +195,11 @@ class BackgroundPages {
 // 1-2 s/GiB to make, more than the whole copy of the engine's tensors, and an engine does not
 // need them to start: they replace the small pages under every mapping of the file (any
 // process's) as each piece is done. A collapse that fails leaves its piece on 4 KiB pages
-// (the first failure is kept). Each page made leaves this mapping's page tables (MADV_DONTNEED:
+// (the first failure is kept); one the kernel calls busy is tried again, seconds later. Each page made leaves this mapping's page tables (MADV_DONTNEED:
 // the file keeps it; the next read here maps it again), as an engine may read through another
-// mapping of the file. The mapping must outlive it; the destructor stops between
-// pieces and joins (in a process forked meanwhile, where the thread does not exist, it only
-// lets go of it).
+// mapping of the file: the views' (AlsoMapIn). The mappings must outlive it; the destructor
+// stops between pieces and joins (in a process forked meanwhile, where the thread does not
+// exist, it only lets go of it).
 class LateCollapse {
  public:
   LateCollapse(std::byte* data, uint64_t bytes, std::string what);
@@ -207,7 +207,14 @@ class LateCollapse {
   LateCollapse(const LateCollapse&) = delete;
   LateCollapse& operator=(const LateCollapse&) = delete;
 
+  std::byte* data() const { return data_; }
   bool done() const { return done_.load(); }
+  // Another mapping of the same bytes in this process, `views` at data()'s offset (Arena::
+  // CopyOnWriteData's, which an engine's tensors read): each page made is mapped there as
+  // one 2 MiB entry too. The kernel does that by itself only for a mapping that holds no
+  // private page; one private page in a MAP_PRIVATE mapping (a write through a view) left
+  // every new page there on 4 KiB entries. Blocks holding a private page stay so.
+  void AlsoMapIn(std::byte* views) { views_.store(views); }
   // Waits until every piece was tried (tests and tools; an engine never waits).
   void Wait();
   // After done(): the first failure.
@@ -215,6 +222,8 @@ class LateCollapse {
 
  private:
   void Work();
+  // Waits up to `wait`; true when the destructor asked it to stop.
+  bool StoppedWithin(std::chrono::milliseconds wait);
 
   std::byte* data_;
   uint64_t bytes_;
@@ -222,8 +231,10 @@ class LateCollapse {
   pid_t owner_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> done_{false};
+  std::atomic<std::byte*> views_{nullptr};
   mutable std::mutex mu_;
   std::condition_variable done_cv_;
+  std::condition_variable stop_cv_;
   Status problem_;  // guarded by mu_
   std::thread thread_;
 };

@@ -3,8 +3,13 @@
 // filesystem already gives (or reserves) as 2 MiB.
 #include "pages/page_backing.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <optional>
 #include <thread>
 
@@ -259,6 +264,38 @@ TEST(LateCollapseTest, WrittenPagesEndOnTwoMiBPagesWithTheirBytes) {
     wrong += data[i] != static_cast<std::byte>(i / 512 * 7);
   }
   EXPECT_EQ(wrong, 0u);
+}
+
+// A piece the kernel calls busy (a page of it referenced elsewhere: here a pipe holds it, as
+// a page is held for seconds after another engine exits) is tried again later and ends on a
+// 2 MiB page once let go; without the retry it stayed on 4 KiB pages for good.
+TEST(LateCollapseTest, ABusyPieceIsTriedAgain) {
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
+  const uint64_t bytes = 8 * kMiB;
+  PiecesFixture f(64 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_OK(f.PrepareForLateCollapse());
+  std::byte* data = f.mapping().data();
+  for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * 3);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  // vmsplice references the page from the pipe (no copy) until the pipe is read.
+  iovec held{data + 3 * kMiB, 4096};
+  ASSERT_EQ(::vmsplice(pipe_fds[1], &held, 1, 0), 4096) << std::strerror(errno);
+  LateCollapse late(data, bytes, f.path());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::vector<char> drained(4096);
+  EXPECT_EQ(::read(pipe_fds[0], drained.data(), drained.size()), 4096);
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  late.Wait();
+  EXPECT_OK(late.problem());
+  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test"));
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
+  EXPECT_EQ(huge, bytes);
+  for (uint64_t i = 0; i < bytes; i += 512) {
+    ASSERT_EQ(data[i], static_cast<std::byte>(i / 512 * 3)) << "byte " << i;
+  }
 }
 
 // Destroyed at once (the engine closed its arena): it stops after the page in the making,
