@@ -4,8 +4,10 @@ Each round starts one engine per setting, each a process of its own, one after a
 round begins with the next setting, so that going first falls on each alike): plain vLLM
 (--load-format auto), the arena with dense_gemm "shared" (the default: torch's linear on the
 arena's dense weights) and the arena with dense_gemm "packed" (each engine packs its dense
-weights privately for vLLM's CPU GEMM, as plain vLLM does; the experts stay shared), or
-"after": "shared" with huge_after_build (2 MiB pages made after the build). The first
+weights privately for vLLM's CPU GEMM, as plain vLLM does; the experts stay shared), each
+with the loader's default pages (on 4 KiB tmpfs the 2 MiB pages made after the build), or
+"before": "shared" with huge_after_build false (each piece's 2 MiB pages made before it is
+written), "after": "shared" with huge_after_build true. The first
 arena engine builds the arena, every later one attaches. Each engine warms up, then decodes
 `--tokens` tokens greedily (ignore_eos) for one prompt (batch 1) and for 16 prompts at once
 (batch 16): tokens/s is batch x tokens over the wall time of that generate call. The engine
@@ -44,9 +46,11 @@ ENGINE = textwrap.dedent("""
     tokens, profile, settle = int(tokens), int(profile), float(settle)
     extra = {}
     if setting != "plain":
-        extra = {"load_format": "expert_arena", "model_loader_extra_config":
-                 {"arena_dir": arena_dir, "dense_gemm": "shared" if setting == "after"
-                  else setting, "huge_after_build": setting == "after"}}
+        config = {"arena_dir": arena_dir,
+                  "dense_gemm": "shared" if setting in ("before", "after") else setting}
+        if setting in ("before", "after"):
+            config["huge_after_build"] = setting == "after"
+        extra = {"load_format": "expert_arena", "model_loader_extra_config": config}
     import threading
     def held():
         # This engine's private memory and the arena's pages (which RSS would count once per
@@ -184,8 +188,8 @@ def main():
     ap.add_argument("--arena-root", default="/dev/shm")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--settings", default="plain,shared,packed", help="comma-separated, "
-                    "from plain, shared, packed, after (shared with huge_after_build; plain "
-                    "is always run: the ratios are to it)")
+                    "from plain, shared, packed, before, after (shared with huge_after_build "
+                    "false / true; plain is always run: the ratios are to it)")
     ap.add_argument("--rebuild", action="store_true", help="remove the arenas before each "
                     "arena engine, so that every one builds (the builder's start, with where "
                     "its time went) instead of only the first")
@@ -200,7 +204,7 @@ def main():
     arenas = tempfile.mkdtemp(prefix="ea-decode-bench-", dir=args.arena_root)
     settings = ["plain"] + [s for s in args.settings.split(",") if s and s != "plain"]
     for s in settings:
-        if s not in ("plain", "shared", "packed", "after"):
+        if s not in ("plain", "shared", "packed", "before", "after"):
             ap.error("unknown setting %r" % s)
     rows = {s: [] for s in settings}
     profiles = {}

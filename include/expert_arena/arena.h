@@ -330,8 +330,9 @@ struct EngineArenaSpec {
   // memory back a 2 MiB page costs 1-2 s/GiB to make: the build ends that much sooner, and the
   // engine reads a part of the arena on 4 KiB pages, and is slowed where a page is being made,
   // until the thread is done (docs/engine-arenas.md). An engine that attaches with it makes the
-  // 2 MiB pages the file still lacks (its builder stopped before making them all).
-  bool huge_after_build = false;
+  // 2 MiB pages the file still lacks (its builder stopped before making them all). false: each
+  // piece's 2 MiB pages are made before the engine writes into it (the build waits for them).
+  bool huge_after_build = true;
 };
 
 // A part of an arena's data region: [offset, offset + bytes), offsets as Arena::data()'s.

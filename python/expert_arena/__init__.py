@@ -401,7 +401,7 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
                 gpu_required=False, huge="auto", wait_timeout=600.0, file_mode=0o600,
                 allow_foreign_owner=False, pin_budget_bytes=0, quiet=False,
                 allow_world_writable=False, confirm_after_run=False,
-                pages_as_written=True, freed_as_written=0, huge_after_build=False) -> Arena:
+                pages_as_written=True, freed_as_written=0, huge_after_build=True) -> Arena:
     """An arena of tensors this engine makes itself (fused, repacked, quantized): attaches when
     one of `identity` over the checkpoint `files` is published at `path` (waiting for an engine
     that is building it), else this engine builds it and publishes it (docs/engine-arenas.md).
@@ -421,11 +421,12 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
     `freed_as_written`: the bytes of this engine's own memory that fill frees for certain as it
     writes (a number, or a callable asked once declare returned): a memory cgroup's limit is
     then checked against the build's peak rather than the whole arena on top of that memory.
-    `huge_after_build`: on tmpfs on 4 KiB pages the tensors are written into 4 KiB pages and
-    the arena's 2 MiB pages made after the build, on a thread at nice 19, instead of before
-    each write: a shorter build where making a 2 MiB page is slow (a VM whose host takes free
-    memory back), reads slowed until the thread is done (docs/engine-arenas.md); an engine
-    that attaches with it makes the 2 MiB pages the file still lacks.
+    `huge_after_build` (the default): on tmpfs on 4 KiB pages the tensors are written into
+    4 KiB pages and the arena's 2 MiB pages made after the build, on a thread at nice 19,
+    instead of before each write: a shorter build where making a 2 MiB page is slow (a VM
+    whose host takes free memory back), reads slowed until the thread is done
+    (docs/engine-arenas.md); an engine that attaches with it makes the 2 MiB pages the file
+    still lacks. False: the build waits for each piece's 2 MiB pages before writing it.
     `identity` names what makes the tensors what they are beyond the checkpoint (the engine
     and its version, the transform's settings, dtype, rank and world size); `files` are the
     checkpoint files or directories, fingerprinted by the library.
@@ -503,7 +504,7 @@ def _confirm_at_first_forward(module, arena, check=None):
 
 def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="auto",
                   wait_timeout=600.0, file_mode=0o600, allow_foreign_owner=False, quiet=False,
-                  alignment=4096, confirm="forward", huge_after_build=False):
+                  alignment=4096, confirm="forward", huge_after_build=True):
     """A torch module whose parameters, buffers and tensor attributes are read-only views of
     one shared arena.
 

@@ -70,7 +70,8 @@ _OPTIONS = {
                   "plain vLLM does; the experts stay shared) (default shared)",
     "huge_after_build": "on tmpfs on 4 KiB pages: write the arena into 4 KiB pages and make "
                         "its 2 MiB pages after the build, in the background (a shorter build "
-                        "where they are slow to make, reads slowed until done) (default false)",
+                        "where they are slow to make, reads slowed until done); false: make "
+                        "them before each piece is written (default true)",
 }
 
 
@@ -93,7 +94,7 @@ class Settings:
     gpu: str = "auto"
     allow_world_writable: bool = False
     dense_gemm: str = "shared"
-    huge_after_build: bool = False
+    huge_after_build: bool = True
 
     @classmethod
     def parse(cls, extra):
@@ -125,7 +126,7 @@ class Settings:
         if not isinstance(allow, bool):
             raise ValueError("%s: allow_foreign_owner must be true or false, got %r"
                              % (LOAD_FORMAT, allow))
-        after = extra.get("huge_after_build", False)
+        after = extra.get("huge_after_build", True)
         if not isinstance(after, bool):
             raise ValueError("%s: huge_after_build must be true or false, got %r"
                              % (LOAD_FORMAT, after))

@@ -651,7 +651,7 @@ void BindArena(py::module_& m) {
         py::arg("allow_foreign_owner"), py::arg("pin_budget_bytes"), py::arg("quiet"),
         py::arg("allow_world_writable") = false, py::arg("confirm_after_run") = false,
         py::arg("pages_as_written") = true, py::arg("freed_as_written") = 0,
-        py::arg("huge_after_build") = false);
+        py::arg("huge_after_build") = true);
   m.def("find_view", &FindView, py::arg("address"), py::arg("length"));
   m.def("view_private_bytes", &ViewPrivateBytes, py::arg("address"), py::arg("length"),
         py::arg("changed"));

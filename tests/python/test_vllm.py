@@ -734,8 +734,8 @@ def test_the_extra_config_is_checked():
         Settings.parse({"arena_dirr": "/dev/shm"})
     with pytest.raises(ValueError, match="huge is auto, on or off"):
         Settings.parse({"huge": "yes"})
-    assert Settings.parse({"huge_after_build": True}).huge_after_build
-    assert not Settings().huge_after_build
+    assert not Settings.parse({"huge_after_build": False}).huge_after_build
+    assert Settings().huge_after_build and Settings.parse({}).huge_after_build
     with pytest.raises(ValueError, match="huge_after_build must be true or false"):
         Settings.parse({"huge_after_build": "yes"})
     # A mode with a setuid, setgid, sticky or execute bit never reaches a file.
