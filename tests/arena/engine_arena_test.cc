@@ -400,8 +400,14 @@ uint64_t AllocatedBytes(const std::string& path) {
 }
 
 // pages_as_written: the pages of a tensor are made when the fill asks for them, so an engine
-// that frees its own copy of each tensor once written holds the model once, not twice.
-TEST(EngineArenaPagesTest, PagesAreMadeAsTheFillAsksForThem) {
+// that frees its own copy of each tensor once written holds the model once, not twice; with
+// their 2 MiB pages made before each write (huge_after_build false) or after the build.
+class PacedPagesTest : public ::testing::TestWithParam<bool> {};
+
+INSTANTIATE_TEST_SUITE_P(HugeAfterBuild, PacedPagesTest, ::testing::Bool());
+
+TEST_P(PacedPagesTest, PagesAreMadeAsTheFillAsksForThem) {
+  const bool huge_after_build = GetParam();
   ScopedArenaDir dir("engine-pages");
   const std::string path = dir.File("paced.arena");
   constexpr uint64_t kEach = 128ull << 20;
@@ -411,6 +417,7 @@ TEST(EngineArenaPagesTest, PagesAreMadeAsTheFillAsksForThem) {
   EngineArenaSpec spec;
   spec.identity = "paced";
   spec.pages_as_written = true;
+  spec.huge_after_build = huge_after_build;
   spec.declare = []() -> Result<std::vector<EngineTensor>> {
     std::vector<EngineTensor> out;
     for (int i = 0; i < kCount; ++i) {
@@ -437,8 +444,8 @@ TEST(EngineArenaPagesTest, PagesAreMadeAsTheFillAsksForThem) {
     EXPECT_EQ(v.bytes.back(), static_cast<std::byte>(0x40 + i));
   }
   const std::string note = arena->report().huge_note;
-  if (note.find("as the engine wrote") == std::string::npos &&
-      note.find("after the build") == std::string::npos) {
+  if (note.find(huge_after_build ? "after the build" : "as the engine wrote") ==
+      std::string::npos) {
     GTEST_SKIP() << "pages made before fill here (not 4 KiB tmpfs with 2 MiB pages): " << note;
   }
   // Before the first tensor asked, the pages ahead of the header at most; each ask made its
@@ -493,6 +500,15 @@ uint64_t HugeOnceMade(const std::byte* blocks, uint64_t length) {
   return huge;
 }
 
+// An engine-made arena of 128 MiB tensors whose 2 MiB pages come after its build (on 4 KiB
+// tmpfs).
+EngineArenaSpec LateSpec(const std::string& identity, uint8_t seed, Counted* counted = nullptr) {
+  EngineArenaSpec spec = Spec(identity, {}, seed, counted, 128ull << 20);
+  spec.pages_as_written = true;
+  spec.huge_after_build = true;
+  return spec;
+}
+
 // With huge_after_build, on 4 KiB tmpfs an engine-made arena's 2 MiB pages come after its
 // build, on a thread of its own at nice 19 (the fill waits for no 2 MiB page): once made they
 // are under the engine's read-only mapping, with the bytes it wrote.
@@ -523,9 +539,7 @@ TEST(EngineArenaPagesTest, TwoMiBPagesComeAfterTheBuild) {
 TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing) {
   ScopedArenaDir dir("engine-late-close");
   const std::string path = dir.File("close.arena");
-  EngineArenaSpec spec = Spec("late-close", {}, 9, nullptr, 128ull << 20);
-  spec.pages_as_written = true;
-  spec.huge_after_build = true;
+  const EngineArenaSpec spec = LateSpec("late-close", 9);
   bool late = false;
   {
     auto arena = Arena::OpenEngine(spec, Options(path));
@@ -550,9 +564,7 @@ TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing)
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   }  // closed here, most likely before every 2 MiB page was made
   Counted counted;
-  EngineArenaSpec attach = Spec("late-close", {}, 9, &counted, 128ull << 20);
-  attach.huge_after_build = true;
-  auto again = Arena::OpenEngine(attach, Options(path));
+  auto again = Arena::OpenEngine(LateSpec("late-close", 9, &counted), Options(path));
   ASSERT_TRUE(again.ok()) << again.status().message();
   EXPECT_EQ(again->report().role, ArenaRole::kAttached);
   EXPECT_EQ(counted.filled, 0);
@@ -572,20 +584,15 @@ TEST(EngineArenaPagesTest, ClosingOrForkingWhileTheLatePagesAreMadeLosesNothing)
 TEST(EngineArenaPagesTest, TheViewsGetTheLatePagesAsTwoMiBEntries) {
   ScopedArenaDir dir("engine-late-views");
   const std::string path = dir.File("views.arena");
-  EngineArenaSpec spec = Spec("late-views", {}, 3, nullptr, 128ull << 20);
-  spec.pages_as_written = true;
-  spec.huge_after_build = true;
   {
     // Closed at once: the file stays (most of it) on 4 KiB pages for the engine below.
-    auto first = Arena::OpenEngine(spec, Options(path));
+    auto first = Arena::OpenEngine(LateSpec("late-views", 3), Options(path));
     ASSERT_TRUE(first.ok()) << first.status().message();
     if (first->report().huge_note.find("after the build") == std::string::npos) {
       GTEST_SKIP() << "2 MiB pages not made after the build here: " << first->report().huge_note;
     }
   }
-  EngineArenaSpec attach = Spec("late-views", {}, 3, nullptr, 128ull << 20);
-  attach.huge_after_build = true;
-  auto arena = Arena::OpenEngine(attach, Options(path));
+  auto arena = Arena::OpenEngine(LateSpec("late-views", 3), Options(path));
   ASSERT_TRUE(arena.ok()) << arena.status().message();
   auto views = arena->CopyOnWriteData();  // as the pages are being made
   ASSERT_TRUE(views.ok()) << views.status().message();
