@@ -26,6 +26,7 @@
 #include "arena/memory_charge.h"
 #include "arena/numa_placement.h"
 #include "common/fault_points.h"
+#include "common/logging.h"
 #include "common/units.h"
 #include "format/arena_format.h"
 #include "load/loader.h"
@@ -599,7 +600,9 @@ bool CollapseDataLater(Arena::Impl& impl, const std::string& path, bool advise) 
   if (advise && !platform::AdviseRange(data, length, platform::Advice::kHugePage, path).ok()) {
     return false;
   }
-  impl.late_collapse = std::make_unique<pages::LateCollapse>(data, length, path);
+  // (The default logger, as the views' mapping's warnings: the thread outlives Open's.)
+  impl.late_collapse = std::make_unique<pages::LateCollapse>(
+      data, length, path, [](const std::string& m) { ResolveLogger(nullptr)->warn("{}", m); });
   return true;
 }
 

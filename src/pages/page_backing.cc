@@ -539,8 +539,13 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
   return file;
 }
 
-LateCollapse::LateCollapse(std::byte* data, uint64_t bytes, std::string what)
-    : data_(data), bytes_(bytes), what_(std::move(what)), owner_(platform::CurrentPid()) {
+LateCollapse::LateCollapse(std::byte* data, uint64_t bytes, std::string what,
+                           std::function<void(const std::string&)> warn)
+    : data_(data),
+      bytes_(bytes),
+      what_(std::move(what)),
+      warn_(std::move(warn)),
+      owner_(platform::CurrentPid()) {
   thread_ = std::thread([this] { Work(); });
 }
 
@@ -580,6 +585,7 @@ void LateCollapse::Work() {
   std::vector<uint64_t> before_views;
   Status first = Status::Ok();
   Status busy = Status::Ok();
+  uint64_t failed_bytes = 0;  // left on 4 KiB pages by a failure other than busy
   for (int pass = 0; pass < kPasses && !pending.empty(); ++pass) {
     if (pass > 0 && StoppedWithin(std::chrono::milliseconds(1000 << (pass - 1)))) break;
     std::vector<uint64_t> again;
@@ -599,6 +605,7 @@ void LateCollapse::Work() {
       }
       if (!c.ok()) {
         if (first.ok()) first = c;
+        failed_bytes += length;
         continue;
       }
       if (std::byte* views = views_.load(); views != nullptr) {
@@ -619,6 +626,13 @@ void LateCollapse::Work() {
     }
   }
   if (first.ok() && !pending.empty() && !stop_.load()) first = busy;
+  uint64_t left = failed_bytes;
+  for (uint64_t at : pending) left += std::min(kPiece, bytes_ - at);
+  if (left > 0 && !stop_.load() && warn_) {
+    warn_("expert-arena: " + what_ + ": " + FormatBytes(left) + " of " + FormatBytes(bytes_) +
+          " left on 4 KiB pages after the build (" + first.message() +
+          "); see docs/page-backing.md to get 2 MiB pages (free memory, a hugetlbfs mount)");
+  }
   {
     std::lock_guard lock(mu_);
     problem_ = first;

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -202,7 +203,11 @@ class BackgroundPages {
 // exist, it only lets go of it).
 class LateCollapse {
  public:
-  LateCollapse(std::byte* data, uint64_t bytes, std::string what);
+  // `warn` (may be empty) is called once, from its thread, when it ends with pieces left on
+  // 4 KiB pages (not when stopped): the arena's fallback warning, which an engine otherwise
+  // gets at open.
+  LateCollapse(std::byte* data, uint64_t bytes, std::string what,
+               std::function<void(const std::string&)> warn = {});
   ~LateCollapse();
   LateCollapse(const LateCollapse&) = delete;
   LateCollapse& operator=(const LateCollapse&) = delete;
@@ -228,6 +233,7 @@ class LateCollapse {
   std::byte* data_;
   uint64_t bytes_;
   std::string what_;
+  std::function<void(const std::string&)> warn_;
   pid_t owner_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> done_{false};

@@ -298,6 +298,40 @@ TEST(LateCollapseTest, ABusyPieceIsTriedAgain) {
   }
 }
 
+// A piece still busy after every retry stays on 4 KiB pages, with its bytes, and is warned of
+// once (the arena's fallback warning, which a late collapse has instead of one at open).
+TEST(LateCollapseTest, APieceBusyToTheEndIsWarnedOf) {
+  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
+  const uint64_t bytes = 8 * kMiB;
+  PiecesFixture f(64 * kMiB, bytes);
+  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
+  ASSERT_OK(f.PrepareForLateCollapse());
+  std::byte* data = f.mapping().data();
+  for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * 5);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  iovec held{data + 5 * kMiB, 4096};  // held through every pass (about 15 s)
+  ASSERT_EQ(::vmsplice(pipe_fds[1], &held, 1, 0), 4096) << std::strerror(errno);
+  std::vector<std::string> warnings;
+  {
+    LateCollapse late(data, bytes, f.path(),
+                      [&](const std::string& m) { warnings.push_back(m); });
+    late.Wait();
+    EXPECT_EQ(late.problem().code(), StatusCode::kBusy) << late.problem().ToString();
+  }
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("2.0 MiB of 8.0 MiB left on 4 KiB pages"), std::string::npos)
+      << warnings[0];
+  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test"));
+  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
+  EXPECT_EQ(huge, bytes - 2 * kMiB);
+  for (uint64_t i = 0; i < bytes; i += 512) {
+    ASSERT_EQ(data[i], static_cast<std::byte>(i / 512 * 5)) << "byte " << i;
+  }
+}
+
 // Destroyed at once (the engine closed its arena): it stops after the page in the making,
 // long before the end.
 TEST(LateCollapseTest, DestroyedEarlyStops) {
