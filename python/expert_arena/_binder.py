@@ -5,7 +5,9 @@ Used by `shared_module` and by the vLLM loader (`expert_arena.vllm`); both publi
 `open_engine`. What a module holds is found by walking it, not by a list of names: every
 parameter, every buffer, and every tensor attribute of every submodule (a torch.Tensor in the
 module's `__dict__`: MLA's `W_UV`/`W_UK_T`, kernels' prepacked tensors and scales that a
-post-processing step stores as plain attributes). A tensor reachable under several names (tied
+post-processing step stores as plain attributes), and of the helper objects a module keeps
+that post-process weights themselves (an attention backend's `impl`: vLLM's AMX MLA packs W_UK
+and W_UV there), named `module.attribute.leaf`. A tensor reachable under several names (tied
 weights, an attribute that is a buffer) is published once, under the first name.
 
 Each tensor is published in the order of its storage (a transposed or permuted tensor keeps
@@ -43,6 +45,7 @@ def module_tensors(module, skip=()):
     import torch
     out = []
     first = {}
+    helpers = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         head = prefix + "." if prefix else ""
         for table, kind in ((sub._parameters, "parameter"), (sub._buffers, "buffer")):
@@ -56,7 +59,26 @@ def module_tensors(module, skip=()):
             if isinstance(t, torch.Tensor) and leaf not in skip and t.numel() > 0:
                 name = head + leaf
                 out.append(Entry(name, t, "attribute", first.setdefault(id(t), name)))
+            elif _is_helper(t):
+                helpers.append((head + leaf + ".", t))
+    # A helper's own tensors, after every module's: what it holds of theirs (the weights it
+    # was given) keeps the module's name and is retargeted with it, not published again.
+    for head, helper in helpers:
+        for leaf, t in vars(helper).items():
+            if isinstance(t, torch.Tensor) and leaf not in skip and t.numel() > 0 and \
+                    id(t) not in first:
+                name = head + leaf
+                out.append(Entry(name, t, "attribute", first.setdefault(id(t), name)))
     return out
+
+
+def _is_helper(obj):
+    """An object a module keeps that post-processes weights itself (an attention backend's
+    `impl`): neither a tensor nor a module, with a `process_weights_after_loading`."""
+    import torch
+    return not isinstance(obj, (torch.Tensor, torch.nn.Module, type)) and \
+        callable(getattr(type(obj), "process_weights_after_loading", None)) and \
+        isinstance(getattr(obj, "__dict__", None), dict)
 
 
 def dtype_name(dtype):
@@ -314,8 +336,7 @@ def bind(module, arena, entries, layouts, make_view=None, make_parameter=None):
             if make_view is not None:
                 v = make_view(arena_name, entry.kind, v)
             views[arena_name] = v
-        owner_name, _, leaf = entry.name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
+        owner, leaf = _owner(module, entry.name)
         if entry.kind == "parameter":
             param = params.get(arena_name)
             if param is None:
@@ -387,11 +408,70 @@ def retarget(module, replaced, depth=3):
 
 
 def _owner(module, name):
+    """The module, or a module's helper object (`module.attribute`), that holds `name`'s leaf;
+    None when there is none."""
     owner_name, _, leaf = name.rpartition(".")
     try:
         return (module.get_submodule(owner_name) if owner_name else module), leaf
     except AttributeError:
+        pass
+    holder_name, _, attribute = owner_name.rpartition(".")
+    try:
+        holder = module.get_submodule(holder_name) if holder_name else module
+    except AttributeError:
         return None, leaf
+    helper = vars(holder).get(attribute)
+    return (helper if _is_helper(helper) else None), leaf
+
+
+def _helpers(module):
+    """[(name, helper)] of the helper objects `module`'s submodules keep (`_is_helper`)."""
+    out = []
+    for prefix, sub in module.named_modules():
+        head = prefix + "." if prefix else ""
+        out.extend((head + key, obj) for key, obj in vars(sub).items() if _is_helper(obj))
+    return out
+
+
+def derived_by_helpers(module):
+    """Names of the submodules whose weights a helper with tensors of its own derived them
+    from (the submodules it keeps: AMX MLA's impl keeps kv_b_proj, whose weight vLLM then
+    empties): those tensors are published, so the emptied weight may be."""
+    import torch
+    names = collections.defaultdict(set)
+    for n, m in module.named_modules(remove_duplicate=False):
+        names[id(m)].add(n)
+    out = set()
+    for _, helper in _helpers(module):
+        attrs = vars(helper)
+        if any(isinstance(t, torch.Tensor) and t.numel() > 0 for t in attrs.values()):
+            for m in attrs.values():
+                if isinstance(m, torch.nn.Module):
+                    out.update(names.get(id(m), ()))
+    return out
+
+
+class helpers_made_from_arena:
+    """While it is entered, a helper whose post-processing made tensors that the arena holds
+    (the manifest's "made" names under `helper name.`) does not run its post-processing: it
+    would derive them again from weights the building engine's emptied (AMX MLA's W_UK and W_UV
+    from kv_b_proj); they are bound from the arena after it. Other helpers run theirs."""
+
+    def __init__(self, module, layouts):
+        made = [n for n, layout in layouts.items() if layout.get("made")]
+        self.skipped = [helper for name, helper in _helpers(module)
+                        if any(n.startswith(name + ".") for n in made)]
+
+    def __enter__(self):
+        for helper in self.skipped:
+            object.__setattr__(helper, "process_weights_after_loading",
+                               lambda *args, **kwargs: None)
+        return self
+
+    def __exit__(self, *exc):
+        for helper in self.skipped:
+            vars(helper).pop("process_weights_after_loading", None)
+        return False
 
 
 def constructed_layouts(module):
@@ -423,11 +503,15 @@ def unbind_made(module, layouts):
     """Takes out of `module` what the building engine's post-processing made (the manifest's
     "made" names, under each of their names), so that the module is what a freshly built one
     is and its post-processing can run again; what it remakes is bound afterwards."""
+    import torch
     made = {n for n, layout in layouts.items() if layout.get("made")}
     for entry in module_tensors(module):
         if entry.arena_name in made:
             owner, leaf = _owner(module, entry.name)
-            if entry.kind == "parameter":
+            if not isinstance(owner, torch.nn.Module):
+                # A helper's: None, as it was made (its post-processing sets it).
+                object.__setattr__(owner, leaf, None)
+            elif entry.kind == "parameter":
                 del owner._parameters[leaf]
             elif entry.kind == "buffer":
                 del owner._buffers[leaf]
@@ -452,8 +536,10 @@ def bind_absent(module, arena, names, layouts, where, make_view=None):
             if layout["kind"] == "parameter" else None
         for full in [name] + list(layout.get("aliases", ())):
             owner, leaf = _owner(module, full)
-            if owner is None or leaf in owner._parameters or leaf in owner._buffers or \
-                    leaf in owner._modules:
+            if owner is None or (isinstance(owner, torch.nn.Module) and (
+                    leaf in owner._parameters or leaf in owner._buffers or
+                    leaf in owner._modules)) or (
+                    not isinstance(owner, torch.nn.Module) and layout["kind"] != "attribute"):
                 raise BindingError(
                     "%s does not match the arena: the arena's %s has no place in the module"
                     % (where, full + " (" + _describe(layout["kind"], layout["dtype"],

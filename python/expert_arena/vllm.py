@@ -54,7 +54,7 @@ from contextlib import contextmanager
 LOAD_FORMAT = "expert_arena"
 
 # Bumped whenever what this loader publishes changes for the same vLLM and settings.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the tensors of attention backends' impl objects (AMX MLA)
 
 _OPTIONS = {
     "arena_dir": "directory of the arena files (tmpfs or hugetlbfs; default /dev/shm)",
@@ -389,6 +389,8 @@ def check_bound(model, views, when, replaced=None):
         view = views.get(arena_name)
         if view is not None and t.data_ptr() == view.data_ptr() and t.shape == view.shape:
             continue
+        if view is not None and view.numel() == 0 and t.numel() == 0:
+            continue  # an emptied weight holds no byte (AMX MLA's kv_b_proj, set again)
         if replaced is not None and view is not None and kind == "buffer" and \
                 t.shape == view.shape and _derived(model, name):
             replaced.add(name)
@@ -418,7 +420,8 @@ def check_in_arena(model, arena):
     start, size = arena.data_range()
     names = set(arena.names())
     moved = [name for name, t, kind, arena_name in _binder.module_tensors(model)
-             if arena_name in names and not start <= t.data_ptr() < start + size and
+             if arena_name in names and t.numel() > 0 and
+             not start <= t.data_ptr() < start + size and
              not (kind == "buffer" and _derived(model, name))]
     if moved:
         raise ReplacedStorageError(
@@ -740,13 +743,16 @@ def _loader_class():
             with _gemm_on_shared_weights():
                 model = loader.load_model(vllm_config=vllm_config, model_config=model_config,
                                           prefix=prefix)
-            # A weight post-processing emptied after deriving state it keeps outside the
-            # module tree (vLLM's AMX MLA packs W_UK and W_UV into its backend object from
-            # kv_b_proj, then releases kv_b_proj): an engine that attaches could derive that
-            # state from nothing. Refused before anything is published.
+            # A weight post-processing emptied after deriving state from it: published when
+            # that state is (vLLM's AMX MLA packs W_UK and W_UV from kv_b_proj into its
+            # backend's impl, published with the model: _binder.module_tensors), else an
+            # engine that attaches could derive it from nothing: refused before anything is
+            # published.
+            derived = _binder.derived_by_helpers(model)
             released = sorted(e.name for e in _binder.module_tensors(model)
                               if e.tensor.numel() == 0 and e.name in constructed and
-                              0 not in constructed[e.name]["shape"])
+                              0 not in constructed[e.name]["shape"] and
+                              e.name.rpartition(".")[0] not in derived)
             if released:
                 raise RuntimeError(
                     "%s: vLLM's post-processing emptied %s after deriving its own state from "
@@ -840,7 +846,7 @@ def _loader_class():
                                                  for a in on_host))
             bound = {id(e.tensor) for e in _binder.module_tensors(model)}
             with set_default_torch_dtype(model_config.dtype), weights_already_processed(), \
-                    _gemm_on_shared_weights():
+                    _gemm_on_shared_weights(), _binder.helpers_made_from_arena(model, layouts):
                 process_weights_after_loading(model, model_config, device)
             engine = _binder.engine_record(arena)
             if engine is not None:

@@ -278,12 +278,14 @@ def test_a_quantized_checkpoint_is_refused_by_name_and_nothing_is_published(host
     assert os.listdir(arena_dir) == []
 
 
-def test_an_mla_backend_that_empties_a_weight_is_refused_by_name(hosts, arena_dir, tmp_path):
+def test_amx_mla_builds_attaches_and_restarts_with_plain_vllm_tokens(hosts, arena_dir, tmp_path):
     """vLLM's AMX MLA backend (taken on CPUs with AMX unless another is asked for) packs W_UK
-    and W_UV from kv_b_proj into its own object, outside the model's modules, then empties
-    kv_b_proj: an engine attaching could derive them from nothing. The building engine refuses
-    it by name before anything is published; the plain engine runs it. (Other tests run
-    DeepSeek on vLLM's reference CPU_MLA backend: vllm_families.ENGINE_ARGS.)"""
+    and W_UV from kv_b_proj into its backend's impl object, outside the model's modules, then
+    empties kv_b_proj. It used to be refused (an engine attaching could derive them from
+    nothing); the impl's packed tensors are now published with the model, and an engine that
+    attaches binds them instead of packing again: a builder, an engine beside it and a restart
+    give plain vLLM's tokens. (Other tests run DeepSeek on vLLM's reference CPU_MLA backend:
+    vllm_families.ENGINE_ARGS.)"""
     import torch
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("this CPU has no AMX: vLLM takes its reference MLA backend")
@@ -293,11 +295,19 @@ def test_an_mla_backend_that_empties_a_weight_is_refused_by_name(hosts, arena_di
     amx = {"attention_backend": None}
     plain = hosts[0].run(model, "auto", arena_dir, dtype="bfloat16", engine=amx)
     assert len(plain["tokens"]) == PROMPT_TOKENS
-    refused = hosts[1].attempt(model, "expert_arena", arena_dir, dtype="bfloat16", engine=amx)
-    assert "post-processing emptied model.layers.0.self_attn.kv_b_proj.weight" in \
-        refused["error"], refused
-    assert "--attention-backend CPU_MLA" in refused["error"], refused
-    assert os.listdir(arena_dir) == []
+    results = engine_procs.run_together(hosts, [model] * 2, "expert_arena", arena_dir,
+                                        dtype="bfloat16", engine=amx)
+    restart = hosts[1].run(model, "expert_arena", arena_dir, dtype="bfloat16", engine=amx)
+    assert sorted(r["role"] for r in results) == ["attached", "loaded"], results
+    assert restart["role"] == "attached", restart
+    for r in results + [restart]:
+        assert r["tokens"] == plain["tokens"], (r, plain)
+        assert all("rotary_emb" in n for n in r["outside"]), r
+        assert r["path"] == restart["path"]
+    with expert_arena.attach(restart["path"]) as arena:
+        packed = sorted(n for n in arena.names() if ".impl._w_u" in n)
+    assert len(packed) == 2 * 2 and all(n.endswith(("._w_uk_packed", "._w_uv_packed"))
+                                        for n in packed), packed  # two layers
 
 
 def _overwrite_tensor_bytes(safetensors_path, fill):

@@ -41,7 +41,9 @@ def inspect(model):
     published = _binder.manifest(arena)
     entries = [e for e in _binder.module_tensors(model)
                if e.kind != "attribute" or e.arena_name in published]
-    outside = [e.name for e in entries if not start <= e.tensor.data_ptr() < start + size]
+    # (An emptied weight, AMX MLA's kv_b_proj, holds no byte anywhere.)
+    outside = [e.name for e in entries
+               if e.tensor.numel() > 0 and not start <= e.tensor.data_ptr() < start + size]
     import torch
     packed = sum(1 for m in model.modules() if getattr(m, "cpu_linear", None)
                  not in (None, torch.nn.functional.linear))

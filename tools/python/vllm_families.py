@@ -262,7 +262,7 @@ def inspect(model):
     published = _binder.manifest(arena)
     outside = [e.name for e in _binder.module_tensors(model)
                if (e.kind != "attribute" or e.arena_name in published) and
-               not start <= e.tensor.data_ptr() < start + size]
+               e.tensor.numel() > 0 and not start <= e.tensor.data_ptr() < start + size]
     return {"role": arena.report["role"], "path": arena.report["path"], "outside": outside,
             "in_arena": not outside}
 
