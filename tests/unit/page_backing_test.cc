@@ -266,70 +266,101 @@ TEST(LateCollapseTest, WrittenPagesEndOnTwoMiBPagesWithTheirBytes) {
   EXPECT_EQ(wrong, 0u);
 }
 
+// The bytes a late-collapse test writes (every 512th, from `seed`), and whether they read back.
+void WriteEvery512th(std::byte* data, uint64_t bytes, int seed) {
+  for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * seed);
+}
+uint64_t FirstWrong512th(const std::byte* data, uint64_t bytes, int seed) {
+  for (uint64_t i = 0; i < bytes; i += 512) {
+    if (data[i] != static_cast<std::byte>(i / 512 * seed)) return i;
+  }
+  return bytes;
+}
+
+// One page of a mapping held by a pipe (vmsplice references it, no copy) until Release or the
+// end: a page the kernel's collapse finds referenced elsewhere, so calls busy.
+class HeldPage {
+ public:
+  explicit HeldPage(std::byte* page) {
+    if (::pipe(fds_) != 0) return;
+    iovec held{page, 4096};
+    ok_ = ::vmsplice(fds_[1], &held, 1, 0) == 4096;
+  }
+  ~HeldPage() { Release(); }
+  bool ok() const { return ok_; }
+  void Release() {
+    if (fds_[0] < 0) return;
+    std::vector<char> drained(4096);
+    const ssize_t got = ::read(fds_[0], drained.data(), drained.size());
+    EXPECT_EQ(got, 4096) << "the held page's bytes from the pipe";
+    ::close(fds_[0]);
+    ::close(fds_[1]);
+    fds_[0] = fds_[1] = -1;
+  }
+
+ private:
+  int fds_[2] = {-1, -1};
+  bool ok_ = false;
+};
+
+// Bytes of [data, data+bytes) on 2 MiB entries once read back in (a page made left the page
+// tables of the mapping that made it).
+uint64_t HugeOnceRead(std::byte* data, uint64_t bytes) {
+  if (!platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test").ok()) return 0;
+  auto huge = platform::HugeBytesInRange(data, bytes);
+  return huge.ok() ? *huge : 0;
+}
+
+// 8 MiB written into 4 KiB pages, for a LateCollapse one of whose pieces is busy.
+class LateCollapseBusyTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kBytes = 8 * kMiB;
+  static constexpr int kSeed = 3;
+  void SetUp() override {
+    if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
+    f_.emplace(64 * kMiB, kBytes);
+    if (!f_->ok()) GTEST_SKIP() << f_->skip_reason();
+    ASSERT_OK(f_->PrepareForLateCollapse());
+    data_ = f_->mapping().data();
+    WriteEvery512th(data_, kBytes, kSeed);
+  }
+  std::optional<PiecesFixture> f_;
+  std::byte* data_ = nullptr;
+};
+
 // A piece the kernel calls busy (a page of it referenced elsewhere: here a pipe holds it, as
 // a page is held for seconds after another engine exits) is tried again later and ends on a
 // 2 MiB page once let go; without the retry it stayed on 4 KiB pages for good.
-TEST(LateCollapseTest, ABusyPieceIsTriedAgain) {
-  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
-  const uint64_t bytes = 8 * kMiB;
-  PiecesFixture f(64 * kMiB, bytes);
-  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
-  ASSERT_OK(f.PrepareForLateCollapse());
-  std::byte* data = f.mapping().data();
-  for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * 3);
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  // vmsplice references the page from the pipe (no copy) until the pipe is read.
-  iovec held{data + 3 * kMiB, 4096};
-  ASSERT_EQ(::vmsplice(pipe_fds[1], &held, 1, 0), 4096) << std::strerror(errno);
-  LateCollapse late(data, bytes, f.path());
+TEST_F(LateCollapseBusyTest, ABusyPieceIsTriedAgain) {
+  HeldPage held(data_ + 3 * kMiB);
+  ASSERT_TRUE(held.ok()) << std::strerror(errno);
+  LateCollapse late(data_, kBytes, f_->path());
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  std::vector<char> drained(4096);
-  EXPECT_EQ(::read(pipe_fds[0], drained.data(), drained.size()), 4096);
-  ::close(pipe_fds[0]);
-  ::close(pipe_fds[1]);
+  held.Release();
   late.Wait();
   EXPECT_OK(late.problem());
-  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test"));
-  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
-  EXPECT_EQ(huge, bytes);
-  for (uint64_t i = 0; i < bytes; i += 512) {
-    ASSERT_EQ(data[i], static_cast<std::byte>(i / 512 * 3)) << "byte " << i;
-  }
+  EXPECT_EQ(HugeOnceRead(data_, kBytes), kBytes);
+  EXPECT_EQ(FirstWrong512th(data_, kBytes, kSeed), kBytes);
 }
 
 // A piece still busy after every retry stays on 4 KiB pages, with its bytes, and is warned of
 // once (the arena's fallback warning, which a late collapse has instead of one at open).
-TEST(LateCollapseTest, APieceBusyToTheEndIsWarnedOf) {
-  if (!platform::Kernel().has(platform::KernelFeature::kCollapse)) GTEST_SKIP() << kNoCollapse;
-  const uint64_t bytes = 8 * kMiB;
-  PiecesFixture f(64 * kMiB, bytes);
-  if (!f.ok()) GTEST_SKIP() << f.skip_reason();
-  ASSERT_OK(f.PrepareForLateCollapse());
-  std::byte* data = f.mapping().data();
-  for (uint64_t i = 0; i < bytes; i += 512) data[i] = static_cast<std::byte>(i / 512 * 5);
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  iovec held{data + 5 * kMiB, 4096};  // held through every pass (about 15 s)
-  ASSERT_EQ(::vmsplice(pipe_fds[1], &held, 1, 0), 4096) << std::strerror(errno);
+TEST_F(LateCollapseBusyTest, APieceBusyToTheEndIsWarnedOf) {
+  HeldPage held(data_ + 5 * kMiB);  // through every pass (about 15 s)
+  ASSERT_TRUE(held.ok()) << std::strerror(errno);
   std::vector<std::string> warnings;
   {
-    LateCollapse late(data, bytes, f.path(),
+    LateCollapse late(data_, kBytes, f_->path(),
                       [&](const std::string& m) { warnings.push_back(m); });
     late.Wait();
     EXPECT_EQ(late.problem().code(), StatusCode::kBusy) << late.problem().ToString();
   }
-  ::close(pipe_fds[0]);
-  ::close(pipe_fds[1]);
+  held.Release();
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("2.0 MiB of 8.0 MiB left on 4 KiB pages"), std::string::npos)
       << warnings[0];
-  ASSERT_OK(platform::AdviseRange(data, bytes, platform::Advice::kPopulateRead, "test"));
-  ASSERT_OK_AND_ASSIGN(uint64_t huge, platform::HugeBytesInRange(data, bytes));
-  EXPECT_EQ(huge, bytes - 2 * kMiB);
-  for (uint64_t i = 0; i < bytes; i += 512) {
-    ASSERT_EQ(data[i], static_cast<std::byte>(i / 512 * 5)) << "byte " << i;
-  }
+  EXPECT_EQ(HugeOnceRead(data_, kBytes), kBytes - 2 * kMiB);
+  EXPECT_EQ(FirstWrong512th(data_, kBytes, kSeed), kBytes);
 }
 
 // Destroyed at once (the engine closed its arena): it stops after the page in the making,
