@@ -23,6 +23,7 @@ not make when it runs on weights that are already processed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 
 MANIFEST = "expert_arena.module"
@@ -45,7 +46,6 @@ def module_tensors(module, skip=()):
     import torch
     out = []
     first = {}
-    helpers = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         head = prefix + "." if prefix else ""
         for table, kind in ((sub._parameters, "parameter"), (sub._buffers, "buffer")):
@@ -59,15 +59,13 @@ def module_tensors(module, skip=()):
             if isinstance(t, torch.Tensor) and leaf not in skip and t.numel() > 0:
                 name = head + leaf
                 out.append(Entry(name, t, "attribute", first.setdefault(id(t), name)))
-            elif _is_helper(t):
-                helpers.append((head + leaf + ".", t))
     # A helper's own tensors, after every module's: what it holds of theirs (the weights it
     # was given) keeps the module's name and is retargeted with it, not published again.
-    for head, helper in helpers:
+    for helper_name, helper in _helpers(module):
         for leaf, t in vars(helper).items():
             if isinstance(t, torch.Tensor) and leaf not in skip and t.numel() > 0 and \
                     id(t) not in first:
-                name = head + leaf
+                name = helper_name + "." + leaf
                 out.append(Entry(name, t, "attribute", first.setdefault(id(t), name)))
     return out
 
@@ -451,27 +449,22 @@ def derived_by_helpers(module):
     return out
 
 
-class helpers_made_from_arena:
-    """While it is entered, a helper whose post-processing made tensors that the arena holds
-    (the manifest's "made" names under `helper name.`) does not run its post-processing: it
-    would derive them again from weights the building engine's emptied (AMX MLA's W_UK and W_UV
-    from kv_b_proj); they are bound from the arena after it. Other helpers run theirs."""
-
-    def __init__(self, module, layouts):
-        made = [n for n, layout in layouts.items() if layout.get("made")]
-        self.skipped = [helper for name, helper in _helpers(module)
-                        if any(n.startswith(name + ".") for n in made)]
-
-    def __enter__(self):
-        for helper in self.skipped:
-            object.__setattr__(helper, "process_weights_after_loading",
-                               lambda *args, **kwargs: None)
-        return self
-
-    def __exit__(self, *exc):
-        for helper in self.skipped:
+@contextlib.contextmanager
+def helpers_made_from_arena(module, layouts):
+    """Inside it, a helper whose post-processing made tensors that the arena holds (the
+    manifest's "made" names under `helper name.`) does not run its post-processing: it would
+    derive them again from weights the building engine's emptied (AMX MLA's W_UK and W_UV from
+    kv_b_proj); they are bound from the arena after it. Other helpers run theirs."""
+    made = [n for n, layout in layouts.items() if layout.get("made")]
+    skipped = [helper for name, helper in _helpers(module)
+               if any(n.startswith(name + ".") for n in made)]
+    for helper in skipped:
+        object.__setattr__(helper, "process_weights_after_loading", lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for helper in skipped:
             vars(helper).pop("process_weights_after_loading", None)
-        return False
 
 
 def constructed_layouts(module):

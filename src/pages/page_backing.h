@@ -196,9 +196,10 @@ class BackgroundPages {
 // 1-2 s/GiB to make, more than the whole copy of the engine's tensors, and an engine does not
 // need them to start: they replace the small pages under every mapping of the file (any
 // process's) as each piece is done. A collapse that fails leaves its piece on 4 KiB pages
-// (the first failure is kept); one the kernel calls busy is tried again, seconds later. Each page made leaves this mapping's page tables (MADV_DONTNEED:
-// the file keeps it; the next read here maps it again), as an engine may read through another
-// mapping of the file: the views' (AlsoMapIn). The mappings must outlive it; the destructor
+// (the first failure is kept); one the kernel calls busy is tried again, seconds later. Each
+// page made leaves this mapping's page tables (MADV_DONTNEED: the file keeps it; the next read
+// here maps it again), as an engine may read through another mapping of the file: the views'
+// (AlsoMapIn). The mappings must outlive it; the destructor
 // stops between pieces and joins (in a process forked meanwhile, where the thread does not
 // exist, it only lets go of it).
 class LateCollapse {
