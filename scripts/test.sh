@@ -37,8 +37,22 @@ cores_busy() {  # since the step started: "B cores busy, N at nice"
     split(a, x, " "); split(b, y, " ");
     printf "%.1f cores busy, %.1f at nice", (y[1] - x[1]) / hz / w, (y[2] - x[2]) / hz / w }'
 }
+hugetlb_used() {  # huge pages of the default size in use (/proc/meminfo: total less free)
+  awk '/^HugePages_Total/ { t = $2 } /^HugePages_Free/ { f = $2 } END { print t - f }' \
+    /proc/meminfo
+}
+hugetlb_before=$(hugetlb_used)
+hugetlb_in_use() {  # says so when a step left huge pages in use (a hugetlbfs mount left behind)
+  local used
+  used=$(hugetlb_used)
+  if ((used > hugetlb_before)); then
+    echo "note: $used huge pages in use after this step; hugetlbfs mounts:" \
+      "$(awk '$3 == "hugetlbfs" { printf "%s ", $2 }' /proc/mounts)"
+  fi
+}
 step() {
   if [[ -n "$step_name" ]]; then
+    hugetlb_in_use
     echo "== $step_name: done in $((SECONDS - step_start)) s (total $SECONDS s; $(cores_busy))"
   fi
   step_name=$1
@@ -64,11 +78,21 @@ stop_job() {  # a background job of this script, if it still runs, and its log: 
   fi
   [[ -z $2 ]] || rm -f "$2"
 }
+nr_hugepages_at_start=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo 0)
 on_exit() {
   local rc=$?
   stop_job "$deps_pid" "$deps_log"
   stop_job "$bg_pid" "$bg_log"
   stop_job "$tsan_pid" "$tsan_log"
+  # A test that died (a sanitizer's abort) ran no destructor: its mount and huge pages go here.
+  local m left=0
+  for m in /tmp/ea-test-mount-*; do
+    if mountpoint -q "$m" 2>/dev/null; then umount -l "$m" && left=1; fi
+    [[ -d $m ]] && rmdir "$m" 2>/dev/null
+  done
+  if ((left)) && [[ -w /proc/sys/vm/nr_hugepages ]]; then
+    echo "$nr_hugepages_at_start" >/proc/sys/vm/nr_hugepages
+  fi
   if ((rc != 0)) && [[ -n "$step_name" ]]; then
     echo "== $step_name: FAILED (exit $rc) after $((SECONDS - step_start)) s (total $SECONDS s)"
   fi

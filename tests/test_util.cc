@@ -341,21 +341,41 @@ ScopedMount::ScopedMount(Kind kind, uint64_t bytes) {
   } else {
     const bool gib = kind == Kind::kHugetlbfs1G;
     const uint64_t page_mib = gib ? 1024 : 2;
-    nr_hugepages_path_ =
-        gib ? "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages" : kNrHugepages;
+    const std::string pool_dir =
+        std::string("/sys/kernel/mm/hugepages/hugepages-") + (gib ? "1048576kB/" : "2048kB/");
+    nr_hugepages_path_ = gib ? pool_dir + "nr_hugepages" : kNrHugepages;
     const char* pool = nr_hugepages_path_.c_str();
     saved_nr_hugepages_ = ReadLong(pool);
-    long pages = static_cast<long>((mib + page_mib - 1) / page_mib);
-    if (saved_nr_hugepages_ < 0 || !WriteLong(pool, saved_nr_hugepages_ + pages)) {
+    const long pages = static_cast<long>((mib + page_mib - 1) / page_mib);
+    // The pool grows until `pages` of it are free and unreserved: growing it first turns
+    // surplus pages that another process still uses (a lazily unmounted hugetlbfs, say) into
+    // persistent ones, which would leave this mount short and a copy-on-write fault SIGBUS.
+    const auto available = [&] {
+      return ReadLong((pool_dir + "free_hugepages").c_str()) -
+             ReadLong((pool_dir + "resv_hugepages").c_str());
+    };
+    long target = saved_nr_hugepages_ + pages;
+    for (int tries = 0; tries < 3 && saved_nr_hugepages_ >= 0; ++tries) {
+      if (!WriteLong(pool, target)) break;
+      const long now = ReadLong(pool);
+      if (now < target) {
+        skip_reason_ = "the kernel gave only " + std::to_string(now - saved_nr_hugepages_) +
+                       " of " + std::to_string(pages) + " huge pages of " +
+                       std::to_string(page_mib) + " MiB (memory fragmented)";
+        return;
+      }
+      const long free = available();
+      if (free >= pages) break;
+      target += pages - free;
+    }
+    if (saved_nr_hugepages_ < 0 || ReadLong(pool) < target) {
       skip_reason_ = std::string("cannot set ") + pool;
-      saved_nr_hugepages_ = -1;
       return;
     }
-    long now = ReadLong(pool);
-    if (now < saved_nr_hugepages_ + pages) {
-      skip_reason_ = "the kernel gave only " + std::to_string(now - saved_nr_hugepages_) + " of " +
-                     std::to_string(pages) + " huge pages of " + std::to_string(page_mib) +
-                     " MiB (memory fragmented)";
+    if (available() < pages) {
+      skip_reason_ = "only " + std::to_string(available()) + " of " + std::to_string(pages) +
+                     " huge pages of " + std::to_string(page_mib) +
+                     " MiB stay free: another process takes them";
       return;
     }
     std::string opts = std::string("pagesize=") + (gib ? "1G" : "2M") + ",mode=0700";
