@@ -506,7 +506,13 @@ Result<std::span<std::byte>> Arena::CopyOnWriteData() const {
     EA_ASSIGN_OR_RETURN(
         impl.copy_on_write,
         platform::Mapping::MapFileCopyOnWrite(impl.fd, impl.mapping.size(), alignment, hugetlbfs));
-    if (!impl.registration || impl.registration->report().registered_bytes == 0) {
+    // While the late collapse makes the 2 MiB pages the views are not populated: that would
+    // map every page there on 4 KiB entries (a million for 4 GiB, most of a second on the
+    // building engine's start), which the collapse replaces piece by piece (AlsoMapIn) and
+    // whose arena-side page tables it drops itself. The first forward maps what it reads.
+    const bool pages_being_made = impl.late_collapse && !impl.late_collapse->done();
+    if (!pages_being_made &&
+        (!impl.registration || impl.registration->report().registered_bytes == 0)) {
       // The views read the arena through the new mapping, populated here as the arena's own
       // was when it opened (the file's pages, uncopied: no fault at the first forward); the
       // arena's own mapping leaves the page tables, or RSS would count every page twice. Its
