@@ -235,8 +235,10 @@ def test_mla_and_gpt_oss_engines_build_and_attach_with_plain_vllm_tokens(kind, c
 # The family matrix's CI subset (tools/python/vllm_families.py runs every MoE family of vLLM's
 # registry; OLMoE and Granite-MoE pass there too): MoE families beyond the ones above and a
 # dense model, each a tiny random checkpoint of transformers' own class.
+# DeepSeek-V3 with FP8 block-quantized attention (its release's layout, weight_scale_inv; vLLM's
+# CPU build has no FP8 MoE kernel: "Unsupported FP8 MoE backend: NONE") on the CPU_MLA backend.
 MATRIX = ["Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM",
-          "Llama4ForCausalLM", "Qwen3ForCausalLM"]
+          "Llama4ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM:fp8-attention"]
 
 
 @pytest.mark.parametrize("arch", MATRIX)
@@ -244,8 +246,8 @@ def test_each_family_builds_attaches_and_restarts_with_plain_vllm_tokens(arch, h
                                                                          tmp_path):
     """A builder and an engine started beside it, then a restart after both ended, give plain
     vLLM's greedy tokens, each on the arena's tensors."""
-    model = vllm_families.tiny_checkpoint(arch, str(tmp_path / arch))
-    dtype = vllm_families.DTYPE.get(arch, "float32")
+    model = str(tmp_path / "model")
+    dtype = vllm_families.make_checkpoint(arch, model)
     plain = hosts[0].run(model, "auto", arena_dir, dtype=dtype)
     results = engine_procs.run_together(hosts, [model] * 2, "expert_arena", arena_dir,
                                         dtype=dtype)
@@ -278,20 +280,29 @@ def test_a_quantized_checkpoint_is_refused_by_name_and_nothing_is_published(host
     assert os.listdir(arena_dir) == []
 
 
-def test_amx_mla_builds_attaches_and_restarts_with_plain_vllm_tokens(hosts, arena_dir, tmp_path):
+@pytest.mark.parametrize("weights", ["bfloat16", "fp8-attention"])
+def test_amx_mla_builds_attaches_and_restarts_with_plain_vllm_tokens(hosts, arena_dir, tmp_path,
+                                                                    weights):
     """vLLM's AMX MLA backend (taken on CPUs with AMX unless another is asked for) packs W_UK
     and W_UV from kv_b_proj into its backend's impl object, outside the model's modules, then
     empties kv_b_proj. It used to be refused (an engine attaching could derive them from
     nothing); the impl's packed tensors are now published with the model, and an engine that
     attaches binds them instead of packing again: a builder, an engine beside it and a restart
     give plain vLLM's tokens. (Other tests run DeepSeek on vLLM's reference CPU_MLA backend:
-    vllm_families.ENGINE_ARGS.)"""
+    vllm_families.ENGINE_ARGS.) With DeepSeek-V3's FP8 block-quantized attention weights
+    (weight_scale_inv; vLLM's CPU build has no FP8 MoE kernel, so the experts stay bfloat16)
+    kv_b_proj is dequantized before packing and the impl also keeps the packing's scale."""
     import torch
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("this CPU has no AMX: vLLM takes its reference MLA backend")
     # AMX MLA packs qk_nope_head_dim as input features (16 is refused) and runs bfloat16 only.
-    model = vllm_families.tiny_checkpoint("DeepseekV3ForCausalLM", str(tmp_path / "ds3"),
-                                          qk_nope_head_dim=64)
+    if weights == "bfloat16":
+        model = vllm_families.tiny_checkpoint("DeepseekV3ForCausalLM", str(tmp_path / "ds3"),
+                                              qk_nope_head_dim=64)
+    else:
+        model = vllm_families.tiny_checkpoint("DeepseekV3ForCausalLM", str(tmp_path / "ds3"),
+                                              **vllm_families.FP8_SIZES)
+        vllm_families.quantize_fp8_attention(model)
     amx = {"attention_backend": None}
     plain = hosts[0].run(model, "auto", arena_dir, dtype="bfloat16", engine=amx)
     assert len(plain["tokens"]) == PROMPT_TOKENS
@@ -306,8 +317,14 @@ def test_amx_mla_builds_attaches_and_restarts_with_plain_vllm_tokens(hosts, aren
         assert r["path"] == restart["path"]
     with expert_arena.attach(restart["path"]) as arena:
         packed = sorted(n for n in arena.names() if ".impl._w_u" in n)
+        fp8 = sorted(n for n in arena.names() if n.endswith(".weight_scale_inv"))
+        scales = [n for n in arena.names() if n.endswith(".impl._w_scale")]
     assert len(packed) == 2 * 2 and all(n.endswith(("._w_uk_packed", "._w_uv_packed"))
                                         for n in packed), packed  # two layers
+    # Per layer: q_a and kv_a fused, q_b, kv_b (emptied, its scale kept), o; and the scale of
+    # the impl's packing of an FP8 kv_b_proj.
+    assert len(fp8) == (0 if weights == "bfloat16" else 2 * 4), fp8
+    assert len(scales) == (0 if weights == "bfloat16" else 2), scales
 
 
 def _overwrite_tensor_bytes(safetensors_path, fill):

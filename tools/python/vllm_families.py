@@ -15,6 +15,9 @@ tokens and prints one table row per family:
     FAILED: WHAT             the loader ran but gave other tokens, or crashed
     vLLM cannot run it here  plain vLLM itself failed (its error)
 
+A family named ARCH:fp8 is that checkpoint quantized as DeepSeek-V3's FP8 release
+(quantize_fp8_block: block-quantized weights with weight_scale_inv).
+
     .venv-vllm/bin/python tools/python/vllm_families.py [--families A,B] [--markdown]
                           [--workdir DIR] [--list]
 
@@ -81,9 +84,9 @@ EXTRA = {
 DTYPE = {"Qwen3NextForCausalLM": "bfloat16"}
 
 # Engine arguments a family gets beyond the defaults: DeepSeek's MLA on vLLM's reference CPU
-# backend on every CPU. Where the CPU has AMX vLLM would take its AMX MLA backend, which runs only
-# bfloat16 and empties kv_b_proj after packing W_UK and W_UV into its own object, so the
-# expert_arena loader refuses it by name (tests/python/test_vllm.py tests that refusal there).
+# backend on every CPU, so that the table is the same on each. Where the CPU has AMX vLLM would
+# take its AMX MLA backend (bfloat16 only; it packs W_UK and W_UV into its impl object and
+# empties kv_b_proj): tests/python/test_vllm.py runs that one there.
 ENGINE_ARGS = {"DeepseekV2ForCausalLM": {"attention_backend": "CPU_MLA"},
                "DeepseekV3ForCausalLM": {"attention_backend": "CPU_MLA"}}
 
@@ -251,6 +254,75 @@ def quantize_w8a8(model_dir, targets=ATTENTION):
         "ignore": ["lm_head"] + ["re:.*%s($|\\.)" % re.escape(m) for m in kept]})
 
 
+# Every linear weight of DeepSeek-V3's layers that its FP8 checkpoint stores in FP8: attention,
+# dense MLP, shared and routed experts; the router (mlp.gate), norms, embeddings and the head
+# stay as they are.
+DEEPSEEK_LINEAR = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+                   "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj",
+                   "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_fp8_block(model_dir, targets=DEEPSEEK_LINEAR, block=128):
+    """Turns a checkpoint made by tiny_checkpoint into one laid out as DeepSeek-V3's own FP8
+    release, in place: each linear weight whose name holds one of `targets` becomes float8_e4m3fn
+    [out, in] with `weight_scale_inv` float32 [ceil(out/block), ceil(in/block)] (the weight is
+    the FP8 values times the scale of their block), and config.json gets `quant_method: fp8`,
+    dynamic activations, `weight_block_size: [block, block]`."""
+    import torch
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def quantize(layer, weight):
+        n, k = weight.shape
+        rows, cols = -(-n // block), -(-k // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[:n, :k] = weight.float()
+        blocks = padded.view(rows, block, cols, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fp8_max
+        values = (blocks / scale[:, None, :, None]).view(rows * block, cols * block)[:n, :k]
+        return {layer + ".weight": values.to(torch.float8_e4m3fn),
+                layer + ".weight_scale_inv": scale.contiguous()}
+
+    def config(kept):
+        out = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+               "weight_block_size": [block, block]}
+        if kept:
+            # vLLM's fp8 names the layers it leaves alone in full (per layer).
+            with open(os.path.join(model_dir, "config.json")) as f:
+                layers = json.load(f)["num_hidden_layers"]
+            out["ignored_layers"] = ["model.layers.%d.%s" % (i, m) for i in range(layers)
+                                     for m in kept]
+        return out
+
+    return _quantize(model_dir, targets, quantize, config)
+
+
+def quantize_fp8_attention(model_dir):
+    """quantize_fp8_block of the attention projections only, the MLPs and experts as they were
+    (vLLM's CPU build has no FP8 MoE kernel)."""
+    return quantize_fp8_block(model_dir, DEEPSEEK_LINEAR[:6])
+
+
+# A family's checkpoint in another form, named ARCH:VARIANT (--families DeepseekV3ForCausalLM:fp8):
+# (sizes beyond TINY, the rewrite, the dtype it runs in). vLLM splits the block scales of a
+# merged layer (gate and up, MLA's q_a and kv_a) at each part's size and dequantizes kv_b_proj
+# by whole blocks, so those sizes are whole blocks.
+FP8_SIZES = dict(q_lora_rank=128, moe_intermediate_size=128, intermediate_size=256,
+                 qk_nope_head_dim=64, v_head_dim=64)
+VARIANTS = {"fp8": (FP8_SIZES, quantize_fp8_block, "bfloat16"),
+            "fp8-attention": (FP8_SIZES, quantize_fp8_attention, "bfloat16")}
+
+
+def make_checkpoint(family, out):
+    """The tiny checkpoint of `family` (ARCH or ARCH:VARIANT) at `out`; returns the dtype it
+    runs in."""
+    arch, _, variant = family.partition(":")
+    sizes, rewrite, dtype = VARIANTS[variant] if variant else ({}, None, None)
+    tiny_checkpoint(arch, out, **sizes)
+    if rewrite:
+        rewrite(out)
+    return dtype or DTYPE.get(arch, "float32")
+
+
 def inspect(model):
     """Runs in the engine's worker (here: its process): where the model's tensors lie. A
     derived buffer the model replaced itself (a rotary cache it converted) is left out."""
@@ -343,10 +415,9 @@ def run_family(arch, workdir, timeout):
     arena_dir = os.path.join(workdir, arch + "-arenas")
     os.makedirs(arena_dir, exist_ok=True)
     try:
-        tiny_checkpoint(arch, model_dir)
+        dtype = make_checkpoint(arch, model_dir)
     except Exception as e:
-        return "not made", "transformers could not make it: %s" % str(e).splitlines()[0][:200]
-    dtype = DTYPE.get(arch, "float32")
+        return "not made", "could not make it: %s" % str(e).splitlines()[0][:200]
     plain = Engine(model_dir, "auto", arena_dir, dtype)
     reference = plain.answer(timeout)
     plain.finish()
