@@ -556,9 +556,12 @@ def shared_module(path, make, load, *, identity, files=(), gpu="none", huge="aut
         _binder.forget_released(built)
         raise
     module = built.pop("module", None)
+    kept = built.get("kept", 1)
     built.clear()
-    # Private tensors to free: the builder's own, or make()'s where it cannot build on meta.
-    held_private = module is not None or int(torch.__version__.split(".")[0]) < 2
+    # Private tensors to free: those of the builder's own that did not move onto the arena's
+    # bytes as they were written, or make()'s where it cannot build on meta. (A full garbage
+    # collection of a large process's heap takes a good part of a second.)
+    held_private = (module is not None and kept > 0) or int(torch.__version__.split(".")[0]) < 2
     if module is None:
         if int(torch.__version__.split(".")[0]) >= 2:
             with torch.device("meta"):
