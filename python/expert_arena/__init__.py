@@ -422,7 +422,7 @@ def open_engine(path, identity, declare, fill, files=(), *, alignment=4096, gpu=
     writes (a number, or a callable asked once declare returned): a memory cgroup's limit is
     then checked against the build's peak rather than the whole arena on top of that memory.
     `huge_after_build` (the default): on tmpfs on 4 KiB pages the tensors are written into
-    4 KiB pages and the arena's 2 MiB pages made after the build, on a thread at idle CPU priority,
+    4 KiB pages and the arena's 2 MiB pages made after the build, on a thread at nice 19,
     instead of before each write: a shorter build where making a 2 MiB page is slow (a VM
     whose host takes free memory back), reads slowed until the thread is done
     (docs/engine-arenas.md); an engine that attaches with it makes the 2 MiB pages the file

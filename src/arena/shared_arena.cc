@@ -652,7 +652,7 @@ Result<std::unique_ptr<Arena::Impl>> Attach(ArenaFile file, FileFindings found,
                                blocks.ok() ? *blocks : 0)
             .ask &&
         CollapseDataLater(*impl, path, /*advise=*/true)) {
-      impl->report.huge_note = "the rest made in the background (MADV_COLLAPSE at idle CPU priority)";
+      impl->report.huge_note = "the rest made in the background (MADV_COLLAPSE at nice 19)";
     }
   }
   return impl;

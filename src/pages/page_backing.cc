@@ -520,7 +520,7 @@ Result<BackedFile> AllocateAndMap(const platform::UniqueFd& fd, uint64_t bytes, 
                                  interleave_nodes == 1 &&
                                  platform::Kernel().has(platform::KernelFeature::kCollapse);
       if (file.collapse_after_fill) {
-        file.huge.note += "; MADV_COLLAPSE after the build, in the background at idle CPU priority (the "
+        file.huge.note += "; MADV_COLLAPSE after the build, in the background at nice 19 (the "
                           "engine writes into 4 KiB pages)";
       }
       file.pages = std::make_unique<BackgroundPages>(
@@ -571,9 +571,7 @@ bool LateCollapse::StoppedWithin(std::chrono::milliseconds wait) {
 }
 
 void LateCollapse::Work() {
-  // SCHED_IDLE: an engine thread waking on this CPU takes it at once (decode runs its threads
-  // in lockstep: one of them kept waiting a slice slows every token).
-  platform::IdleThreadPriority();
+  platform::LowerThreadPriority(19);
   // One 2 MiB page per call: the kernel collapses each on its own anyway, and a destructor
   // (the engine closing the arena, or exiting) waits for one page at most.
   constexpr uint64_t kPiece = kHugePageBytes;

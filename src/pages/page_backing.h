@@ -190,9 +190,9 @@ class BackgroundPages {
 };
 
 // Collapses a mapping of a shared file whose pages are all made (and written) to 2 MiB pages
-// on one background thread at idle CPU priority (SCHED_IDLE, else nice 19), 2 MiB at a time
-// front to back: the 2 MiB pages of an engine-made arena on 4 KiB tmpfs, made after its build
-// instead of before each write. On a VM whose free memory the host took back a 2 MiB page costs
+// on one background thread at the lowest CPU priority (nice 19), 2 MiB at a time front to
+// back: the 2 MiB pages of an engine-made arena on 4 KiB tmpfs, made after its build instead
+// of before each write. On a VM whose free memory the host took back a 2 MiB page costs
 // 1-2 s/GiB to make, more than the whole copy of the engine's tensors, and an engine does not
 // need them to start: they replace the small pages under every mapping of the file (any
 // process's) as each piece is done. A collapse that fails leaves its piece on 4 KiB pages

@@ -1,6 +1,5 @@
 #include "platform/system_info.h"
 
-#include <sched.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -213,13 +212,6 @@ pid_t CurrentPid() { return ::getpid(); }
 void LowerThreadPriority(int nice) {
   const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
   (void)::setpriority(PRIO_PROCESS, tid, nice);
-}
-
-bool IdleThreadPriority() {
-  const struct sched_param param {};
-  if (::sched_setscheduler(0, SCHED_IDLE, &param) == 0) return true;
-  LowerThreadPriority(19);
-  return false;
 }
 
 std::string HugetlbPoolName(uint64_t page_bytes) {

@@ -70,11 +70,6 @@ pid_t CurrentPid();
 // Lowers the calling thread's CPU priority to `nice` (setpriority on its thread id): for work
 // that may wait behind everything else. Best effort.
 void LowerThreadPriority(int nice);
-// Puts the calling thread in SCHED_IDLE: it runs only on a CPU nothing else wants, and any
-// other thread waking there takes the CPU at once (nice 19 still gets a slice and delays a
-// waking thread by up to one). For work that must not slow an engine's own threads. False
-// where the kernel refuses it (a seccomp filter, say): then nice 19.
-bool IdleThreadPriority();
 
 // The hugetlb pool for 2 MiB pages (/sys/kernel/mm/hugepages/hugepages-2048kB).
 struct HugetlbPool {

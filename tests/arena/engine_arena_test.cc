@@ -510,7 +510,7 @@ EngineArenaSpec LateSpec(const std::string& identity, uint8_t seed, Counted* cou
 }
 
 // With huge_after_build, on 4 KiB tmpfs an engine-made arena's 2 MiB pages come after its
-// build, on a thread of its own at idle priority (the fill waits for no 2 MiB page): once made they
+// build, on a thread of its own at nice 19 (the fill waits for no 2 MiB page): once made they
 // are under the engine's read-only mapping, with the bytes it wrote.
 TEST(EngineArenaPagesTest, TwoMiBPagesComeAfterTheBuild) {
   ScopedArenaDir dir("engine-late-collapse");

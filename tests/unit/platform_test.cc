@@ -1,6 +1,5 @@
 // The platform layer: OFD lock semantics, aligned mappings, the proc readers, the
 // non-temporal copy and the cache size; and the escaping of peer-chosen bytes in messages.
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -151,20 +150,6 @@ TEST(SystemInfoTest, DevShmIsTmpfs) {
 
 // A hugetlbfs mounted without size= has no limit of its own (statfs says 0 blocks): its pool
 // is the limit, and that is what its size and free bytes say.
-// The late collapse's thread: SCHED_IDLE for that thread only (the process's others keep
-// their policy), which an unprivileged thread may always ask for.
-TEST(SystemInfoTest, IdleThreadPriorityIsThatThreadsOnly) {
-  int policy = -1;
-  bool idle = false;
-  std::thread([&] {
-    idle = platform::IdleThreadPriority();
-    policy = sched_getscheduler(0);
-  }).join();
-  ASSERT_TRUE(idle);
-  EXPECT_EQ(policy, SCHED_IDLE);
-  EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);
-}
-
 TEST(SystemInfoTest, HugetlbfsWithoutSizeIsSizedByItsPool) {
   {
     // One mounted with size= keeps its own limit. (One ScopedMount at a time: each holds the
