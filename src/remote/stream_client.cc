@@ -1,9 +1,9 @@
 // A consumer's connection to a producer's stream server (stream_remote.h, docs/cross-host.md).
 // One UCX worker per connection, progressed only inside the calls below (under `mu`): an open
 // (or a batch of them, all requests in flight at once) sends the descriptor, then receives the
-// bytes straight into the caller's buffer (eager: a
-// copy in the callback; rendezvous: ucp_am_recv_data_nbx into it), checks their xxh3, and waits
-// for the producer's "done". Every wait is bounded by the timeout, and the endpoint's peer
+// bytes straight into the caller's buffer (eager: a copy in the callback; rendezvous:
+// ucp_am_recv_data_nbx into it; a block over 4 MiB in chunks, each at its offset), checks their
+// xxh3 (each chunk's as it lands), and waits for the producer's "done". Every wait is bounded by the timeout, and the endpoint's peer
 // error handling (with UCX keepalive) ends it sooner when the producer dies or vanishes; a
 // failed transfer closes the endpoint before the buffer is handed back, so nothing lands in it
 // afterwards.
@@ -55,6 +55,19 @@ struct Fetching {
   bool done = false;
   StreamDone done_msg{};
   std::string done_text;
+  // Sent in chunks (kStreamChunkId): each received, hashed and checked on its own.
+  struct Chunk {
+    bool seen = false;
+    void* rndv = nullptr;
+    ucs_status_ptr_t receive = nullptr;
+    bool landed = false;
+    uint64_t xxh3 = 0;
+  };
+  bool chunks_asked = false;
+  std::vector<Chunk> chunks;
+  StreamChunk first_chunk{};  // the chunk size and hold every later chunk must have
+  size_t chunks_landed = 0;
+  bool chunk_damaged = false;  // a chunk's bytes did not match its xxh3
 };
 
 class Peer final : public StreamPeer {
@@ -104,6 +117,9 @@ class Peer final : public StreamPeer {
     for (auto& [id, f] : fetching_) {
       if (f->receive != nullptr && !UCS_PTR_IS_ERR(f->receive))
         ucp_request_cancel(ucx_->worker(), f->receive);
+      for (Fetching::Chunk& c : f->chunks)
+        if (c.receive != nullptr && !UCS_PTR_IS_ERR(c.receive))
+          ucp_request_cancel(ucx_->worker(), c.receive);
     }
     CloseEndpoint(*ucx_, ep_, true, Clock::now() + std::chrono::seconds(2));
     ep_ = nullptr;
@@ -116,10 +132,25 @@ class Peer final : public StreamPeer {
       f->receive = nullptr;
       if (f->rndv != nullptr) ucp_am_data_release(ucx_->worker(), f->rndv);
       f->rndv = nullptr;
+      for (Fetching::Chunk& c : f->chunks) {
+        if (c.receive != nullptr && !UCS_PTR_IS_ERR(c.receive)) {
+          for (int i = 0; i < 200 && ucp_request_check_status(c.receive) == UCS_INPROGRESS; ++i)
+            ucx_->Progress(1);
+          ucp_request_free(c.receive);
+        }
+        c.receive = nullptr;
+        if (c.rndv != nullptr) ucp_am_data_release(ucx_->worker(), c.rndv);
+        c.rndv = nullptr;
+      }
     }
     if (!failed_) failure_ = UCS_ERR_CANCELED;
     failed_ = true;
   }
+
+  ucs_status_t OnChunk(const StreamChunk& h, void* data, size_t length, bool rndv);
+  // Starts the receive of `f`'s chunks that arrived by rendezvous and checks those that landed:
+  // false when a receive failed.
+  bool TendChunks(Fetching& f, bool* busy);
 
   Fetching* FindFetching(uint64_t request) {
     auto it = fetching_.find(request);
@@ -251,6 +282,17 @@ Status Peer::Connect(const StreamPeerOptions& options) {
                     return UCS_OK;
                   }));
 
+  EA_RETURN_IF_ERROR(
+      set_handler(kStreamChunkId,
+                  [](void* arg, const void* header, size_t header_length, void* data, size_t length,
+                     const ucp_am_recv_param_t* param) -> ucs_status_t {
+                    if (header_length != sizeof(StreamChunk)) return UCS_OK;
+                    StreamChunk h{};
+                    std::memcpy(&h, header, sizeof h);
+                    return static_cast<Peer*>(arg)->OnChunk(
+                        h, data, length, (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+                  }));
+
   // The front door first (plain TCP, bounded): the token is proved, never sent, and only then
   // are UCX worker addresses exchanged. A silent producer fails here, before UCX has anything
   // pending.
@@ -318,6 +360,92 @@ Result<uint64_t> Peer::Fetch(std::string_view descriptor, uint64_t instance_id,
   return std::move(FetchMany(one, instance_id, where)[0]);
 }
 
+// A chunk of an open that asked for them, checked against the block it is part of: a chunk
+// that does not fit the block (another length, an offset off the grid, another chunk size or
+// hold than the chunks before it, a chunk sent twice) refuses the open by name, and the
+// connection is not trusted further.
+ucs_status_t Peer::OnChunk(const StreamChunk& h, void* data, size_t length, bool rndv) {
+  Fetching* f = FindFetching(h.request);
+  if (f == nullptr || !f->refusal.empty()) return UCS_OK;
+  const uint64_t total = f->into.size();
+  auto n = [](uint64_t v) { return std::to_string(v); };
+  std::string wrong;
+  if (!f->chunks_asked || (f->header && f->chunks.empty())) {
+    wrong = "the producer sent a chunk for an open that did not ask for chunks or was answered";
+  } else if (h.total != total) {
+    wrong = "the producer sent a chunk of a block of " + n(h.total) + " bytes for a block of " +
+            n(total);
+  } else if (!ChunkFits(h, total, f->chunks.empty() ? nullptr : &f->first_chunk)) {
+    wrong = "the producer sent a chunk of " + n(h.length) + " bytes at offset " + n(h.offset) +
+            " (chunks of " + n(h.chunk_bytes) + ") that does not fit a block of " + n(total);
+  } else if (length != h.length) {
+    wrong = "the producer sent " + n(length) + " bytes (its header says " + n(h.length) +
+            ") for the chunk at offset " + n(h.offset) + " of a block of " + n(total);
+  }
+  if (wrong.empty() && f->chunks.empty()) {
+    f->header = true;
+    f->data = StreamData{h.request, static_cast<uint32_t>(StreamStatus::kOk), 0, h.hold, total, 0};
+    f->first_chunk = h;
+    f->chunks.resize((total + h.chunk_bytes - 1) / h.chunk_bytes);
+  }
+  Fetching::Chunk* c = wrong.empty() ? &f->chunks[h.offset / h.chunk_bytes] : nullptr;
+  if (c != nullptr && c->seen) {
+    wrong = "the producer sent the chunk at offset " + n(h.offset) + " of a block of " +
+            n(total) + " twice";
+  }
+  if (!wrong.empty()) {
+    f->header = true;
+    f->data.status = static_cast<uint32_t>(StreamStatus::kOk);  // with a refusal: malformed
+    f->refusal = wrong;
+    return UCS_OK;
+  }
+  c->seen = true;
+  c->xxh3 = h.xxh3;
+  if (rndv) {
+    c->rndv = data;
+    return UCS_INPROGRESS;  // received in TendChunks with ucp_am_recv_data_nbx
+  }
+  std::memcpy(f->into.data() + h.offset, data, length);
+  c->landed = true;
+  if (FastXxh3(f->into.data() + h.offset, length) != h.xxh3) f->chunk_damaged = true;
+  if (++f->chunks_landed == f->chunks.size()) f->landed = true;
+  return UCS_OK;
+}
+
+bool Peer::TendChunks(Fetching& f, bool* busy) {
+  for (size_t i = 0; i < f.chunks.size(); ++i) {
+    Fetching::Chunk& c = f.chunks[i];
+    const uint64_t offset = i * f.first_chunk.chunk_bytes;
+    const uint64_t length = std::min<uint64_t>(f.first_chunk.chunk_bytes, f.into.size() - offset);
+    if (c.rndv != nullptr && c.receive == nullptr) {
+      ucp_request_param_t param{};
+      void* desc = c.rndv;
+      c.rndv = nullptr;
+      c.receive =
+          ucp_am_recv_data_nbx(ucx_->worker(), desc, f.into.data() + offset, length, &param);
+      if (UCS_PTR_IS_ERR(c.receive)) {
+        c.receive = nullptr;
+        return false;
+      }
+      if (c.receive == nullptr) c.landed = true;
+    } else if (c.receive != nullptr) {
+      *busy = true;
+      ucs_status_t s = ucp_request_check_status(c.receive);
+      if (s == UCS_INPROGRESS) continue;
+      ucp_request_free(c.receive);
+      c.receive = nullptr;
+      if (s != UCS_OK) return false;
+      c.landed = true;
+    } else {
+      continue;
+    }
+    if (!c.landed) continue;
+    if (FastXxh3(f.into.data() + offset, length) != c.xxh3) f.chunk_damaged = true;
+    if (++f.chunks_landed == f.chunks.size()) f.landed = true;
+  }
+  return true;
+}
+
 std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> descriptors,
                                               uint64_t instance_id,
                                               std::span<const std::span<std::byte>> into) {
@@ -364,7 +492,9 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
       counts.push_back(0);
       if (batches) msgs.back().resize(sizeof(StreamOpenMany));  // its head, written below
     }
-    StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()), 0};
+    fs[i].chunks_asked = (features_ & kStreamFeatureChunks) != 0;
+    StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()),
+                    fs[i].chunks_asked ? kStreamOpenChunks : 0};
     append(msgs.back(), &open, sizeof open);
     append(msgs.back(), descriptors[i].data(), descriptors[i].size());
     ++counts.back();
@@ -404,6 +534,10 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
     bool busy = false;
     bool all_finished = true;
     for (Fetching& f : fs) {
+      if (!f.chunks.empty() && f.refusal.empty() && !TendChunks(f, &busy)) {
+        Abandon();
+        return all(Gone("mid-transfer"));
+      }
       if (f.rndv != nullptr && f.receive == nullptr) {
         ucp_request_param_t param{};
         void* desc = f.rndv;
@@ -467,7 +601,11 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
       out.emplace_back(Busy("stream producer at " + peer + " refused the open: " + f.done_text));
       continue;
     }
-    if ((f.hashed ? f.hash : FastXxh3(f.into.data(), f.into.size())) != f.data.xxh3) {
+    const bool damaged =
+        f.chunks.empty()
+            ? (f.hashed ? f.hash : FastXxh3(f.into.data(), f.into.size())) != f.data.xxh3
+            : f.chunk_damaged;
+    if (damaged) {
       // Give the hold back unspent: the bytes were damaged on the way, not read.
       StreamRelease r{f.data.hold, 0, 0};
       ucp_request_param_t param{};

@@ -18,9 +18,15 @@
 //   producer -> consumer  kStreamDoneManyId: StreamDoneMany (kOk for the records' requests that
 //                         were served; a batch with a key aborted mid-transfer gets one
 //                         StreamDone per request instead, as single opens do)
+// A producer whose welcome carries kStreamFeatureChunks sends a block of more than
+// kStreamChunkBytes to an open that asked for it (StreamOpen::flags kStreamOpenChunks) as
+// chunks, each hashed on its own, so that hashing, sending, receiving and checking overlap
+// instead of taking turns (a refusal is still one kStreamDataId message; "done" as before):
+//   producer -> consumer  kStreamChunkId: header StreamChunk, data = the chunk's bytes
 // Fixed-size little-endian structs; every length is checked against the message's size.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -41,7 +47,14 @@ inline constexpr uint32_t kStreamDoneId = 0x4555;
 inline constexpr uint32_t kStreamReleaseId = 0x4556;
 inline constexpr uint32_t kStreamOpenManyId = 0x4557;
 inline constexpr uint32_t kStreamDoneManyId = 0x4558;
+inline constexpr uint32_t kStreamChunkId = 0x4559;
 inline constexpr uint32_t kStreamFeatureOpenMany = 1u << 0;
+inline constexpr uint32_t kStreamFeatureChunks = 1u << 1;
+inline constexpr uint32_t kStreamOpenChunks = 1u << 0;  // StreamOpen::flags
+// The producer's chunk size. A consumer takes any chunk size from kStreamMinChunkBytes to the
+// block's length, the same for every chunk of a block.
+inline constexpr uint64_t kStreamChunkBytes = 4u << 20;
+inline constexpr uint64_t kStreamMinChunkBytes = 64u << 10;
 // A batch message stays well under UCX's eager limits (the server takes no rendezvous open).
 inline constexpr uint32_t kStreamMaxOpenManyBytes = 16u << 10;
 // A block up to this size is sent eager (UCP_AM_SEND_FLAG_EAGER), whatever UCX's threshold.
@@ -70,7 +83,7 @@ struct StreamOpen {
   uint64_t request;
   uint64_t instance_id;  // the descriptor's producer instance
   uint32_t descriptor_bytes;
-  uint32_t reserved;
+  uint32_t flags;  // kStreamOpen*; 0 from consumers before kStreamFeatureChunks
 };
 
 struct StreamData {
@@ -92,6 +105,18 @@ struct StreamRelease {
   uint64_t hold;
   uint32_t spend;  // 1: a release (the share is spent); 0: given back unread
   uint32_t reserved;
+};
+
+// Chunk `offset / chunk_bytes` of a block of `total` bytes: `length` bytes at `offset`, where
+// offset is a multiple of chunk_bytes and length is min(chunk_bytes, total - offset).
+struct StreamChunk {
+  uint64_t request;
+  uint64_t hold;  // the producer's id of this consumer's hold, the same in every chunk
+  uint64_t total;
+  uint64_t offset;
+  uint64_t length;
+  uint64_t chunk_bytes;
+  uint64_t xxh3;  // of this chunk's bytes
 };
 
 struct StreamOpenMany {
@@ -137,10 +162,22 @@ inline bool ParseOpenMany(std::span<const std::byte> message, std::vector<Stream
   return at == message.size();
 }
 
+// Whether chunk `h` fits a block of `total` bytes, given the first chunk that arrived for it
+// (null for the first): its own total, a chunk size from kStreamMinChunkBytes to total, an
+// offset on that grid inside the block, the length the grid gives it, and the first chunk's
+// size and hold. Which chunk it is, h.offset / h.chunk_bytes, is for the caller to find unseen.
+inline bool ChunkFits(const StreamChunk& h, uint64_t total, const StreamChunk* first) {
+  return h.total == total && h.chunk_bytes >= kStreamMinChunkBytes && h.chunk_bytes <= total &&
+         h.offset < total && h.offset % h.chunk_bytes == 0 &&
+         h.length == std::min(h.chunk_bytes, total - h.offset) &&
+         (first == nullptr || (h.chunk_bytes == first->chunk_bytes && h.hold == first->hold));
+}
+
 static_assert(sizeof(StreamHello) == 32 && sizeof(StreamWelcome) == 24);
 static_assert(sizeof(StreamOpen) == 24 && sizeof(StreamData) == 40);
 static_assert(sizeof(StreamDone) == 16 && sizeof(StreamRelease) == 16);
 static_assert(sizeof(StreamOpenMany) == 8 && sizeof(StreamDoneMany) == 16);
+static_assert(sizeof(StreamChunk) == 56 && std::is_trivially_copyable_v<StreamChunk>);
 static_assert(std::is_trivially_copyable_v<StreamData>);
 
 }  // namespace expert_arena::remote

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <span>
 #include <sstream>
 #include <map>
@@ -295,10 +296,13 @@ TEST_P(OpenManyTest, FetchesABatchBitExact) {
   ASSERT_TRUE(consumer.ok());
   // The consumer connects at its first remote open.
   if (older == Older::kConsumer) setenv("EXPERT_ARENA_TEST_STREAM_NO_FEATURES", "1", 1);
-  // Eager and rendezvous sizes in one batch, and more descriptors than one message holds.
+  // Eager and rendezvous sizes in one batch, and more descriptors than one message holds; and
+  // one block over kStreamChunkBytes, which goes in chunks (the last one short) where both
+  // sides take them.
   std::vector<size_t> sizes(100, 64 << 10);
   sizes.push_back(300 << 10);
   sizes.push_back(4 << 20);
+  sizes.push_back((9 << 20) + 3);
   std::vector<std::vector<std::byte>> tensors;
   std::vector<std::string> descs = PutEach(*producer, "batch", sizes, &tensors);
   ASSERT_EQ(descs.size(), sizes.size());
@@ -328,17 +332,27 @@ INSTANTIATE_TEST_SUITE_P(Versions, OpenManyTest,
 
 TEST_F(StreamLoopbackTest, AProducerLyingAboutItsBytesIsRefusedByName) {
   // The server made hostile by a test hook (read when the producer starts), at an eager and a
-  // rendezvous size: each lie is refused by name and nothing is handed over. A damaged block's
-  // hold is given back at once; after a lie about its length the consumer drops the
-  // connection, and the producer ends the hold once the consumer is gone.
-  for (const size_t size : {size_t{1000}, size_t{6} << 20}) {
+  // rendezvous size and one sent in chunks (4 + 4 + 2 MiB): each lie is refused by name and
+  // nothing is handed over. A damaged block's hold is given back at once; after a lie about
+  // its length (or a chunk that does not fit) the consumer drops the connection, and the
+  // producer ends the hold once the consumer is gone.
+  for (const size_t size : {size_t{1000}, size_t{3} << 20, size_t{10} << 20}) {
     const std::string n = std::to_string(size);
+    const bool chunked = size > (4u << 20);
     const std::string of = ") for a block of " + n;
-    const std::vector<std::pair<std::string, std::string>> lies = {
+    std::vector<std::pair<std::string, std::string>> lies = {
         {"xxh3", "the " + n + " bytes received do not match the producer's xxh3 (damaged in transit)"},
         {"short", "the producer sent " + std::to_string(size - 1) + " bytes (its header says " + n + of},
         {"long", "the producer sent " + n + " bytes (its header says " + std::to_string(size + 1) + of},
     };
+    if (chunked) {
+      lies[1].second = "the producer sent 2097151 bytes (its header says 2097152) for the chunk "
+                       "at offset 8388608 of a block of " + n;
+      lies[2].second = "the producer sent a chunk of a block of " + std::to_string(size + 1) +
+                       " bytes for a block of " + n;
+      lies.emplace_back("twice", "the producer sent the chunk at offset 0 of a block of " + n +
+                                     " twice");
+    }
     for (const auto& [lie, said] : lies) {
       setenv("EXPERT_ARENA_TEST_STREAM_DAMAGE", lie.c_str(), 1);
       auto producer = StreamProducer::Create(Producer());
@@ -981,6 +995,36 @@ TEST_F(StreamLoopbackTest, ListenIsOffByDefaultAndNeedsAnAddress) {
 
 // A consumer's batch of opens as the server parses it: well-formed, and every malformation a
 // hostile consumer can send dropped whole (no record of it served, nothing read past the end).
+TEST(StreamWireTest, AChunkFitsItsBlockOnlyOnTheGrid) {
+  using remote::ChunkFits;
+  using remote::StreamChunk;
+  constexpr uint64_t kTotal = (10u << 20) + 5;  // chunks of 4 MiB: 4, 4 and 2 MiB + 5
+  constexpr uint64_t kC = 4u << 20;
+  const StreamChunk first{1, 9, kTotal, 0, kC, kC, 0};
+  EXPECT_TRUE(ChunkFits(first, kTotal, nullptr));
+  EXPECT_TRUE(ChunkFits({1, 9, kTotal, kC, kC, kC, 0}, kTotal, &first));
+  EXPECT_TRUE(ChunkFits({1, 9, kTotal, 2 * kC, kTotal - 2 * kC, kC, 0}, kTotal, &first));
+  EXPECT_TRUE(ChunkFits({1, 9, 1u << 20, 0, 1u << 20, 1u << 20, 0}, 1u << 20, nullptr))
+      << "one chunk of the whole block";
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  const std::vector<std::pair<const char*, StreamChunk>> bad = {
+      {"another block's total", {1, 9, kTotal + 1, 0, kC, kC, 0}},
+      {"a chunk size of 0 (no division by it)", {1, 9, kTotal, 0, kC, 0, 0}},
+      {"a chunk size under the minimum", {1, 9, kTotal, 0, 4096, 4096, 0}},
+      {"a chunk size over the block", {1, 9, kTotal, 0, kTotal, kTotal + 1, 0}},
+      {"an offset off the grid", {1, 9, kTotal, 1, kC, kC, 0}},
+      {"an offset past the block", {1, 9, kTotal, 3 * kC, 1, kC, 0}},
+      {"an offset that wraps", {1, 9, kTotal, max - kC + 1, kC, kC, 0}},
+      {"a length short of the grid", {1, 9, kTotal, kC, kC - 1, kC, 0}},
+      {"a length past the block", {1, 9, kTotal, 2 * kC, kC, kC, 0}},
+      {"a length that wraps", {1, 9, kTotal, kC, max, kC, 0}},
+  };
+  for (const auto& [why, h] : bad) EXPECT_FALSE(ChunkFits(h, kTotal, nullptr)) << why;
+  EXPECT_FALSE(ChunkFits({1, 10, kTotal, kC, kC, kC, 0}, kTotal, &first)) << "another hold";
+  EXPECT_FALSE(ChunkFits({1, 9, kTotal, 2 * (1u << 20), 1u << 20, 1u << 20, 0}, kTotal, &first))
+      << "another chunk size than the first chunk's";
+}
+
 TEST(StreamWireTest, OpenManyMessagesParseOnlyWhenWellFormed) {
   using remote::StreamOpen;
   using remote::StreamOpenRecord;
