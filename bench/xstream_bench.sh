@@ -6,17 +6,19 @@
 # root. Holds the machine-wide benchmark lock.
 #
 #   bench/xstream_bench.sh [--rounds N (20)] [--runs R (5)] [--build-dir build]
-#                          [--against OTHER --pairs P (6)]
+#                          [--against OTHER --pairs P (6)] [--only I]
 #
 # --against OTHER: a build of another revision (its build folder) run in turns with --build-dir,
 # P times each, in the same namespaces, before ucx_perftest; printed: each build's median over
-# its runs of every part of the round, and this build's over the other's.
+# its runs of every part of the round, and this build's over the other's. --only I: that shape
+# alone (0: 32 x 64 KiB, 1: 4 x 2 MiB, 2: 1 x 64 MiB), for a comparison of one shape.
 set -eu
 rounds=20
 build=build
 against=
 pairs=6
 runs=5
+only=-1
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) rounds=$2; shift 2 ;;
@@ -24,6 +26,7 @@ while [ $# -gt 0 ]; do
     --against) against=$2; shift 2 ;;
     --pairs) pairs=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
+    --only) only=$2; shift 2 ;;
     *) echo "xstream_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -80,7 +83,7 @@ mkfifo "$run/descs" "$run/acks"
 rounds_of() {  # the xstream_bench binary -> its JSON lines
   on b "$1" consume --fifo "$run" &
   pids="$pids $!"
-  on a "$1" produce --listen 10.213.251.1:0 --fifo "$run" --rounds "$rounds"
+  on a "$1" produce --listen 10.213.251.1:0 --fifo "$run" --rounds "$rounds" --only "$only"
   wait
   pids=
 }
