@@ -148,6 +148,9 @@ class EngineHost:
     def result(self, timeout=240):
         result = answer(self.p, timeout)
         if "error" in result:
+            # serve() exits after a failed engine: waited for, so that the next request starts
+            # a new process instead of going into this one while it exits (and being lost).
+            self.p.wait(timeout=120)
             raise AssertionError("the engine failed: %s\n%s" % (result["error"], log(self.p)))
         return result
 
