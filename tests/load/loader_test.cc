@@ -280,8 +280,16 @@ TEST_P(LoaderReadersTest, PartlyCachedFileMixesHotCopiesAndReads) {
         ASSERT_OK(platform::ReadFull(fd, at, {buffer.data(), bytes}));
       }
       if (cached.ok()) {
-        ASSERT_OK_AND_ASSIGN(uint64_t now, platform::CachedPages(fd, 0, 2 * kMiB));
-        EXPECT_EQ(now, 2 * kMiB / platform::BasePageSize());
+        // The first 2 MiB in the cache, read again where the kernel let a page of it go
+        // (510 of 512 resident once, in CI).
+        const uint64_t want = 2 * kMiB / platform::BasePageSize();
+        uint64_t now = 0;
+        for (int attempt = 0; attempt < 5; ++attempt) {
+          ASSERT_OK_AND_ASSIGN(now, platform::CachedPages(fd, 0, 2 * kMiB));
+          if (now == want) break;
+          ASSERT_OK(platform::ReadFull(fd, 0, {buffer.data(), std::min<uint64_t>(2 * kMiB, size)}));
+        }
+        EXPECT_EQ(now, want);
       }
     }
     LoadRequest request;
