@@ -135,8 +135,8 @@ jobs=${EXPERT_ARENA_JOBS:-2}
 # The ThreadSanitizer build's tests: the stream producer (grow-ahead thread, copy threads,
 # concurrent aborts), the loader's reader threads, the background 2 MiB page makers, and the
 # arena protocol's engines (children are the same instrumented binary), the cross-host stream
-# server and client (their UCX progress and serving threads; the network process), plus the CLI
-# and network process that their tests drive.
+# server and client (their serving and UCX progress threads), plus the CLI and the network
+# process that their tests drive.
 tsan_tests=(stream_unit_test stream_process_test stream_sweep_test loader_test arena_protocol_test host_device_test
             page_backing_test arena_backing_test stream_remote_test)
 

@@ -3,10 +3,10 @@
 // (or a batch of them, all requests in flight at once) sends the descriptor, then receives the
 // bytes straight into the caller's buffer (eager: a copy in the callback; rendezvous:
 // ucp_am_recv_data_nbx into it; a block over 4 MiB in chunks, each at its offset), checks their
-// xxh3 (each chunk's as it lands), and waits for the producer's "done". Every wait is bounded by the timeout, and the endpoint's peer
-// error handling (with UCX keepalive) ends it sooner when the producer dies or vanishes; a
-// failed transfer closes the endpoint before the buffer is handed back, so nothing lands in it
-// afterwards.
+// xxh3 (each chunk's as it lands), and waits for the producer's "done". Every wait is bounded
+// by the timeout, and the endpoint's peer error handling (with UCX keepalive) ends it sooner
+// when the producer dies or vanishes; a failed transfer closes the endpoint before the buffer
+// is handed back, so nothing lands in it afterwards.
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -60,10 +60,8 @@ struct Fetching {
     bool seen = false;
     void* rndv = nullptr;
     ucs_status_ptr_t receive = nullptr;
-    bool landed = false;
     uint64_t xxh3 = 0;
   };
-  bool chunks_asked = false;
   std::vector<Chunk> chunks;
   StreamChunk first_chunk{};  // the chunk size and hold every later chunk must have
   size_t chunks_landed = 0;
@@ -151,6 +149,8 @@ class Peer final : public StreamPeer {
   // Starts the receive of `f`'s chunks that arrived by rendezvous and checks those that landed:
   // false when a receive failed.
   bool TendChunks(Fetching& f, bool* busy);
+  // Chunk i of `f` is in its memory: checked against its xxh3 (while the bytes are hot).
+  void ChunkLanded(Fetching& f, size_t i);
 
   Fetching* FindFetching(uint64_t request) {
     auto it = fetching_.find(request);
@@ -370,7 +370,7 @@ ucs_status_t Peer::OnChunk(const StreamChunk& h, void* data, size_t length, bool
   const uint64_t total = f->into.size();
   auto n = [](uint64_t v) { return std::to_string(v); };
   std::string wrong;
-  if (!f->chunks_asked || (f->header && f->chunks.empty())) {
+  if ((features_ & kStreamFeatureChunks) == 0 || (f->header && f->chunks.empty())) {
     wrong = "the producer sent a chunk for an open that did not ask for chunks or was answered";
   } else if (h.total != total) {
     wrong = "the producer sent a chunk of a block of " + n(h.total) + " bytes for a block of " +
@@ -406,28 +406,37 @@ ucs_status_t Peer::OnChunk(const StreamChunk& h, void* data, size_t length, bool
     return UCS_INPROGRESS;  // received in TendChunks with ucp_am_recv_data_nbx
   }
   std::memcpy(f->into.data() + h.offset, data, length);
-  c->landed = true;
-  if (FastXxh3(f->into.data() + h.offset, length) != h.xxh3) f->chunk_damaged = true;
-  if (++f->chunks_landed == f->chunks.size()) f->landed = true;
+  ChunkLanded(*f, h.offset / h.chunk_bytes);
   return UCS_OK;
+}
+
+// Where chunk i of `f` lands: its part of the block, on the first chunk's grid.
+std::span<std::byte> ChunkBytes(const Fetching& f, size_t i) {
+  const uint64_t offset = i * f.first_chunk.chunk_bytes;
+  return f.into.subspan(offset, std::min<uint64_t>(f.first_chunk.chunk_bytes,
+                                                   f.into.size() - offset));
+}
+
+void Peer::ChunkLanded(Fetching& f, size_t i) {
+  const std::span<std::byte> bytes = ChunkBytes(f, i);
+  if (FastXxh3(bytes.data(), bytes.size()) != f.chunks[i].xxh3) f.chunk_damaged = true;
+  if (++f.chunks_landed == f.chunks.size()) f.landed = true;
 }
 
 bool Peer::TendChunks(Fetching& f, bool* busy) {
   for (size_t i = 0; i < f.chunks.size(); ++i) {
     Fetching::Chunk& c = f.chunks[i];
-    const uint64_t offset = i * f.first_chunk.chunk_bytes;
-    const uint64_t length = std::min<uint64_t>(f.first_chunk.chunk_bytes, f.into.size() - offset);
     if (c.rndv != nullptr && c.receive == nullptr) {
       ucp_request_param_t param{};
       void* desc = c.rndv;
       c.rndv = nullptr;
-      c.receive =
-          ucp_am_recv_data_nbx(ucx_->worker(), desc, f.into.data() + offset, length, &param);
+      const std::span<std::byte> into = ChunkBytes(f, i);
+      c.receive = ucp_am_recv_data_nbx(ucx_->worker(), desc, into.data(), into.size(), &param);
       if (UCS_PTR_IS_ERR(c.receive)) {
         c.receive = nullptr;
         return false;
       }
-      if (c.receive == nullptr) c.landed = true;
+      if (c.receive == nullptr) ChunkLanded(f, i);
     } else if (c.receive != nullptr) {
       *busy = true;
       ucs_status_t s = ucp_request_check_status(c.receive);
@@ -435,13 +444,8 @@ bool Peer::TendChunks(Fetching& f, bool* busy) {
       ucp_request_free(c.receive);
       c.receive = nullptr;
       if (s != UCS_OK) return false;
-      c.landed = true;
-    } else {
-      continue;
+      ChunkLanded(f, i);
     }
-    if (!c.landed) continue;
-    if (FastXxh3(f.into.data() + offset, length) != c.xxh3) f.chunk_damaged = true;
-    if (++f.chunks_landed == f.chunks.size()) f.landed = true;
   }
   return true;
 }
@@ -492,9 +496,9 @@ std::vector<Result<uint64_t>> Peer::FetchMany(std::span<const std::string_view> 
       counts.push_back(0);
       if (batches) msgs.back().resize(sizeof(StreamOpenMany));  // its head, written below
     }
-    fs[i].chunks_asked = (features_ & kStreamFeatureChunks) != 0;
+    // Every open asks for chunks where the producer sends them (it decides by the size).
     StreamOpen open{fs[i].request, instance_id, static_cast<uint32_t>(descriptors[i].size()),
-                    fs[i].chunks_asked ? kStreamOpenChunks : 0};
+                    (features_ & kStreamFeatureChunks) != 0 ? kStreamOpenChunks : 0};
     append(msgs.back(), &open, sizeof open);
     append(msgs.back(), descriptors[i].data(), descriptors[i].size());
     ++counts.back();

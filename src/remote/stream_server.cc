@@ -99,8 +99,8 @@ struct Hold {
   StreamData header{};
   ucs_status_ptr_t send = nullptr;
   // A block sent in chunks (the open asked for them and the block is over kStreamChunkBytes):
-  // their headers, alive until the sends complete, and the sends started so far, one a pass of
-  // the loop, each chunk hashed just before it goes.
+  // their headers, alive until the sends complete, and the sends started so far (at most
+  // kChunksInFlight unfinished), each chunk hashed just before it goes.
   std::vector<StreamChunk> chunks;
   std::vector<ucs_status_ptr_t> chunk_sends;
   ucs_status_t chunk_failure = UCS_OK;
@@ -174,8 +174,8 @@ class Server final : public StreamServer {
   void Teardown();
   void PauseForTest();
   void DamageForTest(StreamData& header, std::span<const std::byte>* bytes) const;
-  // Starts the next chunk of `h` (while its connection stands), then: UCS_INPROGRESS while a
-  // chunk is left or in flight, else UCS_OK or why a send failed.
+  // Reaps `h`'s finished chunk sends and starts the next chunks (while its connection stands),
+  // then: UCS_INPROGRESS while a chunk is left or in flight, else UCS_OK or why a send failed.
   ucs_status_t TendChunks(Hold& h);
   void DamageChunkForTest(StreamChunk& header, std::span<const std::byte>* bytes) const;
   // Every send of `h` cancelled (teardown), then waited for and freed.
